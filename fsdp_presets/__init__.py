@@ -1,0 +1,21 @@
+"""fsdp-presets: configure, check and prove PyTorch FSDP training of Hugging Face models.
+
+A training script launched with ``accelerate launch`` calls :func:`enable_cpu_fsdp` before it
+builds its ``Accelerator`` so that the same FSDP config also runs, for real, on a CPU-only host.
+"""
+
+__version__ = "0.1.0"
+
+
+def enable_cpu_fsdp() -> bool:
+    """Make accelerate run real FSDP (or DDP) over gloo on a host without an accelerator.
+
+    Returns True when the CPU mode was switched on, False on a host with an accelerator
+    (where it does nothing). See :mod:`fsdp_presets.cpu_fsdp`.
+    """
+    from fsdp_presets.cpu_fsdp import enable_cpu_fsdp as _enable
+
+    return _enable()
+
+
+__all__ = ["__version__", "enable_cpu_fsdp"]
