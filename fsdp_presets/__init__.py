@@ -18,4 +18,12 @@ def enable_cpu_fsdp() -> bool:
     return _enable()
 
 
-__all__ = ["__version__", "enable_cpu_fsdp"]
+def check_launch(accelerator) -> None:
+    """Raise when a multi-process launch ended up as independent single-process trainings
+    (see :func:`fsdp_presets.cpu_fsdp.check_launch`)."""
+    from fsdp_presets.cpu_fsdp import check_launch as _check
+
+    _check(accelerator)
+
+
+__all__ = ["__version__", "check_launch", "enable_cpu_fsdp"]

@@ -1,0 +1,267 @@
+"""Real FSDP (and DDP) over gloo on a host without an accelerator, through accelerate's own paths.
+
+A training script calls :func:`enable_cpu_fsdp` once, before it builds its ``Accelerator``::
+
+    import fsdp_presets
+    fsdp_presets.enable_cpu_fsdp()
+    accelerator = Accelerator()
+
+and is launched exactly as on a GPU cluster::
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/causal_lm.py ...
+
+On a host with an accelerator the call does nothing. On a CPU-only host, unpatched accelerate
+gives each launched process ``DistributedType.NO`` (N independent rank-0 trainings), because it
+switches FSDP on only inside its GPU-family branch. The patches below are the smallest set that
+makes ``prepare``, ``save_state``/``load_state``, ``get_state_dict`` and ``save_model`` take
+accelerate's real FSDP paths on CPU. Each patch says what accelerate/torch does and why.
+
+Set ``FSDP_PRESETS_CPU_PATCHES_OFF=name[,name]`` to switch single patches off: the tests use it to
+show that each FSDP1 fix is needed (the run fails or diverges without it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+# Patch names (for FSDP_PRESETS_CPU_PATCHES_OFF and the tests).
+FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
+FSDP1_OPTIMIZER_RESUME = "fsdp1-optimizer-resume"
+SYNC_MODULE_STATES = "sync-module-states"
+
+_enabled = False
+
+
+class CpuFsdpError(RuntimeError):
+    """A setting that cannot work on a CPU-only host, with what to do instead."""
+
+
+def accelerator_available() -> bool:
+    """True when torch sees a CUDA/XPU/MPS/... device (then the CPU mode stays off)."""
+    from accelerate.utils import get_torch_accelerator_backend
+
+    device_type, _ = get_torch_accelerator_backend()
+    return device_type is not None
+
+
+def cpu_fsdp_enabled() -> bool:
+    """Whether :func:`enable_cpu_fsdp` switched the CPU mode on in this process."""
+    return _enabled
+
+
+def _patch_off(name: str) -> bool:
+    return name in {item.strip() for item in os.environ.get("FSDP_PRESETS_CPU_PATCHES_OFF", "").split(",")}
+
+
+def enable_cpu_fsdp() -> bool:
+    """Switch accelerate to real FSDP/DDP over gloo when this host has no accelerator.
+
+    Call before constructing ``Accelerator()``. Returns True when the CPU mode is on (now or
+    already), False on a host with an accelerator, where nothing is changed.
+    """
+    global _enabled
+    if _enabled:
+        return True
+    if accelerator_available():
+        return False
+    # NOTE: accelerate's MULTI_CPU branch is the one that starts a gloo process group from the
+    # torchrun environment that `accelerate launch` sets for FSDP and MULTI_GPU configs; without
+    # this the processes see no backend and train alone (DistributedType.NO).
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    # NOTE: accelerate's MULTI_CPU device is `cpu:0`; FSDP1 then fails with "Inconsistent compute
+    # device" because torch reports plain `cpu` for the parameters. A fixed device avoids it.
+    os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
+    _patch_accelerator_state()
+    _patch_fsdp_plugin_post_init()
+    _patch_sync_module_states_check()
+    _patch_fsdp1_state_dict_offload()
+    _patch_fsdp1_optimizer_load()
+    _enabled = True
+    return True
+
+
+def _patch_accelerator_state() -> None:
+    """accelerate's ``AcceleratorState.__init__`` sets ``DistributedType.FSDP`` only when the
+    process group runs on a GPU-family device; on CPU it stays ``MULTI_CPU`` and ``prepare`` would
+    wrap the model in DDP. We switch to FSDP when an FSDP plugin was given, exactly as accelerate
+    does for GPUs, and write the value into ``PartialState._shared_state`` too: every later
+    ``AcceleratorState()`` (e.g. inside ``AcceleratedOptimizer``) re-reads it from there."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType
+
+    original = AcceleratorState.__init__
+    if getattr(original, "_fsdp_presets_patch", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self, mixed_precision=None, cpu=False, dynamo_plugin=None, deepspeed_plugin=None,
+                 fsdp_plugin=None, *args, **kwargs):
+        original(self, mixed_precision, cpu, dynamo_plugin, deepspeed_plugin, fsdp_plugin, *args, **kwargs)
+        if fsdp_plugin is None or self.distributed_type != DistributedType.MULTI_CPU:
+            return
+        _refuse_settings_cpu_cannot_run(fsdp_plugin)
+        self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision != "no":
+            fsdp_plugin.set_mixed_precision(self._mixed_precision)
+        self.fsdp_plugin = fsdp_plugin
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    __init__._fsdp_presets_patch = True
+    AcceleratorState.__init__ = __init__
+
+
+def _refuse_settings_cpu_cannot_run(fsdp_plugin) -> None:
+    """Parameter offload moves parameters to CPU between uses: on a CPU host there is nowhere to
+    offload to, and torch fails deep inside ``fully_shard`` ("Cannot access accelerator device")."""
+    offload = fsdp_plugin.cpu_offload
+    offload_params = getattr(offload, "offload_params", None)
+    if offload_params is None:  # FSDP2: a CPUOffloadPolicy instance means offload is on
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        offload_params = isinstance(offload, CPUOffloadPolicy)
+    if offload_params:
+        raise CpuFsdpError(
+            "fsdp_offload_params: true cannot run on a host without an accelerator (parameters "
+            "already live in CPU memory); set `fsdp_offload_params: false` in the accelerate config "
+            "for CPU runs, or generate a CPU preset with `fsdp-presets generate ... --offload off`"
+        )
+
+
+def _patch_fsdp_plugin_post_init() -> None:
+    """``FullyShardedDataParallelPlugin.__post_init__`` raises for FSDP1 ``sync_module_states`` (on
+    by default in ``accelerate launch``, forced by RAM-efficient loading) when no accelerator
+    exists, because NCCL cannot broadcast CPU tensors. gloo can. We let it take its accelerator
+    branch and then point ``param_init_fn`` (which materialises meta modules on ranks > 0 before
+    rank 0's weights are broadcast) at the CPU."""
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+
+    plugin_class = accelerate_dataclasses.FullyShardedDataParallelPlugin
+    original = plugin_class.__post_init__
+    if getattr(original, "_fsdp_presets_patch", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self):
+        if _patch_off(SYNC_MODULE_STATES):
+            return original(self)
+        lookup = accelerate_dataclasses.get_torch_accelerator_backend
+        accelerate_dataclasses.get_torch_accelerator_backend = lambda: ("meta", None)
+        try:
+            original(self)
+        finally:
+            accelerate_dataclasses.get_torch_accelerator_backend = lookup
+        if self.sync_module_states:
+            cpu = torch.device("cpu")
+            self.param_init_fn = lambda module: module.to_empty(device=cpu, recurse=False)
+
+    __post_init__._fsdp_presets_patch = True
+    plugin_class.__post_init__ = __post_init__
+
+
+def _patch_sync_module_states_check() -> None:
+    """torch FSDP1 refuses ``sync_module_states=True`` for CPU tensors only because NCCL cannot
+    broadcast them; over gloo the same broadcast from rank 0 works, so the CPU check is dropped
+    and torch's own ``_sync_module_params_and_buffers`` does the work."""
+    import torch.distributed.fsdp._init_utils as fsdp_init_utils
+
+    original = fsdp_init_utils._check_module_states_for_sync_module_states
+    if getattr(original, "_fsdp_presets_patch", False) or _patch_off(SYNC_MODULE_STATES):
+        return
+
+    def _check_module_states_for_sync_module_states(module_states):
+        if torch.distributed.get_backend() == "gloo":
+            return None
+        return original(module_states)
+
+    _check_module_states_for_sync_module_states._fsdp_presets_patch = True
+    fsdp_init_utils._check_module_states_for_sync_module_states = _check_module_states_for_sync_module_states
+
+
+def _patch_fsdp1_state_dict_offload() -> None:
+    """accelerate asks FSDP1 for full state dicts with ``offload_to_cpu=True``. For modules that
+    already live on CPU, torch's "offload" is a no-op copy that frees storage still referenced by
+    the flat parameter (segfault on rank 0 in ``get_state_dict``/``save_model``) and aliases
+    optimizer-state buffers (``exp_avg`` saved equal to ``exp_avg_sq``). Every accelerate path goes
+    through ``FSDP.set_state_dict_type``, so the configs are copied there with offload off."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    original = FSDP.set_state_dict_type
+    if getattr(original, "_fsdp_presets_patch", False) or _patch_off(FULL_STATE_DICT_OFFLOAD):
+        return
+
+    def without_offload(config):
+        if config is not None and getattr(config, "offload_to_cpu", False):
+            return dataclasses.replace(config, offload_to_cpu=False)
+        return config
+
+    @functools.wraps(original)
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        return original(module, state_dict_type, without_offload(state_dict_config),
+                        without_offload(optim_state_dict_config))
+
+    set_state_dict_type._fsdp_presets_patch = True
+    FSDP.set_state_dict_type = staticmethod(set_state_dict_type)
+
+
+def _patch_fsdp1_optimizer_load() -> None:
+    """accelerate's ``load_fsdp_optimizer`` builds the DCP load template of an FSDP1 sharded
+    optimizer state from the live optimizer. Before the first step that optimizer has no state,
+    so DCP loads nothing into it and the resumed run restarts Adam's moments from zero (it matches
+    for one step, then diverges). torch's own ``_init_optim_state`` (a zero-gradient step at lr 0,
+    the same thing DCP's ``get_optimizer_state_dict`` does) creates the state first."""
+    import accelerate.accelerator as accelerate_accelerator
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    original = accelerate_accelerator.load_fsdp_optimizer
+    if getattr(original, "_fsdp_presets_patch", False) or _patch_off(FSDP1_OPTIMIZER_RESUME):
+        return
+
+    @functools.wraps(original)
+    def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, *args, **kwargs):
+        if fsdp_plugin.fsdp_version == 1:
+            from accelerate.optimizer import AcceleratedOptimizer
+
+            inner = optimizer
+            while isinstance(inner, AcceleratedOptimizer):
+                inner = inner.optimizer
+            _init_optim_state(inner)
+        return original(fsdp_plugin, accelerator, optimizer, model, input_dir, *args, **kwargs)
+
+    load_fsdp_optimizer._fsdp_presets_patch = True
+    accelerate_accelerator.load_fsdp_optimizer = load_fsdp_optimizer
+
+
+def check_launch(accelerator) -> None:
+    """Refuse a launch that would silently train N independent copies.
+
+    ``accelerate launch`` with N processes sets ``WORLD_SIZE=N`` for every process. If the
+    ``Accelerator`` then reports fewer processes, each process is training alone (the CPU-only
+    host case when :func:`enable_cpu_fsdp` was not called); an FSDP config that did not produce
+    ``DistributedType.FSDP`` is the same mistake one level down.
+    """
+    from accelerate.utils import DistributedType
+
+    launched_world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    problems = []
+    if launched_world_size > 1 and accelerator.num_processes != launched_world_size:
+        problems.append(
+            f"`accelerate launch` started {launched_world_size} processes but each one trains alone "
+            f"(accelerate sees {accelerator.num_processes} process, distributed type "
+            f"{accelerator.distributed_type.value})"
+        )
+    wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if wants_fsdp and accelerator.distributed_type != DistributedType.FSDP:
+        problems.append(
+            f"the accelerate config asks for FSDP but accelerate runs {accelerator.distributed_type.value}"
+        )
+    if problems:
+        fix = (
+            "call fsdp_presets.enable_cpu_fsdp() before Accelerator() so FSDP runs on this CPU-only host"
+            if not accelerator_available()
+            else "check the accelerate config and the launch command"
+        )
+        raise CpuFsdpError("; ".join(problems) + f". Fix: {fix}.")

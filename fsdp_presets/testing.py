@@ -1,0 +1,97 @@
+"""Run ``accelerate launch`` the way a user does, on a free port, for tests and benchmarks.
+
+    result = run_launch("accelerate_configs/cpu_fsdp2_demo.yaml", "recipes/causal_lm.py",
+                        ["--max-steps", "4"], num_processes=2)
+    result.check()            # raises with both output streams when the launch failed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (the OS picks it; never a fixed number)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a launched job: offline, one thread per process, unbuffered output."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",  # 2 cores shared by N processes: oversubscription costs more than it gives
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_VERBOSITY": "error",
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+@dataclass(kw_only=True)
+class LaunchResult:
+    """What one ``accelerate launch`` produced."""
+
+    command: list[str]
+    """The exact command that ran."""
+    returncode: int
+    """The launcher's exit status (non-zero when any rank failed)."""
+    stdout: str
+    """Everything the ranks printed to standard output."""
+    stderr: str
+    """Everything the ranks and the launcher printed to standard error."""
+
+    def check(self) -> "LaunchResult":
+        """Raise with the command and both streams unless the launch succeeded."""
+        if self.returncode != 0:
+            raise AssertionError(
+                f"launch failed with exit code {self.returncode}: {' '.join(self.command)}\n"
+                f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-10000:]}"
+            )
+        return self
+
+
+def launch_command(config_file: str | os.PathLike | None, script: str | os.PathLike, script_args=(), *,
+                   num_processes: int | None = None, main_process_port: int | None = None,
+                   launch_args=()) -> list[str]:
+    """The ``accelerate launch`` command line (through this interpreter, so a venv is honoured)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if config_file is not None:
+        command += ["--config_file", str(config_file)]
+    if num_processes is not None:
+        command += ["--num_processes", str(num_processes)]
+    command += ["--main_process_port", str(main_process_port or free_port()), *map(str, launch_args)]
+    return command + [str(script), *map(str, script_args)]
+
+
+def run_launch(config_file, script, script_args=(), *, num_processes: int | None = None,
+               env: dict[str, str] | None = None, timeout: float = 600, cwd=None,
+               launch_args=()) -> LaunchResult:
+    """Run ``accelerate launch --config_file CONFIG SCRIPT ARGS`` to completion on a free port."""
+    command = launch_command(config_file, script, script_args, num_processes=num_processes,
+                             launch_args=launch_args)
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                               env=launch_env(env), stdin=subprocess.DEVNULL)
+    return LaunchResult(command=command, returncode=completed.returncode, stdout=completed.stdout,
+                        stderr=completed.stderr)
+
+
+def read_rank_results(directory: str | os.PathLike) -> dict[int, dict]:
+    """``{rank: result}`` from the ``rank-N.json`` files a test worker wrote."""
+    results = {}
+    for path in sorted(Path(directory).glob("rank-*.json")):
+        results[int(path.stem.split("-")[1])] = json.loads(path.read_text())
+    return results

