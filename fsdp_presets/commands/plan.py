@@ -1,0 +1,146 @@
+"""``fsdp-presets plan MODEL --gpus N --gpu-memory GiB``: what fits, per strategy, and what to use.
+
+    fsdp-presets plan tests/data/llama-3-70b --gpus 16 --nodes 2 --gpu-memory 80 --seq-len 4096
+    fsdp-presets plan llama --gpus 2 --gpu-memory 24 --json
+    fsdp-presets plan path/to/model --gpus 8 --gpu-memory 80 --diagram plan.png
+
+Per GPU: parameters, gradients, optimizer state, activations and transient buffers for DDP,
+NO_SHARD, SHARD_GRAD_OP, FULL_SHARD and (with --nodes > 1) HYBRID_SHARD, FSDP1 and FSDP2;
+whether each fits, the largest micro-batch that does, and the bytes each GPU sends per step.
+Formulas and their sources: :mod:`fsdp_presets.planner`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "plan per-GPU memory and communication of every FSDP/DDP strategy, and recommend one"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL", help="a family name, a local model folder, or a config.json path")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the whole job")
+    parser.add_argument("--nodes", type=int, default=1, help="machines the GPUs are spread over (default 1)")
+    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="memory of one GPU in GiB")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    parser.add_argument("--precision", default="bf16", help="bf16 (default), fp16 or fp32 (accelerate mixed_precision)")
+    parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
+    parser.add_argument("--activation-checkpointing", choices=("on", "off"), default="off",
+                        help="recompute block activations in backward (default off)")
+    parser.add_argument("--offload", choices=("on", "off"), default="off",
+                        help="FSDP CPU offload of parameters, gradients and optimizer state (default off)")
+    parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
+                        help="fused (SDPA/FlashAttention, default) or eager attention (stores s x s scores)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("--diagram", metavar="FILE.png", help="draw per-GPU memory and the unit split to this file")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a config that names its own Python code (auto_map) to run that code")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import math
+    from pathlib import Path
+
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.planner import GiB, Hardware, TrainingShape, plan
+
+    # Validate every flag before touching the model, and report all problems at once.
+    problems = []
+    if args.diagram and Path(args.diagram).suffix.lower() not in (".png", ".svg", ".pdf"):
+        problems.append(f"--diagram {args.diagram}: give a .png (or .svg/.pdf) file name")
+    hardware = shape = None
+    if not math.isfinite(args.gpu_memory):
+        problems.append(f"--gpu-memory must be a number of GiB, got {args.gpu_memory}")
+    else:
+        try:
+            hardware = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_memory_bytes=int(args.gpu_memory * GiB))
+        except UsageError as error:
+            problems.append(str(error))
+    try:
+        shape = TrainingShape(
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            precision=args.precision,
+            optimizer=args.optimizer,
+            activation_checkpointing=args.activation_checkpointing == "on",
+            offload=args.offload == "on",
+            attention=args.attention,
+        )
+    except UsageError as error:
+        problems.append(str(error))
+    if problems:
+        raise UsageError("; ".join(problems))
+
+    from transformers.utils import logging as hf_logging
+
+    from fsdp_presets.profile import profile_model
+
+    hf_logging.set_verbosity_error()
+    profile = profile_model(args.model, trust_remote_code=args.trust_remote_code)
+    memory_plan = plan(profile, hardware, shape)
+
+    if args.diagram:
+        from fsdp_presets.plan_diagram import draw_plan
+
+        Path(args.diagram).parent.mkdir(parents=True, exist_ok=True)
+        draw_plan(memory_plan, profile, args.diagram)
+    if args.json:
+        document = memory_plan.to_json()
+        document["model"] = {"source": args.model, "architecture": profile.architecture,
+                             "total_params": profile.total_params}
+        print(json.dumps(document, indent=2))
+    else:
+        print(format_plan(memory_plan, profile, source=args.model))
+        if args.diagram:
+            print(f"diagram: {args.diagram}")
+    return 0
+
+
+# --------------------------------------------------------------------------- human output
+
+
+def format_plan(memory_plan, profile, *, source: str) -> str:
+    """The table, the recommendation and its reason (or the suggestions when nothing fits)."""
+    from fsdp_presets.commands.inspect import _table, human_count
+    from fsdp_presets.planner import GiB
+
+    hardware, shape = memory_plan.hardware, memory_plan.shape
+    nodes = f" on {hardware.nodes} nodes" if hardware.nodes > 1 else ""
+    lines = [
+        f"{source}: {profile.architecture}, {human_count(profile.total_params)} parameters",
+        f"{hardware.gpus} GPUs{nodes} x {hardware.gpu_memory_bytes / GiB:g} GiB "
+        f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}, "
+        f"{shape.precision}, {shape.optimizer}, activation checkpointing "
+        f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}",
+        "",
+        "per GPU in GiB; comm = GB each GPU sends per step",
+    ]
+    headers = ["strategy", "params", "grads", "optim", "activ", "buffers", "total", "fits", "max mb",
+               "comm", "inter-node"]
+    rows = []
+    for strategy in memory_plan.strategies:
+        per_gpu = strategy.per_gpu
+        marker = " *" if strategy is memory_plan.recommended else ""
+        rows.append([
+            strategy.label + marker,
+            *(f"{value / GiB:.2f}" for value in (per_gpu.params, per_gpu.grads, per_gpu.optimizer,
+                                                  per_gpu.activations, per_gpu.buffers, per_gpu.total)),
+            "yes" if strategy.fits else "no",
+            str(strategy.max_micro_batch),
+            f"{strategy.comm.total / 1e9:.2f}",
+            f"{strategy.comm.inter_node / 1e9:.2f}",
+        ])
+    lines += _table(headers, rows, right=set(range(1, len(headers))))
+    notes = sorted({note for strategy in memory_plan.strategies for note in strategy.notes})
+    lines += [f"note: {note}" for note in notes]
+    lines.append("")
+    if memory_plan.recommended is not None:
+        lines.append(f"recommended: {memory_plan.recommended.label} (marked *)")
+        lines.append(f"reason: {memory_plan.reason}")
+    else:
+        lines.append("recommended: none")
+        lines.append(f"reason: {memory_plan.reason}")
+        lines += [f"try: {suggestion}" for suggestion in memory_plan.suggestions]
+    return "\n".join(lines)

@@ -1,0 +1,837 @@
+"""What training a model costs per GPU, for every data-parallel strategy: a ``MemoryPlan``.
+
+Pure arithmetic on a :class:`~fsdp_presets.profile.ModelProfile`; no torch, no files::
+
+    memory_plan = plan(profile, Hardware(gpus=8, gpu_memory_bytes=80 * GiB),
+                       TrainingShape(seq_len=4096, micro_batch=2))
+    memory_plan.recommended          # the StrategyPlan to use, or None when nothing fits
+    memory_plan.get("FULL_SHARD", 2).max_micro_batch
+
+Sources, cited again where each number is used:
+
+- [ZeRO] Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+  Parameter Models", arXiv:1910.02054: model states (Sec. 3.1, Fig. 1) and communication
+  volume (Sec. 7).
+- [Korthikanti] Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+  Transformer Models", arXiv:2205.05198: activations per layer (Sec. 4, Eq. 1) and with full
+  recomputation (Sec. 5).
+- [FSDP] Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+  arXiv:2304.11277: flat parameters padded to a multiple of the world size (Sec. 3.2.1), one
+  unit prefetched (Sec. 3.3), the root kept unsharded after forward.
+- [FSDP2] PyTorch ``fully_shard`` documentation and source (torch 2.13,
+  ``torch/distributed/fsdp/_fully_shard``): per-parameter dim-0 sharding, dim 0 padded to a
+  multiple of the shard world size, the root not resharded after forward.
+- [accelerate] ``accelerate/utils/fsdp_utils.py::fsdp2_prepare_model`` (1.16): how accelerate
+  wraps a model for FSDP2 (blocks, the input embedding, and a ``[final_norm, lm_head]`` tail that
+  is never resharded after forward).
+- [NCCL] nccl-tests ``doc/PERFORMANCE.md``: a ring all-gather / reduce-scatter sends
+  ``(n-1)/n`` of the full buffer per rank, an all-reduce twice that.
+- [DDP] ``torch.nn.parallel.DistributedDataParallel`` documentation, ``gradient_as_bucket_view``:
+  gradient buckets as large as all gradients unless that flag is set (accelerate's default is
+  unset).
+
+Accounting conventions (read these before comparing with other estimators):
+
+- *Stored parameters are fp32* under every precision here. PyTorch AMP and FSDP mixed precision
+  (``MixedPrecision``/``MixedPrecisionPolicy``, which accelerate sets from ``mixed_precision``)
+  keep the fp32 parameters and cast a low-precision copy for compute. Those stored fp32
+  parameters *are* the mixed-precision master weights: counted once, under ``params``. ZeRO
+  counts the same 16 bytes per parameter for Adam as 2 (fp16 params) + 2 (fp16 grads) + 12
+  (fp32 master, momentum, variance); here they are 4 (fp32 params = master) + 4 (fp32 grads:
+  FSDP casts reduced gradients back to the parameter dtype) + 8 (Adam moments). Totals agree.
+- ``params``, ``grads``, ``optimizer``: the state a rank keeps between steps (its shards).
+  ``buffers``: what exists only while a step runs (all-gathered parameters, unsharded gradients,
+  DDP's gradient buckets, low-precision compute copies). ``activations``: saved activations and
+  logits. The peak is taken as their sum.
+- Communication bytes are what each GPU sends per optimizer step (one micro-batch, no gradient
+  accumulation), with ring algorithms [NCCL].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+from fsdp_presets.errors import UsageError, unknown_name_message
+from fsdp_presets.profile import ModelProfile
+
+GiB = 1024**3
+"""Bytes in a gibibyte: GPU memory is sold and reported (``nvidia-smi``) in these."""
+
+Precision = Literal["bf16", "fp16", "fp32"]
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+"""Accelerate's ``mixed_precision`` values: bf16/fp16 compute with fp32 master weights, or fp32."""
+
+OPTIMIZER_STATE_BYTES = MappingProxyType(
+    {
+        # Adam/AdamW: momentum + variance, fp32 each (ZeRO Sec. 3.1: K = 12 counts these 8 bytes
+        # plus the 4-byte fp32 master copy, which is the stored parameter here).
+        "adamw": 8,
+        "adam": 8,
+        # One fp32 momentum buffer (torch.optim.SGD with momentum > 0; plain SGD keeps none).
+        "sgd": 4,
+        # Lion (Chen et al. 2023, arXiv:2302.06675): a single fp32 momentum.
+        "lion": 4,
+    }
+)
+"""Optimizer state bytes per parameter (fp32 state, as torch.optim keeps for fp32 parameters)."""
+
+Strategy = Literal["DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"]
+
+STORED_PARAM_BYTES = 4
+"""fp32 parameters (and the gradients FSDP/DDP keep in the parameter dtype): see module notes."""
+
+DEFAULT_RESERVED_BYTES = 1 * GiB
+"""Memory a CUDA training process cannot use for tensors: CUDA context, cuBLAS workspaces and
+NCCL buffers. The context alone is typically 0.3-1 GiB depending on the CUDA version and which
+kernels are loaded; 1 GiB is a round, deliberately cautious figure (override per hardware)."""
+
+# Order used to break ties between strategies that cost the same communication: the simplest
+# first, and the project's default FSDP2 before FSDP1.
+_PREFERENCE: tuple[tuple[str, int | None], ...] = (
+    ("DDP", None),
+    ("SHARD_GRAD_OP", 2),
+    ("HYBRID_SHARD", 2),
+    ("FULL_SHARD", 2),
+    ("SHARD_GRAD_OP", 1),
+    ("HYBRID_SHARD", 1),
+    ("FULL_SHARD", 1),
+    ("NO_SHARD", 1),
+)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """The GPUs a job runs on."""
+
+    gpus: int
+    """GPUs in the whole job (all nodes together)."""
+    gpu_memory_bytes: int
+    """Memory of one GPU in bytes (80 GiB for an H100 SXM: ``80 * GiB``)."""
+    nodes: int = 1
+    """Machines the GPUs are spread over, the same number on each."""
+    reserved_bytes: int = DEFAULT_RESERVED_BYTES
+    """Memory of each GPU that tensors cannot use (CUDA context, library workspaces)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.gpus < 1:
+            problems.append(f"--gpus must be at least 1, got {self.gpus}")
+        if self.nodes < 1:
+            problems.append(f"--nodes must be at least 1, got {self.nodes}")
+        if self.gpus >= 1 and self.nodes >= 1 and self.gpus % self.nodes:
+            problems.append(
+                f"--nodes {self.nodes} does not divide --gpus {self.gpus}: every node must hold "
+                f"the same number of GPUs (e.g. --gpus {self.nodes * max(1, self.gpus // self.nodes)})"
+            )
+        if self.reserved_bytes < 0:
+            problems.append(f"reserved bytes must not be negative, got {self.reserved_bytes}")
+        if self.gpu_memory_bytes <= self.reserved_bytes:
+            problems.append(
+                f"--gpu-memory {self.gpu_memory_bytes / GiB:g} GiB is too small for anything: a CUDA "
+                f"process reserves about {self.reserved_bytes / GiB:g} GiB for its context and "
+                "libraries; give one GPU's memory in GiB (e.g. --gpu-memory 80)"
+            )
+        if problems:
+            raise UsageError("; ".join(problems))
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
+    def usable_bytes(self) -> int:
+        """What tensors can use on one GPU."""
+        return self.gpu_memory_bytes - self.reserved_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingShape:
+    """How the model is trained: sequence, micro-batch, precision, optimizer, memory savers."""
+
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    micro_batch: int = 1
+    """Sequences per GPU per forward/backward."""
+    precision: Precision = "bf16"
+    """Accelerate ``mixed_precision``: bf16/fp16 compute with fp32 master weights, or fp32."""
+    optimizer: str = "adamw"
+    """Optimizer name, a key of :data:`OPTIMIZER_STATE_BYTES`."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (keep only its input)."""
+    offload: bool = False
+    """FSDP CPU offload: sharded parameters, gradients and optimizer state live in host memory."""
+    attention: Literal["fused", "eager"] = "fused"
+    """``fused`` (SDPA/FlashAttention: the s x s attention matrices are never stored) or ``eager``
+    (they are, the ``5as/h`` term of [Korthikanti] Eq. 1)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.seq_len < 1:
+            problems.append(f"--seq-len must be at least 1, got {self.seq_len}")
+        if self.micro_batch < 1:
+            problems.append(f"--micro-batch must be at least 1, got {self.micro_batch}")
+        if self.precision not in PRECISIONS:
+            problems.append(unknown_name_message("precision", str(self.precision), PRECISIONS))
+        if self.optimizer not in OPTIMIZER_STATE_BYTES:
+            problems.append(unknown_name_message("optimizer", str(self.optimizer), tuple(OPTIMIZER_STATE_BYTES)))
+        if self.attention not in ("fused", "eager"):
+            problems.append(unknown_name_message("attention", str(self.attention), ("fused", "eager")))
+        if problems:
+            raise UsageError("; ".join(problems))
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes of one element of compute (all-gathered parameters, activations, reductions).
+
+        Accelerate sets FSDP ``param_dtype`` and ``reduce_dtype`` both to the mixed-precision
+        dtype (``FullyShardedDataParallelPlugin.set_mixed_precision``)."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def mixed(self) -> bool:
+        """Whether a low-precision compute copy of the parameters exists beside the fp32 ones."""
+        return self.precision != "fp32"
+
+    def replace(self, **changes) -> "TrainingShape":
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelStateBytes:
+    """Parameters, gradients and optimizer state one rank keeps between steps."""
+
+    params: int
+    """Stored (fp32) parameters, this rank's shards."""
+    grads: int
+    """Gradients in the parameter dtype, this rank's shards."""
+    optimizer: int
+    """Optimizer state (e.g. Adam's two moments), this rank's shards."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerGpuBytes:
+    """Peak bytes on one GPU, by category (see the module notes for what each holds)."""
+
+    params: int
+    """Stored parameters on the GPU (0 when offloaded)."""
+    grads: int
+    """Gradients kept between backward and the optimizer step (0 when offloaded)."""
+    optimizer: int
+    """Optimizer state (0 when offloaded)."""
+    activations: int
+    """Activations saved for backward, plus the logits and the loss's fp32 copies."""
+    buffers: int
+    """Transient: all-gathered parameters, unsharded gradients, buckets, compute copies."""
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def to_json(self) -> dict:
+        return {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "buffers": self.buffers,
+            "total": self.total,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommBytes:
+    """Bytes one GPU sends per optimizer step, by collective and by link."""
+
+    all_gather: int = 0
+    """Parameter all-gathers (forward, and backward for units resharded after forward)."""
+    reduce_scatter: int = 0
+    """Gradient reduce-scatters."""
+    all_reduce: int = 0
+    """Gradient all-reduces (DDP, NO_SHARD, and the replicate dimension of HYBRID_SHARD)."""
+    intra_node: int = 0
+    """Of the above, collectives whose group stays inside one node."""
+    inter_node: int = 0
+    """Of the above, collectives whose group spans nodes (a ring then crosses the network)."""
+
+    def __post_init__(self) -> None:
+        if self.intra_node + self.inter_node != self.all_gather + self.reduce_scatter + self.all_reduce:
+            raise ValueError("intra_node + inter_node must equal the sum of the collectives")
+
+    @property
+    def total(self) -> int:
+        return self.all_gather + self.reduce_scatter + self.all_reduce
+
+    def to_json(self) -> dict:
+        return {
+            "all_gather": self.all_gather,
+            "reduce_scatter": self.reduce_scatter,
+            "all_reduce": self.all_reduce,
+            "intra_node": self.intra_node,
+            "inter_node": self.inter_node,
+            "total": self.total,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyPlan:
+    """One strategy on one hardware and training shape."""
+
+    name: Strategy
+    """``DDP`` or the FSDP sharding strategy name (FSDP2: ``FULL_SHARD`` is
+    ``reshard_after_forward: true``, ``SHARD_GRAD_OP`` is ``false``, ``HYBRID_SHARD`` is HSDP)."""
+    fsdp_version: int | None
+    """1 or 2; None for DDP."""
+    shard_world_size: int
+    """GPUs one copy of the model states is sharded over (1: replicated)."""
+    replicate_world_size: int
+    """Copies of the sharded model states (all-reduced across them)."""
+    model_state: ModelStateBytes
+    """Per-rank parameters, gradients and optimizer state between steps (on the GPU or, with
+    offload, on the host): what a real run holds after an optimizer step."""
+    per_gpu: PerGpuBytes
+    """Peak bytes on one GPU at the requested micro-batch."""
+    fits: bool
+    """Whether ``per_gpu.total`` fits the GPU's usable memory."""
+    max_micro_batch: int
+    """Largest micro-batch that fits (0: not even one sequence)."""
+    comm: CommBytes
+    """Communication per GPU per optimizer step."""
+    notes: tuple[str, ...] = ()
+    """Caveats that apply to this row (e.g. offload not available)."""
+
+    @property
+    def label(self) -> str:
+        """``FULL_SHARD (FSDP2)``, ``DDP``."""
+        return self.name if self.fsdp_version is None else f"{self.name} (FSDP{self.fsdp_version})"
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "fsdp_version": self.fsdp_version,
+            "shard_world_size": self.shard_world_size,
+            "replicate_world_size": self.replicate_world_size,
+            "per_gpu_bytes": self.per_gpu.to_json(),
+            "fits": self.fits,
+            "max_micro_batch": self.max_micro_batch,
+            "comm_bytes_per_step": self.comm.to_json(),
+            "notes": list(self.notes),
+        }
+
+
+@dataclass(kw_only=True)
+class MemoryPlan:
+    """Every applicable strategy for one model, hardware and training shape, and a choice."""
+
+    hardware: Hardware
+    """The hardware planned for."""
+    shape: TrainingShape
+    """The training shape planned for."""
+    strategies: list[StrategyPlan]
+    """One row per strategy (and FSDP version where they differ)."""
+    recommended: StrategyPlan | None
+    """The row to use, or None when nothing fits (see ``suggestions``)."""
+    reason: str
+    """Why ``recommended`` was chosen, or why nothing fits."""
+    suggestions: list[str] = field(default_factory=list)
+    """When nothing fits: changes that would make something fit, each checked by re-planning."""
+
+    def get(self, name: str, fsdp_version: int | None = 2) -> StrategyPlan:
+        """The row for ``name`` (``fsdp_version`` is ignored for DDP)."""
+        for strategy in self.strategies:
+            if strategy.name == name and (name == "DDP" or strategy.fsdp_version == fsdp_version):
+                return strategy
+        known = [s.label for s in self.strategies]
+        raise KeyError(f"no strategy {name!r} for FSDP{fsdp_version} in this plan; known: {', '.join(known)}")
+
+    def to_json(self) -> dict:
+        """The ``plan --json`` contract."""
+        recommended = self.recommended
+        return {
+            "strategies": [strategy.to_json() for strategy in self.strategies],
+            "recommended": None
+            if recommended is None
+            else {"name": recommended.name, "fsdp_version": recommended.fsdp_version},
+            "reason": self.reason,
+            "suggestions": list(self.suggestions),
+            "hardware": dataclasses.asdict(self.hardware),
+            "shape": dataclasses.asdict(self.shape),
+        }
+
+
+# --------------------------------------------------------------------------- FSDP units
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardUnit:
+    """One FSDP unit: a group of parameters all-gathered and reduce-scattered together."""
+
+    name: str
+    """Block class name, ``embedding``, ``root`` (FSDP1) or ``tail`` (FSDP2)."""
+    params: int
+    """Parameters in one such unit."""
+    count: int = 1
+    """How many identical units."""
+    reshards_after_forward: bool = True
+    """False for units FSDP keeps unsharded from forward through backward whatever the strategy
+    (the root: [FSDP] and [FSDP2]; accelerate's FSDP2 tail: [accelerate])."""
+
+
+def input_embedding_params(profile: ModelProfile) -> int:
+    """Parameters of the input token embedding when it is not tied to the head (else 0).
+
+    Read from the profile's ``role: input`` embedding; a profile without roles falls back to
+    vocab x hidden, bounded by the root."""
+    if profile.tied_embeddings:
+        return 0
+    inputs = [entry.get("params", 0) for entry in profile.embeddings if entry.get("role") == "input"]
+    if inputs:
+        return min(sum(inputs), profile.root_params)
+    return min(profile.dims.vocab_size * profile.dims.hidden_size, profile.root_params)
+
+
+def fsdp_units(profile: ModelProfile, fsdp_version: int) -> list[ShardUnit]:
+    """How accelerate wraps ``profile`` into FSDP units.
+
+    FSDP1 (``transformer_based_wrap``): one flat parameter per block, and the root unit with
+    everything else, which FSDP1 does not free after forward ([FSDP]: "the root's parameters
+    are not freed after forward since they are needed immediately in backward").
+    FSDP2 [accelerate]: each block; the untied input embedding as its own unit; a
+    ``[final_norm, lm_head]`` tail (with the embedding when tied) and the root's leftovers, both
+    kept unsharded after forward (``reshard_after_forward=False`` for the tail; torch's default
+    for the root)."""
+    if fsdp_version not in (1, 2):
+        raise ValueError(f"fsdp_version must be 1 or 2, got {fsdp_version}")
+    units = [ShardUnit(name=unit.cls, params=unit.params_each, count=unit.count) for unit in profile.units]
+    if fsdp_version == 1:
+        if profile.root_params:
+            units.append(ShardUnit(name="root", params=profile.root_params, reshards_after_forward=False))
+        return units
+    embedding = input_embedding_params(profile)
+    if embedding:
+        units.append(ShardUnit(name="embedding", params=embedding))
+    if profile.root_params - embedding:
+        units.append(ShardUnit(name="tail", params=profile.root_params - embedding, reshards_after_forward=False))
+    return units
+
+
+def shard_numel(params: int, shard_world_size: int) -> int:
+    """Elements of one unit a rank holds: ``ceil(params / N)``.
+
+    FSDP1 pads each flat parameter to a multiple of N, so every rank holds exactly this [FSDP].
+    FSDP2 pads each *parameter*'s dim 0 to a multiple of N ([FSDP2]: rank 0 holds
+    ``ceil(dim0 / N)`` rows of each), which :func:`fsdp2_shard_numel` computes from shapes;
+    from a unit's total alone this is exact when every dim 0 divides by N (the usual case:
+    widths are multiples of 64) and otherwise short by under one row per parameter."""
+    return -(-params // shard_world_size)
+
+
+def fsdp2_shard_numel(shapes: list[tuple[int, ...]], shard_world_size: int) -> int:
+    """Elements the largest rank (rank 0) holds of FSDP2-sharded parameters of these shapes:
+    ``ceil(dim0 / N)`` rows of each [FSDP2]. Later ranks hold fewer rows when dim 0 is uneven
+    (``torch.chunk`` semantics; their shards are padded in storage up to the same size)."""
+    total = 0
+    for shape in shapes:
+        if not shape:  # a 0-d parameter counts as one row
+            shape = (1,)
+        rows = -(-shape[0] // shard_world_size)
+        total += rows * math.prod(shape[1:])
+    return total
+
+
+def model_state_bytes(
+    profile: ModelProfile, shape: TrainingShape, shard_world_size: int, fsdp_version: int | None = 2
+) -> ModelStateBytes:
+    """Per-rank parameters, gradients and optimizer state with model states sharded over
+    ``shard_world_size`` ranks (1: replicated, as DDP and NO_SHARD).
+
+    The [ZeRO] Sec. 3.1 accounting with the stored-fp32 convention of this module: 4 + 4 + K'
+    bytes per parameter (K' = optimizer state, 8 for Adam), divided by the shard world size
+    (ZeRO stage 3 = FSDP FULL_SHARD, Sec. 5.3)."""
+    if shard_world_size < 1:
+        raise ValueError(f"shard_world_size must be at least 1, got {shard_world_size}")
+    if shard_world_size == 1 or fsdp_version is None:
+        numel = profile.total_params if shard_world_size == 1 else shard_numel(profile.total_params, shard_world_size)
+    else:
+        numel = sum(unit.count * shard_numel(unit.params, shard_world_size) for unit in fsdp_units(profile, fsdp_version))
+    return ModelStateBytes(
+        params=numel * STORED_PARAM_BYTES,
+        grads=numel * STORED_PARAM_BYTES,
+        optimizer=numel * OPTIMIZER_STATE_BYTES[shape.optimizer],
+    )
+
+
+def zero_model_state_bytes(total_params: int, stage: int, world_size: int, k: int = 12) -> float:
+    """[ZeRO] Sec. 5 / Fig. 1 model-state bytes per GPU, fp16 mixed precision with a K-byte
+    optimizer (K = 12 for mixed-precision Adam): stage 0 (DDP) (2+2+K)P, stage 1 (P_os)
+    (2+2)P + KP/N, stage 2 (P_os+g) 2P + (2+K)P/N, stage 3 (P_os+g+p) (2+2+K)P/N.
+
+    Kept for comparison with the paper: FSDP stores fp32 parameters and gradients (see module
+    notes), which gives the same totals for stages 0 and 3 and 2P/N more than stage 2 for
+    SHARD_GRAD_OP (its sharded gradients are fp32, not fp16)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+    n = world_size
+    psi = total_params
+    return {
+        0: (2 + 2 + k) * psi,
+        1: (2 + 2) * psi + k * psi / n,
+        2: 2 * psi + (2 + k) * psi / n,
+        3: (2 + 2 + k) * psi / n,
+    }[stage]
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def activation_bytes_per_layer(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
+    """[Korthikanti] Eq. 1: one transformer layer stores ``sbh(34 + 5as/h)`` bytes of activations
+    with 16-bit activations (s sequence, b micro-batch, h hidden, a heads). ``5as/h`` is the
+    s x s attention scores, softmax and dropout mask, which fused attention (FlashAttention,
+    Dao et al. 2022; PyTorch SDPA) never stores: [Korthikanti] Sec. 4.2 drops the same term by
+    recomputing it. fp32 activations double the 16-bit figure.
+
+    The 34 is for a GPT layer (4h GELU MLP, dropout); gated MLPs of other widths store somewhat
+    different amounts: an estimate, not a measurement."""
+    s, b, h, a = shape.seq_len, micro_batch, profile.dims.hidden_size, profile.dims.num_attention_heads
+    coefficient = 34 + (5 * a * s / h if shape.attention == "eager" else 0)
+    return math.ceil(s * b * h * coefficient * shape.compute_bytes / 2)
+
+
+def logits_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
+    """Logits of the output head, ``s x b x V``: in the compute dtype, plus the fp32 copy the
+    Hugging Face loss makes (``transformers/loss/loss_utils.py``: ``logits = logits.float()``)
+    and the fp32 log-softmax ``cross_entropy`` saves for backward. In fp32 the copy is the
+    tensor itself."""
+    elements = shape.seq_len * micro_batch * profile.dims.vocab_size
+    per_element = 4 + 4 if shape.compute_bytes == 4 else shape.compute_bytes + 4 + 4
+    return elements * per_element
+
+
+def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int | None = None) -> int:
+    """Saved activations at the end of forward, plus logits.
+
+    Without checkpointing: L layers of [Korthikanti] Eq. 1. With full recomputation
+    ([Korthikanti] Sec. 5): ``2sbh`` per layer (each block's 16-bit input) plus one layer's
+    full activations while that layer is recomputed in backward."""
+    b = shape.micro_batch if micro_batch is None else micro_batch
+    per_layer = activation_bytes_per_layer(profile, shape, b)
+    layers = profile.dims.num_layers
+    if shape.activation_checkpointing:
+        stored_inputs = math.ceil(2 * shape.seq_len * b * profile.dims.hidden_size * shape.compute_bytes / 2)
+        saved = layers * stored_inputs + per_layer
+    else:
+        saved = layers * per_layer
+    return saved + logits_bytes(profile, shape, b)
+
+
+# --------------------------------------------------------------------------- communication
+
+
+def _ring(op: str, payload_bytes: int, group_size: int) -> int:
+    """Bytes one rank sends for a collective over ``group_size`` ranks whose full (unsharded)
+    buffer is ``payload_bytes`` [NCCL]: all-gather and reduce-scatter (n-1)/n, all-reduce 2(n-1)/n."""
+    if group_size <= 1:
+        return 0
+    factor = 2 if op == "all_reduce" else 1
+    return factor * payload_bytes * (group_size - 1) // group_size
+
+
+def _comm(parts: list[tuple[str, int, int, bool]]) -> CommBytes:
+    """Sum ``(op, payload_bytes, group_size, spans_nodes)`` collectives, split by link. A ring
+    over a group that spans nodes crosses the network, and every rank's traffic then moves at
+    the slowest link's speed, so all of it is counted as inter-node."""
+    totals = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    intra = inter = 0
+    for op, payload, group_size, spans_nodes in parts:
+        sent = _ring(op, payload, group_size)
+        totals[op] += sent
+        if spans_nodes:
+            inter += sent
+        else:
+            intra += sent
+    return CommBytes(**totals, intra_node=intra, inter_node=inter)
+
+
+def fsdp_comm(
+    profile: ModelProfile, hardware: Hardware, shape: TrainingShape, name: str, fsdp_version: int
+) -> CommBytes:
+    """Per-step communication of an FSDP strategy.
+
+    [ZeRO] Sec. 7.2.2: stage 3 all-gathers the parameters in forward and again in backward and
+    reduce-scatters the gradients (3 x the parameters, 1.5 x DDP's 2 x). Units FSDP keeps
+    unsharded after forward (root/tail) are not re-gathered in backward; SHARD_GRAD_OP keeps
+    every unit, so it gathers once. Payloads include the padding of each unit to N shards.
+    HYBRID_SHARD does this inside a node and all-reduces the gradient shards across nodes."""
+    if name == "HYBRID_SHARD":
+        shard_size, replicate_size = hardware.gpus_per_node, hardware.nodes
+    else:
+        shard_size, replicate_size = hardware.gpus, 1
+    c = shape.compute_bytes  # all-gather in param_dtype, reduce in reduce_dtype (= param_dtype)
+    gathered = reduced = sharded = 0
+    for unit in fsdp_units(profile, fsdp_version):
+        padded = unit.count * shard_numel(unit.params, shard_size) * shard_size
+        regathered = unit.reshards_after_forward and name != "SHARD_GRAD_OP"
+        gathered += padded * (2 if regathered else 1)
+        reduced += padded
+        sharded += unit.count * shard_numel(unit.params, shard_size)
+    # The shard group spans nodes unless it is HYBRID_SHARD's node-local one; the replicate
+    # group always does (one rank per node).
+    shard_spans = hardware.nodes > 1 and name != "HYBRID_SHARD"
+    parts = [
+        ("all_gather", gathered * c, shard_size, shard_spans),
+        ("reduce_scatter", reduced * c, shard_size, shard_spans),
+    ]
+    if replicate_size > 1:
+        parts.append(("all_reduce", sharded * c, replicate_size, True))
+    return _comm(parts)
+
+
+# --------------------------------------------------------------------------- one strategy
+
+
+def _buffers(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: int | None) -> int:
+    """Transient bytes at the peak (start of backward), per strategy. See each branch."""
+    c = shape.compute_bytes
+    total = profile.total_params
+    if name == "DDP":
+        # [DDP]: buckets as large as all gradients (fp32, the parameter dtype) unless
+        # gradient_as_bucket_view=True; under autocast the low-precision copies of the weights
+        # are saved for backward.
+        return total * STORED_PARAM_BYTES + (total * c if shape.mixed else 0)
+    units = fsdp_units(profile, fsdp_version)
+    # The two largest units resharded after forward: the one computing and the one prefetched
+    # ([FSDP] Sec. 3.3: forward and backward prefetch hold one extra unit).
+    resharded = sorted(
+        (unit.params for unit in units if unit.reshards_after_forward for _ in range(min(unit.count, 2))),
+        reverse=True,
+    )
+    largest = resharded[0] if resharded else 0
+    in_flight = sum(resharded[:2])
+    kept = sum(unit.count * unit.params for unit in units if not unit.reshards_after_forward)
+    # Unsharded gradients of the unit in backward before its reduce-scatter; FSDP2 also copies
+    # them into a flat reduce-scatter input (foreach_reduce_scatter_copy_in).
+    grad_in_flight = largest * c * (2 if fsdp_version == 2 else 1)
+    root_grad = kept * c if fsdp_version == 1 else 0
+    if name == "NO_SHARD":
+        # FSDP1 NO_SHARD under mixed precision keeps a full low-precision copy for compute.
+        return (total * c + largest * c) if shape.mixed else 0
+    if name == "SHARD_GRAD_OP":
+        # Every unit stays all-gathered from its forward until its backward.
+        return total * c + grad_in_flight + root_grad
+    # FULL_SHARD / HYBRID_SHARD: kept units, plus the units in flight.
+    return kept * c + in_flight * c + grad_in_flight + root_grad
+
+
+def _strategy_plan(
+    profile: ModelProfile, hardware: Hardware, shape: TrainingShape, name: str, fsdp_version: int | None
+) -> StrategyPlan:
+    notes: list[str] = []
+    if name in ("DDP", "NO_SHARD"):
+        shard_size, replicate_size = 1, hardware.gpus
+    elif name == "HYBRID_SHARD":
+        shard_size, replicate_size = hardware.gpus_per_node, hardware.nodes
+    else:
+        shard_size, replicate_size = hardware.gpus, 1
+    state = model_state_bytes(profile, shape, shard_size, fsdp_version)
+    # CPU offload is planned for the sharded strategies only: DDP has none, and FSDP1 NO_SHARD
+    # would move whole replicas through PCIe every step.
+    offloaded = shape.offload and name not in ("DDP", "NO_SHARD")
+    if shape.offload and not offloaded:
+        notes.append(f"offload is not planned for {name}; shown without it")
+    if offloaded:
+        notes.append(f"{state.total / GiB:.1f} GiB of model states per rank in host memory")
+    on_gpu = ModelStateBytes(params=0, grads=0, optimizer=0) if offloaded else state
+    buffers = _buffers(profile, shape, name, fsdp_version)
+
+    if name == "DDP":
+        # Gradients all-reduced in the parameter dtype (fp32 under autocast) [ZeRO] Sec. 7.1.
+        comm = _comm([("all_reduce", profile.total_params * STORED_PARAM_BYTES, hardware.gpus, hardware.nodes > 1)])
+    elif name == "NO_SHARD":
+        comm = _comm([("all_reduce", profile.total_params * shape.compute_bytes, hardware.gpus, hardware.nodes > 1)])
+    else:
+        comm = fsdp_comm(profile, hardware, shape, name, fsdp_version)
+
+    fixed = on_gpu.total + buffers
+
+    def total_at(micro_batch: int) -> int:
+        return fixed + activation_bytes(profile, shape, micro_batch)
+
+    per_gpu = PerGpuBytes(
+        params=on_gpu.params,
+        grads=on_gpu.grads,
+        optimizer=on_gpu.optimizer,
+        activations=activation_bytes(profile, shape),
+        buffers=buffers,
+    )
+    return StrategyPlan(
+        name=name,
+        fsdp_version=fsdp_version,
+        shard_world_size=shard_size,
+        replicate_world_size=replicate_size,
+        model_state=state,
+        per_gpu=per_gpu,
+        fits=per_gpu.total <= hardware.usable_bytes,
+        max_micro_batch=_max_micro_batch(total_at, hardware.usable_bytes),
+        comm=comm,
+        notes=tuple(notes),
+    )
+
+
+def _max_micro_batch(total_at, usable: int) -> int:
+    """Largest b with total_at(b) <= usable; total_at grows linearly in b (activations)."""
+    if total_at(1) > usable:
+        return 0
+    per_sample = total_at(2) - total_at(1)
+    if per_sample <= 0:
+        return 1
+    guess = 1 + (usable - total_at(1)) // per_sample
+    while guess > 1 and total_at(guess) > usable:  # ceil() rounding can push the guess over
+        guess -= 1
+    return guess
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def strategies_for(hardware: Hardware) -> list[tuple[str, int | None]]:
+    """The (strategy, fsdp_version) rows that apply to this hardware, in table order.
+
+    NO_SHARD is FSDP1 only (accelerate's FSDP2 takes a boolean reshard_after_forward);
+    HYBRID_SHARD needs more than one node."""
+    rows: list[tuple[str, int | None]] = [("DDP", None), ("NO_SHARD", 1)]
+    for name in ("SHARD_GRAD_OP", "FULL_SHARD") + (("HYBRID_SHARD",) if hardware.nodes > 1 else ()):
+        rows += [(name, 1), (name, 2)]
+    return rows
+
+
+def _rank_key(strategy: StrategyPlan) -> tuple:
+    return (
+        strategy.comm.inter_node,
+        strategy.comm.total,
+        _PREFERENCE.index((strategy.name, strategy.fsdp_version)),
+    )
+
+
+def _best(strategies: list[StrategyPlan]) -> StrategyPlan | None:
+    """The strategy that fits with the least communication (across nodes first); then its FSDP2
+    form when that fits too. FSDP1 and FSDP2 of one strategy differ in communication only by
+    which small units are re-gathered, which is no reason to leave the default version."""
+    fitting = sorted((s for s in strategies if s.fits), key=_rank_key)
+    if not fitting:
+        return None
+    same_name = [s for s in fitting if s.name == fitting[0].name]
+    return min(same_name, key=lambda s: _PREFERENCE.index((s.name, s.fsdp_version)))
+
+
+def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> MemoryPlan:
+    """Cost every applicable strategy and recommend one.
+
+    The recommendation is, among the strategies that fit at the requested micro-batch, the one
+    that sends the fewest bytes across nodes, then the fewest in total; ties go to the simpler
+    strategy and to FSDP2 over FSDP1. When nothing fits, ``recommended`` is None and
+    ``suggestions`` lists re-planned changes that would fit."""
+    strategies = [_strategy_plan(profile, hardware, shape, name, version) for name, version in strategies_for(hardware)]
+    best = _best(strategies)
+    gib = hardware.usable_bytes / GiB
+    if best is not None:
+        others = [s for s in strategies if not s.fits]
+        reason = (
+            f"{best.label} fits with the least communication: {best.per_gpu.total / GiB:.1f} of "
+            f"{gib:.1f} usable GiB per GPU at micro-batch {shape.micro_batch} (up to "
+            f"{best.max_micro_batch}), {best.comm.total / 1e9:.2f} GB sent per GPU per step"
+        )
+        if best.comm.inter_node:
+            reason += f" ({best.comm.inter_node / 1e9:.2f} GB across nodes)"
+        if others:
+            smallest_missing = min(others, key=lambda s: s.per_gpu.total)
+            reason += f"; {len(others)} other(s) do not fit (e.g. {smallest_missing.label} needs {smallest_missing.per_gpu.total / GiB:.1f} GiB)"
+        return MemoryPlan(hardware=hardware, shape=shape, strategies=strategies, recommended=best, reason=reason)
+    smallest = min(strategies, key=lambda s: s.per_gpu.total)
+    reason = (
+        f"nothing fits at micro-batch {shape.micro_batch}: the smallest is {smallest.label} with "
+        f"{smallest.per_gpu.total / GiB:.1f} GiB per GPU against {gib:.1f} usable GiB"
+    )
+    return MemoryPlan(
+        hardware=hardware,
+        shape=shape,
+        strategies=strategies,
+        recommended=None,
+        reason=reason,
+        suggestions=_suggestions(profile, hardware, shape),
+    )
+
+
+def _fits_anywhere(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> StrategyPlan | None:
+    return _best([_strategy_plan(profile, hardware, shape, name, version) for name, version in strategies_for(hardware)])
+
+
+def _suggestions(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> list[str]:
+    """Changes that make something fit, each verified by planning again: memory savers first
+    (cheapest to adopt), then more GPUs."""
+    savers: list[tuple[str, dict]] = []
+    if shape.micro_batch > 1:
+        savers.append(("--micro-batch 1 (gradient accumulation keeps the batch)", {"micro_batch": 1}))
+    if not shape.activation_checkpointing:
+        savers.append(("--activation-checkpointing on", {"activation_checkpointing": True}))
+    if not shape.offload:
+        savers.append(("--offload on (slower: bound by host memory and PCIe)", {"offload": True}))
+    all_savers = {key: value for _, change in savers for key, value in change.items()}
+    if len(savers) > 1:
+        savers.append((" + ".join(text.split(" (")[0] for text, _ in savers), all_savers))
+    suggestions = []
+    for text, change in savers:
+        if hit := _fits_anywhere(profile, hardware, shape.replace(**change)):
+            suggestions.append(f"{text}: {hit.label} fits")
+            break  # the first (cheapest) saver that works; the rest would fit too or cost more
+
+    # Fewest GPUs at which something fits, as asked, or else with every saver: more GPUs in the
+    # one node asked for, or more nodes of the same size.
+    def resized(count: int) -> Hardware:
+        if hardware.nodes == 1:
+            return dataclasses.replace(hardware, gpus=count)
+        return dataclasses.replace(hardware, gpus=count * hardware.gpus_per_node, nodes=count)
+
+    def describe(count: int) -> str:
+        if hardware.nodes == 1:
+            return f"{count} GPUs"
+        return f"{count * hardware.gpus_per_node} GPUs ({count} nodes of {hardware.gpus_per_node})"
+
+    start = hardware.nodes if hardware.nodes > 1 else hardware.gpus
+    candidates = [("", shape)] + [(f" with {text.split(' (')[0]}", shape.replace(**change)) for text, change in savers]
+    for label, candidate in candidates:
+        if _fits_anywhere(profile, resized(start), candidate):
+            continue  # fits without more GPUs: said above
+        count = start
+        for _ in range(24):  # doubling: up to 2**24 times as many
+            count *= 2
+            if _fits_anywhere(profile, resized(count), candidate):
+                low, high = max(start, count // 2), count  # low does not fit, high does
+                while high - low > 1:
+                    middle = (low + high) // 2
+                    if _fits_anywhere(profile, resized(middle), candidate):
+                        high = middle
+                    else:
+                        low = middle
+                hit = _fits_anywhere(profile, resized(high), candidate)
+                suggestions.append(f"{describe(high)} of {hardware.gpu_memory_bytes / GiB:g} GiB{label}: {hit.label} fits")
+                break
+        else:
+            continue
+        break  # the first candidate that more GPUs make fit
+    if not suggestions:
+        suggestions.append("no change tried fits: use GPUs with more memory or shorter sequences (--seq-len)")
+    return suggestions
