@@ -240,8 +240,10 @@ def load_run(path: str | os.PathLike) -> RunRecord:
         if kind not in ("train", "eval"):
             continue  # other line kinds (future ones) are not compared
         step = record.get("step")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            problems.append(f"{where}: {kind} line without a 1-based integer 'step' (got {step!r})")
+        # Train steps count optimizer steps from 1; an evaluation may run before training (step 0).
+        first_step = 1 if kind == "train" else 0
+        if not isinstance(step, int) or isinstance(step, bool) or step < first_step:
+            problems.append(f"{where}: {kind} line without an integer 'step' >= {first_step} (got {step!r})")
             continue
         wanted = ("loss", "grad_norm", "lr", "samples_seen") if kind == "train" else ("eval_loss",)
         if kind == "train" and not _is_number(record.get("loss")):

@@ -41,7 +41,8 @@ def write_run(folder: Path, *, losses=None, grad_norms=None, lrs=None, precision
         }
         info.update(info_overrides)
         (folder / "run.json").write_text(json.dumps(info))
-    lines = []
+    # The recipes evaluate before training too (step 0).
+    lines = [{"kind": "eval", "step": 0, "eval_loss": 7.0, "perplexity": math.exp(7.0)}] if eval_every else []
     for index, loss in enumerate(losses):
         step = index + 1
         lines.append({"kind": "train", "step": step, "loss": loss, "lr": lrs[index], "grad_norm": grad_norms[index],
@@ -258,7 +259,7 @@ def test_eval_only_divergence(tmp_path):
     lines = []
     for line in (cand / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if record["kind"] == "eval":
+        if record["kind"] == "eval" and record["step"] >= 5:
             record["eval_loss"] += 0.5
         lines.append(json.dumps(record))
     assert any('"eval"' in line for line in lines)
@@ -296,6 +297,16 @@ def test_incomplete_last_line_is_ignored_with_a_note(tmp_path):
     record = compare.load_run(cand)
     assert max(record.series["loss"]) == 20
     assert any("incomplete" in note for note in record.notes)
+
+
+def test_evaluation_before_training_is_step_0(tmp_path):
+    record = compare.load_run(write_run(tmp_path / "a"))
+    assert min(record.series["eval_loss"]) == 0 and min(record.series["loss"]) == 1
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 0, "loss": 1.0}) + "\n")
+    with pytest.raises(UsageError, match="integer 'step' >= 1"):
+        compare.load_run(bad)
 
 
 def test_run_without_run_json_is_compared_with_a_note(tmp_path):
