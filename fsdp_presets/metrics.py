@@ -1,0 +1,77 @@
+"""``metrics.jsonl``: one JSON object per optimizer step (``kind: train``) and per evaluation
+(``kind: eval``), written by the main process and flushed line by line so that a killed run
+loses at most the line being written.
+
+On resume the lines after the resumed checkpoint's step are dropped (the file is rewritten
+atomically) and then written again by the resumed run, so the file of a resumed run reads like
+that of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All complete lines of a metrics file (a last line cut short by a kill is skipped)."""
+    records = []
+    path = Path(path)
+    if not path.is_file():
+        return records
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
+
+
+def train_losses(path: str | os.PathLike) -> dict[int, float]:
+    """``{step: loss}`` of the train lines."""
+    return {record["step"]: record["loss"] for record in read_metrics(path) if record.get("kind") == "train"}
+
+
+class MetricsLog:
+    """Appends metric lines; on the non-main processes every call does nothing."""
+
+    def __init__(self, path: str | os.PathLike, *, enabled: bool, keep_through_step: int) -> None:
+        """Open the log of a run that (re)starts after ``keep_through_step`` optimizer steps:
+        lines for later steps are dropped; a fresh start (0) keeps only the step-0 evaluation
+        lines, which the run writes again, so it drops them too."""
+        self.path = Path(path)
+        self.enabled = enabled
+        if not enabled:
+            return
+        kept = [record for record in read_metrics(self.path)
+                if keep_through_step > 0 and record["step"] <= keep_through_step]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        with open(temporary, "w") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in kept)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, self.path)
+
+    def _append(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+
+    def log_train(self, *, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
+                  step_time_s: float, samples_seen: int) -> None:
+        """One optimizer step (``step`` is 1-based)."""
+        self._append({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                      "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
+                      "samples_seen": samples_seen})
+
+    def log_eval(self, *, step: int, eval_loss: float, **values: float) -> None:
+        """One evaluation after ``step`` optimizer steps (0: before training). Extra values:
+        ``perplexity`` (causal LM), ``accuracy`` (classification), ``token_accuracy``."""
+        self._append({"kind": "eval", "step": step, "eval_loss": eval_loss, **values})

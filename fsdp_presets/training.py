@@ -1,0 +1,206 @@
+"""Small helpers shared by the recipes: common flags, the data position, weight-decay groups,
+gradient synchronisation during accumulation, and the exit path for bad input.
+
+The data position is one number, the count of training samples consumed by all ranks together.
+Global sample ``p`` is sample ``permutation(epoch = p // N)[p % N]`` of a dataset of ``N``
+samples, where each epoch's permutation is seeded by ``(seed, epoch)``. An optimizer step takes
+the next ``micro_batch_size * gradient_accumulation_steps * data_parallel_size`` samples; rank
+``r`` takes its slice of each micro-step. Resuming is arithmetic on that number, so it survives a
+change of GPU count, and RNG state (dropout) is restored by ``accelerator.load_state``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from fsdp_presets.errors import UsageError
+
+
+# ---- flags ----
+def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every recipe shares, Hugging Face style."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--model", required=True, help="local model folder (config.json, weights, tokenizer)")
+    add("--data", required=True, help="training data: JSONL/JSON, CSV, Parquet or plain text")
+    add("--eval-data", help="evaluation data in the same format (default: hold out --eval-fraction)")
+    add("--eval-fraction", type=float, default=0.05, help="share of --data held out when no --eval-data")
+    add("--output-dir", required=True, help="run folder: metrics.jsonl, checkpoints/, final/, plots/")
+    add("--max-steps", type=int, default=100, help="optimizer steps to train in total")
+    add("--micro-batch-size", type=int, default=2, help="samples per forward pass per rank")
+    add("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
+    add("--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
+    add("--warmup-steps", type=int, default=0, help="linear warm-up steps")
+    add("--lr-scheduler", default="cosine", choices=("cosine", "linear", "constant_with_warmup"),
+        help="learning-rate schedule after warm-up")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off, norm still logged)")
+    add("--seq-len", type=int, default=128, help="tokens per sample")
+    add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
+    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    add("--keep-last", type=int, default=2, help="committed checkpoints to keep")
+    add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
+        "PATH (a checkpoints/step-NNNNNNNN folder) or none")
+    add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")
+    return parser
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Range checks of the shared flags and the input paths; all problems raised at once."""
+    problems = []
+    for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "seq_len"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if args.keep_last < 1:
+        problems.append("--keep-last must be >= 1")
+    if args.learning_rate <= 0:
+        problems.append("--learning-rate must be > 0")
+    if not 0 < args.eval_fraction < 1:
+        problems.append("--eval-fraction must be between 0 and 1")
+    model = Path(args.model)
+    if not model.is_dir():
+        problems.append(f"--model {model}: no such folder (give a local model folder with config.json)")
+    elif not (model / "config.json").is_file():
+        problems.append(f"--model {model}: no config.json in it (is this a Hugging Face model folder?)")
+    for flag, value in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if value is not None and not Path(value).is_file():
+            problems.append(f"{flag} {value}: no such file")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def check_seq_len(seq_len: int, config: Any) -> None:
+    """``--seq-len`` must fit the model's position table."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise UsageError(f"--seq-len {seq_len} is beyond the model's {limit} positions "
+                         f"(max_position_embeddings); use --seq-len {limit} or less")
+
+
+# ---- data position ----
+class SampleStream:
+    """The endless, seeded, epoch-by-epoch shuffled order of a dataset's sample indices."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples < 1:
+            raise UsageError("the training data holds no sample")
+        self.num_samples = num_samples
+        self.seed = seed
+        self._permutations: dict[int, list[int]] = {}
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._permutations:
+            import torch
+
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._permutations = {epoch: torch.randperm(self.num_samples, generator=generator).tolist()}
+        return self._permutations[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Dataset indices of global samples ``start .. start + count - 1``."""
+        return [self._permutation(p // self.num_samples)[p % self.num_samples] for p in range(start, start + count)]
+
+
+def rank_micro_batches(stream: SampleStream, *, samples_consumed: int, micro_batch_size: int,
+                       accumulation_steps: int, rank: int, data_parallel_size: int) -> list[list[int]]:
+    """This rank's micro-batches (dataset indices) for the optimizer step that starts at global
+    sample ``samples_consumed``: micro-step ``m`` covers the next ``micro * dp`` samples, rank ``r``
+    takes the ``r``-th slice of them."""
+    per_micro_step = micro_batch_size * data_parallel_size
+    batches = []
+    for micro_step in range(accumulation_steps):
+        start = samples_consumed + micro_step * per_micro_step + rank * micro_batch_size
+        batches.append(stream.indices(start, micro_batch_size))
+    return batches
+
+
+def eval_micro_batches(num_samples: int, *, micro_batch_size: int, rank: int,
+                       data_parallel_size: int) -> list[list[tuple[int, bool]]]:
+    """This rank's evaluation micro-batches as ``(index, counts)`` pairs. Every rank gets the same
+    number of batches of the same size (FSDP ranks must run the same collectives); a slot past the
+    end repeats sample 0 with ``counts=False`` and is left out of the metrics."""
+    per_round = micro_batch_size * data_parallel_size
+    rounds = -(-num_samples // per_round)
+    batches = []
+    for round_index in range(rounds):
+        start = round_index * per_round + rank * micro_batch_size
+        batches.append([(position, True) if position < num_samples else (0, False)
+                        for position in range(start, start + micro_batch_size)])
+    return batches
+
+
+def collate(dataset, indices: list[int], columns: tuple[str, ...]) -> dict:
+    """Rows ``indices`` of a tokenized ``datasets.Dataset`` as a dict of tensors."""
+    import torch
+
+    rows = dataset[indices]
+    return {column: torch.tensor(rows[column]) for column in columns}
+
+
+# ---- optimizer ----
+def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on weight matrices, none on norms, biases and embeddings (decaying them
+    pulls scales and token vectors towards zero for no regularisation benefit; the usual practice
+    of GPT-2/nanoGPT, torchtune and the Hugging Face Trainer)."""
+    import torch
+
+    no_decay: set[int] = set()
+    for module in model.modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        if isinstance(module, torch.nn.Embedding) or is_norm:
+            no_decay.update(id(param) for param in module.parameters(recurse=False))
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            no_decay.add(id(param))
+    decay, plain, seen = [], [], set()
+    for param in model.parameters():  # a tied weight appears once
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (plain if id(param) in no_decay else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def gradient_sync(accelerator, model, *, last_micro_batch: bool):
+    """Reduce gradients only on the last micro-batch of an optimizer step (accelerate's
+    ``no_sync``: DDP skips its all-reduce, FSDP2 its reduce-scatter, until then)."""
+    return contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+
+
+# ---- process ----
+def main_process_print(accelerator) -> Callable[[str], None]:
+    """``print`` on the main process, flushed; nothing elsewhere."""
+    def emit(message: str) -> None:
+        if accelerator.is_main_process:
+            print(message, flush=True)
+
+    return emit
+
+
+def finish(accelerator) -> None:
+    """End the run cleanly: collect garbage before the process group is destroyed (gloo can abort
+    at exit with "terminate called without an active exception" when the group goes while tensors
+    it references live). The caller deletes its model and optimizer first."""
+    gc.collect()
+    accelerator.end_training()
+
+
+def run_recipe(main: Callable[[], None]) -> int:
+    """Run a recipe's ``main``; bad input becomes one line on stderr and exit status 2."""
+    try:
+        main()
+    except UsageError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0

@@ -1,0 +1,202 @@
+"""Fine-tune a causal language model (supervised fine-tuning or continued pre-training) with FSDP.
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/causal_lm.py \
+        --model runs/models/smollm2-135m-instruct --data data/kjv_sft/train.jsonl \
+        --eval-data data/kjv_sft/eval.jsonl --output-dir runs/sft --max-steps 20 --seq-len 64
+
+Data: JSONL with `prompt`/`response` (the prompt is masked out of the loss) or `text`, or plain
+text. Samples are packed into blocks of --seq-len tokens (--no-packing: one padded sample each).
+Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoints/step-NNNNNNNN/, final/, plots/}.
+Restarting the same command continues from the last valid checkpoint (--resume auto).
+Adapt by copying: the sections below are data, model, resume, train, save.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+import fsdp_presets
+from fsdp_presets import data as recipe_data
+from fsdp_presets import training
+from fsdp_presets.checkpoint import CheckpointManager
+from fsdp_presets.digest import config_digest, sha256_files
+from fsdp_presets.export import export_model
+from fsdp_presets.metrics import MetricsLog
+from fsdp_presets.plots import plot_run
+from fsdp_presets.run_folder import check_output_dir, distributed_settings, launch_config_file, write_run_json
+
+
+def parse_args():
+    parser = training.recipe_argument_parser(__doc__)
+    parser.add_argument("--no-packing", action="store_true", help="one padded sample per row instead of packing")
+    return parser.parse_args()
+
+
+def summed_loss(model, batch):
+    """Sum of the token losses of a batch and the number of tokens it counts (labels != -100).
+    The caller divides by the count over all ranks and micro-batches, so each token weighs the
+    same whatever the split of the global batch (DDP = FSDP = another GPU count)."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    shifted_logits = logits[:, :-1, :].float()
+    shifted_labels = batch["labels"][:, 1:]
+    loss = F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
+                           ignore_index=recipe_data.IGNORE_INDEX, reduction="sum")
+    counted = shifted_labels != recipe_data.IGNORE_INDEX
+    correct = ((shifted_logits.argmax(-1) == shifted_labels) & counted).sum()
+    return loss, counted.sum(), correct
+
+
+def main():
+    args = parse_args()
+    # ---- launch: real FSDP/DDP on a CPU-only host too, refused if processes would train alone ----
+    fsdp_presets.enable_cpu_fsdp()
+    accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
+    fsdp_presets.check_launch(accelerator)
+    say = training.main_process_print(accelerator)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    distributed = distributed_settings(accelerator)
+    dp_size = distributed["data_parallel_size"]
+
+    # ---- checks before anything is written ----
+    training.check_common_args(args)
+    data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
+    identity = {"recipe": "causal_lm", "model": str(Path(args.model).resolve()),
+                "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
+    run = check_output_dir(args.output_dir, identity, args.resume)
+    config = AutoConfig.from_pretrained(args.model)
+    training.check_seq_len(args.seq_len, config)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    set_seed(args.seed)
+
+    # ---- data ----
+    with accelerator.main_process_first():
+        train_set, eval_set = recipe_data.causal_lm_splits(
+            data=args.data, eval_data=args.eval_data, eval_fraction=args.eval_fraction, tokenizer=tokenizer,
+            seq_len=args.seq_len, packing=not args.no_packing, seed=args.seed)
+    columns = ("input_ids", "labels") + (("attention_mask",) if args.no_packing else ())
+    stream = training.SampleStream(len(train_set), seed=args.seed)
+    global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size
+
+    # ---- model ----
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate,
+                                  betas=(0.9, 0.95))
+    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                              num_training_steps=args.max_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    # ---- resume ----
+    checkpoints = CheckpointManager(accelerator=accelerator, directory=run.checkpoints, keep_last=args.keep_last,
+                                    config_digest=config_digest(config), distributed=distributed, log=say)
+    resume_from = checkpoints.resolve(args.resume)
+    step = samples = 0
+    if resume_from is not None:
+        manifest = checkpoints.load(resume_from)
+        step, samples = manifest.step, manifest.samples_consumed
+        say(f"resumed from {resume_from}: step {step}, {samples} samples consumed "
+            f"(saved by {manifest.world_size} processes, now {world})")
+    if accelerator.is_main_process:
+        write_run_json(run, {**identity, "data": args.data, "max_steps": args.max_steps,
+                             "micro_batch_size": args.micro_batch_size,
+                             "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                             "global_batch_samples": global_batch, "learning_rate": args.learning_rate,
+                             **distributed, "accelerate_config": launch_config_file(),
+                             "resumed_from": str(resume_from) if resume_from else None})
+    metrics = MetricsLog(run.metrics, enabled=accelerator.is_main_process, keep_through_step=step)
+
+    def evaluate():
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, tokens, correct tokens
+        with torch.no_grad():
+            for slots in training.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
+                                                     rank=rank, data_parallel_size=dp_size):
+                batch = training.collate(eval_set, [index for index, _ in slots], columns)
+                batch["labels"][torch.tensor([not counts for _, counts in slots])] = recipe_data.IGNORE_INDEX
+                loss, count, correct = summed_loss(model, batch)
+                totals += torch.stack([loss.double(), count.double(), correct.double()])
+        model.train()
+        loss_sum, count, correct = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
+        eval_loss = loss_sum / max(count, 1)
+        return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)),
+                "token_accuracy": correct / max(count, 1)}
+
+    if step == 0:
+        results = evaluate()
+        metrics.log_eval(step=0, **results)
+        say(f"before training: eval loss {results['eval_loss']:.4f}, perplexity {results['perplexity']:.2f}")
+
+    # ---- train ----
+    model.train()
+    progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process,
+                    desc="train", dynamic_ncols=True)
+    while step < args.max_steps:
+        started = time.perf_counter()
+        batches = [training.collate(train_set, indices, columns) for indices in training.rank_micro_batches(
+            stream, samples_consumed=samples, micro_batch_size=args.micro_batch_size,
+            accumulation_steps=args.gradient_accumulation_steps, rank=rank, data_parallel_size=dp_size)]
+        local_targets = sum(int((batch["labels"][:, 1:] != recipe_data.IGNORE_INDEX).sum()) for batch in batches)
+        global_targets = accelerator.reduce(torch.tensor(float(local_targets), device=accelerator.device),
+                                            reduction="sum").item()
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for index, batch in enumerate(batches):
+            with training.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1):
+                loss, _, _ = summed_loss(model, batch)
+                # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / tokens.
+                accelerator.backward(loss * dp_size / max(global_targets, 1.0))
+            loss_sum += loss.detach().double()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step, samples = step + 1, samples + global_batch
+        step_loss = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum").item() / max(global_targets, 1.0)
+        step_time = time.perf_counter() - started
+        tokens = global_batch * args.seq_len
+        lr = scheduler.get_last_lr()[0]
+        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=float(_full(grad_norm)),
+                          tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
+        progress.update(1)
+        progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+        if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            results = evaluate()
+            metrics.log_eval(step=step, **results)
+            progress.write(f"step {step}: eval loss {results['eval_loss']:.4f}, "
+                           f"perplexity {results['perplexity']:.2f}") if accelerator.is_main_process else None
+        if step == args.max_steps or (args.save_every and step % args.save_every == 0):
+            checkpoints.save(step=step, samples_consumed=samples,
+                             write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
+    progress.close()
+
+    # ---- save: the trained model as a Hugging Face folder, and the plots ----
+    export_model(accelerator, model, tokenizer, run.final)
+    if accelerator.is_main_process:
+        plots = plot_run(run.root)
+        say(f"done: model in {run.final}, metrics in {run.metrics}, plots {', '.join(map(str, plots))}")
+    del model, optimizer, scheduler
+    training.finish(accelerator)
+
+
+def _full(value):
+    """A gradient norm as a plain number (FSDP2 returns a DTensor)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _save_config(folder, accelerator, model, tokenizer):
+    """Config, generation config and tokenizer inside each checkpoint, so it describes itself."""
+    target = Path(folder) / "model_config"
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.config.save_pretrained(target)
+    if getattr(unwrapped, "generation_config", None) is not None:
+        unwrapped.generation_config.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+if __name__ == "__main__":
+    raise SystemExit(training.run_recipe(main))
