@@ -103,6 +103,15 @@ _PREFERENCE: tuple[tuple[str, int | None], ...] = (
 )
 
 
+def human_bytes(count: float, *, binary: bool = True) -> str:
+    """``80.0 GiB``, ``864.4 KiB`` (memory, binary) or ``41.24 GB`` (traffic, decimal)."""
+    units = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)) if binary else (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+    for name, size in units:
+        if abs(count) >= size:
+            return f"{count / size:.{1 if binary else 2}f} {name}"
+    return f"{count:.0f} B"
+
+
 # --------------------------------------------------------------------------- inputs
 
 
@@ -746,24 +755,23 @@ def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> Mem
     ``suggestions`` lists re-planned changes that would fit."""
     strategies = [_strategy_plan(profile, hardware, shape, name, version) for name, version in strategies_for(hardware)]
     best = _best(strategies)
-    gib = hardware.usable_bytes / GiB
     if best is not None:
         others = [s for s in strategies if not s.fits]
         reason = (
-            f"{best.label} fits with the least communication: {best.per_gpu.total / GiB:.1f} of "
-            f"{gib:.1f} usable GiB per GPU at micro-batch {shape.micro_batch} (up to "
-            f"{best.max_micro_batch}), {best.comm.total / 1e9:.2f} GB sent per GPU per step"
+            f"{best.label} fits with the least communication: {human_bytes(best.per_gpu.total)} of "
+            f"{human_bytes(hardware.usable_bytes)} usable per GPU at micro-batch {shape.micro_batch} (up to "
+            f"{best.max_micro_batch}), {human_bytes(best.comm.total, binary=False)} sent per GPU per step"
         )
         if best.comm.inter_node:
-            reason += f" ({best.comm.inter_node / 1e9:.2f} GB across nodes)"
+            reason += f" ({human_bytes(best.comm.inter_node, binary=False)} across nodes)"
         if others:
             smallest_missing = min(others, key=lambda s: s.per_gpu.total)
-            reason += f"; {len(others)} other(s) do not fit (e.g. {smallest_missing.label} needs {smallest_missing.per_gpu.total / GiB:.1f} GiB)"
+            reason += f"; {len(others)} other(s) do not fit (e.g. {smallest_missing.label} needs {human_bytes(smallest_missing.per_gpu.total)})"
         return MemoryPlan(hardware=hardware, shape=shape, strategies=strategies, recommended=best, reason=reason)
     smallest = min(strategies, key=lambda s: s.per_gpu.total)
     reason = (
         f"nothing fits at micro-batch {shape.micro_batch}: the smallest is {smallest.label} with "
-        f"{smallest.per_gpu.total / GiB:.1f} GiB per GPU against {gib:.1f} usable GiB"
+        f"{human_bytes(smallest.per_gpu.total)} per GPU against {human_bytes(hardware.usable_bytes)} usable"
     )
     return MemoryPlan(
         hardware=hardware,

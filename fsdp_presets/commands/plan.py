@@ -115,8 +115,11 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         f"{shape.precision}, {shape.optimizer}, activation checkpointing "
         f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}",
         "",
-        "per GPU in GiB; comm = GB each GPU sends per step",
     ]
+    # One unit per column family, picked from the largest value so small models stay readable.
+    memory_name, memory_unit = _unit(max(s.per_gpu.total for s in memory_plan.strategies), binary=True)
+    comm_name, comm_unit = _unit(max(s.comm.total for s in memory_plan.strategies), binary=False)
+    lines.append(f"per GPU in {memory_name}; comm = {comm_name} each GPU sends per step")
     headers = ["strategy", "params", "grads", "optim", "activ", "buffers", "total", "fits", "max mb",
                "comm", "inter-node"]
     rows = []
@@ -125,12 +128,12 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         marker = " *" if strategy is memory_plan.recommended else ""
         rows.append([
             strategy.label + marker,
-            *(f"{value / GiB:.2f}" for value in (per_gpu.params, per_gpu.grads, per_gpu.optimizer,
+            *(f"{value / memory_unit:.2f}" for value in (per_gpu.params, per_gpu.grads, per_gpu.optimizer,
                                                   per_gpu.activations, per_gpu.buffers, per_gpu.total)),
             "yes" if strategy.fits else "no",
             str(strategy.max_micro_batch),
-            f"{strategy.comm.total / 1e9:.2f}",
-            f"{strategy.comm.inter_node / 1e9:.2f}",
+            f"{strategy.comm.total / comm_unit:.2f}",
+            f"{strategy.comm.inter_node / comm_unit:.2f}",
         ])
     lines += _table(headers, rows, right=set(range(1, len(headers))))
     notes = sorted({note for strategy in memory_plan.strategies for note in strategy.notes})
@@ -144,3 +147,12 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         lines.append(f"reason: {memory_plan.reason}")
         lines += [f"try: {suggestion}" for suggestion in memory_plan.suggestions]
     return "\n".join(lines)
+
+
+def _unit(largest: float, *, binary: bool) -> tuple[str, int]:
+    """(name, bytes) of the largest unit that ``largest`` still fills at least once."""
+    units = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)) if binary else (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+    for name, size in units:
+        if largest >= size:
+            return name, size
+    return units[-1]
