@@ -42,6 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"fsdp-presets {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`fsdp-presets plan ... --json | head`): not an error of ours.
+        # Point stdout at devnull so the interpreter's final flush does not raise again.
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
