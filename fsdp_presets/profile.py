@@ -421,41 +421,78 @@ def _is_model_defined(module: "nn.Module") -> bool:
     return not type(module).__module__.startswith("torch.")
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Stack:
-    """One container of blocks, e.g. ``model.layers``."""
+def _inside(path: str, roots: set[str]) -> bool:
+    """Whether module ``path`` is one of ``roots`` or lies below one (a walk up its prefixes)."""
+    while path:
+        if path in roots:
+            return True
+        path = path.rpartition(".")[0]
+    return False
 
-    path: str
-    blocks: list[tuple[str, "nn.Module"]]
+
+def _has_params(module: "nn.Module") -> bool:
+    return any(True for _ in module.parameters())
 
 
-def _find_stacks(model: "nn.Module") -> list[_Stack]:
-    """The outermost containers of model-defined blocks.
+@dataclass(kw_only=True)
+class _Blocks:
+    """The model's blocks: where they live and how they group into units."""
 
-    A block is a child of an ``nn.ModuleList`` (or an ``nn.Sequential`` of two or more) whose class
-    the model defines and which holds parameters; containers inside a block already found
-    (T5Block.layer, MoE expert lists) belong to that block.
+    units: list[Unit]
+    paths: set[str]
+    stacks: list[dict]
+
+
+def _group_units(blocks: list[tuple[str, "nn.Module"]]) -> list[Unit]:
+    """Blocks grouped by (class, size) in the order met. A parameter shared between blocks is
+    counted in the first block that holds it, so the units never count it twice."""
+    seen: set[int] = set()
+    counts: dict[tuple[str, int], int] = {}
+    for _, block in blocks:
+        size = 0
+        for param in block.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                size += param.numel()
+        key = (type(block).__name__, size)
+        counts[key] = counts.get(key, 0) + 1
+    return [Unit(cls=cls, count=count, params_each=size) for (cls, size), count in counts.items()]
+
+
+def _find_blocks(model: "nn.Module", declared: list[str]) -> _Blocks:
+    """The FSDP units of ``model``.
+
+    A block is a child of an ``nn.ModuleList`` (or of an ``nn.Sequential`` holding two or more)
+    whose class the model defines and which holds parameters; containers inside a block already
+    found (T5Block.layer, MoE expert lists) belong to that block. A model that keeps its blocks in
+    no container falls back to the outermost instances of its ``_no_split_modules`` classes.
     """
     from torch import nn
 
-    stacks: list[_Stack] = []
-    block_paths: list[str] = []
+    blocks: list[tuple[str, nn.Module]] = []
+    stacks: list[dict] = []
+    paths: set[str] = set()
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or _inside(path, paths):
             continue
-        if any(path.startswith(block + ".") for block in block_paths):
-            continue
-        blocks = [
+        children = [
             (f"{path}.{name}" if path else name, child)
             for name, child in module.named_children()
-            if _is_model_defined(child) and any(True for _ in child.parameters())
+            if _is_model_defined(child) and _has_params(child)
         ]
-        if isinstance(module, nn.Sequential) and len(blocks) < 2:
+        if not children or (isinstance(module, nn.Sequential) and len(children) < 2):
             continue
-        if blocks:
-            stacks.append(_Stack(path=path, blocks=blocks))
-            block_paths.extend(block_path for block_path, _ in blocks)
-    return stacks
+        classes = list(dict.fromkeys(type(child).__name__ for _, child in children))
+        stacks.append({"path": path, "class": ", ".join(classes), "count": len(children)})
+        blocks += children
+        paths.update(child_path for child_path, _ in children)
+    if not blocks and declared:
+        for path, module in model.named_modules():
+            if type(module).__name__ in declared and _has_params(module) and not _inside(path, paths):
+                blocks.append((path, module))
+                paths.add(path)
+                stacks.append({"path": path, "class": type(module).__name__, "count": 1})
+    return _Blocks(units=_group_units(blocks), paths=paths, stacks=stacks)
 
 
 def _module_paths(model: "nn.Module") -> dict[int, str]:
@@ -534,14 +571,47 @@ def _embedding_role(name: str, module: Any, input_module: Any) -> str:
     return "other"
 
 
-def _count(parameters, seen: set[int]) -> int:
-    """Parameters not counted before (a tied parameter is counted where it is first met)."""
-    total = 0
-    for param in parameters:
-        if id(param) not in seen:
-            seen.add(id(param))
-            total += param.numel()
-    return total
+def _call(model: "nn.Module", method_name: str):
+    """``model.get_input_embeddings()`` and friends, None where the model has no such thing."""
+    method = getattr(model, method_name, None)
+    try:
+        return method() if method is not None else None
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def _embedding_entries(model: "nn.Module", input_module: Any, block_paths: set[str]) -> list[dict]:
+    """Embeddings outside the blocks, each weight listed once (T5's ``shared``,
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens`` are one table)."""
+    from torch import nn
+
+    paths = _module_paths(model)
+    candidates = [(paths[id(input_module)], input_module)] if id(input_module) in paths else []
+    candidates += [(path, module) for path, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    entries: list[dict] = []
+    listed: set[int] = set()
+    for path, module in candidates:
+        weight = getattr(module, "weight", None)
+        key = id(weight) if weight is not None else id(module)
+        if key in listed or _inside(path, block_paths):
+            continue
+        listed.add(key)
+        entries.append({
+            "name": path,
+            "class": type(module).__name__,
+            "params": sum(param.numel() for param in module.parameters()),
+            "role": _embedding_role(path, module, input_module),
+        })
+    # Learned positions kept as a bare parameter (ViT's position_embeddings).
+    for path, module in model.named_modules():
+        if _inside(path, block_paths):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if "position" in name and id(param) not in listed:
+                listed.add(id(param))
+                entries.append({"name": f"{path}.{name}" if path else name, "class": "Parameter",
+                                "params": param.numel(), "role": "position"})
+    return entries
 
 
 def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -> ModelProfile:
@@ -550,111 +620,39 @@ def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -
 
     config = getattr(model, "config", None)
     model_type = model_type or getattr(config, "model_type", None) or type(model).__name__
-    warnings: list[str] = []
-    paths = _module_paths(model)
 
-    # Blocks, grouped into units by (class, size) in the order met.
-    stacks = _find_stacks(model)
-    seen: set[int] = set()
-    unit_counts: dict[tuple[str, int], int] = {}
-    block_ids: set[int] = set()
-    block_paths: list[str] = []
-    for stack in stacks:
-        for block_path, block in stack.blocks:
-            key = (type(block).__name__, _count(block.parameters(), seen))
-            unit_counts[key] = unit_counts.get(key, 0) + 1
-            block_ids.add(id(block))
-            block_paths.append(block_path)
-    units = [Unit(cls=cls, count=count, params_each=params) for (cls, params), count in unit_counts.items()]
-    wrap_classes = list(dict.fromkeys(unit.cls for unit in units))
-
-    def in_block(path: str) -> bool:
-        return any(path == block or path.startswith(block + ".") for block in block_paths)
-
-    # Cross-check with _no_split_modules (a set on transformers 5, a list before).
-    present_classes = {type(module).__name__ for module in model.modules()}
+    # Blocks, cross-checked with _no_split_modules (a set on transformers 5, a list before).
+    present = {type(module).__name__ for module in model.modules()}
     no_split = sorted(getattr(model, "_no_split_modules", None) or [])
-    missing_no_split = [name for name in no_split if name not in present_classes]
-    not_blocks = [name for name in no_split if name in present_classes and name not in wrap_classes]
-    undeclared = [name for name in wrap_classes if no_split and name not in no_split]
-    if not units and no_split:
-        # No container of blocks: fall back to the declared classes the model contains.
-        declared = [name for name in no_split if name in present_classes]
-        counts: dict[tuple[str, int], int] = {}
-        for path, module in model.named_modules():
-            if type(module).__name__ in declared and not in_block(path):
-                key = (type(module).__name__, _count(module.parameters(), seen))
-                counts[key] = counts.get(key, 0) + 1
-                block_paths.append(path)
-        units = [Unit(cls=cls, count=count, params_each=params) for (cls, params), count in counts.items()]
-        wrap_classes = list(dict.fromkeys(unit.cls for unit in units))
-        not_blocks = []
+    blocks = _find_blocks(model, [name for name in no_split if name in present])
+    units = blocks.units
+    wrap_classes = list(dict.fromkeys(unit.cls for unit in units))
+    missing_no_split = [name for name in no_split if name not in present]
+    warnings: list[str] = []
     if missing_no_split:
         warnings.append(
             f"_no_split_modules names {', '.join(missing_no_split)}, which this model does not "
             "contain: never copy those names into fsdp_transformer_layer_cls_to_wrap (accelerate "
             "raises 'Could not find the transformer layer class')"
         )
+    undeclared = [name for name in wrap_classes if no_split and name not in no_split]
     if undeclared:
         warnings.append(f"blocks {', '.join(undeclared)} are not in _no_split_modules")
     if not units:
         warnings.append("no repeated blocks found: FSDP would shard the whole model as one unit")
 
-    total_params = sum(param.numel() for param in model.parameters())  # shared params once
+    total_params = sum(param.numel() for param in model.parameters())  # a shared param once
 
-    # Input embedding and output head.
-    def call(name: str):
-        method = getattr(model, name, None)
-        try:
-            return method() if method is not None else None
-        except (NotImplementedError, AttributeError, TypeError):
-            return None
-
-    input_module = call("get_input_embeddings")
-    output_module = call("get_output_embeddings")
-    output_head = paths.get(id(output_module)) if output_module is not None else None
-    if output_head is None:
-        output_head = _classifier_head(model)
+    # Tied embeddings: the head holds the input embedding's own parameter (on meta tensors there
+    # is no storage to compare, so identity is the test; real tensors may also share storage).
+    input_module = _call(model, "get_input_embeddings")
+    output_module = _call(model, "get_output_embeddings")
     input_weight = getattr(input_module, "weight", None)
     output_weight = getattr(output_module, "weight", None)
     tied = input_weight is not None and output_weight is not None and (
         input_weight is output_weight or _same_storage(input_weight, output_weight)
     )
-
-    # Embeddings outside blocks, each weight listed once (T5's shared/encoder/decoder tables are one).
-    embeddings: list[dict] = []
-    listed: set[int] = set()
-    candidates = []
-    if input_module is not None and id(input_module) in paths:
-        candidates.append((paths[id(input_module)], input_module))
-    candidates += [(p, m) for p, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    for path, module in candidates:
-        weight = getattr(module, "weight", None)
-        key = id(weight) if weight is not None else id(module)
-        if key in listed or in_block(path):
-            continue
-        listed.add(key)
-        embeddings.append({
-            "name": path,
-            "class": type(module).__name__,
-            "params": sum(param.numel() for param in module.parameters()),
-            "role": _embedding_role(path, module, input_module),
-        })
-    # Learned positions kept as a bare parameter (ViT's position_embeddings).
-    for path, module in model.named_modules():
-        if in_block(path):
-            continue
-        for name, param in module.named_parameters(recurse=False):
-            if "position" in name and id(param) not in listed:
-                listed.add(id(param))
-                embeddings.append({
-                    "name": f"{path}.{name}" if path else name,
-                    "class": "Parameter",
-                    "params": param.numel(),
-                    "role": "position",
-                })
-
-    norm_classes = list(dict.fromkeys(type(m).__name__ for m in model.modules() if _is_norm(m)))
+    output_head = _module_paths(model).get(id(output_module)) if output_module is not None else None
 
     dims = _dims(config, num_layers=sum(unit.count for unit in units)) if config is not None else \
         ModelDims(hidden_size=0, num_layers=sum(unit.count for unit in units), num_attention_heads=0,
@@ -670,33 +668,31 @@ def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -
             "vocab_size": dims.vocab_size or input_module.num_embeddings,
         })
 
+    is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
     structure: dict[str, Any] = {
-        "is_encoder_decoder": bool(getattr(config, "is_encoder_decoder", False)),
-        "stacks": [
-            {"path": stack.path, "class": type(stack.blocks[0][1]).__name__ if len(
-                {type(b).__name__ for _, b in stack.blocks}) == 1 else "mixed",
-             "count": len(stack.blocks)}
-            for stack in stacks
-        ],
+        "is_encoder_decoder": is_encoder_decoder,
+        "stacks": blocks.stacks,
         "no_split_modules": no_split,
         "missing_no_split": missing_no_split,
-        "no_split_not_blocks": not_blocks,
-        "moe": _moe(model, dims, total_params, block_paths),
+        "no_split_not_blocks": [name for name in no_split if name in present and name not in wrap_classes],
+        "moe": _moe(model, dims, total_params, num_blocks=sum(unit.count for unit in units)),
         "config_dtype": _config_dtype(config),
         "warnings": warnings,
     }
-    if structure["is_encoder_decoder"]:
-        structure["encoder_layers"] = sum(s["count"] for s in structure["stacks"] if "encoder" in s["path"])
-        structure["decoder_layers"] = sum(s["count"] for s in structure["stacks"] if "decoder" in s["path"])
+    if is_encoder_decoder:
+        for side in ("encoder", "decoder"):
+            structure[f"{side}_layers"] = sum(
+                stack["count"] for stack in blocks.stacks if side in stack["path"].split(".")
+            )
     return ModelProfile(
         model_type=model_type,
         architecture=type(model).__name__,
         total_params=total_params,
         units=units,
         wrap_classes=wrap_classes,
-        embeddings=embeddings,
-        norm_classes=norm_classes,
-        output_head=output_head,
+        embeddings=_embedding_entries(model, input_module, blocks.paths),
+        norm_classes=list(dict.fromkeys(type(m).__name__ for m in model.modules() if _is_norm(m))),
+        output_head=output_head or _classifier_head(model),
         tied_embeddings=bool(tied),
         dims=dims,
         structure=structure,
@@ -723,7 +719,7 @@ def _classifier_head(model: "nn.Module") -> str | None:
     return head
 
 
-def _moe(model: "nn.Module", dims: ModelDims, total_params: int, block_paths: list[str]) -> dict | None:
+def _moe(model: "nn.Module", dims: ModelDims, total_params: int, *, num_blocks: int) -> dict | None:
     """Mixture-of-experts structure: routed expert modules found inside blocks."""
     if not dims.num_experts:
         return None
@@ -745,7 +741,7 @@ def _moe(model: "nn.Module", dims: ModelDims, total_params: int, block_paths: li
         "num_experts": dims.num_experts,
         "experts_per_token": dims.num_experts_per_token,
         "moe_layers": len(outer),
-        "dense_layers": len(block_paths) - len(outer),
+        "dense_layers": max(num_blocks - len(outer), 0),
         "shared_experts": bool(shared),
         "routed_expert_params": expert_params,
         "active_params": active,

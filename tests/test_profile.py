@@ -338,3 +338,46 @@ def test_dataclass_checks():
                   intermediate_size=64, vocab_size=128)
     with pytest.raises(ValueError, match="count"):
         Unit(cls="Block", count=0, params_each=10)
+
+
+class ToyBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+
+class BlocksAsAttributes(torch.nn.Module):
+    """Blocks held as plain attributes, not in a ModuleList: only the declaration finds them."""
+
+    _no_split_modules = ["ToyBlock", "GhostLayer"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+        self.first = ToyBlock(4)
+        self.second = ToyBlock(4)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+
+def test_blocks_outside_containers_fall_back_to_no_split_modules():
+    profile = profile_module(BlocksAsAttributes())
+    assert profile.units == [Unit(cls="ToyBlock", count=2, params_each=4 * 4 + 4)]
+    assert profile.structure["stacks"] == [
+        {"path": "first", "class": "ToyBlock", "count": 1},
+        {"path": "second", "class": "ToyBlock", "count": 1},
+    ]
+    assert profile.missing_no_split == ["GhostLayer"]
+    assert profile.total_params == 10 * 4 + 2 * 20 + 8
+    assert (profile.dims.hidden_size, profile.dims.vocab_size) == (4, 10)  # read off the embedding
+    assert profile.output_head is None and not profile.tied_embeddings
+
+
+def test_a_model_without_blocks_says_so():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    profile = profile_module(model)
+    assert profile.units == [] and profile.wrap_classes == []
+    assert profile.root_params == profile.total_params == 4 * 4 + 4 + 4 * 2 + 2
+    assert any("no repeated blocks" in warning for warning in profile.structure["warnings"])
