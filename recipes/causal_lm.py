@@ -36,6 +36,9 @@ from fsdp_presets.run_folder import check_output_dir, distributed_settings, laun
 def parse_args():
     parser = training.recipe_argument_parser(__doc__)
     parser.add_argument("--no-packing", action="store_true", help="one padded sample per row instead of packing")
+    parser.add_argument("--fsdp-reduce-dtype", choices=("fp32", "bf16"),
+                        help="dtype FSDP reduces gradients in (default: accelerate's, which follows "
+                        "mixed_precision; no accelerate config key sets it)")
     return parser.parse_args()
 
 
@@ -59,6 +62,8 @@ def main():
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
     fsdp_presets.check_launch(accelerator)
+    if args.fsdp_reduce_dtype:
+        _set_fsdp_reduce_dtype(accelerator, args.fsdp_reduce_dtype)
     say = training.main_process_print(accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     distributed = distributed_settings(accelerator)
@@ -181,6 +186,23 @@ def main():
         say(f"done: model in {run.final}, metrics in {run.metrics}, plots {', '.join(map(str, plots))}")
     del model, optimizer, scheduler
     training.finish(accelerator)
+
+
+def _set_fsdp_reduce_dtype(accelerator, name):
+    """Keep the FSDP mixed-precision policy, change only the dtype gradients are reduced in."""
+    import dataclasses
+
+    from fsdp_presets.errors import UsageError
+
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.distributed_type.value != "FSDP" or plugin is None:
+        raise UsageError("--fsdp-reduce-dtype needs an FSDP accelerate config")
+    if plugin.fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+    else:
+        from torch.distributed.fsdp import MixedPrecision as Policy
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy or Policy(), reduce_dtype=dtype)
 
 
 def _full(value):
