@@ -86,7 +86,7 @@ def test_round_off_within_fp32_tolerance_agrees(tmp_path):
     comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
     assert comparison.verdict == "within_tolerance"
     loss = comparison.metric("loss")
-    assert 0 < loss.max_deviation < compare.FP32_RELATIVE_TOLERANCE
+    assert 0 < loss.max_deviation < compare.FP32_RELATIVE_TOLERANCE["loss"]
     assert main(["compare", str(base), str(cand)]) == 0
 
 
@@ -133,14 +133,15 @@ def test_auto_tolerance_follows_precision(tmp_path):
     fp32 = compare.load_run(write_run(tmp_path / "fp32"))
     bf16 = compare.load_run(write_run(tmp_path / "bf16", precision="bf16"))
     bare = compare.load_run(write_run(tmp_path / "bare", run_json=False))
-    assert compare.auto_tolerance(fp32, fp32).loss == compare.FP32_RELATIVE_TOLERANCE
+    assert compare.auto_tolerance(fp32, fp32).loss == compare.FP32_RELATIVE_TOLERANCE["loss"]
+    assert compare.auto_tolerance(fp32, fp32).grad_norm == compare.FP32_RELATIVE_TOLERANCE["grad_norm"]
     # fp32 tolerance is "a few ulp": between 2 and 16 fp32 epsilons (2**-23).
-    assert 2 <= compare.FP32_RELATIVE_TOLERANCE / 2.0**-23 <= 16
+    assert 2 <= compare.FP32_RELATIVE_TOLERANCE["loss"] / 2.0**-23 <= 16
     assert compare.auto_tolerance(bf16, bf16).loss == compare.BF16_RELATIVE_TOLERANCE["loss"]
     assert compare.auto_tolerance(fp32, bf16).loss == compare.BF16_RELATIVE_TOLERANCE["loss"]
     assert compare.auto_tolerance(fp32, bf16).grad_norm == compare.BF16_RELATIVE_TOLERANCE["grad_norm"]
     unknown = compare.auto_tolerance(bare, bare)
-    assert unknown.loss == compare.FP32_RELATIVE_TOLERANCE and "unknown" in unknown.source
+    assert unknown.loss == compare.FP32_RELATIVE_TOLERANCE["loss"] and "unknown" in unknown.source
 
 
 def test_bf16_noise_passes_auto_but_fails_fp32(tmp_path):
@@ -148,7 +149,7 @@ def test_bf16_noise_passes_auto_but_fails_fp32(tmp_path):
     base = write_run(tmp_path / "a", precision="bf16")
     cand = write_run(tmp_path / "b", precision="bf16", losses=noisy)
     assert run_cli(base, cand) == 0
-    assert run_cli(base, cand, "--tolerance", str(compare.FP32_RELATIVE_TOLERANCE)) == 1
+    assert run_cli(base, cand, "--tolerance", str(compare.FP32_RELATIVE_TOLERANCE["loss"])) == 1
 
 
 @pytest.mark.parametrize("text", ["loose", "-1e-3", "1.5", "nan", "inf", ""])
@@ -401,7 +402,7 @@ def test_json_output(tmp_path, capsys):
     loss = next(m for m in result["metrics"] if m["metric"] == "loss")
     assert loss["first_divergent_step"] == 4 and loss["max_deviation"] == pytest.approx(1e-3, rel=2e-3)
     assert loss["at_first_divergence"]["deviation"] == pytest.approx(1e-3, rel=2e-3)
-    assert result["tolerance"]["loss"] == compare.FP32_RELATIVE_TOLERANCE
+    assert result["tolerance"]["loss"] == compare.FP32_RELATIVE_TOLERANCE["loss"]
     assert result["diagnosis"]
 
 
