@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdp_presets.errors import UsageError, closest_names
+from fsdp_presets.errors import UsageError, closest_names, unknown_name_message
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time (the CLI imports us lazily)
     from torch import nn
@@ -265,8 +265,9 @@ def _config_from_file(path: Path, *, trust_remote_code: bool) -> "PretrainedConf
 
 
 def load_config(source: str, *, trust_remote_code: bool = False) -> "PretrainedConfig":
-    """The transformers config of ``source``: a registry family name, a local model folder
-    (holding ``config.json``) or a ``config.json`` path. Nothing is downloaded.
+    """The transformers config of ``source``: a registry family name (its tiny debug config), a
+    local model folder (holding ``config.json``) or a ``config.json`` path. An existing path wins
+    over a family of the same name. Nothing is downloaded.
 
     Raises UsageError, with the fix, for anything that is not one of those.
     """
@@ -293,11 +294,9 @@ def load_config(source: str, *, trust_remote_code: bool = False) -> "PretrainedC
                 f"`hf download {source} config.json --local-dir DIR`, and pass DIR)"
             )
         raise UsageError(f"no such file or folder: {source}{hub_hint}")
-    guesses = closest_names(source, families.FAMILY_NAMES)
-    hint = f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
     raise UsageError(
-        f"unknown family {source!r}{hint} known: {', '.join(sorted(families.FAMILY_NAMES))} "
-        "(or pass a model folder or config.json path)"
+        unknown_name_message("family", source, families.FAMILY_NAMES)
+        + " (or pass a model folder or config.json path)"
     )
 
 
@@ -343,6 +342,22 @@ def _model_class_from_architectures(config: "PretrainedConfig"):
     return None
 
 
+def _model_class_by_name(config: "PretrainedConfig"):
+    """``XModel`` for an ``XConfig`` that no auto class maps: the towers of composite models
+    (``Blip2VisionConfig`` builds ``Blip2VisionModel``)."""
+    import transformers
+
+    name = type(config).__name__
+    if not name.endswith("Config"):
+        return None
+    try:
+        cls = getattr(transformers, name.removesuffix("Config") + "Model")
+    except Exception:  # noqa: BLE001 - lazy module raises AttributeError or import errors
+        return None
+    config_class = getattr(cls, "config_class", None)
+    return cls if config_class is not None and isinstance(config, config_class) else None
+
+
 def _auto_class_for(config: "PretrainedConfig", *, trust_remote_code: bool):
     """The first auto class that can build ``config`` (see ``_AUTO_CLASS_ORDER``)."""
     import transformers
@@ -366,13 +381,16 @@ def build_meta_model(config: "PretrainedConfig", *, trust_remote_code: bool = Fa
 
     The class is the one ``config.architectures`` names when transformers has it, otherwise the
     first auto class of ``_AUTO_CLASS_ORDER`` (seq2seq LM for encoder-decoders, masked LM,
-    causal LM, image-text-to-text, image classification, base model) that supports the config.
-    With ``trust_remote_code`` the config's own ``auto_map`` classes are used.
+    causal LM, image-text-to-text, image classification, base model) that supports the config,
+    otherwise ``XModel`` for an ``XConfig``. With ``trust_remote_code`` the config's own
+    ``auto_map`` classes are used.
     """
     import torch
 
     model_cls = None if trust_remote_code else _model_class_from_architectures(config)
     auto_cls = None if model_cls is not None else _auto_class_for(config, trust_remote_code=trust_remote_code)
+    if model_cls is None and auto_cls is None and not trust_remote_code:
+        model_cls = _model_class_by_name(config)
     if model_cls is None and auto_cls is None:
         raise UsageError(
             f"transformers has no model class for model_type {config.model_type!r} "
