@@ -236,6 +236,12 @@ def test_auto_class_follows_what_the_config_supports():
         config = families.tiny_config(name)
         config.architectures = None
         assert type(build_meta_model(config)).__name__ == architecture, name
+    # A tower of a composite model that no auto class maps: XConfig builds XModel.
+    tower = AutoConfig.for_model("blip_2_vision_model", hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4)
+    profile = profile_module(build_meta_model(tower))
+    assert profile.architecture == "Blip2VisionModel"
+    assert profile.units[0].cls == "Blip2EncoderLayer" and profile.num_blocks == 2
 
 
 # --------------------------------------------------------------------------- full size
