@@ -116,8 +116,13 @@ def pad_each(tokenized, seq_len: int, pad_token_id: int):
     return tokenized.map(pad_batch, batched=True, batch_size=_MAP_BATCH, keep_in_memory=True)
 
 
+def _first(records, count: int):
+    """The first ``count`` records (all when ``count`` is 0)."""
+    return records.select(range(min(count, len(records)))) if count else records
+
+
 def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, tokenizer, seq_len: int,
-                     packing: bool, seed: int):
+                     packing: bool, seed: int, max_eval_samples: int = 0):
     """``(train, eval)`` datasets of ``input_ids``/``labels`` (+ ``attention_mask`` unpacked)."""
     records = load_records(data, "--data")
     columns = causal_lm_columns(records, "--data", data)
@@ -130,6 +135,7 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
             raise UsageError(f"--data {data} holds {len(records)} record; give at least 2 or an --eval-data file")
         split = records.train_test_split(test_size=eval_fraction, seed=seed)
         records, eval_records = split["train"], split["test"]
+    eval_records = _first(eval_records, max_eval_samples)
     splits = []
     for name, part in (("--data", records), ("--eval-data" if eval_data else "held-out data", eval_records)):
         tokenized = tokenize_causal_lm(part, tokenizer, columns)
@@ -147,7 +153,7 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
 
 # ---- sequence classification ----
 def classification_splits(*, data: str, eval_data: str | None, eval_fraction: float, tokenizer,
-                          seq_len: int, seed: int) -> tuple[Any, Any, list[str]]:
+                          seq_len: int, seed: int, max_eval_samples: int = 0) -> tuple[Any, Any, list[str]]:
     """``(train, eval, label_names)``: ``input_ids``, ``attention_mask`` (padded to ``seq_len``)
     and integer ``labels``; label names are the sorted distinct values of the training labels."""
     records = load_records(data, "--data")
@@ -158,6 +164,7 @@ def classification_splits(*, data: str, eval_data: str | None, eval_fraction: fl
     else:
         split = records.train_test_split(test_size=eval_fraction, seed=seed)
         records, eval_records = split["train"], split["test"]
+    eval_records = _first(eval_records, max_eval_samples)
     label_names = sorted({str(label) for label in records["label"]})
     if len(label_names) < 2:
         raise UsageError(f"--data {data} has {len(label_names)} distinct label; classification needs at least 2")

@@ -32,6 +32,7 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--data", required=True, help="training data: JSONL/JSON, CSV, Parquet or plain text")
     add("--eval-data", help="evaluation data in the same format (default: hold out --eval-fraction)")
     add("--eval-fraction", type=float, default=0.05, help="share of --data held out when no --eval-data")
+    add("--max-eval-samples", type=int, default=0, help="evaluate on the first N evaluation records (0: all)")
     add("--output-dir", required=True, help="run folder: metrics.jsonl, checkpoints/, final/, plots/")
     add("--max-steps", type=int, default=100, help="optimizer steps to train in total")
     add("--micro-batch-size", type=int, default=2, help="samples per forward pass per rank")
@@ -58,7 +59,7 @@ def check_common_args(args: argparse.Namespace) -> None:
     for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "seq_len"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
+    for name in ("max_eval_samples", "warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if args.keep_last < 1:

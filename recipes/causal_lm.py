@@ -84,7 +84,8 @@ def main():
     with accelerator.main_process_first():
         train_set, eval_set = recipe_data.causal_lm_splits(
             data=args.data, eval_data=args.eval_data, eval_fraction=args.eval_fraction, tokenizer=tokenizer,
-            seq_len=args.seq_len, packing=not args.no_packing, seed=args.seed)
+            seq_len=args.seq_len, packing=not args.no_packing, seed=args.seed,
+            max_eval_samples=args.max_eval_samples)
     columns = ("input_ids", "labels") + (("attention_mask",) if args.no_packing else ())
     stream = training.SampleStream(len(train_set), seed=args.seed)
     global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size

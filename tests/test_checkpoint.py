@@ -1,0 +1,170 @@
+"""Checkpoint manager, metrics log and fault seam, in one process with a stand-in for the
+accelerator (the real accelerate/DCP paths run in tests/test_recipes.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_presets.checkpoint import (MANIFEST, CheckpointManager, Manifest, committed_checkpoints,
+                                     verify_checkpoint)
+from fsdp_presets.digest import sha256_file
+from fsdp_presets.errors import UsageError
+from fsdp_presets.faults import FAULT_ENV
+from fsdp_presets.metrics import MetricsLog, read_metrics, train_losses
+
+DISTRIBUTED = {"world_size": 1, "data_parallel_size": 1, "precision": "no", "distributed_type": "NO", "fsdp": None}
+
+
+class OneProcess:
+    """What CheckpointManager uses of an ``accelerate.Accelerator``, for one process. Its
+    ``save_state`` writes two files whose bytes depend on the step, like a model and optimizer."""
+
+    is_main_process = True
+    num_processes = 1
+    process_index = 0
+
+    def __init__(self):
+        self.saved = 0
+        self.loaded = []
+
+    def wait_for_everyone(self):
+        pass
+
+    def save_state(self, folder):
+        self.saved += 1
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"weights %d" % self.saved * 100)
+        (Path(folder) / "optimizer_0").mkdir()
+        (Path(folder) / "optimizer_0" / "__0_0.distcp").write_bytes(b"moments %d" % self.saved * 300)
+
+    def load_state(self, folder):
+        self.loaded.append(str(folder))
+
+
+def manager(tmp_path, keep_last=3, messages=None, digest="abc"):
+    return CheckpointManager(accelerator=OneProcess(), directory=tmp_path / "checkpoints", keep_last=keep_last,
+                             config_digest=digest, distributed=DISTRIBUTED,
+                             log=(messages.append if messages is not None else print))
+
+
+def test_save_commits_a_verified_checkpoint_with_its_manifest(tmp_path):
+    checkpoints = manager(tmp_path)
+    folder = checkpoints.save(step=4, samples_consumed=32, write_extra=lambda f: (f / "extra.json").write_text("{}"))
+    assert folder.name == "step-00000004"
+    assert [entry.name for entry in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]  # no temporary left
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["step"] == 4 and manifest["samples_consumed"] == 32 and manifest["config_digest"] == "abc"
+    assert manifest["world_size"] == 1 and manifest["distributed_type"] == "NO"
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer_0/__0_0.distcp", "extra.json"}
+    assert manifest["files"]["model.safetensors"]["sha256"] == sha256_file(folder / "model.safetensors")
+    assert verify_checkpoint(folder) == (Manifest.read(folder), None)
+
+
+def test_keep_last_prunes_the_oldest(tmp_path):
+    checkpoints = manager(tmp_path, keep_last=2)
+    for step in (2, 4, 6):
+        checkpoints.save(step=step, samples_consumed=step * 8)
+    assert [step for step, _ in committed_checkpoints(tmp_path / "checkpoints")] == [4, 6]
+    assert sorted(entry.name for entry in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda folder: (folder / "model.safetensors").write_bytes(b"weights 3" * 50), "model.safetensors has 450 bytes"),
+    (lambda folder: (folder / "model.safetensors").write_bytes(b"weights 9" * 100), "does not match its SHA-256"),
+    (lambda folder: (folder / "optimizer_0" / "__0_0.distcp").unlink(), "missing file optimizer_0/__0_0.distcp"),
+    (lambda folder: (folder / MANIFEST).unlink(), "no manifest.json"),
+    (lambda folder: (folder / MANIFEST).write_text("{not json"), "unreadable manifest.json"),
+], ids=["truncated", "tampered", "missing-file", "no-manifest", "bad-manifest"])
+def test_latest_valid_skips_a_damaged_checkpoint_and_says_why(tmp_path, damage, expected):
+    messages = []
+    checkpoints = manager(tmp_path, messages=messages)
+    checkpoints.save(step=2, samples_consumed=16)
+    newest = checkpoints.save(step=3, samples_consumed=24)
+    damage(newest)
+    assert checkpoints.latest_valid() == tmp_path / "checkpoints" / "step-00000002"
+    assert len(messages) == 1 and "step-00000003" in messages[0] and expected in messages[0], messages
+
+
+def test_interrupted_save_is_ignored_with_a_message(tmp_path, monkeypatch):
+    messages = []
+    checkpoints = manager(tmp_path, messages=messages)
+    checkpoints.save(step=2, samples_consumed=16)
+    monkeypatch.setenv(FAULT_ENV, "raise-during-save:step=4")
+    with pytest.raises(RuntimeError, match="injected fault at during-save, step 4"):
+        checkpoints.save(step=4, samples_consumed=32)
+    partial = tmp_path / "checkpoints" / ".tmp-step-00000004"
+    assert (partial / "model.safetensors").is_file() and not (partial / MANIFEST).exists()
+    monkeypatch.delenv(FAULT_ENV)
+    assert checkpoints.latest_valid() == tmp_path / "checkpoints" / "step-00000002"
+    assert any(".tmp-step-00000004" in message and "did not finish" in message for message in messages)
+    assert not partial.exists()  # removed after the message
+    assert checkpoints.save(step=4, samples_consumed=32).is_dir()  # and the step can be saved again
+
+
+def test_resolve_and_load(tmp_path):
+    checkpoints = manager(tmp_path)
+    assert checkpoints.resolve("auto") is None  # nothing saved yet: start fresh
+    folder = checkpoints.save(step=5, samples_consumed=40)
+    assert checkpoints.resolve("none") is None
+    assert checkpoints.resolve("auto") == folder
+    assert checkpoints.resolve(str(folder)) == folder
+    with pytest.raises(UsageError, match="no such folder"):
+        checkpoints.resolve(str(tmp_path / "nowhere"))
+    (folder / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(UsageError, match="model.safetensors has 1 bytes"):
+        checkpoints.resolve(str(folder))
+    other = manager(tmp_path / "other", digest="another model")
+    folder = other.save(step=1, samples_consumed=8)
+    assert other.load(folder).samples_consumed == 8 and other.accelerator.loaded == [str(folder)]
+    with pytest.raises(UsageError, match="checkpoint is of another model"):
+        manager(tmp_path / "other").load(folder)
+
+
+@pytest.mark.parametrize("spec", ["explode-during-save", "kill-during-save:stp=3", "kill-during-save:step=x"])
+def test_fault_spec_errors_are_clear(monkeypatch, spec):
+    from fsdp_presets.faults import fault_point
+
+    monkeypatch.setenv(FAULT_ENV, spec)
+    with pytest.raises(ValueError, match=FAULT_ENV):
+        fault_point("during-save", step=3, rank=0)
+
+
+def test_fault_point_only_fires_at_its_point_step_and_rank(monkeypatch):
+    from fsdp_presets.faults import fault_point
+
+    monkeypatch.setenv(FAULT_ENV, "raise-during-save:step=3:rank=1")
+    fault_point("during-save", step=3, rank=0)
+    fault_point("during-save", step=2, rank=1)
+    fault_point("before-step", step=3, rank=1)
+    with pytest.raises(RuntimeError):
+        fault_point("during-save", step=3, rank=1)
+
+
+def test_metrics_log_drops_lines_after_the_resumed_step(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, enabled=True, keep_through_step=0)
+    log.log_eval(step=0, eval_loss=3.0, perplexity=20.1)
+    for step in range(1, 7):
+        log.log_train(step=step, loss=1.0 / step, lr=1e-3, grad_norm=0.5, tokens_per_s=10.0, step_time_s=0.1,
+                      samples_seen=8 * step)
+        if step == 4:
+            log.log_eval(step=4, eval_loss=2.0, perplexity=7.4)
+    with open(path, "a") as handle:
+        handle.write('{"kind": "train", "step": 7, "lo')  # the line a kill cut short
+    assert max(train_losses(path)) == 6
+    MetricsLog(path, enabled=True, keep_through_step=4)
+    records = read_metrics(path)
+    assert [(record["kind"], record["step"]) for record in records] == [
+        ("eval", 0), ("train", 1), ("train", 2), ("train", 3), ("train", 4), ("eval", 4)]
+    assert path.read_text().endswith("}\n")
+    MetricsLog(path, enabled=True, keep_through_step=0)  # a fresh start in the folder
+    assert read_metrics(path) == []
+
+
+def test_metrics_log_on_other_ranks_writes_nothing(tmp_path):
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=False, keep_through_step=0)
+    log.log_eval(step=0, eval_loss=1.0)
+    assert not (tmp_path / "metrics.jsonl").exists()

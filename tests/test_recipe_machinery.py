@@ -1,0 +1,178 @@
+"""Data position, weight-decay groups, data loading/masking/packing and run-folder checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_presets import training
+from fsdp_presets.data import IGNORE_INDEX, causal_lm_splits, classification_splits
+from fsdp_presets.errors import UsageError
+from fsdp_presets.run_folder import check_output_dir, write_run_json
+from recipe_helpers import SFT_TRAIN, tiny_bert, tiny_llama
+
+
+def global_order(stream, *, steps, micro, accumulation, dp, start=0):
+    """The samples each optimizer step trains on, in (micro-step, rank) order, over all ranks."""
+    order, consumed = [], start
+    for _ in range(steps):
+        step = []
+        per_rank = [training.rank_micro_batches(stream, samples_consumed=consumed, micro_batch_size=micro,
+                                                accumulation_steps=accumulation, rank=rank,
+                                                data_parallel_size=dp) for rank in range(dp)]
+        for micro_step in range(accumulation):
+            for rank in range(dp):
+                step += per_rank[rank][micro_step]
+        order.append(step)
+        consumed += micro * accumulation * dp
+    return order
+
+
+def test_data_position_is_the_same_for_every_split_of_the_global_batch():
+    stream = training.SampleStream(37, seed=5)
+    one_rank = global_order(stream, steps=12, micro=8, accumulation=1, dp=1)
+    for micro, accumulation, dp in ((4, 1, 2), (2, 2, 2), (1, 2, 4), (2, 4, 1)):
+        assert global_order(stream, steps=12, micro=micro, accumulation=accumulation, dp=dp) == one_rank
+    # each epoch is a permutation: 37 samples x 2 epochs, every sample exactly twice in the first 74
+    flat = [index for step in one_rank for index in step]
+    assert sorted(flat[:74]) == sorted(list(range(37)) * 2)
+    assert flat[:37] != list(range(37))  # shuffled
+    # resuming at a sample count continues the same stream, whatever the new split
+    resumed = global_order(stream, steps=6, micro=2, accumulation=1, dp=4, start=6 * 8)
+    assert resumed == one_rank[6:]
+    assert training.SampleStream(37, seed=6).indices(0, 37) != stream.indices(0, 37)
+
+
+def test_eval_batches_cover_each_sample_once_with_equal_batches_on_every_rank():
+    for samples, micro, dp in ((10, 2, 2), (7, 3, 2), (1, 4, 3)):
+        per_rank = [training.eval_micro_batches(samples, micro_batch_size=micro, rank=rank, data_parallel_size=dp)
+                    for rank in range(dp)]
+        assert len({len(batches) for batches in per_rank}) == 1
+        assert all(len(batch) == micro for batches in per_rank for batch in batches)
+        counted = sorted(index for batches in per_rank for batch in batches for index, counts in batch if counts)
+        assert counted == list(range(samples))
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "llama", tied=True))
+    decay, plain = training.param_groups(model, 0.1)
+    names = {id(param): name for name, param in model.named_parameters()}
+    plain_names = {names[id(param)] for param in plain["params"]}
+    decay_names = {names[id(param)] for param in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert "model.embed_tokens.weight" in plain_names  # tied with lm_head: listed once
+    assert len(plain["params"]) + len(decay["params"]) == len(list(model.parameters()))
+    assert all("norm" in name or "embed" in name for name in plain_names)
+    assert all(name.endswith(".weight") and "norm" not in name for name in decay_names)
+    assert "model.layers.0.self_attn.q_proj.weight" in decay_names
+    bert = AutoModelForSequenceClassification.from_pretrained(tiny_bert(tmp_path / "bert"))
+    decay, plain = training.param_groups(bert, 0.1)
+    names = {id(param): name for name, param in bert.named_parameters()}
+    plain_names = {names[id(param)] for param in plain["params"]}
+    assert {"bert.embeddings.word_embeddings.weight", "bert.embeddings.LayerNorm.weight",
+            "classifier.bias", "bert.encoder.layer.0.attention.self.query.bias"} <= plain_names
+    assert "classifier.weight" in {names[id(param)] for param in decay["params"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llama(tmp_path_factory.mktemp("tok") / "llama"))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_prompt_tokens_are_masked_and_samples_packed(tmp_path, tokenizer):
+    rows = [{"prompt": "which part : and god said", "response": " law"}] * 6
+    data = write_jsonl(tmp_path / "sft.jsonl", rows)
+    train, held_out = causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=tokenizer,
+                                       seq_len=8, packing=True, seed=0)
+    prompt = tokenizer("which part : and god said")["input_ids"]
+    response = tokenizer(" law", add_special_tokens=False)["input_ids"]
+    sample = prompt + response + [tokenizer.eos_token_id]
+    stream_ids = [token for row in train["input_ids"] for token in row]
+    stream_labels = [token for row in train["labels"] for token in row]
+    assert all(len(row) == 8 for row in train["input_ids"]) and len(train) == len(sample) * 6 // 8
+    assert stream_ids == (sample * 6)[:len(stream_ids)]
+    expected = [IGNORE_INDEX] * len(prompt) + response + [tokenizer.eos_token_id]
+    assert stream_labels == (expected * 6)[:len(stream_labels)]
+    unpacked, _ = causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=tokenizer,
+                                   seq_len=16, packing=False, seed=0)
+    assert unpacked[0]["labels"] == expected + [IGNORE_INDEX] * (16 - len(sample))
+    assert unpacked[0]["attention_mask"] == [1] * len(sample) + [0] * (16 - len(sample))
+
+
+def test_text_data_learns_every_token_and_plain_text_loads(tmp_path, tokenizer):
+    text = tmp_path / "book.txt"
+    text.write_text("in the beginning god created the heaven and the earth .\n" * 20)
+    train, held_out = causal_lm_splits(data=str(text), eval_data=None, eval_fraction=0.1, tokenizer=tokenizer,
+                                       seq_len=8, packing=True, seed=0)
+    assert train["input_ids"] == train["labels"] and len(held_out) >= 1
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"question": "a", "answer": "b"}\n', r"has columns \['question', 'answer'\], missing \['text'\]"),
+    ('{"prompt": "a"}\n{"prompt": "b"}\n', r"missing \['response'\]"),
+    ('{"text": 3}\n{"text": 4}\n', "column 'text' holds int64, expected text"),
+    ("", "is empty"),
+    ("[]", "holds no records|cannot be read"),
+], ids=["wrong-columns", "prompt-only", "numbers", "empty", "no-records"])
+def test_bad_causal_lm_data_is_a_usage_error(tmp_path, tokenizer, content, message):
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        causal_lm_splits(data=str(path), eval_data=None, eval_fraction=0.5, tokenizer=tokenizer, seq_len=8,
+                         packing=True, seed=0)
+
+
+def test_too_little_text_for_one_block(tmp_path, tokenizer):
+    data = write_jsonl(tmp_path / "short.jsonl", [{"text": "god said"}] * 2)
+    with pytest.raises(UsageError, match="too little text for one block of --seq-len 64"):
+        causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=tokenizer, seq_len=64,
+                         packing=True, seed=0)
+
+
+def test_classification_labels_are_numbered_in_sorted_order(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bert(tmp_path / "bert"))
+    rows = [{"text": "and god said", "label": "law"}, {"text": "blessed are the poor", "label": "gospels"}] * 4
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    train, held_out, names = classification_splits(data=data, eval_data=data, eval_fraction=0.1,
+                                                   tokenizer=tokenizer, seq_len=12, seed=0)
+    assert names == ["gospels", "law"] and train["labels"][:2] == [1, 0]
+    assert len(train[0]["input_ids"]) == 12 and train[0]["input_ids"][0] == tokenizer.cls_token_id
+    bad_eval = write_jsonl(tmp_path / "eval.jsonl", [{"text": "x", "label": "poetry"}])
+    with pytest.raises(UsageError, match=r"evaluation labels \['poetry'\] never occur"):
+        classification_splits(data=data, eval_data=bad_eval, eval_fraction=0.1, tokenizer=tokenizer,
+                              seq_len=12, seed=0)
+    no_label = write_jsonl(tmp_path / "nolabel.jsonl", [{"text": "x"}])
+    with pytest.raises(UsageError, match=r"missing \['label'\]"):
+        classification_splits(data=no_label, eval_data=None, eval_fraction=0.1, tokenizer=tokenizer,
+                              seq_len=12, seed=0)
+
+
+IDENTITY = {"recipe": "causal_lm", "model": "/m", "data_sha256": "d", "seed": 1, "seq_len": 64}
+
+
+def test_output_dir_holding_another_run_is_refused(tmp_path):
+    assert check_output_dir(tmp_path / "new", IDENTITY, "auto").root == tmp_path / "new"
+    assert not (tmp_path / "new").exists()
+    run = check_output_dir(tmp_path / "run", IDENTITY, "auto")
+    write_run_json(run, IDENTITY)
+    assert check_output_dir(tmp_path / "run", IDENTITY, "auto") == run  # same run: resume
+    with pytest.raises(UsageError, match="already holds this run; pass --resume auto"):
+        check_output_dir(tmp_path / "run", IDENTITY, "none")
+    with pytest.raises(UsageError, match="holds another run .*seed 1 there, 2 now"):
+        check_output_dir(tmp_path / "run", {**IDENTITY, "seed": 2}, "auto")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(UsageError, match="not empty and holds no run"):
+        check_output_dir(tmp_path / "notes", IDENTITY, "auto")
