@@ -1,0 +1,141 @@
+"""``fsdp-presets check CONFIG.yaml [--model MODEL]``: every problem in an accelerate config, at once,
+before a launch wastes cluster time.
+
+    fsdp-presets check my_fsdp.yaml --model path/to/model
+    fsdp-presets check accelerate_configs/*.yaml          # generated presets name their model
+    fsdp-presets check my_fsdp.yaml --json
+
+The file is loaded the way ``accelerate launch`` loads it (and the FSDP plugin built from it), then
+checked against accelerate's own key lists, the model and the planner. Each finding has a stable
+rule id (:data:`fsdp_presets.lint.RULES`). Exit status: 0 no errors (warnings do not fail), 1 errors,
+2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "check accelerate FSDP configs: unknown keys, FSDP1/2 mix-ups, wrap classes, HSDP sizes, memory"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("configs", metavar="CONFIG.yaml", nargs="*", help="accelerate config files")
+    add("--model", metavar="MODEL", help="the model the config trains (family, folder or config.json); default: the "
+        "model a generated preset names in its header")
+    add("--json", action="store_true", help="print the findings as JSON")
+    add("--device", choices=("gpu", "cpu"), help="the host the config is for (default: the preset's header, else gpu)")
+    add("--gpu-memory", type=float, default=80.0, metavar="GiB", help="memory of one GPU for the planner rules "
+        "(default 80)")
+    add("--host-memory", type=float, default=1024.0, metavar="GiB", help="host RAM of one node for the state-dict, "
+        "loading and offload rules (default 1024: 8-GPU nodes carry 1-2 TiB)")
+    add("--seq-len", type=int, help="sequence length for the planner rules (default: the preset's, else 2048)")
+    add("--list-rules", action="store_true", help="list the rule ids and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+    import math
+    import os
+    from pathlib import Path
+
+    from fsdp_presets.errors import UsageError
+
+    if args.list_rules:
+        from fsdp_presets.lint import RULES
+
+        for rule, (severity, what) in RULES.items():
+            print(f"{rule:34} {severity:8} {what}")
+        return 0
+    problems = [] if args.configs else ["give at least one CONFIG.yaml"]
+    for name in ("gpu_memory", "host_memory"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            problems.append(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value}")
+    if args.seq_len is not None and args.seq_len < 1:
+        problems.append(f"--seq-len must be >= 1, got {args.seq_len}")
+    missing = [path for path in args.configs if not Path(path).is_file()]
+    if missing:
+        problems.append(f"no such file: {', '.join(missing)}")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+    from fsdp_presets.lint import CheckContext, check_file, model_facts
+
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    explicit = model_facts(args.model) if args.model else None
+    cache: dict = {}
+    documents, failed, lines = [], False, []
+    for path in args.configs:
+        facts, model_note = explicit, None
+        if facts is None:
+            facts, model_note = _model_from_header(path, cache, model_facts)
+        context = CheckContext(model=facts, device=args.device, gpu_memory_gib=args.gpu_memory,
+                               host_memory_gib=args.host_memory, seq_len=args.seq_len)
+        report, view = check_file(path, context=context)
+        failed = failed or not report.ok
+        document = report.to_json()
+        document["model"] = facts.source if facts else None
+        document["accelerate"] = None if view is None else {
+            "distributed_type": view.distributed_type, "num_processes": view.num_processes,
+            "num_machines": view.num_machines, "mixed_precision": view.mixed_precision,
+            "fsdp": view.fsdp_settings(), "parallelism": view.parallelism_sizes(),
+        }
+        documents.append(document)
+        lines += _human(report, view, facts, model_note)
+    if args.json:
+        print(json.dumps({"ok": not failed, "files": documents}, indent=2))
+    else:
+        print("\n".join(lines))
+    return 1 if failed else 0
+
+
+def _model_from_header(path, cache: dict, model_facts):
+    """The model a generated preset names in its metadata line, when it can be profiled here."""
+    from pathlib import Path
+
+    from fsdp_presets.emit import read_metadata
+    from fsdp_presets.errors import UsageError
+
+    try:
+        metadata = read_metadata(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError):
+        return None, None
+    source = (metadata.get("request") or {}).get("model")
+    if not source:
+        return None, "no --model: the class and memory rules were skipped"
+    if source not in cache:
+        try:
+            cache[source] = (model_facts(source), None)
+        except UsageError as error:
+            cache[source] = (None, f"the header's model {source} could not be loaded ({error}); class and memory "
+                                   "rules skipped (pass --model)")
+    facts, note = cache[source]
+    return facts, note or f"model {source} (from the file's header)"
+
+
+def _human(report, view, facts, model_note) -> list[str]:
+    errors, warnings = len(report.errors), len(report.warnings)
+    status = "ok" if report.ok else "FAILED"
+    counts = f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}"
+    lines = [f"{report.path}: {status} ({counts})"]
+    if model_note:
+        lines.append(f"  {model_note}")
+    if view is not None:
+        settings = view.fsdp_settings()
+        text = f"  accelerate loads it: {view.distributed_type}, {view.num_processes} processes on " \
+               f"{view.num_machines} node{'s' if view.num_machines != 1 else ''}, mixed precision {view.mixed_precision}"
+        if settings:
+            sharding = (f"reshard_after_forward {settings['reshard_after_forward']}" if settings["fsdp_version"] == 2
+                        else settings["sharding_strategy"])
+            text += (f"; FSDP{settings['fsdp_version']} {sharding}, wraps "
+                     f"{','.join(settings['transformer_cls_names_to_wrap']) or 'nothing'}, {settings['state_dict_type']}")
+        if view.parallelism_sizes():
+            sizes = view.parallelism_sizes()
+            text += f", HSDP {sizes['dp_replicate_size']}x{sizes['dp_shard_size']}"
+        lines.append(text)
+    for item in report.findings:
+        where = f" [{item.key}]" if item.key else ""
+        lines.append(f"  {item.severity:7} {item.rule}{where}: {item.message}")
+        lines.append(f"          fix: {item.fix}")
+    return lines

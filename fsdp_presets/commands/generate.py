@@ -1,0 +1,219 @@
+"""``fsdp-presets generate MODEL --gpus N -o FILE.yaml``: an Accelerate FSDP config for this model
+on this cluster, with a header saying why, and optionally its DDP baseline.
+
+    fsdp-presets generate model_configs/llama-3.1-8b --gpus 8 -o accelerate_configs/llama_1x8.yaml
+    fsdp-presets generate model_configs/llama-3.1-8b --gpus 16 --nodes 2 --seq-len 4096 \\
+        --global-batch 1M --baseline ddp -o accelerate_configs/llama_2x8.yaml
+    fsdp-presets generate --from accelerate_configs/llama_2x8.yaml --gpus 8 -o llama_1x8.yaml   # rescale
+    fsdp-presets generate llama --device cpu --gpus 2 --seq-len 64 -o cpu.yaml                  # CPU host
+
+Every ``auto`` choice comes from the planner (see :mod:`fsdp_presets.presets`). Rescaling
+(``--from``) re-decides for the new GPU count keeping the global batch and prints what changed.
+Files are written only after everything is decided and the text has been loaded back through
+accelerate's own config loader; each is written to a temporary file and moved into place, so an
+existing file is never half-overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "generate an Accelerate FSDP config (and its DDP baseline) for a model and a GPU count"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("model", metavar="MODEL", nargs="?", help="a family name, a local model folder, or a config.json path")
+    add("-o", "--output", required=True, metavar="FILE.yaml", help="the accelerate config to write")
+    add("--from", dest="from_file", metavar="PRESET.yaml",
+        help="rescale a generated preset: keep its model, choices and global batch, re-decide for --gpus/--nodes")
+    add("--gpus", type=int, help="GPUs in the whole job (with --device cpu: processes)")
+    add("--nodes", type=int, help="machines the GPUs are spread over, the same number on each (default 1)")
+    add("--device", choices=("gpu", "cpu"), help="gpu (default) or cpu: a CPU-only host (demos, CI; fp32, no offload)")
+    add("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU in GiB (default 80)")
+    add("--host-memory", type=float, metavar="GiB",
+        help="host RAM of one node in GiB (default 1024; --device cpu: 16, shared by the node's processes)")
+    add("--precision", choices=("auto", "bf16", "fp16", "fp32"), help="mixed precision (default auto: bf16 on GPUs)")
+    add("--strategy", choices=("auto", "full", "grad-op", "hybrid", "no-shard"),
+        help="sharding (default auto: FULL_SHARD on one node, HYBRID_SHARD across nodes when it fits)")
+    add("--fsdp-version", type=int, choices=(1, 2), help="FSDP version (default 2)")
+    add("--state-dict", choices=("sharded", "full"), help="checkpoint format (default sharded: DCP)")
+    add("--activation-checkpointing", choices=("auto", "on", "off"), help="default auto: only when needed to fit")
+    add("--offload", choices=("auto", "on", "off"), help="CPU offload (default auto: only when nothing fits otherwise)")
+    add("--seq-len", type=int, help="tokens per sequence (default 2048, capped by the model's positions)")
+    add("--global-batch", metavar="SAMPLES|TOKENS",
+        help="per optimizer step: sequences (256) or tokens (1M, 512K, 524288tok); default 0.5M tokens")
+    add("--micro-batch", type=int, help="sequences per GPU per step (default: the largest that fits and divides)")
+    add("--baseline", choices=("ddp",), help="also write the matching DDP config (default next to -o: NAME.ddp.yaml)")
+    add("--baseline-output", metavar="FILE.yaml", help="where --baseline ddp writes (default NAME.ddp.yaml)")
+    add("--launch-model", metavar="DIR", help="model folder the header's launch command names (default MODEL_DIR)")
+    add("--launch-data", metavar="FILE", help="data file the header's launch command names (default DATA.jsonl)")
+
+
+_REQUEST_FLAGS = {
+    # argparse dest -> PresetRequest field
+    "gpus": "gpus", "nodes": "nodes", "device": "device", "gpu_memory": "gpu_memory_gib",
+    "host_memory": "host_memory_gib", "precision": "precision", "strategy": "strategy",
+    "fsdp_version": "fsdp_version", "state_dict": "state_dict", "activation_checkpointing": "activation_checkpointing",
+    "offload": "offload", "seq_len": "seq_len", "global_batch": "global_batch", "micro_batch": "micro_batch",
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fsdp_presets.emit import LaunchHints, default_baseline_path, launch_words, read_metadata
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.presets import PresetRequest, describe_changes, rescale_request
+
+    given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
+    problems = []
+    if args.baseline_output and not args.baseline:
+        problems.append("--baseline-output needs --baseline ddp")
+    if not str(args.output).endswith((".yaml", ".yml")):
+        problems.append(f"-o {args.output}: give a .yaml file name (accelerate reads YAML configs)")
+    old = None
+    if args.from_file:
+        if args.model:
+            problems.append("give MODEL or --from PRESET.yaml, not both (the preset names its model)")
+        try:
+            old = read_metadata(Path(args.from_file).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as error:
+            problems.append(f"--from {args.from_file}: cannot read it ({error})")
+        else:
+            if old is None or old.get("kind") != "fsdp" or "request" not in old:
+                problems.append(f"--from {args.from_file}: no '# fsdp-presets:' line of an FSDP preset in its header; "
+                                "only files written by `fsdp-presets generate` can be rescaled")
+                old = None
+    elif not args.model:
+        problems.append("give a MODEL (family name, model folder or config.json), or --from PRESET.yaml")
+    if not args.from_file and args.gpus is None:
+        problems.append("--gpus is required")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+    if old is not None:
+        old_request = PresetRequest.from_json(old["request"])
+        if "gpus" not in given and "nodes" in given:
+            given["gpus"] = old_request.gpus // old_request.nodes * given["nodes"]  # same GPUs per node
+        if "gpus" in given and "nodes" not in given and old_request.nodes > 1 and \
+                given["gpus"] % old_request.gpus_per_node == 0:
+            given["nodes"] = given["gpus"] // old_request.gpus_per_node  # same GPUs per node
+        elif "gpus" in given and "nodes" not in given:
+            given["nodes"] = 1
+        kept = old["summary"]["global_batch"]
+        if "global_batch" not in given and "gpus" in given and kept % given["gpus"]:
+            fitting = [n for n in range(1, 4 * kept + 1) if kept % n == 0 and abs(n - given["gpus"]) <= given["gpus"]]
+            raise UsageError(f"rescaling keeps the global batch of {kept} sequences, which does not divide over "
+                             f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
+                             f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
+        request = rescale_request(old_request, old["summary"], **given)
+        stored = old.get("launch") or {}
+        launch = LaunchHints(model=args.launch_model or stored.get("model"), data=args.launch_data or stored.get("data"))
+    else:
+        request = PresetRequest(model=args.model, **given)
+        launch = LaunchHints(model=args.launch_model, data=args.launch_data)
+
+    output = str(args.output)
+    baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None
+    if baseline_output is not None and Path(baseline_output).resolve() == Path(output).resolve():
+        raise UsageError(f"--baseline-output {baseline_output} is the same file as -o {output}")
+
+    profile = load_profile(request.model)
+    files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch)
+    if old is not None and preset.batch.global_samples != old["summary"]["global_batch"]:
+        raise UsageError(f"rescaling changed the global batch from {old['summary']['global_batch']} to "
+                         f"{preset.batch.global_samples} sequences; pass --global-batch to choose one")
+    write_files({Path(path): text for path, text in files.items()})
+
+    summary = preset.summary()
+    if old is not None:
+        print(f"rescaled {args.from_file} -> {output}: global batch {summary['global_batch']} sequences kept")
+        for line in describe_changes(old["summary"], summary) or ["nothing changed"]:
+            print(f"  {line}")
+    print(f"wrote {output}: {preset.parallelism.label} (FSDP{preset.parallelism.fsdp_version}), "
+          f"{summary['precision']}, activation checkpointing {'on' if summary['activation_checkpointing'] else 'off'}"
+          f", offload {'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
+          f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
+    if baseline_output:
+        print(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
+    for note in preset.notes:
+        print(f"note: {note}")
+    print("launch: " + " ".join(launch_words(preset, config_file=output, launch=launch)))
+    return 0
+
+
+def load_profile(source: str):
+    """The model's profile, with transformers' advisory warnings silenced."""
+    from transformers.utils import logging as hf_logging
+
+    from fsdp_presets.profile import profile_model
+
+    hf_logging.set_verbosity_error()
+    return profile_model(source)
+
+
+def render_files(profile, request, *, output: str, baseline_output: str | None, launch):
+    """``({path: text}, preset)``: decide and render, nothing written. The texts are checked with
+    the config rules first: a generated file that fails them is a bug, never written."""
+    import yaml
+
+    from fsdp_presets.emit import render_ddp_baseline, render_preset
+    from fsdp_presets.lint import CheckContext, lint_config
+    from fsdp_presets.presets import decide
+
+    preset = decide(profile, request)
+    files = {output: render_preset(preset, output=output, baseline_output=baseline_output, launch=launch)}
+    if baseline_output is not None:
+        files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
+                                                     launch=launch)
+    for path, text in files.items():
+        errors = [item for item in lint_config(yaml.safe_load(text), context=CheckContext(device=request.device))
+                  if item.severity == "error"]
+        if errors:
+            raise RuntimeError(f"generated {path} fails its own checks (a bug in fsdp-presets): "
+                               + "; ".join(f"{item.rule}: {item.message}" for item in errors))
+    return files, preset
+
+
+def _file_mode(path) -> int:
+    """The existing file's mode, else what the umask gives a new file (mkstemp makes 0600)."""
+    import os
+
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_files(files: dict) -> None:
+    """Write every file through a temporary file in its folder, each loaded back through
+    accelerate's own loader before it replaces anything (``os.replace`` is atomic)."""
+    import os
+    import tempfile
+
+    from fsdp_presets.lint import AccelerateRejected, accelerate_view
+
+    staged = []
+    try:
+        for path, text in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            staged.append((temporary, path))
+            os.chmod(temporary, _file_mode(path))
+            with os.fdopen(handle, "w", encoding="utf-8") as stream:
+                stream.write(text)
+            try:
+                accelerate_view(temporary)
+            except AccelerateRejected as error:
+                raise RuntimeError(f"accelerate rejects the generated {path} (a bug in fsdp-presets): {error}") from None
+        for temporary, path in staged:
+            os.replace(temporary, path)
+        staged = []
+    finally:
+        for temporary, _ in staged:
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,865 @@
+"""Check an accelerate config before a launch wastes cluster time: every problem at once.
+
+Accelerate refuses unknown top-level keys, but it copies every ``fsdp_config`` and
+``parallelism_config`` entry onto its launch arguments without looking: a misspelled or stale key
+is silently ignored, and a wrong class name fails only once the job holds its GPUs. This module
+reports each problem as a :class:`Finding` (stable rule id, severity, message, fix)::
+
+    report = check_file("accelerate_configs/llama-3.1-8b_1x8.yaml", context=CheckContext(model=facts))
+    report.errors        # findings that fail the check (exit 1); warnings do not
+
+Two layers:
+
+* :func:`lint_config` (pure): the parsed YAML against accelerate's own key lists and value sets
+  (read from accelerate itself, so they follow its version), the model (``--model``) and the
+  planner.
+* :func:`accelerate_view`: the file loaded exactly as ``accelerate launch`` does
+  (``load_config_from_file``, its argument merge, ``prepare_multi_gpu_env``) and the
+  ``FullyShardedDataParallelPlugin`` and ``ParallelismConfig`` accelerate builds from that
+  environment; whatever accelerate raises becomes an ``accelerate-rejects`` finding.
+
+Rule ids are stable (the docs cite them): see :data:`RULES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+from fsdp_presets.errors import closest_names
+from fsdp_presets.planner import GiB, Hardware, TrainingShape, plan
+from fsdp_presets.presets import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB, full_state_dict_host_bytes
+from fsdp_presets.profile import ModelProfile
+
+Severity = Literal["error", "warning"]
+
+RULES = MappingProxyType({
+    # rule id: (severity, what it catches)
+    "yaml-invalid": ("error", "the file is not YAML, or not a mapping of accelerate settings"),
+    "accelerate-rejects": ("error", "accelerate's own loader, launcher or FSDP plugin raises on the file"),
+    "unknown-key": ("error", "a top-level key accelerate does not know (accelerate refuses the whole file)"),
+    "unknown-fsdp-key": ("error", "an fsdp_config key accelerate does not know (silently ignored)"),
+    "unknown-parallelism-key": ("error", "a parallelism_config key accelerate does not know (silently ignored)"),
+    "invalid-value": ("error", "a value accelerate does not accept (enumerations, booleans, counts)"),
+    "fsdp-version-missing": ("warning", "no fsdp_version: accelerate launch falls back to FSDP1"),
+    "fsdp1-key-under-fsdp2": ("error", "an FSDP1-only key in an FSDP2 config: ignored (or refused)"),
+    "fsdp2-key-under-fsdp1": ("error", "an FSDP2-only key in an FSDP1 config: ignored (or refused)"),
+    "hsdp-needs-fsdp2": ("error", "parallelism_config with FSDP1: accelerate launch refuses it"),
+    "hsdp-size-mismatch": ("error", "HSDP replicate x shard sizes do not multiply to num_processes"),
+    "hsdp-shard-spans-nodes": ("error", "the HSDP shard size does not fit the GPUs of one node"),
+    "machines-do-not-divide": ("error", "num_processes is not a multiple of num_machines"),
+    "no-wrap-policy": ("warning", "FSDP without an auto-wrap policy: the whole model is one unit"),
+    "wrap-classes-unset": ("warning", "TRANSFORMER_BASED_WRAP without classes: accelerate guesses from "
+                                      "_no_split_modules"),
+    "no-split-modules-missing": ("error", "classes left to _no_split_modules include some the model lacks"),
+    "wrap-class-format": ("error", "fsdp_transformer_layer_cls_to_wrap is not a comma-separated string of names"),
+    "wrap-class-not-in-model": ("error", "a wrap class that does not exist in the model (--model)"),
+    "wrap-class-not-a-block": ("warning", "a wrap class that is in the model but is not one of its blocks"),
+    "ignored-modules": ("error", "fsdp_ignored_modules set: those parameters are not gradient-synchronised"),
+    "ram-efficient-loading-needs-sync": ("error", "RAM-efficient loading with fsdp_sync_module_states false "
+                                                  "(accelerate launch refuses it)"),
+    "ram-efficient-loading-off": ("error", "every process loads the full model: more than the node's host RAM"),
+    "full-state-dict-host-memory": ("error", "FULL_STATE_DICT gathers more than rank 0's host RAM"),
+    "offload-host-memory": ("error", "the offloaded model states of a node exceed its host RAM"),
+    "offload-on-cpu": ("error", "CPU offload in a config for a CPU-only host"),
+    "fp32-does-not-fit": ("warning", "fp32 does not fit the GPUs (bf16 would)"),
+    "does-not-fit": ("warning", "the planner finds the config does not fit the GPUs at micro-batch 1"),
+    "fp16-on-bf16-model": ("warning", "fp16 mixed precision on a model trained in bf16"),
+    "fsdp-config-ignored": ("warning", "fsdp_config in a config whose distributed_type is not FSDP"),
+})
+"""Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
+
+FSDP1_ONLY_KEYS = ("fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
+                   "fsdp_use_orig_params", "fsdp_sync_module_states")
+FSDP2_ONLY_KEYS = ("fsdp_reshard_after_forward", "fsdp_activation_checkpointing_offload")
+_BOOLEAN_FSDP_KEYS = ("fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states",
+                      "fsdp_use_orig_params", "fsdp_forward_prefetch", "fsdp_activation_checkpointing",
+                      "fsdp_activation_checkpointing_offload")
+# accelerate.utils.str_to_bool's spellings.
+_TRUE = ("y", "yes", "t", "true", "on", "1")
+_FALSE = ("n", "no", "f", "false", "off", "0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One problem in a config."""
+
+    rule: str
+    """Stable rule id, a key of :data:`RULES`."""
+    severity: Severity
+    """``error`` fails the check; ``warning`` does not."""
+    message: str
+    """What is wrong, with the values involved."""
+    fix: str
+    """What to change."""
+    key: str | None = None
+    """Where: ``fsdp_config.fsdp_version``, ``num_processes``; None for the whole file."""
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"unknown rule id {self.rule!r}")
+        if self.severity not in ("error", "warning"):
+            raise ValueError(f"severity must be error or warning, got {self.severity!r}")
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "severity": self.severity, "key": self.key, "message": self.message,
+                "fix": self.fix}
+
+
+def finding(rule: str, message: str, fix: str, key: str | None = None) -> Finding:
+    """A finding with the rule's own severity."""
+    return Finding(rule=rule, severity=RULES[rule][0], message=message, fix=fix, key=key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the checker knows about the model the config will train (``--model``)."""
+
+    source: str
+    """What the user named (family, folder, config.json)."""
+    profile: ModelProfile
+    """The model's FSDP anatomy."""
+    module_classes: frozenset[str]
+    """Class names of every module in the built model (for "did you mean")."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckContext:
+    """Everything besides the file that the rules read."""
+
+    model: ModelFacts | None = None
+    """The model, when ``--model`` was given (enables the class and memory rules)."""
+    device: Literal["gpu", "cpu"] | None = None
+    """``cpu`` for a CPU-only host; None: the file's fsdp-presets metadata, else ``gpu``."""
+    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
+    """Memory of one GPU, for the planner rules."""
+    host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB["gpu"]
+    """Host RAM of one node (rank 0's node), for the state-dict, loading and offload rules."""
+    seq_len: int | None = None
+    """Sequence length for the planner rules; None: the file's metadata, else 2048."""
+    metadata: dict | None = None
+    """The file's ``# fsdp-presets:`` document, when it has one."""
+
+    def __post_init__(self) -> None:
+        if self.device not in (None, "gpu", "cpu"):
+            raise ValueError(f"device must be gpu or cpu, got {self.device!r}")
+        if not (self.gpu_memory_gib > 0 and self.host_memory_gib > 0):
+            raise ValueError("memory sizes must be positive")
+
+
+@dataclass(kw_only=True)
+class CheckReport:
+    """The findings of one file."""
+
+    path: str
+    """The file checked."""
+    findings: list[Finding] = field(default_factory=list)
+    """Every problem found, errors first."""
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "warning"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def rules(self) -> set[str]:
+        return {item.rule for item in self.findings}
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "errors": len(self.errors), "warnings": len(self.warnings),
+                "findings": [item.to_json() for item in self.findings]}
+
+
+# --------------------------------------------------------------------------- accelerate's own lists
+
+
+def known_top_level_keys() -> frozenset[str]:
+    """Keys ``ClusterConfig.from_yaml_file`` accepts (plus the legacy ones its ``process_config``
+    converts)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    return frozenset(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+
+
+def _launch_dests() -> frozenset[str]:
+    from accelerate.commands.launch import launch_command_parser
+
+    return frozenset(action.dest for action in launch_command_parser()._actions)
+
+
+def known_fsdp_keys() -> frozenset[str]:
+    """``fsdp_config`` keys accelerate acts on: its ``accelerate launch --fsdp_*`` arguments, plus
+    ``fsdp_ignored_modules`` (read from the config by ``prepare_multi_gpu_env``)."""
+    return frozenset(dest for dest in _launch_dests() if dest.startswith("fsdp_")) | {"fsdp_ignored_modules"}
+
+
+def known_parallelism_keys() -> frozenset[str]:
+    return frozenset(dest for dest in _launch_dests() if dest.startswith("parallelism_config_"))
+
+
+def _enumerations() -> dict[str, tuple[str, ...]]:
+    from accelerate.utils.constants import (
+        FSDP_AUTO_WRAP_POLICY,
+        FSDP_BACKWARD_PREFETCH,
+        FSDP_SHARDING_STRATEGY,
+        FSDP_STATE_DICT_TYPE,
+    )
+
+    return {
+        "fsdp_auto_wrap_policy": tuple(FSDP_AUTO_WRAP_POLICY),
+        "fsdp_backward_prefetch": tuple(FSDP_BACKWARD_PREFETCH),
+        "fsdp_sharding_strategy": tuple(FSDP_SHARDING_STRATEGY),
+        "fsdp_state_dict_type": tuple(FSDP_STATE_DICT_TYPE),
+    }
+
+
+def _distributed_types() -> tuple[str, ...]:
+    from accelerate.utils import DistributedType
+
+    return tuple(item.value for item in DistributedType)
+
+
+def _precisions() -> tuple[str, ...]:
+    from accelerate.utils import PrecisionType
+
+    return tuple(PrecisionType.list())
+
+
+# --------------------------------------------------------------------------- the pure rules
+
+
+def _boolean(value: Any) -> bool | None:
+    """accelerate's reading of a boolean setting; None when it is not one."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    return None
+
+
+def _whole(value: Any) -> int | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def _did_you_mean(name: str, known) -> str:
+    guesses = closest_names(name, sorted(known))
+    return f" (did you mean {' or '.join(repr(g) for g in guesses)}?)" if guesses else ""
+
+
+def _rename(name: str, known) -> str:
+    """``rename it to 'x'`` when a known name is close, else ``remove it``."""
+    guesses = closest_names(name, sorted(known), limit=1)
+    return f"rename it to {guesses[0]!r}" if guesses else "remove it"
+
+
+def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[Finding]:
+    """Every problem the rules find in a parsed accelerate config (``yaml.safe_load`` output)."""
+    if not isinstance(config, dict):
+        return [finding("yaml-invalid", f"the file holds {type(config).__name__}, not a mapping of settings",
+                        "write accelerate's keys (`accelerate config` or `fsdp-presets generate`)")]
+    findings: list[Finding] = []
+    findings += _top_level(config)
+    distributed_type = str(config.get("distributed_type", ""))
+    fsdp = config.get("fsdp_config") or {}
+    parallelism = config.get("parallelism_config") or {}
+    if not isinstance(fsdp, dict):
+        findings.append(finding("invalid-value", f"fsdp_config must be a mapping, got {type(fsdp).__name__}",
+                                "indent the fsdp_* keys under fsdp_config:", "fsdp_config"))
+        fsdp = {}
+    if not isinstance(parallelism, dict):
+        findings.append(finding("invalid-value", "parallelism_config must be a mapping",
+                                "indent the parallelism_config_* keys under parallelism_config:", "parallelism_config"))
+        parallelism = {}
+    # accelerate adds the prefix to fsdp_config keys that lack it (launch.py: "fsdp_" + key).
+    fsdp = {(key if str(key).startswith("fsdp") else f"fsdp_{key}"): value for key, value in fsdp.items()}
+    processes, machines = _whole(config.get("num_processes", 1)), _whole(config.get("num_machines", 1))
+    layout_ok = processes is not None and machines is not None and processes >= 1 and machines >= 1
+    if layout_ok and processes % machines:
+        findings.append(finding(
+            "machines-do-not-divide",
+            f"num_processes {processes} is not a multiple of num_machines {machines}: accelerate starts "
+            f"num_processes // num_machines = {processes // machines} processes per node, "
+            f"{processes // machines * machines} in all",
+            f"set num_processes to a multiple of {machines} (e.g. {max(1, processes // machines) * machines})",
+            "num_processes"))
+    if distributed_type != "FSDP":
+        if fsdp:
+            findings.append(finding("fsdp-config-ignored", f"distributed_type is {distributed_type or 'unset'}: "
+                                    "fsdp_config is ignored", "set distributed_type: FSDP, or drop fsdp_config",
+                                    "fsdp_config"))
+        return _sorted(findings)
+
+    version = _whole(fsdp.get("fsdp_version"))
+    if "fsdp_version" not in fsdp:
+        findings.append(finding("fsdp-version-missing", "fsdp_config has no fsdp_version: `accelerate launch` "
+                                "defaults to FSDP1 (FullyShardedDataParallel)", "add fsdp_version: 2 (or 1 to keep "
+                                "FSDP1 explicitly)", "fsdp_config"))
+        version = 1
+    elif version not in (1, 2):
+        findings.append(finding("invalid-value", f"fsdp_version {fsdp['fsdp_version']!r} is not 1 or 2",
+                                "set fsdp_version: 2", "fsdp_config.fsdp_version"))
+        version = None
+    findings += _fsdp_keys(fsdp, version)
+    findings += _parallelism(parallelism, version, processes if layout_ok else None, machines if layout_ok else None)
+    findings += _wrapping(fsdp, context)
+    if fsdp.get("fsdp_ignored_modules"):
+        findings.append(finding(
+            "ignored-modules", f"fsdp_ignored_modules is set ({fsdp['fsdp_ignored_modules']!r}): FSDP neither "
+            "shards nor gradient-synchronises ignored parameters, so each rank updates its own copy and the "
+            "replicas drift apart", "remove fsdp_ignored_modules; keep embeddings and heads in FSDP units (the "
+            "root or tail unit holds them)", "fsdp_config.fsdp_ignored_modules"))
+    ram_efficient = _boolean(fsdp.get("fsdp_cpu_ram_efficient_loading", True))
+    sync = _boolean(fsdp.get("fsdp_sync_module_states", True))
+    if ram_efficient and sync is False:
+        findings.append(finding(
+            "ram-efficient-loading-needs-sync", "fsdp_cpu_ram_efficient_loading is true but "
+            "fsdp_sync_module_states is false: accelerate launch refuses this (ranks other than 0 start with empty "
+            "weights that only the sync fills)", "set fsdp_sync_module_states: true (or remove it)",
+            "fsdp_config.fsdp_sync_module_states"))
+    findings += _device_and_memory(config, fsdp, parallelism, version, context,
+                                   processes if layout_ok else None, machines if layout_ok else None)
+    return _sorted(findings)
+
+
+def _sorted(findings: list[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda item: item.severity != "error")
+
+
+def _top_level(config: dict) -> list[Finding]:
+    findings = []
+    known = known_top_level_keys()
+    for key in config:
+        if key not in known:
+            findings.append(finding(
+                "unknown-key", f"unknown top-level key {key!r}{_did_you_mean(str(key), known)}: accelerate refuses "
+                "the whole file ('had unknown keys')", _rename(str(key), known), str(key)))
+    distributed_types = _distributed_types()
+    if "distributed_type" not in config:
+        findings.append(finding("invalid-value", "no distributed_type (accelerate requires one)",
+                                "add distributed_type: FSDP", "distributed_type"))
+    elif str(config["distributed_type"]) not in distributed_types:
+        findings.append(finding(
+            "invalid-value", f"distributed_type {config['distributed_type']!r} is not one of accelerate's"
+            f"{_did_you_mean(str(config['distributed_type']), distributed_types)}",
+            f"use one of {', '.join(distributed_types)}", "distributed_type"))
+    precision = config.get("mixed_precision", "no")
+    if str(precision).lower() not in _precisions() and precision is not False:
+        findings.append(finding("invalid-value", f"mixed_precision {precision!r} is not one of {_precisions()}",
+                                "use bf16, fp16 or 'no' (quoted: a bare no is YAML false)", "mixed_precision"))
+    for key in ("num_processes", "num_machines"):
+        if key in config and (_whole(config[key]) is None or _whole(config[key]) < 1):
+            findings.append(finding("invalid-value", f"{key} {config[key]!r} must be a whole number >= 1",
+                                    f"set {key} to a count", key))
+    rank, machines = _whole(config.get("machine_rank", 0)), _whole(config.get("num_machines", 1))
+    if rank is None or (machines and not 0 <= rank < machines):
+        findings.append(finding("invalid-value", f"machine_rank {config.get('machine_rank')!r} must be 0 .. "
+                                f"num_machines - 1", "set machine_rank: 0 in the file; pass --machine_rank on each "
+                                "node's launch command", "machine_rank"))
+    return findings
+
+
+def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
+    findings = []
+    known = known_fsdp_keys()
+    enumerations = _enumerations()
+    for key, value in fsdp.items():
+        where = f"fsdp_config.{key}"
+        if key not in known:
+            findings.append(finding(
+                "unknown-fsdp-key", f"unknown fsdp_config key {key!r}{_did_you_mean(key, known)}: accelerate "
+                "ignores it silently, so the setting you meant is not applied", _rename(key, known), where))
+            continue
+        if key in enumerations and value is not None:
+            allowed = enumerations[key]
+            text = str(value).upper()
+            if key == "fsdp_sharding_strategy" and _whole(value) in range(1, len(allowed) + 1):
+                continue  # accelerate also takes the 1-based index
+            if text not in allowed:
+                findings.append(finding("invalid-value", f"{key} {value!r} is not one of {', '.join(allowed)}"
+                                        f"{_did_you_mean(text, allowed)}", f"use one of {', '.join(allowed)}", where))
+        if key in _BOOLEAN_FSDP_KEYS and _boolean(value) is None:
+            findings.append(finding("invalid-value", f"{key} {value!r} is not true or false", "write true or false",
+                                    where))
+        if key == "fsdp_min_num_params" and _whole(value) is None:
+            findings.append(finding("invalid-value", f"{key} {value!r} is not a whole number",
+                                    "write a parameter count", where))
+        if key == "fsdp_reshard_after_forward" and version == 2 and _boolean(value) is None:
+            findings.append(finding("invalid-value", f"fsdp_reshard_after_forward {value!r}: FSDP2 takes true "
+                                    "(FULL_SHARD) or false (SHARD_GRAD_OP)", "write true or false", where))
+        if version == 2 and key in FSDP1_ONLY_KEYS:
+            effect = {
+                "fsdp_sharding_strategy": "FSDP2 ignores it and shards as fsdp_reshard_after_forward says "
+                                          "(true: FULL_SHARD, false: SHARD_GRAD_OP; HSDP via parallelism_config)",
+                "fsdp_backward_prefetch": "FSDP2 ignores it (it always prefetches the next unit in backward)",
+                "fsdp_forward_prefetch": "FSDP2 ignores it (accelerate refuses forward_prefetch for FSDP2 when set "
+                                         "in code)",
+                "fsdp_use_orig_params": "FSDP2 always uses the original parameters",
+                "fsdp_sync_module_states": "FSDP2 has no module-state sync (RAM-efficient loading broadcasts "
+                                           "rank 0's weights instead)",
+            }[key]
+            findings.append(finding("fsdp1-key-under-fsdp2", f"{key} is an FSDP1 setting in an FSDP2 config: {effect}",
+                                    "remove it" + (" and set fsdp_reshard_after_forward" if key ==
+                                                   "fsdp_sharding_strategy" else ""), where))
+        if version == 1 and key in FSDP2_ONLY_KEYS:
+            effect = {
+                "fsdp_reshard_after_forward": "FSDP1 ignores it: `accelerate launch` always passes "
+                                              "fsdp_sharding_strategy (default FULL_SHARD), which wins",
+                "fsdp_activation_checkpointing_offload": "accelerate refuses it with FSDP1",
+            }[key]
+            findings.append(finding("fsdp2-key-under-fsdp1", f"{key} is an FSDP2 setting in an FSDP1 config: {effect}",
+                                    "remove it (FSDP1 shards as fsdp_sharding_strategy says), or set fsdp_version: 2",
+                                    where))
+    if version == 2 and str(fsdp.get("fsdp_state_dict_type", "")).upper() == "LOCAL_STATE_DICT":
+        findings.append(finding("invalid-value", "LOCAL_STATE_DICT does not exist in FSDP2 (accelerate raises)",
+                                "use SHARDED_STATE_DICT", "fsdp_config.fsdp_state_dict_type"))
+    return findings
+
+
+def _parallelism(parallelism: dict, version: int | None, processes: int | None, machines: int | None) -> list[Finding]:
+    if not parallelism:
+        return []
+    findings = []
+    known = known_parallelism_keys()
+    for key in parallelism:
+        if key not in known:
+            findings.append(finding(
+                "unknown-parallelism-key", f"unknown parallelism_config key {key!r}{_did_you_mean(str(key), known)}: "
+                "accelerate ignores it silently", _rename(str(key), known), f"parallelism_config.{key}"))
+    if version == 1:
+        findings.append(finding("hsdp-needs-fsdp2", "parallelism_config with fsdp_version 1: accelerate launch "
+                                "refuses it ('You cannot use --use_parallelism_config without ... fsdp_version=2')",
+                                "set fsdp_version: 2, or drop parallelism_config and use fsdp_sharding_strategy: "
+                                "HYBRID_SHARD", "parallelism_config"))
+    sizes = {}
+    for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        key = f"parallelism_config_{name}"
+        value = parallelism.get(key, 1)
+        number = _whole(value)
+        if number is None or number < 1:
+            findings.append(finding("invalid-value", f"{key} {value!r} must be a whole number >= 1",
+                                    "write a size", f"parallelism_config.{key}"))
+            return findings
+        sizes[name] = number
+    if processes is None:
+        return findings
+    product = sizes["dp_replicate_size"] * sizes["dp_shard_size"] * sizes["tp_size"] * sizes["cp_size"] * sizes["sp_size"]
+    if product != processes:
+        findings.append(finding(
+            "hsdp-size-mismatch", f"parallelism sizes multiply to {product} (replicate {sizes['dp_replicate_size']} x "
+            f"shard {sizes['dp_shard_size']}" + ("" if product == sizes['dp_replicate_size'] * sizes['dp_shard_size']
+                                                 else " x tp/cp/sp") + f") but num_processes is {processes}: "
+            "accelerate refuses the mesh at start-up", f"make replicate x shard = {processes} (HSDP: replicate = "
+            f"num_machines {machines}, shard = GPUs per node {processes // max(machines, 1)})", "parallelism_config"))
+    per_node = processes // machines if machines and processes % machines == 0 else None
+    shard = sizes["dp_shard_size"] * sizes["tp_size"] * sizes["cp_size"] * sizes["sp_size"]
+    if per_node and machines > 1 and (shard > per_node or per_node % shard):
+        findings.append(finding(
+            "hsdp-shard-spans-nodes", f"HSDP shard groups of {sizes['dp_shard_size']} GPUs do not fit the "
+            f"{per_node} GPUs of one node (num_processes {processes} / num_machines {machines}): parameter "
+            "all-gathers cross the network every step, which HSDP exists to avoid",
+            f"shard inside a node: parallelism_config_dp_shard_size: {per_node}, parallelism_config_dp_replicate_size: "
+            f"{machines}", "parallelism_config.parallelism_config_dp_shard_size"))
+    return findings
+
+
+def _wrap_names(fsdp: dict) -> tuple[list[str] | None, list[Finding]]:
+    value = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    where = "fsdp_config.fsdp_transformer_layer_cls_to_wrap"
+    if value is None:
+        return None, []
+    if not isinstance(value, str):
+        return None, [finding("wrap-class-format", f"fsdp_transformer_layer_cls_to_wrap is a "
+                              f"{type(value).__name__} ({value!r}): accelerate passes str(value) on, so no class "
+                              "would match", "write one string, names separated by commas: "
+                              "LlamaDecoderLayer,LlamaMLP", where)]
+    names = value.split(",")  # accelerate splits on "," and does not strip
+    findings = []
+    if any(name != name.strip() or not name for name in names):
+        findings.append(finding("wrap-class-format", f"fsdp_transformer_layer_cls_to_wrap {value!r} has spaces or "
+                                "empty names: accelerate splits on ',' without stripping, so ' X' matches no class",
+                                f"write {','.join(n.strip() for n in names if n.strip())}", where))
+    return [name.strip() for name in names if name.strip()], findings
+
+
+def _wrapping(fsdp: dict, context: CheckContext) -> list[Finding]:
+    findings = []
+    policy = str(fsdp.get("fsdp_auto_wrap_policy") or "NO_WRAP").upper()
+    names, format_findings = _wrap_names(fsdp)
+    findings += format_findings
+    model = context.model
+    if policy == "NO_WRAP":
+        findings.append(finding("no-wrap-policy", "no auto-wrap policy: FSDP makes the whole model one unit, "
+                                "all-gathered whole for every forward and backward (no memory saved over DDP at the "
+                                "peak)", "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP and the block classes",
+                                "fsdp_config.fsdp_auto_wrap_policy"))
+    if policy == "TRANSFORMER_BASED_WRAP" and not names and not format_findings:
+        declared = list(model.profile.structure.get("no_split_modules") or []) if model else []
+        missing = model.profile.missing_no_split if model else []
+        if model and missing:
+            present = [name for name in declared if name not in missing]
+            findings.append(finding(
+                "no-split-modules-missing", f"no fsdp_transformer_layer_cls_to_wrap, so accelerate takes the "
+                f"model's _no_split_modules ({', '.join(declared)}), which names {', '.join(missing)} that "
+                f"{model.profile.architecture} does not contain: older accelerate versions raise 'Could not find "
+                "the transformer layer class', newer ones skip the name" + (
+                    " and wrap nothing" if not present else f" and wrap {', '.join(present)} only"),
+                f"set fsdp_transformer_layer_cls_to_wrap: {','.join(model.profile.wrap_classes)}",
+                "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+        else:
+            hint = (f": {', '.join(declared)}" if declared else "")
+            findings.append(finding(
+                "wrap-classes-unset", "TRANSFORMER_BASED_WRAP without fsdp_transformer_layer_cls_to_wrap: accelerate "
+                f"wraps the classes the model's _no_split_modules declares{hint}; what gets wrapped then depends on "
+                "the model code, not on this file", "name the block classes explicitly" + (
+                    f": {','.join(model.profile.wrap_classes)}" if model else " (`fsdp-presets inspect MODEL`)"),
+                "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+    if names and model:
+        for name in names:
+            if name not in model.module_classes:
+                findings.append(finding(
+                    "wrap-class-not-in-model", f"wrap class {name!r} does not exist in {model.profile.architecture} "
+                    f"({model.source}){_did_you_mean(name, model.module_classes)}: accelerate raises 'Could not find "
+                    "the transformer layer class' once the job has started",
+                    f"use the model's blocks: {','.join(model.profile.wrap_classes)}",
+                    "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+            elif name not in model.profile.wrap_classes:
+                findings.append(finding(
+                    "wrap-class-not-a-block", f"wrap class {name!r} is in the model but is not one of its blocks "
+                    f"({', '.join(model.profile.wrap_classes)}): FSDP units that do not follow the blocks gather "
+                    "more often or hold more than one block at a time", f"wrap the blocks: "
+                    f"{','.join(model.profile.wrap_classes)}", "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+    return findings
+
+
+def _device(config: dict, context: CheckContext) -> str:
+    if context.device:
+        return context.device
+    request = (context.metadata or {}).get("request") or {}
+    return "cpu" if request.get("device") == "cpu" else "gpu"
+
+
+def _device_and_memory(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
+    findings = []
+    device = _device(config, context)
+    offload = _boolean(fsdp.get("fsdp_offload_params", False))
+    if device == "cpu" and offload:
+        findings.append(finding("offload-on-cpu", "fsdp_offload_params: true in a config for a CPU-only host: "
+                                "parameters already live in host memory and torch fails ('Cannot access accelerator "
+                                "device')", "set fsdp_offload_params: false", "fsdp_config.fsdp_offload_params"))
+    model = context.model
+    if model is None or processes is None or not machines or processes % machines:
+        return findings
+    profile = model.profile
+    host = context.host_memory_gib * GiB
+    per_node = processes // machines
+    state_dict = str(fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT")).upper()
+    if state_dict == "FULL_STATE_DICT" and full_state_dict_host_bytes(profile) > host:
+        findings.append(finding(
+            "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
+            f"at every save: about {full_state_dict_host_bytes(profile) / GiB:.0f} GiB for "
+            f"{profile.total_params / 1e9:.2f}B parameters (fp32 weights + Adam moments), more than "
+            f"--host-memory {context.host_memory_gib:g} GiB" + (" (it is also accelerate's default when the key is "
+                                                                 "missing)" if "fsdp_state_dict_type" not in fsdp
+                                                                 else ""),
+            "set fsdp_state_dict_type: SHARDED_STATE_DICT (export full weights afterwards with accelerate "
+            "merge-weights)", "fsdp_config.fsdp_state_dict_type"))
+    if device == "gpu" and _boolean(fsdp.get("fsdp_cpu_ram_efficient_loading", True)) is False:
+        weight_bytes = 4 if profile.structure.get("config_dtype") in (None, "float32") else 2
+        need = per_node * profile.total_params * weight_bytes
+        if need > host:
+            findings.append(finding(
+                "ram-efficient-loading-off", f"fsdp_cpu_ram_efficient_loading: false makes each of a node's {per_node} "
+                f"processes load the full pretrained model into host RAM: about {need / GiB:.0f} GiB, more than "
+                f"--host-memory {context.host_memory_gib:g} GiB", "set fsdp_cpu_ram_efficient_loading: true (only "
+                "rank 0 reads the weights)", "fsdp_config.fsdp_cpu_ram_efficient_loading"))
+    if device != "gpu":
+        return findings
+
+    # The planner's view of this config on GPUs of --gpu-memory.
+    strategy, hardware = _planner_strategy(fsdp, parallelism, version, processes, machines, context)
+    if strategy is None:
+        return findings
+    metadata_request = (context.metadata or {}).get("request") or {}
+    summary = (context.metadata or {}).get("summary") or {}
+    seq_len = context.seq_len or summary.get("seq_len") or metadata_request.get("seq_len") or 2048
+    if profile.dims.max_position_embeddings:
+        seq_len = min(seq_len, profile.dims.max_position_embeddings)
+    precision = {"no": "fp32", "fp8": "bf16"}.get(str(config.get("mixed_precision", "no")).lower(),
+                                                  str(config.get("mixed_precision", "no")).lower())
+    if precision not in ("bf16", "fp16", "fp32"):
+        precision = "fp32"
+    shape = TrainingShape(seq_len=seq_len, micro_batch=1, precision=precision,
+                          activation_checkpointing=bool(_boolean(fsdp.get("fsdp_activation_checkpointing", False))),
+                          offload=bool(offload))
+    name, fsdp_version = strategy
+    row = plan(profile, hardware, shape).get(name, fsdp_version)
+    if offload and row.model_state.total * per_node > host:
+        findings.append(finding(
+            "offload-host-memory", f"fsdp_offload_params: true keeps {row.model_state.total / GiB:.1f} GiB of model "
+            f"states per rank in host RAM, {row.model_state.total * per_node / GiB:.0f} GiB for a node's {per_node} "
+            f"processes: more than --host-memory {context.host_memory_gib:g} GiB",
+            "shard over more GPUs (more nodes), or use nodes with more RAM", "fsdp_config.fsdp_offload_params"))
+    if not row.fits:
+        where = f"{row.label} on {processes} GPUs of {context.gpu_memory_gib:g} GiB, sequence {seq_len}"
+        lower = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
+        if precision == "fp32" and lower.fits:
+            findings.append(finding(
+                "fp32-does-not-fit", f"mixed_precision 'no' (fp32): {where} needs {row.per_gpu.total / GiB:.1f} GiB "
+                f"per GPU of {hardware.usable_bytes / GiB:.1f} usable at micro-batch 1; bf16 needs "
+                f"{lower.per_gpu.total / GiB:.1f}", "set mixed_precision: bf16", "mixed_precision"))
+        else:
+            findings.append(finding(
+                "does-not-fit", f"{where} needs {row.per_gpu.total / GiB:.1f} GiB per GPU of "
+                f"{hardware.usable_bytes / GiB:.1f} usable at micro-batch 1",
+                "`fsdp-presets plan` / `fsdp-presets generate` for what fits (activation checkpointing, offload, "
+                "more GPUs)", None))
+    if precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
+        findings.append(finding(
+            "fp16-on-bf16-model", f"mixed_precision fp16 on {profile.architecture}, trained in bf16: bf16 weights and "
+            "activations can exceed fp16's range (max 65504) and overflow", "set mixed_precision: bf16",
+            "mixed_precision"))
+    return findings
+
+
+def _planner_strategy(fsdp, parallelism, version, processes, machines, context):
+    """(strategy name, fsdp version) and Hardware for the planner, or (None, None)."""
+    if version not in (1, 2):
+        return None, None
+    try:
+        hardware = Hardware(gpus=processes, nodes=machines, gpu_memory_bytes=int(context.gpu_memory_gib * GiB))
+    except Exception:  # noqa: BLE001 - a layout the other rules already report
+        return None, None
+    if version == 2:
+        replicate = _whole((parallelism or {}).get("parallelism_config_dp_replicate_size", 1)) or 1
+        if replicate > 1 and machines > 1:
+            return ("HYBRID_SHARD", 2), hardware
+        reshard = _boolean(fsdp.get("fsdp_reshard_after_forward", True))
+        return (("FULL_SHARD" if reshard is not False else "SHARD_GRAD_OP"), 2), hardware
+    strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"):
+        return (("HYBRID_SHARD", 1), hardware) if machines > 1 else (("FULL_SHARD", 1), hardware)
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        return (strategy, 1), hardware
+    return None, None
+
+
+# --------------------------------------------------------------------------- accelerate's view
+
+
+class AccelerateRejected(Exception):
+    """Accelerate's own loading of the file raised: the message is accelerate's."""
+
+
+@dataclass(kw_only=True)
+class AccelerateView:
+    """What ``accelerate launch`` makes of a config file on this host."""
+
+    distributed_type: str
+    """``FSDP``, ``MULTI_GPU``, ...: after accelerate's loader."""
+    num_processes: int
+    """Processes in the whole job."""
+    num_machines: int
+    """Nodes."""
+    mixed_precision: str
+    """``ACCELERATE_MIXED_PRECISION`` the launcher exports."""
+    env: dict[str, str]
+    """Environment variables the launcher sets for the training processes."""
+    fsdp_plugin: Any = None
+    """The ``FullyShardedDataParallelPlugin`` built from that environment (FSDP configs)."""
+    parallelism: Any = None
+    """The ``ParallelismConfig`` built from it (HSDP configs), else None."""
+
+    def fsdp_settings(self) -> dict | None:
+        """The plugin's settings as plain values (for tests and ``check --json``)."""
+        plugin = self.fsdp_plugin
+        if plugin is None:
+            return None
+
+        def name(value):
+            return getattr(value, "name", value) if value is not None else None
+
+        offload = plugin.cpu_offload
+        offload_params = getattr(offload, "offload_params", None)
+        if offload_params is None:  # FSDP2: an OffloadPolicy; CPUOffloadPolicy means on
+            offload_params = type(offload).__name__ == "CPUOffloadPolicy"
+        return {
+            "fsdp_version": plugin.fsdp_version,
+            "reshard_after_forward": plugin.reshard_after_forward if plugin.fsdp_version == 2 else None,
+            "sharding_strategy": name(plugin.sharding_strategy),
+            "state_dict_type": name(plugin.state_dict_type),
+            "auto_wrap_policy": getattr(plugin.auto_wrap_policy, "__name__", plugin.auto_wrap_policy),
+            "transformer_cls_names_to_wrap": list(plugin.transformer_cls_names_to_wrap or []),
+            "activation_checkpointing": bool(plugin.activation_checkpointing),
+            "cpu_ram_efficient_loading": bool(plugin.cpu_ram_efficient_loading),
+            "offload_params": bool(offload_params),
+            "sync_module_states": plugin.sync_module_states,
+            "use_orig_params": plugin.use_orig_params,
+            "forward_prefetch": plugin.forward_prefetch,
+            "backward_prefetch": name(plugin.backward_prefetch),
+            "ignored_modules": plugin.ignored_modules,
+        }
+
+    def parallelism_sizes(self) -> dict | None:
+        if self.parallelism is None:
+            return None
+        return {"dp_replicate_size": self.parallelism.dp_replicate_size, "dp_shard_size": self.parallelism.dp_shard_size}
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]):
+    """``os.environ`` with ``values`` set, restored exactly afterwards (the plugin reads it)."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu_host():
+    """accelerate refuses FSDP1 ``sync_module_states`` when it finds no accelerator; building the
+    plugin here only reads the config, so it is built as on the GPU node the config is meant for."""
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+
+    original = accelerate_dataclasses.get_torch_accelerator_backend
+    if original()[0] is not None:
+        yield
+        return
+    accelerate_dataclasses.get_torch_accelerator_backend = lambda *args, **kwargs: ("cuda", None)
+    try:
+        yield
+    finally:
+        accelerate_dataclasses.get_torch_accelerator_backend = original
+
+
+def accelerate_view(path: str | os.PathLike) -> AccelerateView:
+    """Load ``path`` as ``accelerate launch --config_file PATH script.py`` does, and build the FSDP
+    plugin and parallelism config from the environment it prepares. Raises AccelerateRejected
+    with accelerate's message when any of that raises."""
+    import logging
+
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    accelerate_logger = logging.getLogger("accelerate")
+    level = accelerate_logger.level
+    accelerate_logger.setLevel(logging.ERROR)  # its launch warnings are for launches, not for a check
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+            args, defaults, _ = _validate_launch_command(args)
+            distributed_type = str(getattr(defaults.distributed_type, "value", defaults.distributed_type))
+            env: dict[str, str] = {}
+            plugin = parallelism = None
+            if args.use_fsdp or args.multi_gpu:
+                args.main_process_port = 0  # a free port: the check must not depend on who holds 29500
+                prepared = prepare_multi_gpu_env(args)
+                env = {key: value for key, value in prepared.items() if os.environ.get(key) != value}
+            if args.use_fsdp:
+                from accelerate.utils import FullyShardedDataParallelPlugin
+
+                with _environment(env), _as_on_a_gpu_host():
+                    plugin = FullyShardedDataParallelPlugin()
+                    if env.get("ACCELERATE_USE_PARALLELISM_CONFIG") == "true":
+                        from accelerate.parallelism_config import ParallelismConfig
+
+                        parallelism = ParallelismConfig()
+    except SystemExit as error:  # argparse
+        raise AccelerateRejected(f"accelerate's argument parser exited ({error})") from None
+    except Exception as error:  # noqa: BLE001 - accelerate raises ValueError, KeyError, RuntimeError, ...
+        text = " ".join(str(error).split())
+        raise AccelerateRejected(f"{type(error).__name__}: {text}") from None
+    finally:
+        accelerate_logger.setLevel(level)
+    return AccelerateView(
+        distributed_type=distributed_type,
+        num_processes=int(args.num_processes or 1),
+        num_machines=int(args.num_machines or 1),
+        mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", str(args.mixed_precision)),
+        env=env,
+        fsdp_plugin=plugin,
+        parallelism=parallelism,
+    )
+
+
+# --------------------------------------------------------------------------- a file
+
+
+def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext()) -> tuple[CheckReport, AccelerateView | None]:
+    """Every finding for the file at ``path``, and accelerate's view of it (None when it refuses)."""
+    import dataclasses
+
+    import yaml
+
+    from fsdp_presets.emit import read_metadata
+
+    report = CheckReport(path=str(path))
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        report.findings.append(finding("yaml-invalid", f"cannot read {path}: {error}", "pass an accelerate config "
+                                       "file"))
+        return report, None
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        report.findings.append(finding("yaml-invalid", f"not valid YAML: {' '.join(str(error).split())}",
+                                       "fix the YAML syntax"))
+        return report, None
+    if context.metadata is None:
+        context = dataclasses.replace(context, metadata=read_metadata(text))
+    report.findings += lint_config(config, context=context)
+    view = None
+    if isinstance(config, dict):
+        try:
+            view = accelerate_view(path)
+        except AccelerateRejected as error:
+            report.findings.append(finding("accelerate-rejects", f"accelerate itself rejects the file: {error}",
+                                           "fix the problems above; the message is accelerate's own"))
+    report.findings = _sorted(report.findings)
+    return report, view
+
+
+def model_facts(source: str, *, trust_remote_code: bool = False) -> ModelFacts:
+    """Profile ``source`` and list its module classes (built on the meta device)."""
+    from fsdp_presets.profile import build_meta_model, load_config, profile_module
+
+    model = build_meta_model(load_config(source, trust_remote_code=trust_remote_code),
+                             trust_remote_code=trust_remote_code)
+    return ModelFacts(source=source, profile=profile_module(model),
+                      module_classes=frozenset(type(module).__name__ for module in model.modules()))
+
+
+__all__ = [
+    "AccelerateRejected",
+    "AccelerateView",
+    "CheckContext",
+    "CheckReport",
+    "Finding",
+    "ModelFacts",
+    "RULES",
+    "accelerate_view",
+    "check_file",
+    "lint_config",
+    "model_facts",
+]
