@@ -3,8 +3,8 @@ tokenizer, safetensors) that plain ``from_pretrained`` loads, whatever the shard
 
 ``accelerator.get_state_dict`` gathers the full state dict (FSDP2: DCP's
 ``get_model_state_dict(full_state_dict=True)``; FSDP1: a FULL_STATE_DICT context; DDP: the
-module's own), and ``save_pretrained`` writes it on the main process: it writes a tied weight
-once and records the tie in the config. The folder is written next to its destination and
+module's own), and ``save_pretrained`` writes it on the main process, a tied weight once (the
+config records the tie). The folder is written next to its destination and
 renamed into place, so ``final/`` is either the old export or the complete new one.
 """
 
@@ -14,6 +14,20 @@ import os
 import shutil
 import time
 from pathlib import Path
+
+
+def tied_duplicates(module) -> list[str]:
+    """Names under which an already-named parameter appears again (``lm_head.weight`` of a model
+    with tied embeddings). A gathered state dict holds separate copies under every name, so
+    ``save_pretrained`` would write the tied weight twice; the config's tie restores it on load."""
+    first_name: dict[int, str] = {}
+    duplicates = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            duplicates.append(name)
+        else:
+            first_name[id(param)] = name
+    return duplicates
 
 
 def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *,
@@ -29,6 +43,8 @@ def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *
         unwrapped = accelerator.unwrap_model(model)
         # Tensors gathered by FSDP2 may share storage with views; save contiguous copies.
         state_dict = {name: tensor.detach().contiguous() for name, tensor in state_dict.items()}
+        for name in tied_duplicates(unwrapped):
+            state_dict.pop(name, None)
         unwrapped.save_pretrained(staging, state_dict=state_dict, safe_serialization=True,
                                   max_shard_size=max_shard_size)
         if tokenizer is not None:

@@ -147,7 +147,10 @@ def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: 
         entries = ", ".join(sorted(entry.name for entry in folder.root.iterdir())[:5])
         raise UsageError(f"--output-dir {folder.root} is not empty and holds no run ({entries}); "
                          "choose a new or empty folder (nothing was written)")
-    differences = [f"{key} {recorded.get(key)!r} there, {identity.get(key)!r} now"
+    def shown(value):  # digests are long: their first 12 hex digits identify them for a reader
+        return repr(value[:12] + "...") if isinstance(value, str) and len(value) == 64 else repr(value)
+
+    differences = [f"{key} {shown(recorded.get(key))} there, {shown(identity.get(key))} now"
                    for key in IDENTITY_KEYS if recorded.get(key) != identity.get(key)]
     if differences:
         raise UsageError(f"--output-dir {folder.root} holds another run ({'; '.join(differences)}); "

@@ -1,0 +1,268 @@
+"""The recipes end to end, with real processes: FSDP2 over gloo on 2 CPU processes.
+
+- a rank SIGKILLed mid-run, then `--resume auto`: the losses equal an uninterrupted run (fp32);
+- a kill during a save: the half-written checkpoint is ignored, with a message;
+- the exported final/ reloads with plain transformers, tied, with the trained model's logits;
+- the DDP baseline trains like FSDP2 (same global batch, same data order);
+- the classification recipe lifts accuracy on the shipped task far above chance (real MiniLM);
+- bad input: one clear line, exit 2, nothing overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_presets.metrics import read_metrics
+from fsdp_presets.testing import launch_command, launch_env, run_launch
+from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, DDP_CONFIG, FSDP2_CONFIG, GENRES_EVAL, GENRES_TRAIN,
+                            REPO, SFT_EVAL, SFT_TRAIN, causal_lm_args, offline_env, rank_pid, tiny_llama, tree_digest)
+
+STEPS = 24
+SCHEDULE = ["--max-steps", STEPS, "--save-every", 4, "--keep-last", 2, "--eval-every", 8]
+TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs
+
+
+def comparable(run_dir: Path) -> list[dict]:
+    return [{key: value for key, value in record.items() if key not in TIMING}
+            for record in read_metrics(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-tied", tied=True)
+
+
+@pytest.fixture(scope="module")
+def reference(model, tmp_path_factory) -> Path:
+    """An uninterrupted FSDP2 run: the losses every other run must reproduce."""
+    run_dir = tmp_path_factory.mktemp("runs") / "reference"
+    result = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO)
+    result.check()
+    return run_dir
+
+
+@pytest.mark.slow
+def test_reference_run_writes_the_run_folder_contract(reference):
+    run = json.loads((reference / "run.json").read_text())
+    assert run["distributed_type"] == "FSDP" and run["world_size"] == 2 and run["fsdp"]["version"] == 2
+    assert run["global_batch_samples"] == 2 * 2 * 2 and run["recipe"] == "causal_lm"
+    assert run["accelerate_config"] == str(FSDP2_CONFIG)
+    records = read_metrics(reference / "metrics.jsonl")
+    train = [record for record in records if record["kind"] == "train"]
+    evals = [record for record in records if record["kind"] == "eval"]
+    assert [record["step"] for record in train] == list(range(1, STEPS + 1))
+    assert [record["samples_seen"] for record in train] == [8 * step for step in range(1, STEPS + 1)]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(train[0])
+    assert [record["step"] for record in evals] == [0, 8, 16, 24]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0  # it learns
+    assert sorted(path.name for path in (reference / "checkpoints").iterdir()) == ["step-00000020", "step-00000024"]
+    manifest = json.loads((reference / "checkpoints" / "step-00000024" / "manifest.json").read_text())
+    assert manifest["samples_consumed"] == 8 * STEPS and manifest["world_size"] == 2
+    assert any(name.startswith("pytorch_model_fsdp_0/") and name.endswith(".distcp") for name in manifest["files"])
+    assert (reference / "plots" / "loss.png").stat().st_size > 10_000
+    assert (reference / "plots" / "throughput.png").is_file()
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_then_resume_auto_equals_the_uninterrupted_run(model, reference, tmp_path):
+    run_dir = tmp_path / "killed"
+    command = launch_command(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE))
+    launcher = subprocess.Popen(command, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    killed_at = None
+    deadline = time.monotonic() + 240
+    while launcher.poll() is None and time.monotonic() < deadline:
+        steps = [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
+        if steps and steps[-1] >= 6:
+            victim = rank_pid(launcher.pid, 1)
+            if victim is not None:
+                import os
+
+                os.kill(victim, signal.SIGKILL)
+                killed_at = steps[-1]
+                break
+        time.sleep(0.02)
+    output = launcher.communicate(timeout=120)[0]
+    assert killed_at is not None, f"the run ended before it could be killed:\n{output[-3000:]}"
+    assert launcher.returncode != 0
+    done = [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
+    assert max(done) < STEPS, "the kill did not stop the run"
+
+    resumed = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE, "--resume", "auto"),
+                         cwd=REPO).check()
+    assert "resumed from" in resumed.stdout, resumed.stdout
+    assert comparable(run_dir) == comparable(reference)  # bitwise: every loss, grad norm, lr, eval
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["resumed_from"] and Path(run["resumed_from"]).name.startswith("step-")
+
+
+@pytest.mark.slow
+def test_kill_during_save_leaves_a_partial_checkpoint_that_resume_ignores(model, reference, tmp_path):
+    run_dir = tmp_path / "killed-in-save"
+    crashed = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO,
+                         env={"FSDP_PRESETS_FAULT": "kill-during-save:step=12"})
+    assert crashed.returncode != 0
+    partial = run_dir / "checkpoints" / ".tmp-step-00000012"
+    assert partial.is_dir() and not (partial / "manifest.json").exists()
+    assert any(partial.rglob("*.distcp"))  # shards were written: half a checkpoint
+    assert (run_dir / "checkpoints" / "step-00000008" / "manifest.json").is_file()
+
+    resumed = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO).check()
+    assert ".tmp-step-00000012: a save that did not finish" in resumed.stdout, resumed.stdout
+    assert "resumed from" in resumed.stdout and "step-00000008" in resumed.stdout
+    assert comparable(run_dir) == comparable(reference)
+
+
+@pytest.mark.slow
+def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(reference):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    exported = AutoModelForCausalLM.from_pretrained(reference / "final")
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr()
+    with safe_open(str(reference / "final" / "model.safetensors"), "pt") as handle:
+        assert "lm_head.weight" not in set(handle.keys())  # the tied weight is written once
+
+    # The trained weights, straight from the last sharded checkpoint (DCP), into a plain model.
+    trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(reference / "final"))
+    state = {"model": trained.state_dict()}
+    dcp.load(state, checkpoint_id=str(reference / "checkpoints" / "step-00000024" / "pytorch_model_fsdp_0"))
+    trained.load_state_dict(state["model"])
+    tokenizer = AutoTokenizer.from_pretrained(reference / "final")
+    batch = tokenizer(["and god said , let there be light", "blessed are the poor in spirit"],
+                      return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = trained(**batch).logits
+        got = exported(**batch).logits
+    assert torch.equal(got, expected)
+    untrained = AutoModelForCausalLM.from_pretrained(Path(json.loads((reference / "run.json").read_text())["model"]))
+    with torch.no_grad():
+        assert not torch.allclose(untrained(**batch).logits, got)  # the export is the trained model
+
+
+@pytest.mark.slow
+def test_ddp_baseline_trains_like_fsdp2(model, reference, tmp_path):
+    run_dir = tmp_path / "ddp"
+    run_launch(DDP_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO).check()
+    assert json.loads((run_dir / "run.json").read_text())["distributed_type"] == "MULTI_CPU"
+    ddp = [record for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
+    fsdp = [record for record in read_metrics(reference / "metrics.jsonl") if record["kind"] == "train"]
+    assert len(ddp) == len(fsdp) == STEPS
+    assert [record["samples_seen"] for record in ddp] == [record["samples_seen"] for record in fsdp]
+    for ours, theirs in zip(ddp, fsdp):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-7)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+MINILM_FSDP2 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+use_cpu: false
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: BertLayer
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+"""
+
+
+@pytest.mark.slow
+def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from prepare_models import prepare_minilm
+
+    minilm = prepare_minilm(tmp_path / "models")
+    config = tmp_path / "minilm_fsdp2.yaml"
+    config.write_text(MINILM_FSDP2)
+    run_dir = tmp_path / "genres"
+    run_launch(config, CLASSIFICATION, [
+        "--model", minilm, "--data", GENRES_TRAIN, "--eval-data", GENRES_EVAL, "--max-eval-samples", 160,
+        "--output-dir", run_dir, "--max-steps", 30, "--micro-batch-size", 8, "--seq-len", 48,
+        "--learning-rate", 2e-4, "--warmup-steps", 3, "--weight-decay", 0.01], cwd=REPO).check()
+    evals = [record for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+    chance = 0.25  # four balanced classes
+    assert evals[-1]["accuracy"] >= 0.6, evals
+    assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.2 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]
+    from transformers import AutoModelForSequenceClassification
+
+    exported = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
+    assert exported.config.id2label == {0: "gospels", 1: "law", 2: "letters", 3: "poetry"}
+    assert chance < evals[-1]["accuracy"]
+
+
+BAD_INPUT_DRIVER = """
+import json, runpy, sys
+from fsdp_presets.training import run_recipe
+main = runpy.run_path(sys.argv[1], run_name="recipe")["main"]
+codes = []
+for argv in json.loads(sys.argv[2]):
+    print("=== case", file=sys.stderr, flush=True)
+    sys.argv = ["causal_lm.py", *argv]
+    codes.append(run_recipe(main))
+print(json.dumps(codes))
+"""
+
+
+@pytest.mark.slow
+def test_bad_input_is_one_clear_line_exit_2_and_nothing_overwritten(model, reference, tmp_path):
+    wrong_columns = tmp_path / "qa.jsonl"
+    wrong_columns.write_text('{"question": "who?", "answer": "moses"}\n' * 4)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    stranger = tmp_path / "notes"
+    stranger.mkdir()
+    (stranger / "todo.txt").write_text("mine")
+
+    def args(output, *extra, data=SFT_TRAIN, model_dir=model):
+        return ["--model", str(model_dir), "--data", str(data), "--eval-data", str(SFT_EVAL),
+                "--output-dir", str(output), "--seq-len", "32", "--max-steps", "2", *extra]
+
+    cases = {
+        "no such folder": args(tmp_path / "out1", model_dir=tmp_path / "missing-model"),
+        "missing ['response']|missing ['text']": args(tmp_path / "out2", data=wrong_columns),
+        "is empty": args(tmp_path / "out3", data=empty),
+        "beyond the model's 128 positions": args(tmp_path / "out4", "--seq-len", "256"),
+        "holds another run (seed 42 there, 7 now)": args(reference, "--seed", "7"),
+        "already holds this run; pass --resume auto": args(reference, "--resume", "none"),
+        "not empty and holds no run": args(stranger),
+    }
+    before = tree_digest(reference), tree_digest(stranger)
+
+    # One real process first: the exit status itself.
+    direct = subprocess.run([sys.executable, str(CAUSAL_LM), *cases["no such folder"]], capture_output=True,
+                            text=True, env=offline_env(), cwd=REPO, timeout=300)
+    assert direct.returncode == 2, direct.stderr
+    assert direct.stderr.strip().splitlines()[-1].startswith("causal_lm.py: error: --model")
+    assert "Traceback" not in direct.stderr
+
+    # The rest in one process (importing torch once): the code run_recipe turns into the exit status.
+    driven = subprocess.run([sys.executable, "-c", BAD_INPUT_DRIVER, str(CAUSAL_LM), json.dumps(list(cases.values()))],
+                            capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=300)
+    assert driven.returncode == 0, driven.stderr
+    assert json.loads(driven.stdout.strip().splitlines()[-1]) == [2] * len(cases)
+    messages = [part.strip().splitlines() for part in driven.stderr.split("=== case")[1:]]
+    for expected, lines in zip(cases, messages):
+        errors = [line for line in lines if line.startswith("causal_lm.py: error:")]
+        assert len(errors) == 1 and any(option in errors[0] for option in expected.split("|")), (expected, lines)
+        assert not any("Traceback" in line for line in lines)
+    assert (tree_digest(reference), tree_digest(stranger)) == before
+    assert not any((tmp_path / f"out{index}").exists() for index in range(1, 5))
