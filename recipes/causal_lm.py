@@ -25,7 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 import fsdp_presets
 from fsdp_presets import data as recipe_data
 from fsdp_presets import training
-from fsdp_presets.checkpoint import CheckpointManager
+from fsdp_presets import resume
+from fsdp_presets.checkpoint import CheckpointManager, Manifest
 from fsdp_presets.digest import config_digest, sha256_files
 from fsdp_presets.export import export_model
 from fsdp_presets.metrics import MetricsLog
@@ -103,7 +104,19 @@ def main():
                                     config_digest=config_digest(config), distributed=distributed, log=say)
     resume_from = checkpoints.resolve(args.resume)
     step = samples = 0
-    if resume_from is not None:
+    if resume_from is not None and resume.is_imported(resume_from):  # `fsdp-presets import`: weights only
+        resume.load_imported(model, resume_from, config_digest=config_digest(config))
+        say(f"started from imported weights {resume_from}: step 0, fresh optimizer and schedule")
+    elif resume_from is not None:
+        saved = Manifest.read(resume_from)
+        # Another process count: keep the global batch (and so the samples of every step).
+        args.gradient_accumulation_steps, note = resume.keep_global_batch(
+            resume_from, step=saved.step, samples_consumed=saved.samples_consumed,
+            micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            data_parallel_size=dp_size)
+        global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size
+        if note:
+            say(note)
         manifest = checkpoints.load(resume_from)
         step, samples = manifest.step, manifest.samples_consumed
         say(f"resumed from {resume_from}: step {step}, {samples} samples consumed "
