@@ -661,6 +661,9 @@ def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precis
             parts.append("activation checkpointing off (auto): not needed to fit, so no recomputation")
     else:
         parts.append(f"activation checkpointing {'on' if ac else 'off'} as asked")
+    if ac:
+        parts.append("the training forward must pass use_cache=False: accelerate re-runs each block in backward "
+                     "(checkpoint_wrapper) and a KV cache would be appended to twice")
     if request.device == "cpu":
         parts.append("offload off: on a CPU-only host parameters already live in host memory")
     elif request.offload == "auto":

@@ -87,7 +87,10 @@ def main():
         step_loss = torch.zeros(())
         for input_ids in micro_batches(step, args, rank, world_size, vocab):
             with accelerator.accumulate(model):
-                loss = model(input_ids=input_ids.to(accelerator.device), labels=input_ids.to(accelerator.device)).loss
+                # NOTE: use_cache=False: with fsdp_activation_checkpointing accelerate re-runs each block in
+                # backward, and a KV cache would be appended twice (Gemma 2's masked attention then fails).
+                batch = input_ids.to(accelerator.device)
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad()
