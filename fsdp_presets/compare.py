@@ -66,14 +66,17 @@ COMPARABLE_FIELDS: tuple[tuple[str, str], ...] = (
 # step 2.
 FP32_RELATIVE_TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5}
 
-# NOTE: bf16 keeps 8 significant bits (epsilon 2**-7 = 7.8e-3). The noise between two correct bf16
-# runs that shard differently was measured with scripts/convergence_check.py (FSDP2 bf16 vs DDP
-# bf16, same seed/data/global batch; method and numbers in docs/convergence.md); the tolerance is
-# that largest deviation times a safety factor, per metric.
-BF16_RELATIVE_TOLERANCE = {"loss": 1e-3, "grad_norm": 1e-2}
+# NOTE: bf16 keeps 8 significant bits (epsilon 2**-7 = 7.8e-3): every matmul rounds, and two correct
+# bf16 runs that shard differently round differently at every step. Measured here with
+# scripts/convergence_check.py (method in docs/convergence.md): tiny Llama, bf16 mixed precision,
+# 20 steps, seeds 1234 and 7, pairs DDP-FSDP2, DDP-FSDP1 and FSDP2-FSDP1 (plus one 12-step pair):
+# largest relative deviation loss 7.8e-4, grad_norm 2.9e-3, eval_loss 4.2e-4; at that level by
+# step 5, then fluctuating without growth. Tolerance: 3 to 4 times the largest (3.8x for the loss, 3.4x for
+# grad_norm), so a correct bf16 run passes and an effect a few times the bf16 noise does not.
+BF16_RELATIVE_TOLERANCE = {"loss": 3e-3, "grad_norm": 1e-2}
 BF16_TOLERANCE_SOURCE = (
-    "bf16: provisional (not yet calibrated); bf16 vs fp32 differed by up to 3.4e-4 absolute on the "
-    "loss over 20 steps here (FIELD-NOTES.md)"
+    "loss 3e-3 and grad_norm 1e-2 relative, 3 to 4x the largest deviation measured between two "
+    "correct bf16 runs that shard differently (loss 7.8e-4, grad_norm 2.9e-3; docs/convergence.md)"
 )
 
 # NOTE: the learning rate is a Python float from the schedule: equal runs give equal bits.

@@ -161,8 +161,15 @@ def write_plot(comparison: Comparison, plot_path: str | os.PathLike) -> None:
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     identical = [m.metric for m in comparison.metrics if m.max_deviation == 0.0]
     if identical:
-        bottom.text(0.99, 0.02, "bitwise identical at every step (no point on a log axis): " + ", ".join(identical),
-                    transform=bottom.transAxes, fontsize=7, ha="right")
+        bottom.text(0.99, 0.97, "bitwise identical at every step (no point on a log axis): " + ", ".join(identical),
+                    transform=bottom.transAxes, fontsize=7, ha="right", va="top")
+    resumes = {(record.resume_step, role) for record, role in ((comparison.baseline, "baseline"),
+                                                                (comparison.candidate, "candidate"))
+               if record.resume_step is not None}
+    for resume_step, role in sorted(resumes):
+        for axis in (top, bottom):
+            axis.axvline(resume_step, color="grey", linestyle="--", linewidth=1,
+                         label=f"{role} resumed after step {resume_step}" if axis is top else None)
     if comparison.first_divergent_step is not None:
         for axis in (top, bottom):
             axis.axvline(comparison.first_divergent_step, color="red", linewidth=1,

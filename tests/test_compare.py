@@ -420,6 +420,15 @@ def test_plot_and_report(tmp_path, capsys):
     assert not [p for p in plot.parent.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+def test_plot_marks_the_resume_point(tmp_path):
+    checkpoint = tmp_path / "cand" / "checkpoints" / "step-00000010"
+    checkpoint.mkdir(parents=True)
+    comparison = compared(tmp_path, losses=perturbed(reference_losses(), 12, 1e-3), resumed_from=str(checkpoint))
+    compare_report.write_plot(comparison, tmp_path / "resumed.png")
+    assert (tmp_path / "resumed.png").stat().st_size > 10_000
+    assert "| resumed_from | - | " + str(checkpoint) + " |" in compare_report.render_report(comparison)
+
+
 def test_plot_of_identical_runs(tmp_path):
     base = write_run(tmp_path / "a")
     plot = tmp_path / "identical.png"
