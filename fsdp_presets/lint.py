@@ -136,10 +136,11 @@ class CheckContext:
     """The model, when ``--model`` was given (enables the class and memory rules)."""
     device: Literal["gpu", "cpu"] | None = None
     """``cpu`` for a CPU-only host; None: the file's fsdp-presets metadata, else ``gpu``."""
-    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
-    """Memory of one GPU, for the planner rules."""
-    host_memory_gib: float = DEFAULT_HOST_MEMORY_GIB["gpu"]
-    """Host RAM of one node (rank 0's node), for the state-dict, loading and offload rules."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU, for the planner rules; None: the file's metadata, else 80."""
+    host_memory_gib: float | None = None
+    """Host RAM of one node (rank 0's node), for the state-dict, loading and offload rules; None:
+    the file's metadata, else 1024 (8-GPU nodes carry 1-2 TiB)."""
     seq_len: int | None = None
     """Sequence length for the planner rules; None: the file's metadata, else 2048."""
     metadata: dict | None = None
@@ -148,8 +149,20 @@ class CheckContext:
     def __post_init__(self) -> None:
         if self.device not in (None, "gpu", "cpu"):
             raise ValueError(f"device must be gpu or cpu, got {self.device!r}")
-        if not (self.gpu_memory_gib > 0 and self.host_memory_gib > 0):
+        if any(value is not None and not value > 0 for value in (self.gpu_memory_gib, self.host_memory_gib)):
             raise ValueError("memory sizes must be positive")
+
+    def _from_request(self, name: str):
+        return ((self.metadata or {}).get("request") or {}).get(name)
+
+    @property
+    def gpu_gib(self) -> float:
+        return self.gpu_memory_gib or self._from_request("gpu_memory_gib") or DEFAULT_GPU_MEMORY_GIB
+
+    @property
+    def host_gib(self) -> float:
+        device = self.device or self._from_request("device") or "gpu"
+        return self.host_memory_gib or self._from_request("host_memory_gib") or DEFAULT_HOST_MEMORY_GIB[device]
 
 
 @dataclass(kw_only=True)
@@ -567,7 +580,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     if model is None or processes is None or not machines or processes % machines:
         return findings
     profile = model.profile
-    host = context.host_memory_gib * GiB
+    host = context.host_gib * GiB
     per_node = processes // machines
     state_dict = str(fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT")).upper()
     if state_dict == "FULL_STATE_DICT" and full_state_dict_host_bytes(profile) > host:
@@ -575,7 +588,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
             f"at every save: about {full_state_dict_host_bytes(profile) / GiB:.0f} GiB for "
             f"{profile.total_params / 1e9:.2f}B parameters (fp32 weights + Adam moments), more than "
-            f"--host-memory {context.host_memory_gib:g} GiB" + (" (it is also accelerate's default when the key is "
+            f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
                                                                  "missing)" if "fsdp_state_dict_type" not in fsdp
                                                                  else ""),
             "set fsdp_state_dict_type: SHARDED_STATE_DICT (export full weights afterwards with accelerate "
@@ -587,7 +600,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             findings.append(finding(
                 "ram-efficient-loading-off", f"fsdp_cpu_ram_efficient_loading: false makes each of a node's {per_node} "
                 f"processes load the full pretrained model into host RAM: about {need / GiB:.0f} GiB, more than "
-                f"--host-memory {context.host_memory_gib:g} GiB", "set fsdp_cpu_ram_efficient_loading: true (only "
+                f"--host-memory {context.host_gib:g} GiB", "set fsdp_cpu_ram_efficient_loading: true (only "
                 "rank 0 reads the weights)", "fsdp_config.fsdp_cpu_ram_efficient_loading"))
     if device != "gpu":
         return findings
@@ -614,10 +627,10 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
         findings.append(finding(
             "offload-host-memory", f"fsdp_offload_params: true keeps {row.model_state.total / GiB:.1f} GiB of model "
             f"states per rank in host RAM, {row.model_state.total * per_node / GiB:.0f} GiB for a node's {per_node} "
-            f"processes: more than --host-memory {context.host_memory_gib:g} GiB",
+            f"processes: more than --host-memory {context.host_gib:g} GiB",
             "shard over more GPUs (more nodes), or use nodes with more RAM", "fsdp_config.fsdp_offload_params"))
     if not row.fits:
-        where = f"{row.label} on {processes} GPUs of {context.gpu_memory_gib:g} GiB, sequence {seq_len}"
+        where = f"{row.label} on {processes} GPUs of {context.gpu_gib:g} GiB, sequence {seq_len}"
         lower = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
         if precision == "fp32" and lower.fits:
             findings.append(finding(
@@ -643,7 +656,7 @@ def _planner_strategy(fsdp, parallelism, version, processes, machines, context):
     if version not in (1, 2):
         return None, None
     try:
-        hardware = Hardware(gpus=processes, nodes=machines, gpu_memory_bytes=int(context.gpu_memory_gib * GiB))
+        hardware = Hardware(gpus=processes, nodes=machines, gpu_memory_bytes=int(context.gpu_gib * GiB))
     except Exception:  # noqa: BLE001 - a layout the other rules already report
         return None, None
     if version == 2:

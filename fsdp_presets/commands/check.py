@@ -25,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model a generated preset names in its header")
     add("--json", action="store_true", help="print the findings as JSON")
     add("--device", choices=("gpu", "cpu"), help="the host the config is for (default: the preset's header, else gpu)")
-    add("--gpu-memory", type=float, default=80.0, metavar="GiB", help="memory of one GPU for the planner rules "
-        "(default 80)")
-    add("--host-memory", type=float, default=1024.0, metavar="GiB", help="host RAM of one node for the state-dict, "
-        "loading and offload rules (default 1024: 8-GPU nodes carry 1-2 TiB)")
+    add("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU for the planner rules (default: the "
+        "preset's, else 80)")
+    add("--host-memory", type=float, metavar="GiB", help="host RAM of one node for the state-dict, loading and "
+        "offload rules (default: the preset's, else 1024: 8-GPU nodes carry 1-2 TiB)")
     add("--seq-len", type=int, help="sequence length for the planner rules (default: the preset's, else 2048)")
     add("--list-rules", action="store_true", help="list the rule ids and exit")
 
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     problems = [] if args.configs else ["give at least one CONFIG.yaml"]
     for name in ("gpu_memory", "host_memory"):
         value = getattr(args, name)
-        if not (math.isfinite(value) and value > 0):
+        if value is not None and not (math.isfinite(value) and value > 0):
             problems.append(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value}")
     if args.seq_len is not None and args.seq_len < 1:
         problems.append(f"--seq-len must be >= 1, got {args.seq_len}")
@@ -111,7 +111,7 @@ def _model_from_header(path, cache: dict, model_facts):
             cache[source] = (None, f"the header's model {source} could not be loaded ({error}); class and memory "
                                    "rules skipped (pass --model)")
     facts, note = cache[source]
-    return facts, note or f"model {source} (from the file's header)"
+    return facts, note or f"model: {source} (named in the file's header)"
 
 
 def _human(report, view, facts, model_note) -> list[str]:
