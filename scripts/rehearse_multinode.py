@@ -4,52 +4,54 @@
     python scripts/rehearse_multinode.py --work-dir runs/rehearsal-join --drill missing-node --join-timeout 20
 
 Every launch is ``accelerate launch`` of ``recipes/causal_lm.py`` (a tiny Llama built from the
-shipped data's words, ``data/kjv_sft``), real FSDP2 over gloo on this host's CPUs:
+shipped data's words, ``data/kjv_sft``), real FSDP2 over gloo on this host's CPUs. The configs
+and the launch script are the ones users get: ``fsdp-presets generate MODEL --device cpu --gpus 4
+--nodes 2 --launcher accelerate`` (the HSDP 2x2 preset: dp_replicate 2 nodes x dp_shard 2, and
+its per-node script), and ``fsdp-presets generate --from`` it for 1 node of 2 (the node left).
 
-1. **baseline**: one node, 4 processes, HSDP 2x2 (``parallelism_config``: dp_replicate 2 x
-   dp_shard 2), ``--max-steps`` steps.
-2. **two nodes**: two ``accelerate launch`` (the per-node commands of
-   :func:`fsdp_presets.launchers.accelerate_node_command`: ``--num_machines 2 --machine_rank 0|1
-   --main_process_ip 127.0.0.1`` on a free port), 2 processes each, same config and command,
-   a checkpoint every 2 steps into the run folder both "nodes" share. During the save of step
-   ``--lose-node-at``, rank 2 (on node 1) is killed (``FSDP_PRESETS_FAULT``): node 1 is lost and
-   node 0 fails at once (gloo: "connection closed by peer").
-3. **one node left**: the same recipe command on one node of 2 processes (FSDP2, gradient
-   accumulation 2, so the global batch stays 8 samples) in the same run folder: ``--resume auto``
-   skips the unfinished save, loads the last committed checkpoint (written by 4 processes as HSDP
-   2x2; DCP reshards it) and trains to the end.
+1. **baseline**: one node, 4 processes, the HSDP 2x2 preset, ``--max-steps`` steps.
+2. **two nodes**: the generated per-node script, run twice (``bash SCRIPT 0`` and ``bash SCRIPT
+   1`` with ``MAIN_PROCESS_IP=127.0.0.1`` and a free ``MAIN_PROCESS_PORT``): two ``accelerate
+   launch --num_machines 2 --machine_rank 0|1`` of 2 processes each, checkpoints every 2 steps
+   into the run folder both "nodes" share. During the save of step ``--lose-node-at``, rank 2 (on
+   node 1) is killed (``FSDP_PRESETS_FAULT``): node 1 is lost and node 0 fails at once (gloo:
+   "connection closed by peer").
+3. **one node left**: the same recipe on one node of 2 processes (the rescaled preset: FSDP2
+   full shard, micro-batch 4, so the global batch stays 8 samples) in the same run folder:
+   ``--resume auto`` skips the unfinished save, loads the last committed checkpoint (written by 4
+   processes as HSDP 2x2; DCP reshards it) and trains to the end.
 
 It passes (exit 0) when the two-node losses equal the baseline's (max |difference| <= 1e-6, in
 practice bitwise) and the resumed steps continue the run (<= 1e-5 from the baseline: another
 process count sums in another order). ``summary.json`` in the work folder holds every loss.
 
 ``--drill missing-node`` starts node 0 only: it must fail within ``--join-timeout`` seconds
-(torch's static rendezvous, ``--rdzv_conf timeout=N``) with a message that says a node did not
-join, instead of waiting for ever.
+(``JOIN_TIMEOUT`` of the script: torch's static rendezvous, ``--rdzv_conf timeout=N``) with a
+message that says a node did not join, instead of waiting for ever.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fsdp_presets.launchers import Job, accelerate_node_command, concrete  # noqa: E402
 from fsdp_presets.metrics import train_losses  # noqa: E402
 from fsdp_presets.testing import free_port, launch_env  # noqa: E402
 
 ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
+FSDP_PRESETS = (sys.executable, "-m", "fsdp_presets.cli")
 NODES, PROCESSES_PER_NODE = 2, 2
-MICRO_BATCH = 2  # samples per rank per micro-step: global batch 2 x 4 ranks = 8 samples
+GLOBAL_BATCH = 8  # samples per optimizer step: micro-batch 2 x 4 ranks, or 4 x 2 ranks after the loss
+SEQ_LEN = 32
 SAME_RUN_TOLERANCE = 1e-6  # same ranks, same collectives: equal (field notes: FSDP vs 1 process 9.5e-7)
 RESUME_TOLERANCE = 1e-5  # 2 instead of 4 ranks, 2 micro-steps: other summation order (notes: within 1e-6)
 # torch's static rendezvous, when the other nodes do not come: "Timed out after N seconds waiting
@@ -74,51 +76,57 @@ def parse_args():
     return args
 
 
-# ---- setup: model, configs ----
-def write_config(path: Path, *, num_processes: int, mesh: tuple[int, int] | None) -> Path:
-    """An accelerate config in accelerate's own schema: FSDP2 full shard per decoder layer,
-    sharded (DCP) checkpoints, fp32; with ``mesh`` = (replicate, shard) the HSDP preset."""
-    config = {
-        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": num_processes,
-        "num_machines": mesh[0] if mesh else 1, "machine_rank": 0, "mixed_precision": "no",
-        "rdzv_backend": "static", "same_network": True, "use_cpu": False,
-        "fsdp_config": {
-            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "fsdp_reshard_after_forward": True,
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
-            "fsdp_offload_params": False, "fsdp_activation_checkpointing": False,
-        },
-    }
-    label = "FSDP2 on 1 node"
-    if mesh:
-        config["parallelism_config"] = {"parallelism_config_dp_replicate_size": mesh[0],
-                                        "parallelism_config_dp_shard_size": mesh[1]}
-        label = f"HSDP {mesh[0]}x{mesh[1]}: shard inside a node, replicate across {mesh[0]} nodes"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# {label}, {num_processes} processes (written by scripts/rehearse_multinode.py)\n"
-                    + yaml.safe_dump(config, sort_keys=False))
-    return path
+# ---- setup: presets and launch script ----
+def run_logged(command: list[str], log: Path, *, env=None, timeout: float = 900) -> int:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as stream:
+        stream.write("$ " + " ".join(command) + "\n")
+        stream.flush()
+        return subprocess.run(command, stdout=stream, stderr=subprocess.STDOUT, cwd=REPO, stdin=subprocess.DEVNULL,
+                              env=launch_env(env), timeout=timeout).returncode
 
 
-def recipe_command(model: Path, output_dir: Path, args, *, accumulation: int = 1) -> tuple[str, ...]:
+def generate_presets(work: Path, model: Path, args, *, rescaled: bool = True) -> tuple[Path, Path, Path]:
+    """``fsdp-presets generate``: the HSDP 2x2 preset with its per-node launch script, and the
+    preset rescaled to the one node left. Returns (HSDP config, its launch script, 1-node config)."""
+    hsdp, one_node = work / "configs" / "hsdp_2x2.yaml", work / "configs" / "fsdp2_1x2.yaml"
+    script = work / "configs" / "hsdp_2x2.accelerate.sh"
+    log = work / "logs" / "generate.log"
+    command = " ".join(recipe_command(model, work / "run", args, micro_batch=2))
+    steps = [[*FSDP_PRESETS, "generate", str(model), "--device", "cpu", "--gpus", str(NODES * PROCESSES_PER_NODE),
+              "--nodes", str(NODES), "--seq-len", str(SEQ_LEN), "--global-batch", str(GLOBAL_BATCH), "-o", str(hsdp),
+              "--launcher", "accelerate", "--command", command, "--join-timeout", str(args.join_timeout),
+              "--launch-output", str(script)],
+             [*FSDP_PRESETS, "generate", "--from", str(hsdp), "--gpus", str(PROCESSES_PER_NODE), "--nodes", "1",
+              "-o", str(one_node)]]
+    for step in steps if rescaled else steps[:1]:
+        if run_logged(step, log, timeout=300) != 0:
+            raise SystemExit(f"FAILED: fsdp-presets generate failed:\n{tail(log)}")
+    return hsdp, script, one_node
+
+
+def recipe_command(model: Path, output_dir: Path, args, *, micro_batch: int) -> tuple[str, ...]:
+    """The training command (constant learning rate is not needed: the run keeps --max-steps)."""
     return ("recipes/causal_lm.py", "--model", str(model), "--data", "data/kjv_sft/train.jsonl",
             "--eval-data", "data/kjv_sft/eval.jsonl", "--output-dir", str(output_dir),
-            "--max-steps", str(args.max_steps), "--save-every", "2", "--keep-last", "2", "--seq-len", "32",
-            "--micro-batch-size", str(MICRO_BATCH), "--gradient-accumulation-steps", str(accumulation),
-            "--learning-rate", "1e-3")
+            "--max-steps", str(args.max_steps), "--save-every", "2", "--keep-last", "2", "--seq-len", str(SEQ_LEN),
+            "--micro-batch-size", str(micro_batch), "--learning-rate", "1e-3")
 
 
 # ---- launches ----
-def start_node(job: Job, rank: int, port: int, log: Path, *, join_timeout: int, extra_env=None) -> subprocess.Popen:
-    """One "node": the accelerate launch command that the launch scripts run on machine ``rank``."""
-    command = concrete(accelerate_node_command(job, rank, main_process_ip="127.0.0.1", main_process_port=port,
-                                               join_timeout=join_timeout, program=ACCELERATE_LAUNCH))
+def start_node(script: Path, rank: int, port: int, log: Path, *, join_timeout: int, extra_env=None) -> subprocess.Popen:
+    """One "node": the generated per-node script, as a user runs it on machine ``rank``."""
+    settings = {"MAIN_PROCESS_IP": "127.0.0.1", "MAIN_PROCESS_PORT": str(port), "JOIN_TIMEOUT": str(join_timeout),
+                # the script runs `accelerate`: this interpreter's, as on a cluster node with the venv active
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(extra_env or {})}
+    command = ["bash", str(script), str(rank)]
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as stream:
-        stream.write("$ " + " ".join(command) + "\n")
+        stream.write("$ " + " ".join(f"{key}={value}" for key, value in settings.items() if key != "PATH")
+                     + " " + " ".join(command) + "\n")
         stream.flush()
         return subprocess.Popen(command, stdout=stream, stderr=subprocess.STDOUT, cwd=REPO,
-                                env=launch_env(extra_env), stdin=subprocess.DEVNULL)
+                                env=launch_env(settings), stdin=subprocess.DEVNULL)
 
 
 def wait_all(processes: list[subprocess.Popen], deadline_s: float) -> list[int]:
@@ -135,16 +143,9 @@ def wait_all(processes: list[subprocess.Popen], deadline_s: float) -> list[int]:
 
 
 def single_node(config: Path, command: tuple[str, ...], processes: int, log: Path) -> int:
-    # --num_machines 1: the HSDP config is written for 2 machines; here all 4 processes share one.
-    launch = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_machines", "1",
-              "--num_processes", str(processes),
-              "--main_process_port", str(free_port()), *command]
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("w") as stream:
-        stream.write("$ " + " ".join(launch) + "\n")
-        stream.flush()
-        return subprocess.run(launch, stdout=stream, stderr=subprocess.STDOUT, cwd=REPO, env=launch_env(),
-                              stdin=subprocess.DEVNULL, timeout=900).returncode
+    # --num_machines 1: the HSDP preset says 2 machines; for the baseline all 4 processes share one.
+    return run_logged([*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_machines", "1",
+                       "--num_processes", str(processes), "--main_process_port", str(free_port()), *command], log)
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -156,11 +157,11 @@ def max_difference(losses: dict[int, float], reference: dict[int, float], steps)
 
 
 # ---- drills ----
-def missing_node(args, work: Path, job: Job) -> int:
+def missing_node(args, work: Path, script: Path) -> int:
     """Node 0 alone: it must give up after the join timeout, saying that a node did not join."""
     log = work / "logs" / "node-0.log"
     started = time.monotonic()
-    process = start_node(job, 0, free_port(), log, join_timeout=args.join_timeout)
+    process = start_node(script, 0, free_port(), log, join_timeout=args.join_timeout)
     [code] = wait_all([process], args.join_timeout + 180)
     elapsed = time.monotonic() - started
     output = log.read_text(errors="replace")
@@ -176,17 +177,15 @@ def missing_node(args, work: Path, job: Job) -> int:
     return 1
 
 
-def lost_node(args, work: Path, model: Path) -> int:
-    configs = work / "configs"
-    hsdp = write_config(configs / "hsdp_2x2.yaml", num_processes=4, mesh=(NODES, PROCESSES_PER_NODE))
-    one_node = write_config(configs / "fsdp2_1x2.yaml", num_processes=2, mesh=None)
+def lost_node(args, work: Path, model: Path, hsdp: Path, script: Path, one_node: Path) -> int:
     run = work / "run"  # the run folder both "nodes" share, as a cluster's shared file system
     summary = {"drill": "lost-node", "max_steps": args.max_steps, "lost_node_at_save_of": args.lose_node_at}
     started = time.monotonic()
 
     if not args.no_baseline:
         print(f"[1/3] baseline: one node, 4 processes, HSDP 2x2, {args.max_steps} steps", flush=True)
-        code = single_node(hsdp, recipe_command(model, work / "baseline", args), 4, work / "logs" / "baseline.log")
+        code = single_node(hsdp, recipe_command(model, work / "baseline", args, micro_batch=2), 4,
+                           work / "logs" / "baseline.log")
         if code != 0:
             print(f"FAILED: the baseline exited with {code}:\n{tail(work / 'logs' / 'baseline.log')}")
             return 1
@@ -194,12 +193,11 @@ def lost_node(args, work: Path, model: Path) -> int:
 
     print(f"[2/3] two nodes x 2 processes on 127.0.0.1; node 1 dies during the save of step {args.lose_node_at}",
           flush=True)
-    job = Job(config_file=str(hsdp), nodes=NODES, gpus_per_node=PROCESSES_PER_NODE,
-              command=recipe_command(model, run, args), join_timeout_s=args.join_timeout)
     port = free_port()
     fault = {"FSDP_PRESETS_FAULT": f"kill-during-save:step={args.lose_node_at}:rank={PROCESSES_PER_NODE}"}
-    nodes = [start_node(job, 0, port, work / "logs" / "node-0.log", join_timeout=args.join_timeout),
-             start_node(job, 1, port, work / "logs" / "node-1.log", join_timeout=args.join_timeout, extra_env=fault)]
+    nodes = [start_node(script, 0, port, work / "logs" / "node-0.log", join_timeout=args.join_timeout),
+             start_node(script, 1, port, work / "logs" / "node-1.log", join_timeout=args.join_timeout,
+                        extra_env=fault)]
     codes = wait_all(nodes, 900)
     summary["two_nodes_exit_codes"] = codes
     summary["two_nodes"] = train_losses(run / "metrics.jsonl")
@@ -210,9 +208,10 @@ def lost_node(args, work: Path, model: Path) -> int:
     manifest = json.loads((run / "checkpoints" / f"step-{resumable:08d}" / "manifest.json").read_text())
     summary["checkpoint_mesh"] = {"world_size": manifest["world_size"], "hsdp_mesh": manifest["fsdp"]["hsdp_mesh"]}
 
-    print(f"[3/3] one node left: 2 processes, FSDP2, --resume auto (last committed checkpoint: step {resumable})",
-          flush=True)
-    code = single_node(one_node, recipe_command(model, run, args, accumulation=2), 2, work / "logs" / "resume.log")
+    print(f"[3/3] one node left: 2 processes, the rescaled preset, --resume auto (last committed checkpoint: "
+          f"step {resumable})", flush=True)
+    # micro-batch 4 x 2 ranks: the rescaled preset's choice, the same 8 samples per step
+    code = single_node(one_node, recipe_command(model, run, args, micro_batch=4), 2, work / "logs" / "resume.log")
     resume_log = (work / "logs" / "resume.log").read_text(errors="replace")
     summary["resume_exit_code"] = code
     summary["resumed"] = train_losses(run / "metrics.jsonl")
@@ -273,12 +272,10 @@ def main() -> int:
 
     model = write_tiny_model(work / "model", kind="llama",
                              text=(REPO / "data" / "kjv_sft" / "train.jsonl").read_text())
+    hsdp, script, one_node = generate_presets(work, model, args, rescaled=args.drill == "lost-node")
     if args.drill == "missing-node":
-        hsdp = write_config(work / "configs" / "hsdp_2x2.yaml", num_processes=4, mesh=(NODES, PROCESSES_PER_NODE))
-        job = Job(config_file=str(hsdp), nodes=NODES, gpus_per_node=PROCESSES_PER_NODE,
-                  command=recipe_command(model, work / "run", args), join_timeout_s=args.join_timeout)
-        return missing_node(args, work, job)
-    return lost_node(args, work, model)
+        return missing_node(args, work, script)
+    return lost_node(args, work, model, hsdp, script, one_node)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO, WORKERS, accelerate_config
 from fsdp_presets.errors import UsageError
@@ -251,11 +252,18 @@ def test_two_node_rehearsal_matches_one_node_and_resumes_on_the_node_left(tmp_pa
     assert resumed[3] < baseline[1] - 0.3  # not a fresh start: the loss carries on from step 2
     assert summary["checkpoint_mesh"] == {"world_size": 4, "hsdp_mesh": {
         "dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "cp_size": 1}}
-    logs = tmp_path / "r" / "logs"
+    # The two "nodes" ran the per-node script `generate --launcher accelerate` wrote for the HSDP
+    # 2x2 preset; node 1 held global ranks 2 and 3 (machine rank 1), so the fault hit it.
+    configs, logs = tmp_path / "r" / "configs", tmp_path / "r" / "logs"
+    preset = yaml.safe_load((configs / "hsdp_2x2.yaml").read_text())
+    assert preset["num_machines"] == 2 and preset["parallelism_config"] == {
+        "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}
+    script = (configs / "hsdp_2x2.accelerate.sh").read_text()
+    assert '--num_machines 2' in script and '--machine_rank "$NODE_RANK"' in script
     for node in (0, 1):
-        command = (logs / f"node-{node}.log").read_text().splitlines()[0].split()
-        assert flag(command, "--machine_rank") == str(node) and flag(command, "--num_machines") == "2"
-        assert flag(command, "--main_process_ip") == "127.0.0.1"
+        first_line = (logs / f"node-{node}.log").read_text().splitlines()[0]
+        assert "MAIN_PROCESS_IP=127.0.0.1" in first_line and first_line.endswith(f"hsdp_2x2.accelerate.sh {node}")
+    assert "[fault] kill at during-save, step 4, rank 2" in (logs / "node-1.log").read_text()
     # Only the main process of the whole job writes shared files: one run.json, one metrics file,
     # a manifest per committed checkpoint, and no leftover of the save that node 1 interrupted.
     run = tmp_path / "r" / "run"

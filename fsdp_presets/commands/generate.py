@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--baseline-output", metavar="FILE.yaml", help="where --baseline ddp writes (default NAME.ddp.yaml)")
     add("--launch-model", metavar="DIR", help="model folder the header's launch command names (default MODEL_DIR)")
     add("--launch-data", metavar="FILE", help="data file the header's launch command names (default DATA.jsonl)")
+    from fsdp_presets.commands.launcher import add_launch_arguments
+
+    add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
 
 
 _REQUEST_FLAGS = {
@@ -140,6 +143,12 @@ def run(args: argparse.Namespace) -> int:
     for note in preset.notes:
         print(f"note: {note}")
     print("launch: " + " ".join(launch_words(preset, config_file=output, launch=launch)))
+    from fsdp_presets.commands.launcher import write_from_args
+
+    script = write_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
+                             default_command=launch_words(preset, config_file=output, launch=launch))
+    if script is not None:
+        print(f"wrote {script}: {args.launcher} launch script of {output}")
     return 0
 
 

@@ -49,21 +49,26 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, with_mesh: bool = T
                            help="where to write the script (default: CONFIG_STEM.LAUNCHER.sh next to the config)")
 
 
-def write_from_args(args: argparse.Namespace, config_file, *, nodes=None, gpus_per_node=None):
+def write_from_args(args: argparse.Namespace, config_file, *, nodes=None, gpus_per_node=None,
+                    default_command: list[str] | None = None):
     """Write the launcher ``args.launcher`` for ``config_file``; returns its path (None when no
-    ``--launcher`` was asked for)."""
+    ``--launcher`` was asked for). Without ``--command``, the training command is taken from
+    ``default_command`` (a full ``accelerate launch ... SCRIPT.py ARGS`` line: from the script on)."""
     from fsdp_presets.errors import UsageError
     from fsdp_presets.launchers import job_from_config, write_launcher
 
     if not getattr(args, "launcher", None):
         return None
-    if not args.train_command:
+    if args.train_command:
+        try:
+            command = shlex.split(args.train_command)
+        except ValueError as error:
+            raise UsageError(f"--command {args.train_command!r}: {error}") from None
+    elif default_command and any(word.endswith(".py") for word in default_command):
+        command = default_command[next(index for index, word in enumerate(default_command) if word.endswith(".py")):]
+    else:
         raise UsageError(f"--launcher {args.launcher} needs the training command: --command "
                          '"recipes/causal_lm.py --model M --data D --output-dir runs/x"')
-    try:
-        command = shlex.split(args.train_command)
-    except ValueError as error:
-        raise UsageError(f"--command {args.train_command!r}: {error}") from None
     job = job_from_config(config_file, command=command,
                           nodes=nodes if nodes is not None else getattr(args, "nodes", None),
                           gpus_per_node=gpus_per_node if gpus_per_node is not None else getattr(args, "gpus_per_node", None),
