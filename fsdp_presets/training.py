@@ -172,6 +172,13 @@ def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
 
 
+def scalar(value) -> float:
+    """A tensor, DTensor (FSDP2's gradient norm) or number as a plain float."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value.item() if hasattr(value, "item") else value)
+
+
 def gradient_sync(accelerator, model, *, last_micro_batch: bool):
     """Reduce gradients only on the last micro-batch of an optimizer step (accelerate's
     ``no_sync``: DDP skips its all-reduce, FSDP2 its reduce-scatter, until then)."""

@@ -175,19 +175,21 @@ def main():
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step, samples = step + 1, samples + global_batch
-        step_loss = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum").item() / max(global_targets, 1.0)
+        step_loss = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum").item()
+        step_loss /= max(global_targets, 1.0)
         step_time = time.perf_counter() - started
         tokens = global_batch * args.seq_len
         lr = scheduler.get_last_lr()[0]
-        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=float(_full(grad_norm)),
+        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=training.scalar(grad_norm),
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             results = evaluate()
             metrics.log_eval(step=step, **results)
-            progress.write(f"step {step}: eval loss {results['eval_loss']:.4f}, "
-                           f"perplexity {results['perplexity']:.2f}") if accelerator.is_main_process else None
+            if accelerator.is_main_process:
+                progress.write(f"step {step}: eval loss {results['eval_loss']:.4f}, "
+                               f"perplexity {results['perplexity']:.2f}")
         if step == args.max_steps or (args.save_every and step % args.save_every == 0):
             checkpoints.save(step=step, samples_consumed=samples,
                              write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
@@ -198,7 +200,7 @@ def main():
     if accelerator.is_main_process:
         plots = plot_run(run.root)
         say(f"done: model in {run.final}, metrics in {run.metrics}, plots {', '.join(map(str, plots))}")
-    del model, optimizer, scheduler
+    model = optimizer = scheduler = None  # freed before the process group goes (see training.finish)
     training.finish(accelerator)
 
 
@@ -217,11 +219,6 @@ def _set_fsdp_reduce_dtype(accelerator, name):
         from torch.distributed.fsdp import MixedPrecision as Policy
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
     plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy or Policy(), reduce_dtype=dtype)
-
-
-def _full(value):
-    """A gradient norm as a plain number (FSDP2 returns a DTensor)."""
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def _save_config(folder, accelerator, model, tokenizer):

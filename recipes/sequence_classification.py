@@ -159,8 +159,7 @@ def main():
         local_tokens = sum(batch["attention_mask"].sum() for batch in batches).float().to(accelerator.device)
         tokens = accelerator.reduce(local_tokens, reduction="sum").item()
         lr = scheduler.get_last_lr()[0]
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=float(grad_norm),
+        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=training.scalar(grad_norm),
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
@@ -179,7 +178,7 @@ def main():
     if accelerator.is_main_process:
         plots = plot_run(run.root)
         say(f"done: model in {run.final}, metrics in {run.metrics}, plots {', '.join(map(str, plots))}")
-    del model, optimizer, scheduler
+    model = optimizer = scheduler = None  # freed before the process group goes (see training.finish)
     training.finish(accelerator)
 
 

@@ -10,7 +10,7 @@ from fsdp_presets import training
 from fsdp_presets.data import IGNORE_INDEX, causal_lm_splits, classification_splits
 from fsdp_presets.errors import UsageError
 from fsdp_presets.run_folder import check_output_dir, write_run_json
-from recipe_helpers import SFT_TRAIN, tiny_bert, tiny_llama
+from recipe_helpers import tiny_bert, tiny_llama
 
 
 def global_order(stream, *, steps, micro, accumulation, dp, start=0):
