@@ -3,7 +3,6 @@ rescaling, bad input, and real launches of generated presets on CPU."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 import threading

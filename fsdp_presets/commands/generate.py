@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     problems = []
     if args.baseline_output and not args.baseline:
         problems.append("--baseline-output needs --baseline ddp")
-    if not str(args.output).endswith((".yaml", ".yml")):
+    if Path(args.output).is_dir():
+        problems.append(f"-o {args.output} is a folder; give the .yaml file to write")
+    elif not str(args.output).endswith((".yaml", ".yml")):
         problems.append(f"-o {args.output}: give a .yaml file name (accelerate reads YAML configs)")
     old = None
     if args.from_file:
