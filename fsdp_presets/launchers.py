@@ -274,6 +274,8 @@ def _header(title: str, job: Job, generated_by: str, run_lines: list[str]) -> li
         f"# {job.port}), JOIN_TIMEOUT (seconds the first node waits for the others before failing,",
         f"# default {job.join_timeout_s}) and the secrets the training needs (HF_TOKEN, WANDB_API_KEY...:",
         "# export them before launching).",
+        "# The run folder (--output-dir) must be on storage every node sees: each rank writes its",
+        "# checkpoint shards there, and only the job's main process (rank 0) commits them.",
     ]
     return lines
 
