@@ -1,7 +1,7 @@
 """Step-by-step comparison of two training runs: does the candidate train like the baseline?
 
-Reads two run folders of the recipes (``run.json`` + ``metrics.jsonl``, see the run-folder
-contract in ``docs/convergence.md``), aligns their train lines by optimizer step and decides:
+Reads two run folders of the recipes (``run.json`` + ``metrics.jsonl``, written by
+:mod:`fsdp_presets.run_folder` and :mod:`fsdp_presets.metrics`), aligns their train lines by optimizer step and decides:
 
 - **identical**: every compared value is bitwise equal at every common step;
 - **within tolerance**: the largest relative deviation stays under the tolerance;
@@ -148,9 +148,10 @@ class RunRecord:
             for key in ("sharding_strategy", "reshard_after_forward", "activation_checkpointing"):
                 if key in fsdp and fsdp[key] is not None:
                     parts.append(f"{key}={fsdp[key]}")
-            for key in ("hsdp", "hsdp_mesh", "mesh"):
-                if fsdp.get(key):
-                    parts.append(f"{key}={fsdp[key]}")
+            mesh = fsdp.get("hsdp_mesh")
+            if isinstance(mesh, dict):
+                parts.append(f"HSDP {mesh.get('dp_replicate_size')} x {mesh.get('dp_shard_size')} "
+                             "(replicate x shard)")
             layout = ", ".join(parts)
         steps = self.train_steps
         return {

@@ -420,6 +420,16 @@ def test_plot_and_report(tmp_path, capsys):
     assert not [p for p in plot.parent.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
+def test_describe_names_the_layout(tmp_path):
+    mesh = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "cp_size": 1}
+    record = compare.load_run(write_run(tmp_path / "a", world_size=4, fsdp={
+        "version": 2, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
+        "activation_checkpointing": True, "hsdp_mesh": mesh}))
+    assert record.describe()["fsdp"] == ("FSDP2, reshard_after_forward=False, activation_checkpointing=True, "
+                                         "HSDP 2 x 2 (replicate x shard)")
+    assert compare_report.short_label(record) == record.describe()["fsdp"] + ", fp32, 4 processes"
+
+
 def test_plot_marks_the_resume_point(tmp_path):
     checkpoint = tmp_path / "cand" / "checkpoints" / "step-00000010"
     checkpoint.mkdir(parents=True)

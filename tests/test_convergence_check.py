@@ -205,7 +205,7 @@ def test_hsdp_2x2_agrees_with_ddp_on_4_processes(hsdp_check):
     status, result, _ = hsdp_check
     assert status == 0, result["diagnosis"]
     assert result["candidate"]["world_size"] == 4 and result["baseline"]["world_size"] == 4
-    assert "dp_replicate_size" in result["candidate"]["fsdp"]
+    assert "HSDP 2 x 2 (replicate x shard)" in result["candidate"]["fsdp"]
 
 
 @pytest.mark.slow
