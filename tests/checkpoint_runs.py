@@ -1,0 +1,62 @@
+"""Recipe runs shared by tests/test_convert.py and tests/test_reshard_resume.py.
+
+Each run is made once per pytest session (under the session's base temp folder) by whichever
+module asks first, so the two modules together launch the reference run once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fsdp_presets.testing import run_launch
+
+from conftest import GLOO_EXIT_ABORT, accelerate_config
+from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, tiny_llama
+
+# Constant learning rate after the warm-up (steps 1-2): a run that stops at --max-steps 4 and one
+# that goes on to 10 follow the same schedule, so a chain of short legs can be compared with one
+# uninterrupted run. Checkpoints every 2 steps, all kept.
+SCHEDULE = ("--lr-scheduler", "constant_with_warmup", "--save-every", "2", "--keep-last", "10")
+GLOBAL_BATCH = 8  # causal_lm_args: micro-batch 2 x accumulation 2 x 2 processes
+REFERENCE_STEPS = 10
+
+
+def base(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.getbasetemp() / "checkpoint-runs"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def tiny_model(root: Path, *, tied: bool = True) -> Path:
+    folder = root / ("tiny-llama-tied" if tied else "tiny-llama")
+    if not (folder / "config.json").is_file():
+        tiny_llama(folder, tied=tied)
+    return folder
+
+
+def fsdp_config(root: Path, version: int, state_dict_type: str = "SHARDED_STATE_DICT") -> Path:
+    return accelerate_config(root, f"fsdp{version}-{state_dict_type.lower()}",
+                             fsdp={"version": version, "state_dict_type": state_dict_type})
+
+
+def launch(config: Path, args: list[str], *, processes: int):
+    """One recipe launch that must succeed and exit cleanly."""
+    result = run_launch(config, CAUSAL_LM, args, num_processes=processes, cwd=REPO).check()
+    assert GLOO_EXIT_ABORT not in result.stderr
+    return result
+
+
+def reference_run(root: Path) -> Path:
+    """FSDP2, 2 processes, tied tiny Llama, steps 1-10 uninterrupted, a checkpoint every 2 steps."""
+    run_dir = root / "reference-fsdp2-x2"
+    done = root / "reference-fsdp2-x2.done"
+    if not done.exists():
+        model = tiny_model(root)
+        launch(fsdp_config(root, 2), causal_lm_args(model, run_dir, *SCHEDULE, "--max-steps", REFERENCE_STEPS),
+               processes=2)
+        done.write_text("ok\n")
+    return run_dir
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step-{step:08d}"
