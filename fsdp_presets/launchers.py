@@ -379,7 +379,7 @@ def default_script_path(config_file: str | os.PathLike, kind: str) -> Path:
     return config.with_name(f"{config.stem}.{kind}.sh")
 
 
-def write_launcher(kind: str, job: Job, *, generated_by: str, output: str | os.PathLike | None = None) -> Path:
+def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: str | os.PathLike | None = None) -> Path:
     """Render the ``kind`` launcher of ``job`` and write it (executable) to ``output``, by default
     next to the config. Returns the path written."""
     if kind not in LAUNCHER_KINDS:
