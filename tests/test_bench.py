@@ -1,0 +1,224 @@
+"""The benchmark, the fault campaign and the GPU benchmark: their failure paths on fabricated
+measurements (fast), and one quick end-to-end pass of each CPU script (real launches, slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_presets import doc_sections
+from fsdp_presets.drill import DrillResult, KillPlan
+from fsdp_presets.measure import ring_bytes, sent_bytes, state_deviations
+from fsdp_presets.planner import ModelStateBytes
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import bench  # noqa: E402
+import fault_campaign  # noqa: E402
+import gpu_bench  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def quick_profile(tmp_path_factory):
+    from fsdp_presets.profile import profile_model
+
+    folder = tmp_path_factory.mktemp("bench_profile")
+    (folder / "config.json").write_text(json.dumps(bench.QUICK_MODEL))
+    return profile_model(str(folder / "config.json"))
+
+
+def fabricated_results(case: bench.Case, profile, *, scale: float = 1.0) -> dict[int, dict]:
+    """Worker results as a launch would write them, holding exactly the planned bytes x ``scale``."""
+    from fsdp_presets.planner import GiB, Hardware, plan
+
+    row = plan(profile, Hardware(gpus=case.processes, nodes=case.nodes, gpu_memory_bytes=80 * GiB),
+               bench.QUICK_SETTINGS.shape).get(case.strategy, case.fsdp_version)
+    held = {"params": int(row.model_state.params * scale), "grads": row.model_state.grads,
+            "optimizer": row.model_state.optimizer + 84, "step_counters": 84}
+    return {rank: {"held": held, "collectives": [{"op": "all_reduce", "payload_bytes": 4000, "group_size": 2}],
+                   "comm_counts": {}, "losses": [6.2, 6.1], "step_times_s": [0.2, 0.1], "rss_before_bytes": 100,
+                   "rss_peak_bytes": 300, "rss_peak_reset": True, "rss_eager_release": True, "checkpoints": {}}
+            for rank in range(case.processes)}
+
+
+# ---- the planner comparison ----
+def test_state_within_one_percent_passes_and_beyond_fails():
+    planned = ModelStateBytes(params=1000, grads=1000, optimizer=2000)
+    exact = {"params": 1000, "grads": 1000, "optimizer": 2000 + 36, "step_counters": 36}
+    assert state_deviations(exact, planned) == []
+    assert state_deviations({**exact, "params": 1009}, planned) == []
+    deviations = state_deviations({**exact, "params": 1011}, planned, label="x")
+    assert [d.part for d in deviations] == ["params"]
+    assert "+1.10%" in str(deviations[0])
+
+
+def test_a_fabricated_planner_deviation_fails_the_benchmark(quick_profile, tmp_path):
+    case = bench.QUICK_CASES[1]  # FSDP2 FULL_SHARD x2
+    good = bench.analyse_case(case, fabricated_results(case, quick_profile), quick_profile, bench.QUICK_SETTINGS)
+    assert good["deviations"] == [] and good["state_error"] == 0
+    assert bench.verdict({"cases": [good]}) == []
+
+    bad = bench.analyse_case(case, fabricated_results(case, quick_profile, scale=1.02), quick_profile,
+                             bench.QUICK_SETTINGS)
+    problems = bench.verdict({"cases": [bad]})
+    assert len(problems) == 2  # both ranks
+    assert all("deviates from the planner" in problem and "params" in problem for problem in problems)
+
+
+def test_the_benchmark_exits_non_zero_on_a_deviation(quick_profile, tmp_path, monkeypatch):
+    case = bench.QUICK_CASES[1]
+    monkeypatch.setattr(bench, "QUICK_CASES", (case,))
+    monkeypatch.setattr(bench, "run_case", lambda *args, **kwargs: fabricated_results(case, quick_profile, scale=0.9))
+    output = tmp_path / "benchmarks.md"
+    code = bench.main(["--quick", "--output", str(output), "--img-dir", str(tmp_path / "img"),
+                       "--work-dir", str(tmp_path / "work")])
+    assert code == 1
+    text = output.read_text()
+    assert text.splitlines()[4].startswith("**FAILED**: per-rank state deviates from the planner")
+    assert (tmp_path / "img" / "bench_state.png").stat().st_size > 5000
+
+
+def test_a_lost_checkpoint_fails_the_campaign_and_the_benchmark():
+    plan = KillPlan(rank=1, mode="timer", after_step=7, delay_s=0.3)
+    lost = DrillResult(plan=plan, killed=True, last_step_before_kill=8, committed_before_kill=6,
+                       valid_after_crash=[3], resumed_step=3, recovery_s=12.0, kill_to_exit_s=1.0)
+    assert lost.lost_checkpoint and lost.steps_lost == 5
+    kept = DrillResult(plan=plan, killed=True, last_step_before_kill=8, committed_before_kill=6,
+                       valid_after_crash=[3, 6], resumed_step=6, recovery_s=12.0, kill_to_exit_s=1.0)
+    assert not kept.lost_checkpoint and kept.steps_lost == 2
+
+    def trial(index, result):
+        return {"trial": index, **result.to_json(), "identical_losses": True, "passed": not result.lost_checkpoint,
+                "problems": ["lost a committed checkpoint"] if result.lost_checkpoint else []}
+
+    campaign = {"settings": vars(fault_campaign.CampaignSettings(trials=2)), "save_cycle_s": 1.0,
+                "trials": [trial(1, kept), trial(2, lost)]}
+    assert fault_campaign.summary(campaign)["lost_checkpoints"] == 1
+    assert fault_campaign.failures(campaign) == ["trial 2: lost a committed checkpoint"]
+    assert bench.verdict({"cases": [], "campaign": campaign}) == ["fault campaign: trial 2: lost a committed checkpoint"]
+    section = fault_campaign.to_markdown(campaign, command="python scripts/fault_campaign.py --seed 0", image=None)
+    assert "**1/2 trials resumed" in section and "committed checkpoints lost: 1" in section
+
+
+def test_kill_plans_are_seeded_and_land_after_a_commit_and_before_the_end():
+    settings = fault_campaign.CampaignSettings(trials=40, max_steps=12, save_every=3, seed=7)
+    plans = fault_campaign.kill_plans(settings, cycle_s=2.0)
+    assert plans == fault_campaign.kill_plans(settings, cycle_s=2.0)
+    assert plans != fault_campaign.kill_plans(fault_campaign.CampaignSettings(trials=40, seed=8), cycle_s=2.0)
+    assert {plan.mode for plan in plans} == {"timer", "during-save"}
+    assert {plan.rank for plan in plans} == {0, 1}
+    for plan in plans:
+        if plan.mode == "timer":
+            assert 4 <= plan.after_step <= 9 and 0 <= plan.delay_s <= 2.0
+        else:
+            assert plan.after_step in (6, 9, 12)
+    with pytest.raises(SystemExit):
+        fault_campaign.CampaignSettings(trials=1, max_steps=5, save_every=3)
+
+
+def test_ring_bytes_follow_the_planner_convention():
+    assert ring_bytes({"op": "all_gather", "payload_bytes": 1000, "group_size": 4}) == 750
+    assert ring_bytes({"op": "all_reduce", "payload_bytes": 1000, "group_size": 4}) == 1500
+    assert ring_bytes({"op": "reduce_scatter", "payload_bytes": 1000, "group_size": 1}) == 0
+    assert sent_bytes([{"op": "all_gather", "payload_bytes": 1000, "group_size": 2}])["total"] == 500
+
+
+def test_doc_sections_are_replaced_in_place():
+    document = "# Benchmarks\n\nintro\n\n" + doc_sections.wrap("a", "old a") + "\nmiddle\n\n" + doc_sections.wrap("b", "b")
+    updated = doc_sections.replace(document, "a", doc_sections.wrap("a", "new a"))
+    assert "new a" in updated and "old a" not in updated
+    assert updated.startswith("# Benchmarks\n\nintro\n\n") and "middle" in updated and "\nb\n" in updated
+    appended = doc_sections.replace(updated, "c", doc_sections.wrap("c", "c body"))
+    assert appended.endswith(doc_sections.wrap("c", "c body")) and doc_sections.find(appended, "a") is not None
+
+
+# ---- the GPU script: syntax and its Python part in dry mode ----
+def test_gpu_bench_shell_script_parses():
+    subprocess.run(["bash", "-n", str(SCRIPTS / "gpu_bench.sh")], check=True)
+
+
+def test_gpu_bench_dry_run_checks_and_plans_without_a_gpu(tmp_path):
+    work_dir = tmp_path / "gpu"
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "--dry-run", "--gpu-name", "NVIDIA H200"],
+                          capture_output=True, text=True, env={**_env(), "GPU_BENCH_WORK_DIR": str(work_dir),
+                                                               "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    assert "peak bf16 989.0 TFLOP/s" in done.stdout
+    assert "1.10B parameters" in done.stdout and "(fits)" in done.stdout
+    assert "recipes/causal_lm.py --model" in done.stdout
+    assert not work_dir.exists()  # a dry run writes nothing
+
+    refused = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "--dry-run", "--steps", "2", "--micro-batch", "0"],
+                             capture_output=True, text=True, env={**_env(), "GPU_BENCH_WORK_DIR": str(work_dir),
+                                                                  "PYTHON": sys.executable})
+    assert refused.returncode == 2
+    assert "--steps 2" in refused.stderr and "--micro-batch 0" in refused.stderr
+
+
+def test_gpu_peak_table_and_report_arithmetic():
+    assert gpu_bench.peak_tflops_for("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_bench.peak_tflops_for("NVIDIA H100 PCIe") == 756.0
+    assert gpu_bench.peak_tflops_for("NVIDIA H200 NVL") == 835.0
+    assert gpu_bench.peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_bench.peak_tflops_for("Some Other GPU") is None
+    settings = {"warmup_steps": 1, "gpu": {"peak_bf16_tflops": 1000.0}}
+    metrics = [{"kind": "train", "step": step, "tokens_per_s": 1e4 if step > 1 else 10.0, "step_time_s": 1.0}
+               for step in range(1, 6)]
+    figures = gpu_bench.summarise(settings, {"params": 1e9, "single_process_total": 11 * 2**30}, {
+        "max_memory_allocated": 10 * 2**30, "max_memory_reserved": 12 * 2**30}, metrics)
+    assert figures["tokens_per_s"] == 1e4 and figures["mfu"] == pytest.approx(6e13 / 1e15)
+    assert figures["planner_error"] == pytest.approx(0.1)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+# ---- end to end: the quick modes, real launches ----
+@pytest.mark.slow
+def test_quick_campaign_then_quick_benchmark(tmp_path):
+    """One campaign trial (uninterrupted run, killed run, resumed run) and the benchmark's two
+    quick cases (DDP and FSDP2 with checkpoints), reported together in one document."""
+    doc, img = tmp_path / "benchmarks.md", tmp_path / "img"
+    started = time.monotonic()
+    campaign = subprocess.run([sys.executable, str(SCRIPTS / "fault_campaign.py"), "--quick", "--seed", "3",
+                               "--work-dir", str(tmp_path / "campaign"), "--doc", str(doc), "--img-dir", str(img)],
+                              capture_output=True, text=True, cwd=REPO, env=_env(), timeout=600)
+    assert campaign.returncode == 0, campaign.stdout[-3000:] + campaign.stderr[-3000:]
+    assert "fault campaign: seed 3" in campaign.stdout
+    record = json.loads((tmp_path / "campaign" / "campaign.json").read_text())
+    (trial,) = record["trials"]
+    assert trial["killed"] and trial["passed"] and trial["identical_losses"]
+    assert trial["resumed_step"] == max(trial["valid_after_crash"]) >= 2
+    assert trial["recovery_s"] > trial["kill_to_exit_s"] > 0
+    campaign_s = time.monotonic() - started
+
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--quick", "--output", str(doc),
+                           "--img-dir", str(img), "--work-dir", str(tmp_path / "bench"),
+                           "--campaign-json", str(tmp_path / "campaign" / "campaign.json")],
+                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(doc.with_suffix(".json").read_text())
+    ddp, fsdp2 = report["cases"]
+    assert fsdp2["state_vs_ddp"] == pytest.approx(0.5, abs=1e-3) and fsdp2["state_error"] == 0
+    assert fsdp2["comm_error"] == pytest.approx(0, abs=1e-9) and ddp["comm_error"] == pytest.approx(0, abs=1e-9)
+    assert fsdp2["loss_difference_vs_ddp"] < 1e-5  # the same training
+    assert set(fsdp2["checkpoints"]) == {"SHARDED_STATE_DICT", "FULL_STATE_DICT"}
+    sharded, full = fsdp2["checkpoints"]["SHARDED_STATE_DICT"], fsdp2["checkpoints"]["FULL_STATE_DICT"]
+    assert sharded["bytes_per_rank"][1] > 0.4 * sum(sharded["bytes_per_rank"])  # each rank writes its half
+    assert full["bytes_per_rank"][0] > 0.9 * sum(full["bytes_per_rank"])  # rank 0 writes it all
+    text = doc.read_text()
+    assert "| FULL_SHARD (FSDP2) per-rank model state / DDP, 2 processes (limit 1/2 = 0.500) | 0.5000 |" in text
+    assert "**1/1 trials resumed from a committed checkpoint" in text and "gpu-bench:start" in text
+    for name in ("bench_state.png", "bench_step_time.png", "bench_checkpoint.png", "fault_campaign.png"):
+        assert (img / name).stat().st_size > 5000
+    print(f"quick campaign {campaign_s:.0f} s, quick benchmark {time.monotonic() - started - campaign_s:.0f} s")
