@@ -159,6 +159,9 @@ class PresetRequest:
         if self.strategy == "hybrid" and self.nodes == 1:
             problems.append("--strategy hybrid shards inside a node and replicates across nodes: it needs "
                             "--nodes > 1 (on one node use --strategy full)")
+        if self.strategy == "hybrid" and self.nodes > 1 and self.gpus == self.nodes:
+            problems.append("--strategy hybrid with one GPU per node leaves nothing to shard inside a node "
+                            "(accelerate refuses an HSDP mesh of shard size 1): use --strategy full")
         if self.strategy == "no-shard" and self.fsdp_version == 2:
             problems.append("--strategy no-shard exists in FSDP1 only (FSDP2 takes reshard_after_forward "
                             "true/false): add --fsdp-version 1, or use the DDP baseline (--baseline ddp)")
@@ -545,7 +548,9 @@ def _divisors(number: int) -> list[int]:
 def _strategy_candidates(request: PresetRequest) -> list[str]:
     if request.strategy != "auto":
         return [STRATEGY_NAMES[request.strategy]]
-    if request.nodes > 1:
+    # NOTE: with one GPU per node an HSDP mesh would be N x 1, which accelerate refuses ("no
+    # dimension for FSDP to shard across"): sharding across all nodes is the only FSDP choice.
+    if request.nodes > 1 and request.gpus_per_node > 1:
         return ["HYBRID_SHARD", "FULL_SHARD"]
     return ["FULL_SHARD"]
 

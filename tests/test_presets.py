@@ -117,6 +117,13 @@ def test_full_shard_across_nodes_when_hsdp_does_not_fit():
     assert "HYBRID_SHARD does not fit" in preset.parallelism.reason
 
 
+def test_one_gpu_per_node_shards_across_nodes():
+    # An HSDP mesh of N x 1 has nothing to shard inside a node; accelerate refuses it.
+    preset = real("llama-3.1-8b", gpus=2, nodes=2, seq_len=4096, global_batch="1M")
+    assert not preset.parallelism.hsdp
+    assert preset.parallelism.label == "FULL_SHARD 2"
+
+
 def test_activation_checkpointing_only_when_needed_offload_only_when_nothing_else_fits():
     assert real("llama-3.1-70b", gpus=32, nodes=4, seq_len=4096, global_batch="1M").savers.activation_checkpointing
     assert not real("llama-3.1-70b", gpus=32, nodes=4, seq_len=4096, global_batch="1M").savers.offload
@@ -152,10 +159,11 @@ def test_token_batch_is_rounded_to_whole_sequences_per_rank_and_said():
     (dict(gpus=6, nodes=4), "does not divide --gpus 6"),
     (dict(gpus=8, strategy="hybrid"), "needs --nodes > 1"),
     (dict(gpus=8, strategy="no-shard"), "FSDP1 only"),
+    (dict(gpus=2, nodes=2, strategy="hybrid"), "one GPU per node"),
     (dict(gpus=2, device="cpu", offload="on"), "nowhere to offload"),
     (dict(gpus=0), "--gpus must be"),
     (dict(gpus=8, precision="fp8"), "unknown --precision value"),
-], ids=["gpus-not-divisible-by-nodes", "hybrid-on-one-node", "no-shard-fsdp2", "offload-on-cpu", "zero-gpus",
+], ids=["gpus-not-divisible-by-nodes", "hybrid-on-one-node", "no-shard-fsdp2", "hybrid-one-gpu-per-node", "offload-on-cpu", "zero-gpus",
         "unknown-precision"])
 def test_impossible_requests_are_refused_before_any_model_is_built(request_kwargs, message):
     with pytest.raises(UsageError, match=message):
