@@ -168,7 +168,9 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> li
     run_name = PurePosixPath(config_file).name.removesuffix(".yaml").replace(".", "_")
     words = ["accelerate", "launch", "--config_file", config_file]
     if preset.parallelism.num_machines > 1:
-        words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MAIN_NODE", "--main_process_port", "29500"]
+        # The same variable names as the scripts `generate --launcher` writes (launchers.py).
+        words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MAIN_PROCESS_IP",
+                  "--main_process_port", "$MAIN_PROCESS_PORT"]
     return words + [
         script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
         "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
@@ -296,7 +298,8 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         "# Generated; regenerate rather than edit (the same command rewrites this file):",
         *_shell_lines(shlex.split(command)),
         "#",
-        "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_NODE the address of node 0)"
+        "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_PROCESS_IP the address of node 0;"
+                      " `--launcher slurm|torchrun|accelerate` writes this as a script)"
                       if preset.parallelism.num_machines > 1 else "") + ":",
         *_shell_lines(launch_words(preset, config_file=output, launch=launch)),
     ]

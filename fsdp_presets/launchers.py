@@ -317,8 +317,9 @@ def render_slurm(job: Job, *, script_name: str, generated_by: str) -> str:
               "  exit 2", "fi"]
     lines += _config_check(job)
     lines += ["",
-              "# The allocation's first node hosts the rendezvous (torch's static TCP store).",
-              'MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"',
+              "# The allocation's first node hosts the rendezvous (torch's static TCP store). NOTE: not",
+              "# `| head -n1`: under pipefail, scontrol dies of SIGPIPE when head exits first.",
+              'MAIN_PROCESS_IP="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"',
               *_run_time_settings(job),
               "export MAIN_PROCESS_IP MAIN_PROCESS_PORT JOIN_TIMEOUT",
               "",
