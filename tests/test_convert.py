@@ -252,7 +252,8 @@ DAMAGE = {"truncated shard": _truncate, "missing .metadata": _drop_metadata, "ta
 
 
 # Without a manifest there is no checksum: a flipped bit is then only caught by --verify, if at all.
-DAMAGE_CASES = [(damage, True) for damage in sorted(DAMAGE)] + [("truncated shard", False), ("missing .metadata", False)]
+DAMAGE_CASES = [(damage, True) for damage in sorted(DAMAGE)] + [(damage, False) for damage in
+                                                                 ("truncated shard", "missing .metadata")]
 
 
 @pytest.mark.slow
