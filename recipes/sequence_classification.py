@@ -1,9 +1,12 @@
 """Fine-tune an encoder (BERT, MiniLM, RoBERTa, ...) for sequence classification with FSDP.
 
-    accelerate launch --config_file accelerate_configs/cpu_fsdp2_minilm.yaml \
-        recipes/sequence_classification.py --model runs/models/all-minilm-l6-v2 \
+    python scripts/prepare_models.py     # all-MiniLM-L6-v2 into runs/models/
+    fsdp-presets generate runs/models/all-minilm-l6-v2 --device cpu --gpus 2 \
+        --seq-len 40 --micro-batch 8 --global-batch 16 -o runs/minilm_fsdp2.yaml
+    accelerate launch --config_file runs/minilm_fsdp2.yaml recipes/sequence_classification.py \
+        --model runs/models/all-minilm-l6-v2 \
         --data data/kjv_genres/train.jsonl --eval-data data/kjv_genres/eval.jsonl \
-        --output-dir runs/genres --max-steps 60 --micro-batch-size 16 --learning-rate 1e-4 --seq-len 64
+        --output-dir runs/genres --max-steps 60 --micro-batch-size 8 --learning-rate 3e-4 --seq-len 40
 
 Data: JSONL (or CSV, Parquet) with `text` and `label` columns; labels may be names or numbers and
 are numbered in sorted order (the names go into the exported config's id2label). Accuracy comes

