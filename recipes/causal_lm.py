@@ -47,7 +47,10 @@ def summed_loss(model, batch):
     """Sum of the token losses of a batch and the number of tokens it counts (labels != -100).
     The caller divides by the count over all ranks and micro-batches, so each token weighs the
     same whatever the split of the global batch (DDP = FSDP = another GPU count)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask")).logits
+    # use_cache=False: with activation checkpointing the recomputed forward would find a KV
+    # cache already filled by the first one (wrong shapes, or silently wasted memory).
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   use_cache=False).logits
     shifted_logits = logits[:, :-1, :].float()
     shifted_labels = batch["labels"][:, 1:]
     loss = F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
@@ -76,6 +79,7 @@ def main():
     identity = {"recipe": "causal_lm", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
     run = check_output_dir(args.output_dir, identity, args.resume)
+    accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     config = AutoConfig.from_pretrained(args.model)
     training.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
