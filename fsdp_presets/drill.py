@@ -168,6 +168,7 @@ class _Launch:
 
     def __init__(self, command: list[str], *, log_path: Path, env: dict[str, str], cwd=None) -> None:
         self.lines: list[tuple[float, str]] = []
+        self.log_path = log_path
         self.started = time.monotonic()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "w")
@@ -298,7 +299,9 @@ def kill_and_resume(command: list[str], *, run_dir: Path, plan: KillPlan, log_di
     if code is None:
         result.problems.append("the killed launch did not exit before the time limit")
     if not result.killed:
-        result.problems.append(f"the run was not interrupted (exit status {code}): the kill came too late")
+        result.problems.append(
+            "the run ended before the kill: the kill came too late" if code == 0
+            else f"the run failed before the kill (exit status {code}; see {first.log_path})")
         return result
     result.kill_to_exit_s = exited_at - killed_at
     for step, folder in committed_checkpoints(run_dir / "checkpoints"):

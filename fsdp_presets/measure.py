@@ -155,22 +155,38 @@ def peak_rss_bytes() -> int | None:
     return None if kib is None else kib * 1024
 
 
-def release_freed_memory() -> bool:
-    """Make the resident set follow live allocations (glibc): serve every allocation of 64 KiB or
-    more with its own mapping, returned to the system when freed (``mallopt(M_MMAP_THRESHOLD)``;
-    by default glibc raises that threshold up to 32 MiB after the first large frees and keeps the
-    memory), and give back what the heap holds free now (``malloc_trim``). torch's CPU tensors
-    come from ``posix_memalign``, so peak RSS then measures tensor memory, not allocator cache.
-    Returns False where this is not glibc (the peak then includes cached memory)."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc malloc.h)
+_LIVE_MMAP_THRESHOLD = 64 * 1024
+_DEFAULT_MMAP_THRESHOLD_MAX = 32 * 1024**2  # glibc's ceiling for its dynamic threshold (64-bit)
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
     import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
-        applied = libc.mallopt(-3, 64 * 1024) == 1  # -3: M_MMAP_THRESHOLD (malloc.h)
+        applied = all(libc.mallopt(parameter, value) == 1 for parameter, value in settings)
         libc.malloc_trim(0)
         return applied
     except (OSError, AttributeError):
         return False
+
+
+def follow_live_memory() -> bool:
+    """Make the resident set follow live allocations (glibc): every allocation of 64 KiB or more
+    gets its own mapping, returned to the system when freed (``mallopt(M_MMAP_THRESHOLD)``), and
+    what the heap holds free now is given back (``malloc_trim``). torch's CPU tensors come from
+    ``posix_memalign``, so peak RSS then measures tensor memory, not allocator cache. Call it
+    before building the model: chunks already in the heap would be reused without being counted
+    out when freed. Returns False where this is not glibc (RSS then includes cached memory)."""
+    return _mallopt((_M_MMAP_THRESHOLD, _LIVE_MMAP_THRESHOLD))
+
+
+def cache_freed_memory() -> bool:
+    """Undo :func:`follow_live_memory` for timing: large blocks are kept and reused as glibc does
+    once its dynamic threshold has grown (up to 32 MiB, with trimming at twice that), instead of
+    being mapped and zero-filled again at every allocation."""
+    return _mallopt((_M_MMAP_THRESHOLD, _DEFAULT_MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 2 * _DEFAULT_MMAP_THRESHOLD_MAX))
 
 
 def reset_peak_rss() -> bool:

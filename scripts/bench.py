@@ -129,7 +129,7 @@ class BenchSettings:
     """Sequences per rank per step."""
     warmup_steps: int = 1
     """Untimed steps after the measured first one."""
-    timed_steps: int = 3
+    timed_steps: int = 4
     """Timed steps (the median of the slowest rank's times is reported)."""
 
     @property
@@ -176,9 +176,11 @@ def write_model_folder(folder: Path, model_config: dict) -> Path:
     tokenizer of the shipped data (``fsdp_presets.tiny_model``), vocabulary capped by the model's."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
 
     from fsdp_presets.tiny_model import write_tiny_model
 
+    logging.disable_progress_bar()  # no "Writing model shards" bars in the benchmark's output
     write_tiny_model(folder, kind="llama", text=fault_campaign.TRAIN_DATA.read_text(),
                      vocab_size=model_config["vocab_size"], max_positions=model_config["max_position_embeddings"])
     settings = {key: value for key, value in model_config.items() if key not in ("model_type", "architectures")}
@@ -199,14 +201,13 @@ def resume_drill(settings: BenchSettings, work_dir: Path) -> dict:
     run_dir = work_dir / "drill-run"
     command = launch_command(config, fault_campaign.RECIPE, [
         "--model", model, "--data", fault_campaign.TRAIN_DATA, "--eval-data", fault_campaign.EVAL_DATA,
-        "--max-eval-samples", 2, "--output-dir", run_dir, "--seq-len", settings.seq_len,
+        "--max-eval-samples", 16, "--output-dir", run_dir, "--seq-len", settings.seq_len,
         "--micro-batch-size", settings.micro_batch, "--max-steps", 8, "--save-every", 2, "--resume", "auto"])
     result = kill_and_resume(command, run_dir=run_dir, plan=KillPlan(rank=1, mode="timer", after_step=3),
                              log_dir=work_dir, cwd=REPO, finish=False)
     record = result.to_json()
-    checkpoint = run_dir / "checkpoints"
-    record["checkpoint_bytes"] = sum(path.stat().st_size for path in checkpoint.rglob("*") if path.is_file()) \
-        // max(1, len(list(checkpoint.glob("step-*"))))
+    loaded = run_dir / "checkpoints" / f"step-{result.resumed_step or 0:08d}"
+    record["checkpoint_bytes"] = sum(path.stat().st_size for path in loaded.rglob("*") if path.is_file())
     return record
 
 
@@ -217,6 +218,12 @@ def _slowest_rank_median(results: dict[int, dict]) -> float:
     """Median over the timed steps of the slowest rank's time (every rank waits for it)."""
     per_step = zip(*(result["step_times_s"] for result in results.values()))
     return statistics.median(max(times) for times in per_step)
+
+
+def _slowest_rank_range(results: dict[int, dict]) -> tuple[float, float]:
+    """Fastest and slowest of the timed steps (slowest rank each), to show the noise."""
+    slowest = [max(times) for times in zip(*(result["step_times_s"] for result in results.values()))]
+    return min(slowest), max(slowest)
 
 
 def analyse_case(case: Case, results: dict[int, dict], profile, settings: BenchSettings) -> dict:
@@ -233,9 +240,9 @@ def analyse_case(case: Case, results: dict[int, dict], profile, settings: BenchS
                         - result["held"]["step_counters"] for result in results.values())
     sent = max((sent_bytes(result["collectives"]) for result in results.values()), key=lambda s: s["total"])
     rank0 = results[0]
-    step_peak = max((result["rss_peak_bytes"] - result["rss_before_bytes"] for result in results.values()
-                     if result["rss_peak_bytes"] is not None and result["rss_before_bytes"] is not None), default=0)
-    planned_peak = row.per_gpu.grads + row.per_gpu.activations + row.per_gpu.buffers
+    measured_rss = [result for result in results.values()
+                    if result["rss_peak_bytes"] is not None and result["rss_before_bytes"] is not None]
+    step_peak = max((result["rss_peak_bytes"] - result["rss_before_bytes"] for result in measured_rss), default=0)
     return {
         "case": case.name, "label": case.label, "processes": case.processes, "strategy": case.strategy,
         "fsdp_version": case.fsdp_version, "activation_checkpointing": case.activation_checkpointing,
@@ -248,9 +255,13 @@ def analyse_case(case: Case, results: dict[int, dict], profile, settings: BenchS
         "comm_error": relative_error(sent["total"], row.comm.total),
         "collective_counts": rank0["comm_counts"],
         "step_time_s": _slowest_rank_median(results), "step_times_s": {r: x["step_times_s"] for r, x in results.items()},
-        "step_peak_bytes": step_peak, "planned_step_peak_bytes": planned_peak,
+        "step_time_range_s": _slowest_rank_range(results),
+        "planned_activations_bytes": row.per_gpu.activations,
+        "step_peak_bytes": step_peak,
+        "rss_between_steps_bytes": max((result["rss_before_bytes"] for result in measured_rss), default=0),
+        "rss_peak_bytes": max((result["rss_peak_bytes"] for result in measured_rss), default=0),
         "rss_peak_reset": all(r["rss_peak_reset"] for r in results.values()),
-        "rss_eager_release": all(r.get("rss_eager_release", False) for r in results.values()),
+        "rss_follows_live_memory": all(r.get("rss_follows_live_memory", False) for r in results.values()),
         "losses_rank0": rank0["losses"],
         "checkpoints": rank0["checkpoints"] and {
             kind: {**value, "save_s": max(r["checkpoints"][kind]["save_s"] for r in results.values()),
@@ -287,7 +298,7 @@ def verdict(report: dict) -> list[str]:
     if report.get("campaign"):
         problems += [f"fault campaign: {p}" for p in fault_campaign.failures(report["campaign"])]
     drill = report.get("resume_drill")
-    if drill and drill.get("lost_checkpoint"):
+    if drill and drill["problems"]:
         problems.append("resume drill: " + "; ".join(drill["problems"]))
     return problems
 
@@ -398,32 +409,50 @@ def render(report: dict, *, images: dict[str, str], campaign_section: str | None
         lines += ["", f"![per-rank model state]({images['state']})"]
 
     lines += ["", "## Step time vs DDP", "",
-              "| processes | strategy | step time | / DDP | max loss difference vs DDP (same data) |",
-              "|---:|---|---:|---:|---:|"]
+              "| processes | strategy | step time (median) | fastest - slowest step | / DDP | "
+              "max loss difference vs DDP (same data) |",
+              "|---:|---|---:|---:|---:|---:|"]
     for row in rows:
+        fastest, slowest = row["step_time_range_s"]
         lines.append(f"| {row['processes']} | {row['label']} | {row['step_time_s']:.3f} s | "
+                     f"{fastest:.2f} - {slowest:.2f} s | "
                      f"{_ratio(row.get('time_vs_ddp'))} | "
                      f"{'n/a' if 'loss_difference_vs_ddp' not in row else format(row['loss_difference_vs_ddp'], '.1e')} |")
+    lines += ["", "Same initial weights and data in every case: the loss column shows the strategies train "
+              "alike. On this host every process has one core and gloo moves tensors through the same "
+              "cores over loopback TCP, so a collective cannot overlap with compute as NCCL on a GPU's "
+              "own streams does: FSDP's extra traffic (FULL_SHARD gathers the parameters twice and "
+              "reduce-scatters once: 1.4-1.5x the bytes of DDP's all-reduce here, see the communication table) and its "
+              "per-unit copies show up in the step time. Read these ratios as a floor of FSDP's overhead "
+              "on CPU, not as a GPU forecast; the GPU section below measures a GPU."]
     if "time" in images:
         lines += ["", f"![step time relative to DDP]({images['time']})"]
 
     lines += ["", "## Memory of a step, activation checkpointing on and off", "",
-              "What was measured: the peak resident set size of each process during one training step "
-              "(Linux `VmHWM`, reset just before it) minus its resident size just before it, the "
-              "largest over ranks. Before that step glibc is told to return freed memory at once "
-              "(`mallopt(M_MMAP_THRESHOLD, 64 KiB)`, `malloc_trim`), so the figure follows tensor "
-              "memory: gradients, activations, gathered parameters. No CUDA-style allocator "
-              "statistics exist for CPU tensors in torch. Planner: gradients + activations + "
-              "buffers of the same row (fp32, fused attention).", "",
-              "| processes | strategy | step peak above baseline | planner | step time |",
+              "What was measured (torch keeps no allocator statistics for CPU tensors, unlike "
+              "`torch.cuda.max_memory_allocated`): each process's resident set size (Linux `VmRSS`) "
+              "between steps, and its peak during one training step (`VmHWM`, reset just before it). "
+              "From its start until that step the process has glibc map every allocation of 64 KiB or "
+              "more on its own and unmap it when freed (`mallopt(M_MMAP_THRESHOLD)`), so the resident "
+              "set follows live tensors: the step peak above the between-steps size is the memory a "
+              "step adds (gradients, activations, gathered parameters, communication buffers). Largest "
+              "rank shown. The timed steps run afterwards with the allocator caching again. "
+              "Between steps every process also holds the Python and torch runtime (a few hundred MiB) "
+              "and DDP its gradient buckets.", "",
+              "| processes | strategy | between steps | peak in a step | a step adds |",
               "|---:|---|---:|---:|---:|"]
     for row in rows:
-        lines.append(f"| {row['processes']} | {row['label']} | {_mib(row['step_peak_bytes'])} | "
-                     f"{_mib(row['planned_step_peak_bytes'])} | {row['step_time_s']:.3f} s |")
+        lines.append(f"| {row['processes']} | {row['label']} | {_mib(row['rss_between_steps_bytes'])} | "
+                     f"{_mib(row['rss_peak_bytes'])} | {_mib(row['step_peak_bytes'])} |")
     if (row := _find(rows, "fsdp2-ac-x2")) and "ac_time_cost" in row:
         saved = "n/a" if row["ac_peak_ratio"] is None else f"{1 - row['ac_peak_ratio']:.0%}"
+        off = _find(rows, "fsdp2-x2")
         lines += ["", f"Activation checkpointing (FSDP2, 2 processes): step time x{row['ac_time_cost']:.2f}, "
-                  f"step memory peak x{_ratio(row['ac_peak_ratio'])} ({saved} saved)."]
+                  f"memory a step adds x{_ratio(row['ac_peak_ratio'])} ({saved} saved). What it can save is the "
+                  f"blocks' activations: the planner puts all saved activations and logits at "
+                  f"{_mib(off['planned_activations_bytes'])} without and {_mib(row['planned_activations_bytes'])} "
+                  "with it (Korthikanti et al. 2022, fp32); the rest of the step's peak (gradients, the "
+                  "logits and their gradient over the vocabulary, gathered units) stays."]
 
     lines += ["", "## Communication per step: counted vs planned", "",
               "Every collective of the first step, recorded with its payload (a `CommDebugMode` for FSDP, "
@@ -579,7 +608,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def command_line(argv: list[str] | None) -> str:
-    arguments = sys.argv[1:] if argv is None else argv
+    """The command that regenerates the report (where launch folders went does not change it)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    for index, argument in enumerate(arguments):
+        if argument == "--work-dir":
+            del arguments[index:index + 2]
+            break
+        if argument.startswith("--work-dir="):
+            del arguments[index]
+            break
     return shlex.join(["python", "scripts/bench.py", *arguments])
 
 

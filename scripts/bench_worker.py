@@ -12,10 +12,11 @@ Every rank writes ``OUT/rank-N.json`` with:
   ``CommDebugMode`` for FSDP; a communication hook for DDP, whose all-reduces start in C++);
 - ``step_times_s``: wall time of each timed step (forward, backward, optimizer, zero_grad), each
   started together on all ranks (barrier);
-- ``rss_before_bytes``/``rss_peak_bytes``: resident memory before one more step and its peak
-  during it (Linux ``VmRSS``/``VmHWM``, the peak reset first), with glibc told to return freed
-  memory at once (:func:`fsdp_presets.measure.release_freed_memory`): on a CPU host the
-  activations, gathered parameters and gradients of a step all live in this memory;
+- ``rss_before_bytes``/``rss_peak_bytes``: resident memory before the third step and its peak
+  during it (Linux ``VmRSS``/``VmHWM``, the peak reset first), glibc returning freed memory at
+  once until then (:func:`fsdp_presets.measure.follow_live_memory`): on a CPU host the
+  activations, gathered parameters and gradients of a step all live in this memory (the second
+  step settles DDP, which rebuilds its gradient buckets in its second forward);
 - ``checkpoints`` (with ``--checkpoint-dir``): save and load time of a committed checkpoint
   (:class:`fsdp_presets.checkpoint.CheckpointManager`, SHA-256 of every file included) as
   sharded (DCP) and as full state dicts, and the files each rank wrote.
@@ -52,7 +53,7 @@ def parse_args():
     parser.add_argument("--result-dir", required=True, help="where rank-N.json go")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps after the measured first one")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps before the timed ones")
     parser.add_argument("--timed-steps", type=int, default=3)
     parser.add_argument("--checkpoint-dir", help="also time checkpoint save/load (sharded and full) here")
     return parser.parse_args()
@@ -68,6 +69,7 @@ def file_owner(relative: str) -> int:
 
 def main():
     args = parse_args()
+    live_memory = measure.follow_live_memory()  # before anything large is allocated
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator()
     fsdp_presets.check_launch(accelerator)
@@ -84,7 +86,7 @@ def main():
         measure.record_ddp_allreduce(model, ddp_records)
 
     generator = torch.Generator().manual_seed(1000 + rank)
-    total_steps = 1 + args.warmup_steps + args.timed_steps + 1  # measured, warm-up, timed, memory
+    total_steps = 3 + args.warmup_steps + args.timed_steps  # measured, settle, memory, warm-up, timed
     batches = [torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), generator=generator)
                for _ in range(total_steps)]
     losses = []
@@ -102,25 +104,29 @@ def main():
     optimizer.zero_grad(set_to_none=True)
     records = list(ddp_records) if ddp_records else recorder.records  # the hook records every later step too
 
-    # ---- warm-up, timed steps, then one step for the memory peak ----
-    for batch in batches[1:1 + args.warmup_steps]:
+    # ---- memory: a settling step, then the peak of one step ----
+    train_step(batches[1])
+    optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    dist.barrier()
+    rss_before = measure.current_rss_bytes()
+    peak_reset = measure.reset_peak_rss()
+    train_step(batches[2])
+    optimizer.zero_grad(set_to_none=True)
+    rss_peak = measure.peak_rss_bytes()
+
+    # ---- time: the allocator back to caching, warm-up, timed steps ----
+    measure.cache_freed_memory()
+    for batch in batches[3:3 + args.warmup_steps]:
         train_step(batch)
         optimizer.zero_grad(set_to_none=True)
     step_times = []
-    for batch in batches[1 + args.warmup_steps:-1]:
+    for batch in batches[3 + args.warmup_steps:]:
         dist.barrier()
         started = time.perf_counter()
         train_step(batch)
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - started)
-    gc.collect()
-    eager_release = measure.release_freed_memory()
-    dist.barrier()
-    rss_before = measure.current_rss_bytes()
-    peak_reset = measure.reset_peak_rss()
-    train_step(batches[-1])
-    optimizer.zero_grad(set_to_none=True)
-    rss_peak = measure.peak_rss_bytes()
 
     # ---- checkpoints: sharded and full, save (commit) and load ----
     checkpoints = {}
@@ -162,7 +168,7 @@ def main():
         "rss_before_bytes": rss_before,
         "rss_peak_bytes": rss_peak,
         "rss_peak_reset": peak_reset,
-        "rss_eager_release": eager_release,
+        "rss_follows_live_memory": live_memory,
         "checkpoints": checkpoints,
     }
     out = Path(args.result_dir)

@@ -146,8 +146,11 @@ def save_cycle_s(seen: dict[int, float], save_every: int) -> float:
 
 def run_campaign(settings: CampaignSettings, work_dir: Path, *, log=print) -> dict:
     """Baseline, then every trial; returns the campaign record (see ``to_markdown``)."""
+    from transformers.utils import logging
+
     from fsdp_presets.tiny_model import write_tiny_model
 
+    logging.disable_progress_bar()  # no "Writing model shards" bar in the campaign's output
     work_dir.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(work_dir / "model", kind="llama", text=TRAIN_DATA.read_text(), max_positions=128)
     config = write_accelerate_config(work_dir / "fsdp2.yaml", num_processes=settings.processes)
@@ -171,7 +174,8 @@ def run_campaign(settings: CampaignSettings, work_dir: Path, *, log=print) -> di
         losses = train_losses(run_dir / "metrics.jsonl")
         identical = result.killed and losses == reference
         differences = [abs(losses[step] - reference[step]) for step in reference if step in losses]
-        trial = {"trial": index, **result.to_json(), "identical_losses": identical,
+        trial = {"trial": index, **result.to_json(), "landed": landed(result, settings.save_every),
+                 "identical_losses": identical,
                  "max_loss_difference": max(differences) if differences else None,
                  "steps_logged": sorted(losses)}
         if result.killed and not identical and not result.problems:
@@ -186,6 +190,15 @@ def run_campaign(settings: CampaignSettings, work_dir: Path, *, log=print) -> di
                if result.killed and result.recovery_s is not None else "; ".join(trial["problems"])))
     return {"settings": vars(settings), "reference_steps": len(reference), "save_cycle_s": cycle,
             "trials": trials, "wall_s": time.monotonic() - started}
+
+
+def landed(result: DrillResult, save_every: int) -> str:
+    """Where the kill struck: ``mid-save`` when the last finished step was a checkpoint step whose
+    checkpoint never committed, else ``mid-step``."""
+    last = result.last_step_before_kill
+    if result.plan.mode == "during-save" or (last and last % save_every == 0 and last not in result.valid_after_crash):
+        return "mid-save"
+    return "mid-step"
 
 
 def summary(campaign: dict) -> dict:
@@ -206,6 +219,8 @@ def summary(campaign: dict) -> dict:
         "recovery_max_s": max(recovered) if recovered else None,
         "kill_to_exit_median_s": statistics.median([t["kill_to_exit_s"] for t in interrupted])
         if interrupted else None,
+        "mid_save": sum(t.get("landed") == "mid-save" for t in interrupted),
+        "mid_step": sum(t.get("landed") == "mid-step" for t in interrupted),
     }
 
 
@@ -236,6 +251,8 @@ def to_markdown(campaign: dict, *, command: str, image: str | None) -> str:
         "again. A trial passes when it resumed from the newest checkpoint committed before the kill "
         "and every logged loss equals the uninterrupted run's, bitwise.",
         "",
+        f"Kills this run: {figures['mid_save']} mid-save, {figures['mid_step']} mid-step.",
+        "",
         f"**{figures['passed']}/{figures['trials']} trials resumed from a committed checkpoint with losses "
         f"identical to the uninterrupted run**; committed checkpoints lost: {figures['lost_checkpoints']}; "
         f"steps lost per kill: mean {figures['steps_lost_mean'] if figures['steps_lost_mean'] is None else round(figures['steps_lost_mean'], 1)}, "
@@ -252,7 +269,8 @@ def to_markdown(campaign: dict, *, command: str, image: str | None) -> str:
         verdict = "identical" if t["identical_losses"] else ("DIFFER" if t["killed"] else "not interrupted")
         if t["problems"]:
             verdict += " (" + "; ".join(t["problems"]) + ")"
-        lines.append(f"| {t['trial']} | {plan.describe()} | {t['last_step_before_kill']} | "
+        where = f" ({t['landed']})" if t.get("landed") and t["killed"] and plan.mode == "timer" else ""
+        lines.append(f"| {t['trial']} | {plan.describe()}{where} | {t['last_step_before_kill']} | "
                      f"{t['committed_before_kill'] if t['committed_before_kill'] is not None else 'none'} | "
                      f"{t['resumed_step'] if t['resumed_step'] is not None else 'n/a'} | "
                      f"{t['steps_lost'] if t['steps_lost'] is not None else 'n/a'} | "

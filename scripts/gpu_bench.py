@@ -161,9 +161,11 @@ def write_model(folder: Path, model_config: dict) -> None:
     a word tokenizer of the shipped data."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
 
     from fsdp_presets.tiny_model import write_tiny_model
 
+    logging.disable_progress_bar()
     write_tiny_model(folder, kind="llama", text=TRAIN_DATA.read_text(), vocab_size=model_config["vocab_size"],
                      max_positions=model_config["max_position_embeddings"])
     values = {key: value for key, value in model_config.items() if key not in ("model_type", "architectures")}
