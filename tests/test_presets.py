@@ -47,6 +47,7 @@ PUBLISHED = {
     # folder: (exact count from the shapes, published size in billions as the Hub shows it)
     "llama-3.1-8b": (8_030_261_248, 8.03),
     "llama-3.1-70b": (70_553_706_496, 70.55),
+    "llama-3.2-1b": (1_235_814_400, 1.24),
     "mistral-7b-v0.3": (7_248_023_552, 7.25),
     "qwen2.5-7b": (7_615_616_512, 7.62),
     "gemma-2-9b": (9_241_705_984, 9.24),
