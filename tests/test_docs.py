@@ -319,9 +319,14 @@ def run_accelerate(words: list[str], work: Path, where: str) -> tuple[int, str, 
     from accelerate.commands.merge import merge_command, merge_command_parser
 
     assert words[1:2] == ["merge-weights"], f"{where}: `accelerate {words[1]}` cannot run in a test; mark it static"
+    from accelerate.state import PartialState
+
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        merge_command(merge_command_parser().parse_args(words[2:]))
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            merge_command(merge_command_parser().parse_args(words[2:]))
+    finally:
+        PartialState._reset_state()  # it made a (non-distributed) state: leave none behind
     return 0, stdout.getvalue(), stderr.getvalue()
 
 
