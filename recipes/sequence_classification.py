@@ -65,6 +65,7 @@ def main():
     identity = {"recipe": "sequence_classification", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
     run = check_output_dir(args.output_dir, identity, args.resume)
+    accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     config = AutoConfig.from_pretrained(args.model)
     training.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
