@@ -27,6 +27,7 @@ report and the overlay plot are in :mod:`fsdp_presets.compare_report`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -65,6 +66,12 @@ COMPARABLE_FIELDS: tuple[tuple[str, str], ...] = (
 # gradient synchronisation move grad_norm by 5.6e-5 at step 1 and the loss by 1.5e-6 or more from
 # step 2.
 FP32_RELATIVE_TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5}
+
+# NOTE: the sharded norm's round-off grows with the model: on SmolLM2-135M (fp32, no clipping)
+# FSDP2 and DDP logged norms 1.5e-5 apart while every loss and eval loss was bitwise equal. When
+# the losses agree exactly, the norm cannot have changed the training (a clipped update would have
+# moved the next loss), so the norm is then held to this looser bound, 6x that measurement.
+FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL = 1e-4
 
 # NOTE: bf16 keeps 8 significant bits (epsilon 2**-7 = 7.8e-3): every matmul rounds, and two correct
 # bf16 runs that shard differently round differently at every step. Measured here with
@@ -605,9 +612,26 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, tolerance: float | T
                 candidate_values=[theirs[step] for step in steps],
             )
         )
+    if tolerance is None:
+        metrics = _loosen_norm_when_losses_identical(metrics, chosen, notes)
     for record, role in ((baseline, "baseline"), (candidate, "candidate")):
         notes.extend(f"{role}: {note}" for note in record.notes)
     return Comparison(baseline=baseline, candidate=candidate, tolerance=chosen, metrics=metrics, notes=notes)
+
+
+def _loosen_norm_when_losses_identical(metrics, chosen: Tolerance, notes: list[str]):
+    """See :data:`FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL` (automatic fp32 tolerance only)."""
+    by_name = {metric.metric: metric for metric in metrics}
+    norm, loss = by_name.get("grad_norm"), by_name.get("loss")
+    losses = [by_name[name] for name in ("loss", "eval_loss") if name in by_name]
+    if norm is None or loss is None or chosen.grad_norm >= FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL:
+        return metrics
+    if any(deviation != 0 for metric in losses for deviation in metric.deviations):
+        return metrics
+    notes.append(f"every loss is bitwise equal: grad_norm held to {FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL:g} "
+                 "relative (a sharded norm rounds differently; it did not change the training)")
+    loosened = dataclasses.replace(norm, tolerance=FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL)
+    return [loosened if metric is norm else metric for metric in metrics]
 
 
 def _span(steps) -> str:
