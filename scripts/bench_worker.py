@@ -11,7 +11,9 @@ Every rank writes ``OUT/rank-N.json`` with:
 - ``collectives``: every collective of the first step with payload and group size (a
   ``CommDebugMode`` for FSDP; a communication hook for DDP, whose all-reduces start in C++);
 - ``step_times_s``: wall time of each timed step (forward, backward, optimizer, zero_grad), each
-  started together on all ranks (barrier);
+  started together on all ranks (barrier); ``cpu_times_s``: the CPU time this process (all its
+  threads) used in each, which other programs on a shared host barely change, as they change
+  the wall time;
 - ``rss_before_bytes``/``rss_peak_bytes``: resident memory before the third step and its peak
   during it (Linux ``VmRSS``/``VmHWM``, the peak reset first), glibc returning freed memory at
   once until then (:func:`fsdp_presets.measure.follow_live_memory`): on a CPU host the
@@ -120,13 +122,14 @@ def main():
     for batch in batches[3:3 + args.warmup_steps]:
         train_step(batch)
         optimizer.zero_grad(set_to_none=True)
-    step_times = []
+    step_times, cpu_times = [], []
     for batch in batches[3 + args.warmup_steps:]:
         dist.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         train_step(batch)
         optimizer.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - started)
+        cpu_times.append(time.process_time() - cpu_started)
 
     # ---- checkpoints: sharded and full, save (commit) and load ----
     checkpoints = {}
@@ -165,6 +168,7 @@ def main():
         "comm_counts": {str(op): count for op, count in recorder.get_comm_counts().items()},
         "losses": losses,
         "step_times_s": step_times,
+        "cpu_times_s": cpu_times,
         "rss_before_bytes": rss_before,
         "rss_peak_bytes": rss_peak,
         "rss_peak_reset": peak_reset,

@@ -43,7 +43,7 @@ def fabricated_results(case: bench.Case, profile, *, scale: float = 1.0) -> dict
     held = {"params": int(row.model_state.params * scale), "grads": row.model_state.grads,
             "optimizer": row.model_state.optimizer + 84, "step_counters": 84}
     return {rank: {"held": held, "collectives": [{"op": "all_reduce", "payload_bytes": 4000, "group_size": 2}],
-                   "comm_counts": {}, "losses": [6.2, 6.1], "step_times_s": [0.2, 0.1], "rss_before_bytes": 100,
+                   "comm_counts": {}, "losses": [6.2, 6.1], "step_times_s": [0.2, 0.1], "cpu_times_s": [0.2, 0.1], "rss_before_bytes": 100,
                    "rss_peak_bytes": 300, "rss_peak_reset": True, "rss_follows_live_memory": True, "checkpoints": {}}
             for rank in range(case.processes)}
 
