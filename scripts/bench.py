@@ -88,6 +88,8 @@ class Case:
     """accelerate ``parallelism_config`` entries (HSDP mesh)."""
     checkpoints: bool = False
     """Also time checkpoint save/load, sharded and full."""
+    short: str = ""
+    """Chart label (defaults to ``label``)."""
 
     @property
     def activation_checkpointing(self) -> bool:
@@ -103,16 +105,17 @@ def _case(name, label, processes, strategy, version=None, **kwargs) -> Case:
 
 
 FULL_CASES = (
-    _case("ddp-x2", "DDP", 2, "DDP"),
-    _case("fsdp2-x2", "FULL_SHARD (FSDP2)", 2, "FULL_SHARD", 2, checkpoints=True),
+    _case("ddp-x2", "DDP", 2, "DDP", short="DDP"),
+    _case("fsdp2-x2", "FULL_SHARD (FSDP2)", 2, "FULL_SHARD", 2, checkpoints=True, short="FSDP2"),
     _case("fsdp2-ac-x2", "FULL_SHARD (FSDP2) + act. ckpt", 2, "FULL_SHARD", 2,
-          fsdp={"activation_checkpointing": True}),
-    _case("fsdp1-x2", "FULL_SHARD (FSDP1)", 2, "FULL_SHARD", 1, fsdp={"version": 1}),
-    _case("sgo-x2", "SHARD_GRAD_OP (FSDP2)", 2, "SHARD_GRAD_OP", 2, fsdp={"reshard_after_forward": False}),
-    _case("ddp-x4", "DDP", 4, "DDP"),
-    _case("fsdp2-x4", "FULL_SHARD (FSDP2)", 4, "FULL_SHARD", 2),
+          fsdp={"activation_checkpointing": True}, short="FSDP2\n+ act. ckpt"),
+    _case("fsdp1-x2", "FULL_SHARD (FSDP1)", 2, "FULL_SHARD", 1, fsdp={"version": 1}, short="FSDP1"),
+    _case("sgo-x2", "SHARD_GRAD_OP (FSDP2)", 2, "SHARD_GRAD_OP", 2, fsdp={"reshard_after_forward": False},
+          short="FSDP2\nSHARD_GRAD_OP"),
+    _case("ddp-x4", "DDP", 4, "DDP", short="DDP"),
+    _case("fsdp2-x4", "FULL_SHARD (FSDP2)", 4, "FULL_SHARD", 2, short="FSDP2"),
     _case("hsdp-x4", "HSDP 2x2 (FSDP2)", 4, "HYBRID_SHARD", 2, nodes=2,
-          parallelism={"dp_replicate_size": 2, "dp_shard_size": 2}),
+          parallelism={"dp_replicate_size": 2, "dp_shard_size": 2}, short="HSDP 2x2"),
 )
 QUICK_CASES = (FULL_CASES[0], FULL_CASES[1])
 
@@ -244,7 +247,7 @@ def analyse_case(case: Case, results: dict[int, dict], profile, settings: BenchS
                     if result["rss_peak_bytes"] is not None and result["rss_before_bytes"] is not None]
     step_peak = max((result["rss_peak_bytes"] - result["rss_before_bytes"] for result in measured_rss), default=0)
     return {
-        "case": case.name, "label": case.label, "processes": case.processes, "strategy": case.strategy,
+        "case": case.name, "label": case.label, "short": case.short or case.label, "processes": case.processes, "strategy": case.strategy,
         "fsdp_version": case.fsdp_version, "activation_checkpointing": case.activation_checkpointing,
         "held": held, "held_per_rank": {rank: r["held"] for rank, r in results.items()},
         "planned": {"params": row.model_state.params, "grads": row.model_state.grads,
@@ -388,8 +391,9 @@ def render(report: dict, *, images: dict[str, str], campaign_section: str | None
         f"{settings['model']['intermediate_size']}, vocabulary {settings['model']['vocab_size']}, untied), fp32, "
         f"AdamW; sequence {settings['seq_len']}, micro-batch {settings['micro_batch']} per rank; real FSDP/DDP "
         "over gloo through `accelerate launch` (`fsdp_presets.enable_cpu_fsdp`), one thread per process.",
-        f"- Each case: one measured step, {settings['warmup_steps']} warm-up step(s), {settings['timed_steps']} "
-        "timed steps (step time = median over steps of the slowest rank), one memory step. "
+        "- Each case, one launch: a first step whose collectives are recorded and after which the "
+        "state each rank holds is measured, a settling step, a step whose memory is measured, "
+        f"{settings['warmup_steps']} warm-up step(s), then {settings['timed_steps']} timed steps. "
         f"The whole benchmark took {report['wall_s'] / 60:.1f} minutes.",
         "",
         "## Headline", "",
@@ -536,6 +540,10 @@ def existing_section(path: Path, name: str) -> str | None:
 # --------------------------------------------------------------------------- charts
 
 
+def _chart_label(row: dict) -> str:
+    return f"{row.get('short') or row['label']}\n{row['processes']} processes"
+
+
 def plot_charts(report: dict, img_dir: Path) -> dict[str, Path]:
     import matplotlib
 
@@ -545,7 +553,7 @@ def plot_charts(report: dict, img_dir: Path) -> dict[str, Path]:
     img_dir.mkdir(parents=True, exist_ok=True)
     rows = report["cases"]
     paths = {}
-    labels = [f"{row['label']}\nx{row['processes']}" for row in rows]
+    labels = [_chart_label(row) for row in rows]
 
     figure, axes = pyplot.subplots(figsize=(9, 4.2))
     bottoms = [0.0] * len(rows)
@@ -574,7 +582,7 @@ def plot_charts(report: dict, img_dir: Path) -> dict[str, Path]:
                  width, color="tab:gray", label="wall time")
         axes.axhline(1.0, color="black", linewidth=0.8)
         axes.legend(fontsize=8)
-        axes.set_xticks(range(len(with_ratio)), [f"{row['label']}\nx{row['processes']}" for row in with_ratio], fontsize=7)
+        axes.set_xticks(range(len(with_ratio)), [_chart_label(row) for row in with_ratio], fontsize=7)
         axes.set_ylabel("step time / DDP (same processes)")
         axes.set_title("Step time relative to DDP", fontsize=9)
         figure.tight_layout()
@@ -618,6 +626,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--campaign-json", help="use this fault_campaign.py result instead of running the campaign")
     parser.add_argument("--no-drill", action="store_true", help="skip the resume-cost drill")
     parser.add_argument("--timed-steps", type=int, help="timed steps per case (default 3; 2 with --quick)")
+    parser.add_argument("--render", metavar="REPORT_JSON",
+                        help="only rewrite the report and charts from a saved docs/benchmarks.json (no launches)")
     parser.add_argument("--cases", help=f"comma-separated cases to run (default: all; known: "
                         f"{', '.join(case.name for case in FULL_CASES)}; --quick: {', '.join(c.name for c in QUICK_CASES)})")
     return parser.parse_args(argv)
@@ -650,6 +660,8 @@ def main(argv=None) -> int:
     from fsdp_presets.profile import profile_model
 
     args = parse_args(argv)
+    if args.render:
+        return publish(json.loads(Path(args.render).read_text()), Path(args.output), Path(args.img_dir))
     settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
     if args.timed_steps:
         settings = BenchSettings(**{**vars(settings), "timed_steps": args.timed_steps})
@@ -702,8 +714,11 @@ def main(argv=None) -> int:
             shutil.rmtree(temporary, ignore_errors=True)
     report["host_after"] = host_description()
     report["wall_s"] = time.monotonic() - started
+    return publish(report, Path(args.output), Path(args.img_dir))
 
-    output, img_dir = Path(args.output), Path(args.img_dir)
+
+def publish(report: dict, output: Path, img_dir: Path) -> int:
+    """Write the report, its JSON and the charts; print the headline; 1 when the run failed."""
     images = plot_charts(report, img_dir)
     relative = {key: Path(os.path.relpath(path, output.parent)).as_posix() for key, path in images.items()}
     campaign_section = None

@@ -302,12 +302,13 @@ def plot_campaign(campaign: dict, path: Path) -> Path:
         axes.bar(labels, values, bottom=bottom, color=color, label=name)
         bottom = [b + v for b, v in zip(bottom, values)]
     for index, trial in enumerate(trials):
-        text = f"-{trial['steps_lost']} steps" if trial["steps_lost"] is not None else "not resumed"
+        text = f"{trial['steps_lost']} lost" if trial["steps_lost"] is not None else "not resumed"
         axes.annotate(text, (index, bottom[index]), ha="center", va="bottom", fontsize=7)
     axes.set_xlabel("trial and kill (timer: from outside at a random moment; save: inside a save)")
     axes.set_ylabel("seconds from the kill")
-    axes.set_title("Fault campaign: recovery per trial and optimizer steps lost", fontsize=9)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.set_title("Fault campaign: recovery per trial (label: optimizer steps lost)", fontsize=9)
+    axes.set_ylim(0, max(bottom, default=1.0) * 1.3 or 1.0)
+    axes.legend(fontsize=7, loc="upper center", ncol=3)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
