@@ -4,9 +4,11 @@ snapshots, and finding the rank processes of a launch (to SIGKILL one)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
+
+from fsdp_presets.drill import descendants, rank_pid  # noqa: F401 (re-exported for the tests)
+from fsdp_presets.testing import launch_env
 
 REPO = Path(__file__).resolve().parent.parent
 CAUSAL_LM = REPO / "recipes" / "causal_lm.py"
@@ -48,45 +50,10 @@ def tree_digest(folder: Path) -> dict[str, str]:
             for path in sorted(folder.rglob("*")) if path.is_file()}
 
 
-def descendants(pid: int) -> list[int]:
-    """Process ids under ``pid`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append(child)
-            queue.append(child)
-    return found
-
-
-def rank_pid(launcher_pid: int, rank: int) -> int | None:
-    """The process of ``rank`` under an ``accelerate launch`` process, from its environment."""
-    wanted = f"RANK={rank}".encode()
-    for pid in descendants(launcher_pid):
-        try:
-            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if wanted in environment and b"LOCAL_RANK=" + str(rank).encode() in environment:
-            return pid
-    return None
-
-
 def python() -> str:
     return sys.executable
 
 
 def offline_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error"})
-    env.update(extra)
-    return env
+    """The launched jobs' environment (offline, one thread per process) plus ``extra``."""
+    return launch_env(extra)
