@@ -18,6 +18,9 @@ accelerate's real FSDP paths on CPU. Each patch says what accelerate/torch does 
 
 Set ``FSDP_PRESETS_CPU_PATCHES_OFF=name[,name]`` to switch single patches off: the tests use it to
 show that each FSDP1 fix is needed (the run fails or diverges without it).
+
+Both :func:`enable_cpu_fsdp` and :func:`check_launch` also register the exit handler of
+:mod:`fsdp_presets.clean_exit`, so a script that never calls ``end_training`` still exits 0.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import functools
 import os
 
 import torch
+
+from fsdp_presets import clean_exit
 
 # Patch names (for FSDP_PRESETS_CPU_PATCHES_OFF and the tests).
 FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
@@ -80,6 +85,7 @@ def enable_cpu_fsdp() -> bool:
     _patch_sync_module_states_check()
     _patch_fsdp1_state_dict_offload()
     _patch_fsdp1_optimizer_load()
+    clean_exit.install()
     _enabled = True
     return True
 
@@ -245,6 +251,7 @@ def check_launch(accelerator) -> None:
     """
     from accelerate.utils import DistributedType
 
+    clean_exit.install(accelerator)  # the group goes down in order at exit, end_training or not
     launched_world_size = int(os.environ.get("WORLD_SIZE", "1"))
     problems = []
     if launched_world_size > 1 and accelerator.num_processes != launched_world_size:
