@@ -1,0 +1,73 @@
+"""Clean exits: a script that never calls ``end_training`` exits 0 (fsdp_presets.clean_exit), and
+what a usage error (exit status 2) looks like through a multi-process ``accelerate launch``.
+
+The abort this prevents is a race at interpreter exit (1 launch in about 20 here without the
+handler), so a few launches cannot prove its absence: ``scripts/exit_campaign.py`` runs 100
+(docs/benchmarks.md). What these tests pin down deterministically is the mechanism: with the
+handler the process group is destroyed before the interpreter shuts down; without it, it is not.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_presets.clean_exit import CLEAN_EXIT
+from fsdp_presets.testing import run_launch
+
+from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
+from recipe_helpers import CAUSAL_LM, SFT_TRAIN
+
+WORKER = WORKERS / "no_end_training.py"
+LAUNCHES = 3
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    return accelerate_config(tmp_path_factory.mktemp("clean_exit"), "fsdp2")
+
+
+@pytest.mark.slow
+def test_script_without_end_training_exits_0_with_the_group_destroyed(config):
+    for _ in range(LAUNCHES):
+        result = run_launch(config, WORKER).check()
+        output = result.stdout + result.stderr
+        assert GLOO_EXIT_ABORT not in output
+        assert output.count(" trained, distributed type FSDP") == 2
+        assert output.count("process group at exit: destroyed") == 2, output[-3000:]
+
+
+@pytest.mark.slow
+def test_without_the_exit_handler_the_group_is_alive_at_exit(config):
+    result = run_launch(config, WORKER, env={"FSDP_PRESETS_CPU_PATCHES_OFF": CLEAN_EXIT})
+    output = result.stdout + result.stderr
+    assert output.count(" trained, distributed type FSDP") == 2
+    assert output.count("process group at exit: alive") == 2, output[-3000:]
+
+
+def test_check_launch_installs_the_handler_and_a_single_process_exits_quietly():
+    code = ("import fsdp_presets, fsdp_presets.clean_exit as c\n"
+            "from accelerate import Accelerator\n"
+            "print(c.installed())\n"
+            "fsdp_presets.check_launch(Accelerator())\n"
+            "print(c.installed())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+    assert "not destroyed" not in result.stderr
+
+
+@pytest.mark.slow
+def test_usage_error_under_a_2_process_launch_shows_exit_code_2(config, tmp_path):
+    """accelerate launch reports any failed rank as its own exit status 1 (torch's ChildFailedError);
+    the recipe's status 2 and its one-line message are what the output shows
+    (docs/troubleshooting.md)."""
+    result = run_launch(config, CAUSAL_LM, ["--model", tmp_path / "missing", "--data", SFT_TRAIN,
+                                            "--output-dir", tmp_path / "out"])
+    assert result.returncode == 1
+    assert "exitcode  : 2" in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("causal_lm.py: error:")]
+    assert len(errors) == 1 and "--model" in errors[0]
+    assert not (tmp_path / "out").exists()
