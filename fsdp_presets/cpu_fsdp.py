@@ -38,11 +38,69 @@ FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
 FSDP1_OPTIMIZER_RESUME = "fsdp1-optimizer-resume"
 SYNC_MODULE_STATES = "sync-module-states"
 
+# The accelerate release whose internals the patches below were written against and tested with
+# (AcceleratorState.__init__'s signature, FullyShardedDataParallelPlugin.__post_init__'s accelerator
+# lookup, accelerate.accelerator.load_fsdp_optimizer). Another minor version is refused: its
+# internals may differ silently (a patch that no longer applies leaves N independent trainings).
+TESTED_ACCELERATE = (1, 16)
+UNTESTED_ACCELERATE_OK = "FSDP_PRESETS_UNTESTED_ACCELERATE"
+"""Set to 1 to try the CPU mode on another accelerate minor version at your own risk."""
+
 _enabled = False
 
 
 class CpuFsdpError(RuntimeError):
     """A setting that cannot work on a CPU-only host, with what to do instead."""
+
+
+def check_accelerate_version(version: str | None = None) -> None:
+    """Refuse an accelerate version whose internals the CPU mode was not written for; with
+    ``FSDP_PRESETS_UNTESTED_ACCELERATE=1`` only the internals it patches must exist."""
+    import accelerate
+
+    version = version or accelerate.__version__
+    parts = []
+    for part in version.split(".")[:2]:
+        digits = "".join(character for character in part if character.isdigit()) if part else ""
+        parts.append(int(digits) if digits else -1)
+    tested = ".".join(map(str, TESTED_ACCELERATE))
+    if tuple(parts) != TESTED_ACCELERATE and os.environ.get(UNTESTED_ACCELERATE_OK) != "1":
+        raise CpuFsdpError(
+            f"fsdp_presets.enable_cpu_fsdp() was written for accelerate {tested}.x and this is "
+            f"accelerate {version}; its CPU patches rely on accelerate internals that change between "
+            f'releases. Install the tested version: pip install "accelerate>={tested},<{TESTED_ACCELERATE[0]}.'
+            f'{TESTED_ACCELERATE[1] + 1}" (or set {UNTESTED_ACCELERATE_OK}=1 to try this one at your own risk)'
+        )
+    missing = [name for name, present in _patched_internals() if not present]
+    if missing:
+        raise CpuFsdpError(
+            f"accelerate {version} / torch {torch.__version__} lack internals the CPU mode patches "
+            f"({', '.join(missing)}); install accelerate {tested}.x and torch 2.13"
+        )
+
+
+def _patched_internals() -> list[tuple[str, bool]]:
+    """``(name, present)`` for every accelerate/torch internal a patch below replaces or calls."""
+    import inspect
+
+    import accelerate.accelerator as accelerate_accelerator
+    import accelerate.utils.dataclasses as accelerate_dataclasses
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
+    import torch.distributed.fsdp._init_utils as fsdp_init_utils
+    from accelerate.state import AcceleratorState, PartialState
+
+    state_parameters = list(inspect.signature(AcceleratorState.__init__).parameters)[1:6]
+    return [
+        ("AcceleratorState.__init__(mixed_precision, cpu, dynamo_plugin, deepspeed_plugin, fsdp_plugin)",
+         state_parameters == ["mixed_precision", "cpu", "dynamo_plugin", "deepspeed_plugin", "fsdp_plugin"]),
+        ("PartialState._shared_state", isinstance(getattr(PartialState, "_shared_state", None), dict)),
+        ("accelerate.utils.dataclasses.get_torch_accelerator_backend",
+         hasattr(accelerate_dataclasses, "get_torch_accelerator_backend")),
+        ("accelerate.accelerator.load_fsdp_optimizer", hasattr(accelerate_accelerator, "load_fsdp_optimizer")),
+        ("torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states",
+         hasattr(fsdp_init_utils, "_check_module_states_for_sync_module_states")),
+        ("torch.distributed.checkpoint.state_dict._init_optim_state", hasattr(dcp_state_dict, "_init_optim_state")),
+    ]
 
 
 def accelerator_available() -> bool:
@@ -73,6 +131,7 @@ def enable_cpu_fsdp() -> bool:
         return True
     if accelerator_available():
         return False
+    check_accelerate_version()
     # NOTE: accelerate's MULTI_CPU branch is the one that starts a gloo process group from the
     # torchrun environment that `accelerate launch` sets for FSDP and MULTI_GPU configs; without
     # this the processes see no backend and train alone (DistributedType.NO).
