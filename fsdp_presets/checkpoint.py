@@ -19,13 +19,15 @@ import os
 import re
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from fsdp_presets.digest import sha256_file, write_json_atomic
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import fault_point
+from fsdp_presets.resume import IMPORTED_KIND
+from fsdp_presets.run_folder import FINAL
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -66,43 +68,192 @@ class Manifest:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.step < 0:
-            problems.append(f"step {self.step} < 0")
-        if self.samples_consumed < 0:
-            problems.append(f"samples_consumed {self.samples_consumed} < 0")
-        if self.world_size < 1:
-            problems.append(f"world_size {self.world_size} < 1")
+        for name in ("step", "samples_consumed", "world_size"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                problems.append(f"{name} {value!r} is not an integer")
+        if not problems:
+            if self.step < 0:
+                problems.append(f"step {self.step} < 0")
+            if self.samples_consumed < 0:
+                problems.append(f"samples_consumed {self.samples_consumed} < 0")
+            if self.world_size < 1:
+                problems.append(f"world_size {self.world_size} < 1")
+        if not isinstance(self.distributed_type, str):
+            problems.append(f"distributed_type {self.distributed_type!r} is not a string")
+        if self.fsdp is not None and not isinstance(self.fsdp, dict):
+            problems.append(f"fsdp {self.fsdp!r} is not an object")
+        if not isinstance(self.config_digest, str):
+            problems.append(f"config_digest {self.config_digest!r} is not a string")
+        if not isinstance(self.files, dict):
+            problems.append("files is not an object of path -> {sha256, bytes}")
+        else:
+            for relative, entry in self.files.items():
+                problem = _file_entry_problem(relative, entry)
+                if problem:
+                    problems.append(problem)
+                    break
         if problems:
             raise ValueError("invalid manifest: " + "; ".join(problems))
 
     @classmethod
-    def read(cls, folder: str | os.PathLike) -> "Manifest":
-        """Load ``folder/manifest.json`` (raises ``ValueError``/``OSError`` when missing or bad)."""
-        payload = json.loads((Path(folder) / MANIFEST).read_text())
+    def from_json(cls, payload: Any) -> "Manifest":
+        """A manifest from the parsed ``manifest.json`` (``ValueError`` naming every missing or
+        malformed field)."""
+        if not isinstance(payload, dict):
+            raise ValueError("invalid manifest: not a JSON object")
         known = {name for name in cls.__dataclass_fields__}
+        required = [name for name, spec in cls.__dataclass_fields__.items()
+                    if spec.default is MISSING and spec.default_factory is MISSING]
+        missing = [name for name in required if name not in payload]
+        if missing:
+            raise ValueError(f"invalid manifest: no {', '.join(missing)}")
         return cls(**{key: value for key, value in payload.items() if key in known})
 
+    @classmethod
+    def read(cls, folder: str | os.PathLike) -> "Manifest":
+        """Load ``folder/manifest.json`` (raises ``ValueError``/``OSError`` when missing or bad)."""
+        return cls.from_json(json.loads((Path(folder) / MANIFEST).read_text()))
 
-def verify_checkpoint(folder: str | os.PathLike) -> tuple[Manifest | None, str | None]:
-    """``(manifest, None)`` when the folder is a complete, untampered checkpoint, else
-    ``(None, what is wrong)``. Checks that the manifest parses and that every listed file exists
-    with its recorded size and SHA-256."""
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+RNG_STATE_FILE = "random_states_{rank}.pkl"
+"""accelerate's per-rank random state (``RNG_STATE_NAME`` + ``_<rank>.pkl``)."""
+
+
+def _file_entry_problem(relative: Any, entry: Any) -> str | None:
+    """What is wrong with one ``files`` entry of a manifest, or None."""
+    if not isinstance(relative, str) or not relative:
+        return f"file name {relative!r} is not a path"
+    if not isinstance(entry, dict):
+        return f"file {relative!r}: entry is not an object with sha256 and bytes"
+    digest, size = entry.get("sha256"), entry.get("bytes")
+    if not isinstance(digest, str) or not _SHA256.match(digest):
+        return f"file {relative!r}: sha256 {digest!r} is not 64 hex digits"
+    if type(size) is not int or size < 0:
+        return f"file {relative!r}: bytes {size!r} is not a size"
+    return None
+
+
+def inside_path_problem(relative: str) -> str | None:
+    """Why a manifest path would leave the checkpoint folder (absolute, ``..``, a drive or a
+    backslash), or None: a checkpoint is a closed folder."""
+    pure = PurePosixPath(relative)
+    if pure.is_absolute() or "\\" in relative or ":" in relative or any(part in ("..", ".", "") for part in
+                                                                     relative.split("/")):
+        return f"manifest.json lists {relative!r}, a path outside the checkpoint folder (paths must be plain " \
+               "relative names inside it)"
+    return None
+
+
+def _walk_problem(folder: Path, listed: set[str] | None) -> str | None:
+    """A symbolic link anywhere in the folder, or (with ``listed``) a file the manifest does not list."""
+    for directory, subdirectories, files in os.walk(folder, followlinks=False):
+        for name in sorted(subdirectories + files):
+            path = Path(directory) / name
+            relative = str(path.relative_to(folder))
+            if path.is_symlink():
+                return (f"{relative} is a symbolic link (to {os.readlink(path)}); a checkpoint holds only its own "
+                        "files and links in it are never followed: replace the link with the file")
+            if listed is not None and name in files and relative != MANIFEST and relative not in listed:
+                return f"file {relative} is not listed in manifest.json (a checkpoint holds only what it lists)"
+    return None
+
+
+@dataclass(kw_only=True)
+class Verdict:
+    """Whether a checkpoint folder may be used: the one answer the recipes, ``inspect-checkpoint``
+    and ``export`` all give."""
+
+    manifest: Manifest | None
+    """The parsed manifest (also when a later check failed), or None."""
+    problem: str | None
+    """What is wrong, or None when the checkpoint is complete, untampered and holds only data."""
+    unsafe: bool = False
+    """True when a file of it was refused as a pickle that could run code."""
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True) -> Verdict:
+    """Check a checkpoint folder: a manifest whose every field is well-formed, a closed folder (no
+    symbolic links, no path outside it, no file it does not list), every file with its recorded
+    size and SHA-256, every rank's random state present, and every pickle readable as data only
+    (:func:`fsdp_presets.safe_unpickle.vet_checkpoint_pickles`)."""
+    from fsdp_presets.safe_unpickle import UnsafeCheckpointError, vet_checkpoint_pickles
+
     folder = Path(folder)
-    if not (folder / MANIFEST).is_file():
-        return None, "no manifest.json (the save did not finish)"
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_symlink():
+        return Verdict(manifest=None, problem=f"{MANIFEST} is a symbolic link; a checkpoint holds only its own files")
+    if not manifest_path.is_file():
+        return Verdict(manifest=None, problem="no manifest.json (the save did not finish)")
     try:
         manifest = Manifest.read(folder)
     except (ValueError, TypeError, OSError) as error:
-        return None, f"unreadable manifest.json ({error})"
+        return Verdict(manifest=None, problem=f"unreadable manifest.json ({str(error)[:300]})")
+    for relative in sorted(manifest.files):
+        problem = inside_path_problem(relative)
+        if problem:
+            return Verdict(manifest=manifest, problem=problem)
+    problem = _walk_problem(folder, set(manifest.files))
+    if problem:
+        return Verdict(manifest=manifest, problem=problem)
     for relative, expected in sorted(manifest.files.items()):
         path = folder / relative
         if not path.is_file():
-            return None, f"missing file {relative}"
+            return Verdict(manifest=manifest, problem=f"missing file {relative}")
         if path.stat().st_size != expected["bytes"]:
-            return None, f"file {relative} has {path.stat().st_size} bytes, manifest says {expected['bytes']}"
+            return Verdict(manifest=manifest, problem=f"file {relative} has {path.stat().st_size} bytes, manifest says "
+                                                      f"{expected['bytes']}")
         if sha256_file(path) != expected["sha256"]:
-            return None, f"file {relative} does not match its SHA-256 in the manifest"
-    return manifest, None
+            return Verdict(manifest=manifest, problem=f"file {relative} does not match its SHA-256 in the manifest")
+    if _raw_kind(folder) != IMPORTED_KIND:
+        missing = [RNG_STATE_FILE.format(rank=rank) for rank in range(manifest.world_size)
+                   if RNG_STATE_FILE.format(rank=rank) not in manifest.files]
+        if missing:
+            return Verdict(manifest=manifest, problem=f"{', '.join(missing[:4])} missing: the random state of "
+                                                      f"{len(missing)} of the {manifest.world_size} ranks that saved it")
+    if check_pickles:
+        try:
+            vet_checkpoint_pickles(folder)
+        except UnsafeCheckpointError as error:
+            return Verdict(manifest=manifest, problem=str(error), unsafe=True)
+        except UsageError as error:
+            return Verdict(manifest=manifest, problem=str(error))
+    return Verdict(manifest=manifest, problem=None)
+
+
+def folder_problem(folder: str | os.PathLike) -> str | None:
+    """What makes a folder without a manifest unsafe to read: a symbolic link in it, or a pickle
+    that is not data only (the checks of :func:`checkpoint_verdict` that need no manifest)."""
+    from fsdp_presets.safe_unpickle import vet_checkpoint_pickles
+
+    problem = _walk_problem(Path(folder), None)
+    if problem:
+        return problem
+    try:
+        vet_checkpoint_pickles(Path(folder))
+    except UsageError as error:
+        return str(error)
+    return None
+
+
+def _raw_kind(folder: Path) -> Any:
+    try:
+        payload = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return payload.get("kind") if isinstance(payload, dict) else None
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> tuple[Manifest | None, str | None]:
+    """``(manifest, None)`` when the folder is a complete, untampered checkpoint that holds only
+    data, else ``(None, what is wrong)`` (see :func:`checkpoint_verdict`)."""
+    verdict = checkpoint_verdict(folder)
+    return (verdict.manifest, None) if verdict.ok else (None, verdict.problem)
 
 
 def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -214,23 +365,40 @@ class CheckpointManager:
 
     # ---- find ----
     def latest_valid(self) -> Path | None:
-        """The newest committed checkpoint that verifies, or None. Interrupted saves and damaged
-        checkpoints are reported and skipped (interrupted ones are removed). Collective: the main
-        process decides and every rank gets the same answer."""
+        """The newest committed checkpoint that verifies, or None when the run has none yet.
+        Interrupted saves are removed; damaged or refused checkpoints are reported and skipped.
+        When there are checkpoints but none is usable, or a finished model but no checkpoint, it
+        stops (:class:`UsageError` with the list) rather than train over the run from step 0.
+        Collective: the main process decides and every rank gets the same answer."""
         accelerator = self.accelerator
-        choice = None
+        choice = error = None
         if accelerator.is_main_process and self.directory.is_dir():
             for leftover in sorted(self.directory.glob(f"{TEMPORARY_PREFIX}*")):
                 self.log(f"checkpoint: ignoring {leftover}: a save that did not finish (no manifest); "
                          "removing it")
                 _remove_tree(leftover)
+            skipped = []
             for step, folder in reversed(committed_checkpoints(self.directory)):
-                manifest, problem = verify_checkpoint(folder)
+                problem = ("a symbolic link, not a checkpoint this run wrote" if folder.is_symlink()
+                           else checkpoint_verdict(folder).problem)
                 if problem is None:
                     choice = str(folder)
                     break
                 self.log(f"checkpoint: skipping {folder}: {problem}")
-        return Path(choice) if (choice := self._broadcast(choice)) else None
+                skipped.append(f"{folder.name}: {problem}")
+            if choice is None and skipped:
+                error = (f"--resume auto: no checkpoint in {self.directory} can be used ({' | '.join(skipped)}); "
+                         "nothing was trained or overwritten. Restore a checkpoint (e.g. from a copy), give one "
+                         "with --resume PATH, or start over in a new --output-dir")
+        final = self.directory.parent / FINAL
+        if accelerator.is_main_process and choice is None and error is None and final.exists():
+            error = (f"--resume auto: {self.directory.parent} holds a finished model ({final}) but no checkpoint "
+                     "to continue from; nothing was trained or overwritten. Choose a new --output-dir to train "
+                     "again, or give a checkpoint with --resume PATH")
+        choice, error = self._broadcast((choice, error))
+        if error:
+            raise UsageError(error)
+        return Path(choice) if choice else None
 
     def resolve(self, resume: str) -> Path | None:
         """The checkpoint that ``--resume auto|PATH|none`` names (collective)."""
@@ -240,7 +408,7 @@ class CheckpointManager:
             return self.latest_valid()
         problem = None
         if self.accelerator.is_main_process:
-            _, problem = verify_checkpoint(resume) if Path(resume).is_dir() else (None, "no such folder")
+            problem = checkpoint_verdict(resume).problem if Path(resume).is_dir() else "no such folder"
         problem = self._broadcast(problem)
         if problem:
             raise UsageError(f"--resume {resume}: {problem}; give a committed checkpoint folder "
@@ -249,12 +417,19 @@ class CheckpointManager:
 
     # ---- load ----
     def load(self, folder: str | os.PathLike) -> Manifest:
-        """Restore model, optimizer, scheduler and RNG state from ``folder``; returns its manifest."""
+        """Restore model, optimizer, scheduler and RNG state from ``folder`` (checked by
+        :meth:`resolve`); returns its manifest. DCP is read through the safe reader and planner
+        (:func:`fsdp_presets.safe_unpickle.safe_dcp_loading`); every other file accelerate reads
+        it loads with ``weights_only=True``."""
+        from fsdp_presets.safe_unpickle import safe_dcp_loading
+
         manifest = Manifest.read(folder)
         if manifest.config_digest != self.config_digest:
             raise UsageError(f"--resume {folder}: the checkpoint is of another model (config digest "
                              "differs); give a checkpoint of this --model")
-        self.accelerator.load_state(str(folder))
+        check_layout_fits(folder, manifest, self.distributed)
+        with safe_dcp_loading():
+            self.accelerator.load_state(str(folder))
         return manifest
 
     def _broadcast(self, value):
@@ -263,3 +438,30 @@ class CheckpointManager:
         from accelerate.utils import broadcast_object_list
 
         return broadcast_object_list([value], from_process=0)[0]
+
+
+def check_layout_fits(folder: str | os.PathLike, manifest: Manifest, distributed: dict[str, Any]) -> None:
+    """:class:`UsageError` when this run cannot read the checkpoint's layout: accelerate's
+    ``load_state`` reads DCP only under FSDP with ``SHARDED_STATE_DICT``, a full
+    ``pytorch_model_fsdp.bin`` only under FSDP with ``FULL_STATE_DICT``, and ``model.safetensors``
+    only without FSDP; anything else ends in a traceback deep inside it."""
+    from fsdp_presets.checkpoint_files import find_checkpoint_files
+
+    layout = find_checkpoint_files(folder).layout
+    fsdp = distributed.get("fsdp") or None
+    now_type = (fsdp or {}).get("state_dict_type")
+    needs = {"dcp": "FSDP with SHARDED_STATE_DICT", "full": "FSDP with FULL_STATE_DICT", "ddp": "DDP or one process"}
+    fits = {"dcp": fsdp is not None and now_type == "SHARDED_STATE_DICT",
+            "full": fsdp is not None and now_type == "FULL_STATE_DICT",
+            "ddp": fsdp is None}[layout]
+    if fits:
+        return
+    now = (f"FSDP{fsdp.get('version')} with {now_type}" if fsdp else
+           {"NO": "one process without FSDP"}.get(distributed.get("distributed_type"),
+                                                  f"DDP ({distributed.get('distributed_type')})"))
+    saved = (f"FSDP{manifest.fsdp.get('version')} with {manifest.fsdp.get('state_dict_type')}"
+             if manifest.fsdp else manifest.distributed_type)
+    raise UsageError(f"--resume {folder}: it was saved by {saved} ({layout} layout) and this run is {now}, which "
+                     f"cannot read it; launch with an accelerate config of {needs[layout]} (the run's run.json names "
+                     "the config that wrote it), or turn it into weights any run loads: fsdp-presets export "
+                     "CHECKPOINT --output HF_DIR, then fsdp-presets import HF_DIR --output START and --resume START")

@@ -19,7 +19,8 @@ shard at a time holds about one shard in memory:
 
 - ``dcp``: DCP's own loader without a process group (``torch.distributed.checkpoint.load(...,
   no_dist=True)``) into empty tensors of the requested names; its ``FileSystemReader`` reads only
-  the byte ranges that ``.metadata`` lists for them, and reassembles the ranks' chunks.
+  the byte ranges that ``.metadata`` lists for them, and reassembles the ranks' chunks. The index
+  and any non-tensor item are read without running code (:mod:`fsdp_presets.safe_unpickle`).
 - ``full``: ``torch.load(mmap=True, weights_only=True)``: tensors are views of the memory-mapped
   file, read from disk when touched (the file is one pickle, so this is as lazy as it gets).
 - ``ddp`` (and Hugging Face folders): ``safetensors.safe_open`` reads one tensor at a time.
@@ -107,18 +108,13 @@ def find_checkpoint_files(folder: str | Path, *, require_metadata: bool = True) 
 
 # ---- DCP ----
 def read_dcp_metadata(folder: Path):
-    """DCP's ``Metadata`` of a DCP folder; :class:`UsageError` naming ``.metadata`` when it cannot
-    be read."""
-    import torch.distributed.checkpoint as dcp
+    """DCP's ``Metadata`` of a DCP folder, read through an allow-list unpickler that admits only
+    checkpoint-metadata types (:mod:`fsdp_presets.safe_unpickle`: torch's own reader uses plain
+    ``pickle.load``, which runs whatever the file says); :class:`UsageError` naming ``.metadata``
+    when it is missing, damaged or refused."""
+    from fsdp_presets.safe_unpickle import read_dcp_metadata as read_safely
 
-    path = folder / DCP_METADATA
-    if not path.is_file():
-        raise UsageError(f"{path}: missing; the DCP folder has no index of its shards")
-    try:
-        return dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception as error:  # unpickling a damaged file raises many types
-        raise UsageError(f"{path}: cannot be read ({type(error).__name__}: {_first_line(error)}); the file "
-                         "is damaged") from None
+    return read_safely(folder)
 
 
 def check_dcp_file_sizes(folder: Path, metadata) -> None:
@@ -216,7 +212,8 @@ class DcpReader(WeightReader):
 
     def read(self, names: list[str]) -> dict[str, Any]:
         import torch
-        import torch.distributed.checkpoint as dcp
+
+        from fsdp_presets.safe_unpickle import safe_dcp_load
 
         state: dict[Any, Any] = {}
         targets = {}
@@ -231,7 +228,9 @@ class DcpReader(WeightReader):
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
                 warnings.simplefilter("ignore")
-                dcp.load(state, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+                safe_dcp_load(state, self.path, no_dist=True)
+        except UsageError:
+            raise
         except Exception as error:
             raise UsageError(f"{self.path}: reading its shards failed ({type(error).__name__}: "
                              f"{_first_line(error)}); a shard file is damaged") from None

@@ -117,6 +117,10 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
     if summary.integrity.get("ok") is False:
         return ResumeAnswer(gpus=gpus, possible=False,
                             reason=f"the checkpoint is damaged ({summary.integrity['problem']}); a recipe skips it")
+    if summary.integrity.get("ok") is None:
+        return ResumeAnswer(gpus=gpus, possible=False,
+                            reason="no manifest.json, so nothing vouches for the files; a recipe resumes only from a "
+                                   "committed checkpoint (one with a manifest)")
     if summary.kind == "imported":
         return ResumeAnswer(gpus=gpus, possible=True,
                             reason="imported weights: any process count, FSDP2, FSDP1, DDP or one process; "
@@ -146,40 +150,51 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
 
 
 def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> CheckpointSummary:
-    """Read a checkpoint's manifest, files and DCP metadata (no tensor data) and check checksums."""
-    from fsdp_presets.checkpoint import verify_checkpoint
+    """Read a checkpoint's manifest, files and DCP metadata (no tensor data) and give the verdict
+    the recipes give (:func:`fsdp_presets.checkpoint.checkpoint_verdict`): checksums, a closed
+    folder, and every pickle read as data only. Nothing of the folder is run or followed."""
+    from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict, folder_problem
     from fsdp_presets.resume import IMPORTED_KIND, read_manifest_json, recorded_global_batch
 
     folder = Path(folder)
-    manifest = read_manifest_json(folder) or {}
+    has_manifest = (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink()
     # With a manifest, a missing .metadata is damage to report (exit 1), not a wrong folder (exit 2).
-    files: CheckpointFiles = find_checkpoint_files(folder, require_metadata=not manifest)
-    if manifest:
-        _, problem = verify_checkpoint(folder)
-        integrity = {"ok": problem is None, "checked_files": len(manifest.get("files", {})), "problem": problem}
+    files: CheckpointFiles = find_checkpoint_files(folder, require_metadata=not has_manifest)
+    if has_manifest:
+        verdict = checkpoint_verdict(folder)
+        manifest = verdict.manifest
+        checked = len(manifest.files) if manifest else 0
+        integrity = {"ok": verdict.ok, "checked_files": checked, "problem": verdict.problem}
     else:
-        integrity = {"ok": None, "checked_files": 0,
-                     "problem": "no manifest.json: an unfinished save, or not written by a recipe; nothing to check "
-                                "the files against"}
-    try:
+        manifest = None
+        problem = folder_problem(folder)
+        integrity = ({"ok": False, "checked_files": 0, "problem": problem} if problem else
+                     {"ok": None, "checked_files": 0,
+                      "problem": "no manifest.json: an unfinished save, or not written by a recipe; nothing to check "
+                                 "the files against"})
+    data_files: list[RankFile] = []
+    try:  # reads .metadata through the allow-list too: a refused one lists no files
         data_files = rank_files(files)
     except UsageError as error:
-        data_files = []
         if integrity["ok"] is not False:
             integrity = {**integrity, "ok": False, "problem": str(error)}
-    step, samples = manifest.get("step"), manifest.get("samples_consumed")
+    step = manifest.step if manifest else None
+    samples = manifest.samples_consumed if manifest else None
     batch = recorded_global_batch(folder, step=step, samples_consumed=samples) if step else None
     micro = None
     try:
         micro = int(json.loads((folder.resolve().parent.parent / "run.json").read_text())["micro_batch_size"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    raw = (read_manifest_json(folder) or {}) if manifest else {}
     summary = CheckpointSummary(
-        checkpoint=str(folder), kind="imported" if manifest.get("kind") == IMPORTED_KIND else "training",
+        checkpoint=str(folder), kind="imported" if raw.get("kind") == IMPORTED_KIND else "training",
         layout=files.layout, step=step, samples_consumed=samples, global_batch_samples=batch, micro_batch_size=micro,
-        world_size=manifest.get("world_size"),
-        strategy=strategy_words(manifest.get("distributed_type"), manifest.get("fsdp"), files.layout),
-        fsdp=manifest.get("fsdp"), config_digest=manifest.get("config_digest"), integrity=integrity, files=data_files)
+        world_size=manifest.world_size if manifest else None,
+        strategy=strategy_words(manifest.distributed_type if manifest else None, manifest.fsdp if manifest else None,
+                                files.layout),
+        fsdp=manifest.fsdp if manifest else None, config_digest=manifest.config_digest if manifest else None,
+        integrity=integrity, files=data_files)
     summary.resume = [resume_answer(summary, count) for count in (gpus or [])]
     return summary
 

@@ -45,7 +45,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 from fsdp_presets.checkpoint_files import (DCP_MODEL, CheckpointFiles, DcpReader, TensorInfo, WeightReader,
                                            find_checkpoint_files, hf_weight_files, model_reader)
@@ -97,7 +97,7 @@ def find_model_files(checkpoint: Path, model: str | None) -> ModelFiles:
     for folder, origin in candidates:
         if (folder / "config.json").is_file():
             try:
-                config = AutoConfig.from_pretrained(folder)
+                config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             except Exception as error:
                 raise UsageError(f"{folder / 'config.json'}: cannot be read as a model config ({error})") from None
             return ModelFiles(folder=folder, origin=origin, config=config)
@@ -167,24 +167,69 @@ def check_tensors(found: dict[str, TensorInfo], expected: ExpectedTensors, where
 
 
 # ---- output folder, written completely or not at all ----
-def check_output(output: Path) -> None:
-    if output.exists() and not (output.is_dir() and not any(output.iterdir())):
-        raise UsageError(f"--output {output} exists and is not empty; choose a new folder (nothing was written)")
+OutputKind = Literal["export", "import"]
+
+
+def _made_by(output: Path, kind: OutputKind) -> bool:
+    """True when ``output`` looks like what ``kind`` writes, so ``--force`` may replace it: an
+    export is a flat Hugging Face folder with config.json and safetensors weights; an import is a
+    checkpoint whose manifest says ``"kind": "imported"``."""
+    from fsdp_presets.resume import is_imported
+
+    if not output.is_dir() or output.is_symlink():
+        return False
+    if kind == "import":
+        return is_imported(output)
+    entries = list(output.iterdir())
+    return ((output / "config.json").is_file() and any(entry.suffix == ".safetensors" for entry in entries)
+            and not any(entry.is_dir() or entry.is_symlink() for entry in entries))
+
+
+def check_output(output: Path, *, kind: OutputKind = "export", force: bool = False,
+                 source: Path | None = None) -> None:
+    """Refuse an output that exists and is not empty (``--force`` replaces one this command
+    wrote, never anything else), and an output inside the ``source`` folder it reads."""
+    if source is not None:
+        resolved, origin = output.resolve(), source.resolve()
+        if resolved == origin or origin in resolved.parents:
+            raise UsageError(f"--output {output} is inside {source}, the folder it is made from; choose a folder "
+                             "outside it (nothing was written)")
+    if output.is_symlink():
+        raise UsageError(f"--output {output} is a symbolic link; give a real folder (nothing was written)")
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    made = _made_by(output, kind)
+    if force and made:
+        return
+    what = "an export" if kind == "export" else "an imported checkpoint"
+    if made:
+        raise UsageError(f"--output {output} already holds {what}; pass --force to replace it, or choose a new "
+                         "folder (nothing was written)")
+    raise UsageError(f"--output {output} exists and is not {what} this command wrote; choose a new folder "
+                     f"(nothing was written{', and --force replaces only such a folder' if force else ''})")
 
 
 @contextlib.contextmanager
-def staged_folder(output: Path) -> Iterator[Path]:
-    """Yield a hidden sibling of ``output`` to write into; rename it to ``output`` on success,
-    delete it on any failure."""
-    check_output(output)
+def staged_folder(output: Path, *, kind: OutputKind = "export", force: bool = False) -> Iterator[Path]:
+    """Yield a hidden sibling of ``output`` to write into; put it in place of ``output`` on
+    success (the replaced folder, with ``force``, is renamed away first and deleted after), delete
+    it on any failure."""
+    check_output(output, kind=kind, force=force)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.tmp-{os.getpid()}-{time.time_ns()}")
     staging.mkdir()
     try:
         yield staging
+        retired = None
         if output.exists():
-            output.rmdir()  # empty, checked above
+            if any(output.iterdir()):
+                retired = output.with_name(f".{output.name}.old-{os.getpid()}-{time.time_ns()}")
+                os.rename(output, retired)
+            else:
+                output.rmdir()  # empty, checked above
         os.rename(staging, output)
+        if retired is not None:
+            shutil.rmtree(retired, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -231,18 +276,22 @@ class _ExportPlan:
 
 def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _ExportPlan:
     """Every check of an export, before anything is written."""
-    from fsdp_presets.checkpoint import verify_checkpoint
+    from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict, folder_problem
     from fsdp_presets.digest import config_digest
     from fsdp_presets.resume import read_manifest_json
 
     checkpoint = Path(checkpoint)
     files = find_checkpoint_files(checkpoint)
     manifest = read_manifest_json(checkpoint)
-    if (checkpoint / "manifest.json").is_file():
-        _, problem = verify_checkpoint(checkpoint)
-        if problem is not None:
-            raise UsageError(f"{checkpoint}: {problem} (the checkpoint is damaged or was changed after it was "
-                             "saved; use another checkpoint)")
+    # The recipes' verdict, before anything of the folder is parsed: checksums, no link and no
+    # path out of it, and every pickle data only. Without a manifest, the last two still hold.
+    if (checkpoint / MANIFEST).exists() or (checkpoint / MANIFEST).is_symlink():
+        problem = checkpoint_verdict(checkpoint).problem
+    else:
+        problem = folder_problem(checkpoint)
+    if problem is not None:
+        raise UsageError(f"{checkpoint}: {problem} (the checkpoint is damaged or was changed after it was "
+                         "saved; use another checkpoint)")
     model_files = find_model_files(checkpoint, model)
     recorded = (manifest or {}).get("config_digest")
     if recorded and recorded != config_digest(model_files.config):
@@ -262,7 +311,7 @@ def _tokenizer_and_generation_config(model_files: ModelFiles, *, required: bool)
 
     tokenizer = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_files.folder)
+        tokenizer = AutoTokenizer.from_pretrained(model_files.folder, trust_remote_code=False)
     except Exception as error:
         if required:
             raise UsageError(f"{model_files.folder} ({model_files.origin}): no tokenizer can be loaded from it "
@@ -277,7 +326,7 @@ def _tokenizer_and_generation_config(model_files: ModelFiles, *, required: bool)
 
 def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "fp32",
                       max_shard_size: str = "5GB", model: str | None = None, verify: bool = False,
-                      log: Callable[[str], None] = print) -> ExportReport:
+                      force: bool = False, log: Callable[[str], None] = print) -> ExportReport:
     """Write the Hugging Face folder ``output`` from a recipe checkpoint (see the module
     docstring). With ``verify``, the written folder is compared with the checkpoint before it is
     put in place; a failed verification leaves no output and returns the report with it."""
@@ -287,7 +336,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
         raise UsageError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     _check_shard_size(max_shard_size)
     output = Path(output)
-    check_output(output)
+    check_output(output, kind="export", force=force, source=Path(checkpoint))
     plan = plan_export(checkpoint, model=model)
     target = getattr(torch, DTYPES[dtype])
     written = plan.expected.written
@@ -296,7 +345,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
         f"{f', {len(tied)} tied left out' if tied else ''}) -> {output} as {dtype}; config and tokenizer from "
         f"{plan.model.folder} ({plan.model.origin})")
     report = None
-    with staged_folder(output) as staging:
+    with staged_folder(output, kind="export", force=force) as staging:
         if plan.expected.conversion:
             shards, total, largest = _export_whole(plan, staging, target, max_shard_size)
         else:
@@ -503,7 +552,7 @@ def verify_import(hf_dir: str | os.PathLike, checkpoint: str | os.PathLike) -> V
     from transformers import AutoConfig
 
     hf_dir, checkpoint = Path(hf_dir), Path(checkpoint)
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     batch = fixed_batch(config)
     reference = _logits(_from_pretrained(hf_dir, config), batch)
     imported = _load_model(config, DcpReader(checkpoint / DCP_MODEL), expected_tensors(config), checkpoint / DCP_MODEL)
@@ -532,7 +581,7 @@ class ImportReport:
 
 
 def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: bool = False,
-              log: Callable[[str], None] = print) -> ImportReport:
+              force: bool = False, log: Callable[[str], None] = print) -> ImportReport:
     """Write checkpoint ``output`` (DCP, weights only, step 0) from Hugging Face folder ``hf_dir``."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -547,11 +596,11 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
     hf_dir, output = Path(hf_dir), Path(output)
     if not (hf_dir / "config.json").is_file():
         raise UsageError(f"{hf_dir}: no config.json (give a Hugging Face model folder)")
-    check_output(output)
+    check_output(output, kind="import", force=force, source=hf_dir)
     weight_files = hf_weight_files(hf_dir)
     for file in weight_files:  # open each file before anything else: a damaged one is named here
         SafetensorsReader([file]) if file.suffix == ".safetensors" else TorchFileReader(file)
-    config = AutoConfig.from_pretrained(hf_dir)
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     model_files = ModelFiles(folder=hf_dir, origin="the imported folder", config=config)
     tokenizer, generation_config = _tokenizer_and_generation_config(model_files, required=False)
     hf_logging.disable_progress_bar()
@@ -569,7 +618,7 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     log(f"import: {hf_dir} ({', '.join(file.name for file in weight_files)}) -> {output}: "
         f"{len(state)} tensors, fp32, DCP")
-    with staged_folder(output) as staging:
+    with staged_folder(output, kind="import", force=force) as staging:
         with _quiet_single_process_warning():
             dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(staging / DCP_MODEL)), no_dist=True)
         describe = staging / MODEL_CONFIG

@@ -116,10 +116,10 @@ def load_imported(model, folder: str | os.PathLike, *, config_digest: str):
     whatever process count wrote it, and ``set_model_state_dict`` puts it back.
     """
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     from fsdp_presets.checkpoint import Manifest
+    from fsdp_presets.safe_unpickle import safe_dcp_load
 
     manifest = Manifest.read(folder)
     if manifest.config_digest != config_digest:
@@ -127,6 +127,6 @@ def load_imported(model, folder: str | os.PathLike, *, config_digest: str):
                          "differs); give a checkpoint of this --model or import this model")
     state = get_model_state_dict(model)
     distributed = dist.is_available() and dist.is_initialized()
-    dcp.load({"model": state}, checkpoint_id=str(Path(folder) / MODEL_DCP_FOLDER), no_dist=not distributed)
+    safe_dcp_load({"model": state}, Path(folder) / MODEL_DCP_FOLDER, no_dist=not distributed)
     set_model_state_dict(model, state)
     return manifest

@@ -39,6 +39,9 @@ class OneProcess:
         (Path(folder) / "model.safetensors").write_bytes(b"weights %d" % self.saved * 100)
         (Path(folder) / "optimizer_0").mkdir()
         (Path(folder) / "optimizer_0" / "__0_0.distcp").write_bytes(b"moments %d" % self.saved * 300)
+        import torch  # accelerate writes each rank's random state; a checkpoint without it is incomplete
+
+        torch.save({"step": self.saved}, Path(folder) / "random_states_0.pkl")
 
     def load_state(self, folder):
         self.loaded.append(str(folder))
@@ -58,7 +61,8 @@ def test_save_commits_a_verified_checkpoint_with_its_manifest(tmp_path):
     manifest = json.loads((folder / MANIFEST).read_text())
     assert manifest["step"] == 4 and manifest["samples_consumed"] == 32 and manifest["config_digest"] == "abc"
     assert manifest["world_size"] == 1 and manifest["distributed_type"] == "NO"
-    assert set(manifest["files"]) == {"model.safetensors", "optimizer_0/__0_0.distcp", "extra.json"}
+    assert set(manifest["files"]) == {"model.safetensors", "optimizer_0/__0_0.distcp", "extra.json",
+                                      "random_states_0.pkl"}
     assert manifest["files"]["model.safetensors"]["sha256"] == sha256_file(folder / "model.safetensors")
     assert verify_checkpoint(folder) == (Manifest.read(folder), None)
 

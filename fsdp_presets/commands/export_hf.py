@@ -19,7 +19,7 @@ HELP = "turn a recipe checkpoint (sharded or full) into a Hugging Face folder: c
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder: OUTPUT_DIR/checkpoints/step-NNNNNNNN")
-    parser.add_argument("--output", required=True, metavar="HF_DIR", help="new folder to write (must not exist or be empty)")
+    parser.add_argument("--output", required=True, metavar="HF_DIR", help="new folder to write (must not exist or be empty; --force replaces an earlier export)")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="dtype of the written weights (default fp32: the recipes' master weights, lossless)")
     parser.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "else the model in the run's run.json)")
     parser.add_argument("--verify", action="store_true",
                         help="load both sides, compare logits on a fixed batch; exit 1 beyond the dtype's tolerance")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --output that export wrote before (never any other folder)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -40,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda message: None) if args.json else print
     report = convert.export_or_report(args.checkpoint, args.output, dtype=args.dtype,
                                       max_shard_size=args.max_shard_size, model=args.model, verify=args.verify,
+                                      force=args.force,
                                       log=say)
     verification = report.verification
     failed = verification is not None and not verification.passed

@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True, metavar="CHECKPOINT", help="new checkpoint folder to write")
     parser.add_argument("--verify", action="store_true",
                         help="load both sides, compare logits on a fixed batch; exit 1 beyond fp32 round-off")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --output that import wrote before (never any other folder)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -32,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets import convert
 
     say = (lambda message: None) if args.json else print
-    report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, log=say)
+    report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force, log=say)
     verification = report.verification
     failed = verification is not None and not verification.passed
     if args.json:
