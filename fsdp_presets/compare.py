@@ -152,7 +152,10 @@ class RunRecord:
         layout = None
         if fsdp:
             parts = [f"FSDP{fsdp.get('version', '?')}"]
-            for key in ("sharding_strategy", "reshard_after_forward", "activation_checkpointing"):
+            # FSDP1's reshard_after_forward holds its strategy too (accelerate's fallback): said once.
+            shown = ("sharding_strategy", "activation_checkpointing") if fsdp.get("version") == 1 else (
+                "sharding_strategy", "reshard_after_forward", "activation_checkpointing")
+            for key in shown:
                 if key in fsdp and fsdp[key] is not None:
                     parts.append(f"{key}={fsdp[key]}")
             mesh = fsdp.get("hsdp_mesh")

@@ -79,8 +79,14 @@ def distributed_settings(accelerator) -> dict[str, Any]:
         def plain(value):  # enums (ShardingStrategy, StateDictType) as their names
             return value.name if hasattr(value, "name") else value
 
+        version = int(getattr(plugin, "fsdp_version", 1))
+        # FSDP1 takes its ShardingStrategy from `sharding_strategy`, or from `reshard_after_forward`
+        # when that is unset (accelerate's FSDP1 prepare); FSDP2 has no strategy, only the bool.
+        strategy = (getattr(plugin, "sharding_strategy", None) or getattr(plugin, "reshard_after_forward", None)
+                    if version == 1 else None)
         fsdp = {
-            "version": int(getattr(plugin, "fsdp_version", 1)),
+            "version": version,
+            "sharding_strategy": plain(strategy),
             "reshard_after_forward": plain(getattr(plugin, "reshard_after_forward", None)),
             "state_dict_type": plain(getattr(plugin, "state_dict_type", None)),
             "activation_checkpointing": bool(getattr(plugin, "activation_checkpointing", False)),

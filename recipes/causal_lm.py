@@ -174,7 +174,9 @@ def main():
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / tokens.
                 accelerator.backward(loss * dp_size / max(global_targets, 1.0))
             loss_sum += loss.detach().double()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        # Norm summed in float64: the same number, and so the same clipping, under DDP, FSDP1 and FSDP2.
+        grad_norm = training.clip_grad_norm(accelerator, model, args.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler steps after it)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -183,8 +185,7 @@ def main():
         step_loss /= max(global_targets, 1.0)
         step_time = time.perf_counter() - started
         tokens = global_batch * args.seq_len
-        lr = scheduler.get_last_lr()[0]
-        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=training.scalar(grad_norm),
+        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=grad_norm,
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")

@@ -153,7 +153,9 @@ def main():
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / samples.
                 accelerator.backward(loss * dp_size / global_batch)
             loss_sum += loss.detach().double()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or float("inf"))
+        # Norm summed in float64: the same number, and so the same clipping, under DDP, FSDP1 and FSDP2.
+        grad_norm = training.clip_grad_norm(accelerator, model, args.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler steps after it)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -162,8 +164,7 @@ def main():
         step_time = time.perf_counter() - started
         local_tokens = sum(batch["attention_mask"].sum() for batch in batches).float().to(accelerator.device)
         tokens = accelerator.reduce(local_tokens, reduction="sum").item()
-        lr = scheduler.get_last_lr()[0]
-        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=training.scalar(grad_norm),
+        metrics.log_train(step=step, loss=step_loss, lr=lr, grad_norm=grad_norm,
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")

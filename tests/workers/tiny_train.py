@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 
 import fsdp_presets
+from fsdp_presets import training
 
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -51,6 +52,9 @@ def parse_args():
     parser.add_argument("--resume", help="load this state, then continue from the step it holds")
     parser.add_argument("--no-enable", action="store_true", help="skip enable_cpu_fsdp() (negative test)")
     parser.add_argument("--guard", action="store_true", help="call check_launch() after Accelerator()")
+    parser.add_argument("--max-grad-norm", type=float, default=0.0, help="clip gradients to this norm (0: off)")
+    parser.add_argument("--clip-with", choices=("package", "accelerate"), default="package",
+                        help="fsdp_presets.training.clip_grad_norm or accelerate's clip_grad_norm_")
     parser.add_argument("--seed-per-rank", action="store_true",
                         help="initialise each rank differently (only rank 0 matches the usual init)")
     return parser.parse_args()
@@ -112,11 +116,15 @@ def main():
         first_step = json.loads((Path(args.resume) / "worker_step.json").read_text())["step"] + 1
 
     # ---- train ----
-    losses = {}
+    losses, grad_norms = {}, {}
     for step in range(first_step, args.steps + 1):
         input_ids = batch_for(step, args, rank, world_size).to(accelerator.device)
         loss = model(input_ids=input_ids, labels=input_ids).loss
         accelerator.backward(loss)
+        if args.max_grad_norm and args.clip_with == "accelerate":
+            grad_norms[step] = training.scalar(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+        elif args.max_grad_norm:
+            grad_norms[step] = training.clip_grad_norm(accelerator, model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses[step] = accelerator.reduce(loss.detach(), reduction="mean").item()
@@ -141,6 +149,7 @@ def main():
         "distributed_type": accelerator.distributed_type.value,
         "model_class": type(model).__name__,
         "losses": losses,
+        "grad_norms": grad_norms,
         "sharded": sharded_element_counts(model),
         "weights_sha256": digest,
         "tied": getattr(accelerator.unwrap_model(model), "lm_head").weight is
