@@ -36,7 +36,7 @@ from fsdp_presets.planner import GiB, Hardware, TrainingShape, plan
 from fsdp_presets.presets import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB, full_state_dict_host_bytes
 from fsdp_presets.profile import ModelProfile
 
-Severity = Literal["error", "warning"]
+Severity = Literal["error", "warning", "note"]
 
 RULES = MappingProxyType({
     # rule id: (severity, what it catches)
@@ -46,7 +46,7 @@ RULES = MappingProxyType({
     "unknown-fsdp-key": ("error", "an fsdp_config key accelerate does not know (silently ignored)"),
     "unknown-parallelism-key": ("error", "a parallelism_config key accelerate does not know (silently ignored)"),
     "invalid-value": ("error", "a value accelerate does not accept (enumerations, booleans, counts)"),
-    "fsdp-version-missing": ("warning", "no fsdp_version: accelerate launch falls back to FSDP1"),
+    "fsdp-version-missing": ("note", "no fsdp_version: accelerate launch runs FSDP1 (its default)"),
     "fsdp1-key-under-fsdp2": ("error", "an FSDP1-only key in an FSDP2 config: ignored (or refused)"),
     "fsdp2-key-under-fsdp1": ("error", "an FSDP2-only key in an FSDP1 config: ignored (or refused)"),
     "hsdp-needs-fsdp2": ("error", "parallelism_config with FSDP1: accelerate launch refuses it"),
@@ -54,8 +54,8 @@ RULES = MappingProxyType({
     "hsdp-shard-spans-nodes": ("error", "the HSDP shard size does not fit the GPUs of one node"),
     "machines-do-not-divide": ("error", "num_processes is not a multiple of num_machines"),
     "no-wrap-policy": ("warning", "FSDP without an auto-wrap policy: the whole model is one unit"),
-    "wrap-classes-unset": ("warning", "TRANSFORMER_BASED_WRAP without classes: accelerate guesses from "
-                                      "_no_split_modules"),
+    "wrap-classes-unset": ("note", "TRANSFORMER_BASED_WRAP without classes: accelerate wraps the model's "
+                                   "_no_split_modules"),
     "no-split-modules-missing": ("error", "classes left to _no_split_modules include some the model lacks"),
     "wrap-class-format": ("error", "fsdp_transformer_layer_cls_to_wrap is not a comma-separated string of names"),
     "wrap-class-not-in-model": ("error", "a wrap class that does not exist in the model (--model)"),
@@ -71,6 +71,20 @@ RULES = MappingProxyType({
     "does-not-fit": ("warning", "the planner finds the config does not fit the GPUs at micro-batch 1"),
     "fp16-on-bf16-model": ("warning", "fp16 mixed precision on a model trained in bf16"),
     "fsdp-config-ignored": ("warning", "fsdp_config in a config whose distributed_type is not FSDP"),
+    "ignored-default": ("note", "a key accelerate accepts but does not apply, set to what applies anyway"),
+    "key-not-applied": ("warning", "a real FSDP option accelerate launch does not pass on from a config file"),
+    "num-processes-unset": ("note", "no num_processes: the launch command gives it (no GPU count or memory verdict)"),
+    "fp8-needs-backend": ("note", "fp8 needs torchao or Transformer Engine installed on the training nodes"),
+    "memory-assumes-full-finetune": ("warning", "memory verdicts that hold for full fine-tuning; the method is "
+                                                "not known (pass --method full)"),
+    "prepare-crashes": ("error", "accelerate's FSDP preparation of the model (--model) raises"),
+    "params-outside-units": ("error", "parameters of the model that no FSDP unit shards"),
+    "num-processes-vs-header": ("error", "num_processes or num_machines edited away from the generated "
+                                         "header's batch arithmetic"),
+    "fsdp-single-process": ("warning", "FSDP on one process: nothing is sharded"),
+    "fixed-main-process-ip": ("warning", "a fixed private main_process_ip in a multi-machine config"),
+    "full-shard-across-nodes": ("warning", "sharding across nodes without a hybrid layout (HSDP keeps "
+                                           "all-gathers inside a node)"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 
@@ -92,7 +106,8 @@ class Finding:
     rule: str
     """Stable rule id, a key of :data:`RULES`."""
     severity: Severity
-    """``error`` fails the check; ``warning`` does not."""
+    """``error`` fails the check; ``warning`` does not; ``note``: accelerate's own default applies (the
+    command prints all notes of a file on one line)."""
     message: str
     """What is wrong, with the values involved."""
     fix: str
@@ -103,8 +118,8 @@ class Finding:
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"unknown rule id {self.rule!r}")
-        if self.severity not in ("error", "warning"):
-            raise ValueError(f"severity must be error or warning, got {self.severity!r}")
+        if self.severity not in ("error", "warning", "note"):
+            raise ValueError(f"severity must be error, warning or note, got {self.severity!r}")
 
     def to_json(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "key": self.key, "message": self.message,
@@ -145,12 +160,22 @@ class CheckContext:
     """Sequence length for the planner rules; None: the file's metadata, else 2048."""
     metadata: dict | None = None
     """The file's ``# fsdp-presets:`` document, when it has one."""
+    gpus: int | None = None
+    """Processes in the whole job when the file has no ``num_processes`` (``accelerate launch
+    --num_processes``); None: no GPU count or memory verdict for such a file."""
+    method: Literal["full"] | None = None
+    """The training method: ``full`` makes the memory rules (which count gradients and AdamW state for
+    every parameter) errors; None: the file's metadata says, else unknown (one warning instead)."""
 
     def __post_init__(self) -> None:
         if self.device not in (None, "gpu", "cpu"):
             raise ValueError(f"device must be gpu or cpu, got {self.device!r}")
         if any(value is not None and not value > 0 for value in (self.gpu_memory_gib, self.host_memory_gib)):
             raise ValueError("memory sizes must be positive")
+        if self.gpus is not None and self.gpus < 1:
+            raise ValueError("gpus must be >= 1")
+        if self.method not in (None, "full"):
+            raise ValueError(f"method must be full or None, got {self.method!r}")
 
     def _from_request(self, name: str):
         return ((self.metadata or {}).get("request") or {}).get(name)
@@ -158,6 +183,15 @@ class CheckContext:
     @property
     def gpu_gib(self) -> float:
         return self.gpu_memory_gib or self._from_request("gpu_memory_gib") or DEFAULT_GPU_MEMORY_GIB
+
+    @property
+    def training_method(self) -> str | None:
+        """``full`` when known (``--method`` or a generated preset's header), else None."""
+        if self.method:
+            return self.method
+        if self.metadata and self.metadata.get("kind") == "fsdp":
+            return (self.metadata.get("request") or {}).get("method") or "full"
+        return None
 
     @property
     def host_gib(self) -> float:
@@ -183,6 +217,10 @@ class CheckReport:
         return [item for item in self.findings if item.severity == "warning"]
 
     @property
+    def notes(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "note"]
+
+    @property
     def ok(self) -> bool:
         return not self.errors
 
@@ -191,7 +229,7 @@ class CheckReport:
 
     def to_json(self) -> dict:
         return {"path": self.path, "ok": self.ok, "errors": len(self.errors), "warnings": len(self.warnings),
-                "findings": [item.to_json() for item in self.findings]}
+                "notes": len(self.notes), "findings": [item.to_json() for item in self.findings]}
 
 
 # --------------------------------------------------------------------------- accelerate's own lists
@@ -271,15 +309,55 @@ def _whole(value: Any) -> int | None:
     return None
 
 
+SUGGESTION_CUTOFF = 0.75
+"""difflib similarity a known name needs before ``check`` suggests it: near misspellings only
+(``fsdp_reshard_after_foward``), never a different option (``fsdp_limit_all_gathers`` is not a
+misspelt ``fsdp_min_num_params``: renaming it would put ``true`` into a size threshold)."""
+
+
+def _close(name: str, known, limit: int = 3) -> list[str]:
+    import difflib
+
+    return difflib.get_close_matches(name, sorted(known), n=limit, cutoff=SUGGESTION_CUTOFF)
+
+
 def _did_you_mean(name: str, known) -> str:
-    guesses = closest_names(name, sorted(known))
+    guesses = _close(name, known)
     return f" (did you mean {' or '.join(repr(g) for g in guesses)}?)" if guesses else ""
 
 
-def _rename(name: str, known) -> str:
-    """``rename it to 'x'`` when a known name is close, else ``remove it``."""
-    guesses = closest_names(name, sorted(known), limit=1)
+def _rename(name: str, known, value: Any = None) -> str:
+    """``rename it to 'x'`` when a known name is close and takes ``value``, else ``remove it``."""
+    guesses = [guess for guess in _close(name, known, limit=1) if _value_fits(guess, value)]
     return f"rename it to {guesses[0]!r}" if guesses else "remove it"
+
+
+def _value_fits(key: str, value: Any) -> bool:
+    """Whether accelerate would accept ``value`` for ``key`` (so a rename does not break the file)."""
+    if value is None:
+        return True
+    if key in _BOOLEAN_FSDP_KEYS:
+        return _boolean(value) is not None
+    if key == "fsdp_min_num_params":
+        return _whole(value) is not None
+    allowed = _enumerations().get(key)
+    if allowed is not None:
+        return str(value).upper() in allowed
+    return True
+
+
+def plugin_option_defaults() -> dict[str, Any]:
+    """``fsdp_<field>`` -> default of every ``FullyShardedDataParallelPlugin`` field: real FSDP options,
+    some of which ``accelerate launch`` never reads from a config file (``limit_all_gathers``)."""
+    import dataclasses
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    defaults = {}
+    for item in dataclasses.fields(FullyShardedDataParallelPlugin):
+        default = item.default if item.default is not dataclasses.MISSING else None
+        defaults[item.name if item.name.startswith("fsdp_") else f"fsdp_{item.name}"] = default
+    return defaults
 
 
 def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[Finding]:
@@ -303,6 +381,14 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     # accelerate adds the prefix to fsdp_config keys that lack it (launch.py: "fsdp_" + key).
     fsdp = {(key if str(key).startswith("fsdp") else f"fsdp_{key}"): value for key, value in fsdp.items()}
     processes, machines = _whole(config.get("num_processes", 1)), _whole(config.get("num_machines", 1))
+    if "num_processes" not in config and str(config.get("distributed_type", "")) == "FSDP":
+        processes = context.gpus
+        findings.append(finding(
+            "num-processes-unset", "no num_processes: the file is meant for `accelerate launch --num_processes N`"
+            + (f"; checked for --gpus {context.gpus}" if context.gpus else "; no GPU count or memory verdict"),
+            "pass --num_processes (all GPUs of all nodes) to accelerate launch"
+            + ("" if context.gpus else ", and --gpus N to `fsdp-presets check` for the memory rules"),
+            "num_processes"))
     layout_ok = processes is not None and machines is not None and processes >= 1 and machines >= 1
     if layout_ok and processes % machines:
         findings.append(finding(
@@ -321,9 +407,10 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
 
     version = _whole(fsdp.get("fsdp_version"))
     if "fsdp_version" not in fsdp:
-        findings.append(finding("fsdp-version-missing", "fsdp_config has no fsdp_version: `accelerate launch` "
-                                "defaults to FSDP1 (FullyShardedDataParallel)", "add fsdp_version: 2 (or 1 to keep "
-                                "FSDP1 explicitly)", "fsdp_config"))
+        findings.append(finding("fsdp-version-missing", "no fsdp_version: `accelerate launch` runs FSDP1 "
+                                "(FullyShardedDataParallel), its default", "nothing to do for FSDP1 (fsdp_version: 1 "
+                                "says so); FSDP2 also needs the FSDP1 keys rewritten (docs/configuration.md)",
+                                "fsdp_config"))
         version = 1
     elif version not in (1, 2):
         findings.append(finding("invalid-value", f"fsdp_version {fsdp['fsdp_version']!r} is not 1 or 2",
@@ -332,6 +419,15 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     findings += _fsdp_keys(fsdp, version)
     findings += _parallelism(parallelism, version, processes if layout_ok else None, machines if layout_ok else None)
     findings += _wrapping(fsdp, context)
+    findings += _layout(config, fsdp, parallelism, version, context, processes if layout_ok else None,
+                        machines if layout_ok else None)
+    if str(config.get("mixed_precision", "")).lower() == "fp8":
+        backend = str((config.get("fp8_config") or {}).get("backend", "AO")).upper()
+        package = {"TE": "Transformer Engine", "MSAMP": "MS-AMP", "MS-AMP": "MS-AMP"}.get(backend, "torchao")
+        findings.append(finding(
+            "fp8-needs-backend", f"mixed_precision fp8 needs {package} installed on the training nodes at launch "
+            "(accelerate refuses fp8 where it finds neither torchao nor Transformer Engine)",
+            f"install {package} in the training environment", "mixed_precision"))
     if fsdp.get("fsdp_ignored_modules"):
         findings.append(finding(
             "ignored-modules", f"fsdp_ignored_modules is set ({fsdp['fsdp_ignored_modules']!r}): FSDP neither "
@@ -346,13 +442,88 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             "fsdp_sync_module_states is false: accelerate launch refuses this (ranks other than 0 start with empty "
             "weights that only the sync fills)", "set fsdp_sync_module_states: true (or remove it)",
             "fsdp_config.fsdp_sync_module_states"))
-    findings += _device_and_memory(config, fsdp, parallelism, version, context,
-                                   processes if layout_ok else None, machines if layout_ok else None)
+    memory = _device_and_memory(config, fsdp, parallelism, version, context,
+                                processes if layout_ok else None, machines if layout_ok else None)
+    full_finetune_only = [item for item in memory if item.rule in FULL_FINETUNE_RULES]
+    if full_finetune_only and context.training_method is None:
+        # The file does not say how it trains: LoRA/QLoRA keep gradients and optimizer state for a
+        # small fraction of the parameters, so these verdicts would be wrong errors for them.
+        memory = [item for item in memory if item.rule not in FULL_FINETUNE_RULES]
+        memory.append(finding(
+            "memory-assumes-full-finetune", "the memory rules assume full fine-tuning (gradients and AdamW state for "
+            "every parameter), and this file does not say how it trains. If it is full fine-tuning: " + "; ".join(
+                f"{item.rule}: {item.message} (fix: {item.fix})" for item in full_finetune_only),
+            "pass --method full to check it as full fine-tuning; for LoRA/QLoRA these verdicts do not apply",
+            full_finetune_only[0].key))
+    findings += memory
     return _sorted(findings)
 
 
+FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "fp32-does-not-fit",
+                                 "does-not-fit"})
+"""Memory rules that count gradients and optimizer state for every parameter."""
+
+
+_PRIVATE_PREFIXES = ("10.", "192.168.", "127.", "169.254.") + tuple(f"172.{n}." for n in range(16, 32))
+
+
+def _layout(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
+    """Rules on the process layout: one process, nodes, rendezvous address, the header's arithmetic."""
+    findings = []
+    if processes == 1 and machines == 1:
+        findings.append(finding(
+            "fsdp-single-process", "distributed_type FSDP with num_processes 1: one process shards nothing (every "
+            "unit holds the whole model) and pays FSDP's gathers for it",
+            "set num_processes to the number of GPUs; for one GPU use distributed_type: 'NO'", "num_processes"))
+    if machines and machines > 1:
+        address = str(config.get("main_process_ip") or "")
+        if address.startswith(_PRIVATE_PREFIXES) or address == "localhost":
+            findings.append(finding(
+                "fixed-main-process-ip", f"main_process_ip {address} is fixed in a config for {machines} machines: "
+                "it is the address of one node of one cluster (private or loopback), so on other machines every node "
+                "waits at rendezvous for a host that is not there", "remove main_process_ip from the file and pass "
+                "--main_process_ip $MASTER_ADDR (the first node of the job) on each node's accelerate launch command",
+                "main_process_ip"))
+        replicate = _whole((parallelism or {}).get("parallelism_config_dp_replicate_size", 1)) or 1
+        strategy = _strategy_name(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")) if version == 1 else None
+        hybrid = replicate > 1 if version == 2 else strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        if version in (1, 2) and not hybrid and strategy != "NO_SHARD" and processes:
+            per_node = processes // machines
+            fix = (f"shard inside a node, replicate across nodes (HSDP): parallelism_config: "
+                   f"parallelism_config_dp_replicate_size: {machines}, parallelism_config_dp_shard_size: {per_node}"
+                   if version == 2 else "fsdp_sharding_strategy: HYBRID_SHARD (or fsdp_version: 2 with "
+                   f"parallelism_config_dp_replicate_size: {machines}, parallelism_config_dp_shard_size: {per_node})")
+            findings.append(finding(
+                "full-shard-across-nodes", f"FSDP shards over all {processes} processes of {machines} nodes: every "
+                "unit's all-gather and reduce-scatter crosses the network each step (usually several times slower "
+                "than inside a node)", fix + "; keep full sharding only when the model does not fit one node's GPUs",
+                "parallelism_config" if version == 2 else "fsdp_config.fsdp_sharding_strategy"))
+    summary = (context.metadata or {}).get("summary") or {}
+    header_processes, header_machines = summary.get("processes"), summary.get("machines")
+    if context.metadata and context.metadata.get("kind") == "fsdp" and header_processes and "num_processes" in config:
+        file_processes, file_machines = _whole(config.get("num_processes")), _whole(config.get("num_machines", 1))
+        if (file_processes, file_machines) != (header_processes, header_machines or 1) and file_processes:
+            dp = summary.get("data_parallel_size") or header_processes
+            micro, accumulation = summary.get("micro_batch"), summary.get("gradient_accumulation")
+            new_dp = file_processes * dp // header_processes
+            arithmetic = (f"global batch {summary.get('global_batch')} = micro-batch {micro} x {accumulation} "
+                          f"accumulation x {dp} data-parallel processes" if micro and accumulation else
+                          f"{header_processes} processes")
+            effect = (f"; with num_processes {file_processes} one optimizer step takes {micro * accumulation * new_dp} "
+                      "sequences, and the header's plan (memory, learning-rate schedule) no longer describes this file"
+                      if micro and accumulation else "")
+            command = "the header's `fsdp-presets generate` command with --gpus " + str(file_processes) + (
+                f" --nodes {file_machines}" if file_machines and file_machines > 1 else "")
+            findings.append(finding(
+                "num-processes-vs-header", f"num_processes {file_processes} / num_machines {file_machines} were edited "
+                f"away from the generated header ({header_processes} processes on {header_machines or 1} node(s): "
+                f"{arithmetic}){effect}", f"regenerate for the new GPU count ({command}), or set num_processes back "
+                f"to {header_processes}", "num_processes"))
+    return findings
+
+
 def _sorted(findings: list[Finding]) -> list[Finding]:
-    return sorted(findings, key=lambda item: item.severity != "error")
+    return sorted(findings, key=lambda item: ("error", "warning", "note").index(item.severity))
 
 
 def _top_level(config: dict) -> list[Finding]:
@@ -388,23 +559,69 @@ def _top_level(config: dict) -> list[Finding]:
     return findings
 
 
+# FSDP1-only keys under FSDP2: accelerate's FSDP2 plugin never reads them. Each maps to the value that
+# FSDP2 behaves like anyway (None: no value is harmless), so a stale key that asks for nothing
+# different is a note, not an error.
+_FSDP2_BEHAVES_LIKE = {
+    "fsdp_backward_prefetch": "BACKWARD_PRE",  # FSDP2 always prefetches the next unit in backward
+    "fsdp_forward_prefetch": False,
+    "fsdp_use_orig_params": None,  # FSDP2 always uses the original parameters: either value is moot
+    "fsdp_sync_module_states": None,  # RAM-efficient loading broadcasts rank 0's weights instead
+}
+_FSDP2_IGNORES = {
+    "fsdp_sharding_strategy": "FSDP2 ignores it and shards as fsdp_reshard_after_forward says (true: FULL_SHARD, "
+                              "false: SHARD_GRAD_OP; HSDP via parallelism_config)",
+    "fsdp_backward_prefetch": "FSDP2 ignores it (it always prefetches the next unit in backward)",
+    "fsdp_forward_prefetch": "FSDP2 ignores it (accelerate has no forward prefetch for FSDP2)",
+    "fsdp_use_orig_params": "FSDP2 always uses the original parameters",
+    "fsdp_sync_module_states": "FSDP2 has no module-state sync (RAM-efficient loading broadcasts rank 0's weights "
+                               "instead)",
+}
+
+
+def _strategy_name(value: Any) -> str | None:
+    """An FSDP1 sharding strategy as accelerate reads it (name or 1-based index), upper case."""
+    from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
+
+    if _whole(value) is not None and 1 <= _whole(value) <= len(FSDP_SHARDING_STRATEGY):
+        return FSDP_SHARDING_STRATEGY[_whole(value) - 1]
+    text = str(value).upper()
+    return text if text in FSDP_SHARDING_STRATEGY else None
+
+
 def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
     findings = []
     known = known_fsdp_keys()
+    plugin_options = plugin_option_defaults()
     enumerations = _enumerations()
     for key, value in fsdp.items():
         where = f"fsdp_config.{key}"
+        if key not in known and key in plugin_options:
+            default = plugin_options[key]
+            if default is not None and _boolean(value) == default:
+                findings.append(finding(
+                    "ignored-default", f"{key}: {value!r} is a real FSDP option that `accelerate launch` does not read "
+                    f"from a config file; its default ({default}) applies anyway", "nothing to do (or remove it)",
+                    where))
+            else:
+                findings.append(finding(
+                    "key-not-applied", f"{key} {value!r} is a real FSDP option, but `accelerate launch` does not "
+                    "read it from a config file, so it is not applied" + (f" (the default {default!r} is)" if
+                                                                           default is not None else ""),
+                    f"set it in the training script: FullyShardedDataParallelPlugin({key.removeprefix('fsdp_')}=...) "
+                    "passed to Accelerator(fsdp_plugin=...), or remove it", where))
+            continue
         if key not in known:
             findings.append(finding(
                 "unknown-fsdp-key", f"unknown fsdp_config key {key!r}{_did_you_mean(key, known)}: accelerate "
-                "ignores it silently, so the setting you meant is not applied", _rename(key, known), where))
+                "ignores it silently, so the setting you meant is not applied", _rename(key, known, value), where))
             continue
         if key in enumerations and value is not None:
             allowed = enumerations[key]
             text = str(value).upper()
             if key == "fsdp_sharding_strategy" and _whole(value) in range(1, len(allowed) + 1):
-                continue  # accelerate also takes the 1-based index
-            if text not in allowed:
+                pass  # accelerate also takes the 1-based index
+            elif text not in allowed:
                 findings.append(finding("invalid-value", f"{key} {value!r} is not one of {', '.join(allowed)}"
                                         f"{_did_you_mean(text, allowed)}", f"use one of {', '.join(allowed)}", where))
         if key in _BOOLEAN_FSDP_KEYS and _boolean(value) is None:
@@ -417,32 +634,62 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
             findings.append(finding("invalid-value", f"fsdp_reshard_after_forward {value!r}: FSDP2 takes true "
                                     "(FULL_SHARD) or false (SHARD_GRAD_OP)", "write true or false", where))
         if version == 2 and key in FSDP1_ONLY_KEYS:
-            effect = {
-                "fsdp_sharding_strategy": "FSDP2 ignores it and shards as fsdp_reshard_after_forward says "
-                                          "(true: FULL_SHARD, false: SHARD_GRAD_OP; HSDP via parallelism_config)",
-                "fsdp_backward_prefetch": "FSDP2 ignores it (it always prefetches the next unit in backward)",
-                "fsdp_forward_prefetch": "FSDP2 ignores it (accelerate refuses forward_prefetch for FSDP2 when set "
-                                         "in code)",
-                "fsdp_use_orig_params": "FSDP2 always uses the original parameters",
-                "fsdp_sync_module_states": "FSDP2 has no module-state sync (RAM-efficient loading broadcasts "
-                                           "rank 0's weights instead)",
-            }[key]
-            findings.append(finding("fsdp1-key-under-fsdp2", f"{key} is an FSDP1 setting in an FSDP2 config: {effect}",
-                                    "remove it" + (" and set fsdp_reshard_after_forward" if key ==
-                                                   "fsdp_sharding_strategy" else ""), where))
+            findings += _fsdp1_key_under_fsdp2(fsdp, key, value, where)
         if version == 1 and key in FSDP2_ONLY_KEYS:
-            effect = {
-                "fsdp_reshard_after_forward": "FSDP1 ignores it: `accelerate launch` always passes "
-                                              "fsdp_sharding_strategy (default FULL_SHARD), which wins",
-                "fsdp_activation_checkpointing_offload": "accelerate refuses it with FSDP1",
-            }[key]
-            findings.append(finding("fsdp2-key-under-fsdp1", f"{key} is an FSDP2 setting in an FSDP1 config: {effect}",
-                                    "remove it (FSDP1 shards as fsdp_sharding_strategy says), or set fsdp_version: 2",
-                                    where))
+            findings += _fsdp2_key_under_fsdp1(fsdp, key, value, where)
     if version == 2 and str(fsdp.get("fsdp_state_dict_type", "")).upper() == "LOCAL_STATE_DICT":
         findings.append(finding("invalid-value", "LOCAL_STATE_DICT does not exist in FSDP2 (accelerate raises)",
                                 "use SHARDED_STATE_DICT", "fsdp_config.fsdp_state_dict_type"))
     return findings
+
+
+def _fsdp1_key_under_fsdp2(fsdp: dict, key: str, value: Any, where: str) -> list[Finding]:
+    """An FSDP1-only key in an FSDP2 config: an error when it asks for something FSDP2 does not do."""
+    effect = _FSDP2_IGNORES[key]
+    if key == "fsdp_sharding_strategy":
+        reshard = _boolean(fsdp.get("fsdp_reshard_after_forward", True))
+        applied = "FULL_SHARD" if reshard is not False else "SHARD_GRAD_OP"
+        if _strategy_name(value) == applied:
+            return [finding("ignored-default", f"{key}: {value} is an FSDP1 setting that FSDP2 ignores; "
+                            f"fsdp_reshard_after_forward gives the same ({applied})", "remove it", where)]
+        return [finding("fsdp1-key-under-fsdp2", f"{key} {value} is an FSDP1 setting in an FSDP2 config: {effect}, "
+                        f"so this config runs {applied}, not {value}",
+                        "remove it and set fsdp_reshard_after_forward (true: FULL_SHARD, false: SHARD_GRAD_OP; "
+                        "hybrid: parallelism_config_dp_replicate_size)", where)]
+    behaves_like = _FSDP2_BEHAVES_LIKE[key]
+    moot = behaves_like is None or (str(value).upper() == behaves_like if isinstance(behaves_like, str)
+                                    else _boolean(value) == behaves_like)
+    if moot:
+        return [finding("ignored-default", f"{key}: {value} is an FSDP1 setting that FSDP2 ignores ({effect}); "
+                        "it asks for nothing FSDP2 does not do", "remove it", where)]
+    return [finding("fsdp1-key-under-fsdp2", f"{key} {value} is an FSDP1 setting in an FSDP2 config: {effect}",
+                    "remove it" + (", or set fsdp_version: 1 to keep it" if key == "fsdp_forward_prefetch" else ""),
+                    where)]
+
+
+def _fsdp2_key_under_fsdp1(fsdp: dict, key: str, value: Any, where: str) -> list[Finding]:
+    """An FSDP2-only key in an FSDP1 config. ``accelerate config`` itself writes the FSDP1 sharding
+    strategy as ``fsdp_reshard_after_forward: FULL_SHARD``; accelerate 1.16's launcher then always
+    passes ``fsdp_sharding_strategy`` (default FULL_SHARD), which the FSDP1 plugin applies instead.
+    So the key matters only when it asks for another strategy than the one applied."""
+    if key == "fsdp_activation_checkpointing_offload":
+        return [finding("fsdp2-key-under-fsdp1", f"{key} is an FSDP2 setting in an FSDP1 config: accelerate refuses "
+                        "it with FSDP1", "remove it, or set fsdp_version: 2", where)]
+    applied = _strategy_name(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")) or "FULL_SHARD"
+    asked = _strategy_name(value)
+    flag = _boolean(value)
+    if asked is None and flag is not None:
+        asked = "FULL_SHARD" if flag else "SHARD_GRAD_OP"
+    if asked == applied:
+        return [finding("ignored-default", f"{key}: {value} (as `accelerate config` writes FSDP1 configs) is not read "
+                        f"by accelerate's FSDP1 plugin; fsdp_sharding_strategy {applied} applies, which is the same",
+                        "nothing to do (or write fsdp_sharding_strategy: " + applied + " instead)", where)]
+    fix = f"set fsdp_sharding_strategy: {asked}" if asked else "remove it (FSDP1 shards as fsdp_sharding_strategy says)"
+    if flag is not None:
+        fix += " (or fsdp_version: 2, which takes true/false here)"
+    return [finding("fsdp2-key-under-fsdp1", f"{key} {value} is not applied under FSDP1: accelerate launch always "
+                    f"passes fsdp_sharding_strategy, so the plugin runs {applied}" + (f", not {asked}" if asked else ""),
+                    fix, where)]
 
 
 def _parallelism(parallelism: dict, version: int | None, processes: int | None, machines: int | None) -> list[Finding]:
@@ -582,7 +829,9 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     profile = model.profile
     host = context.host_gib * GiB
     per_node = processes // machines
-    state_dict = str(fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT")).upper()
+    # accelerate's default: FULL_STATE_DICT for FSDP1, SHARDED_STATE_DICT for FSDP2
+    state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT" if version == 2 else
+                              "FULL_STATE_DICT")).upper()
     if state_dict == "FULL_STATE_DICT" and full_state_dict_host_bytes(profile) > host:
         findings.append(finding(
             "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
@@ -698,6 +947,10 @@ class AccelerateView:
     """The ``FullyShardedDataParallelPlugin`` built from that environment (FSDP configs)."""
     parallelism: Any = None
     """The ``ParallelismConfig`` built from it (HSDP configs), else None."""
+    processes_in_file: bool = True
+    """False: the file has no num_processes and ``num_processes`` is the one assumed for the launch."""
+    probe: Any = None
+    """The :class:`fsdp_presets.wrap_probe.WrapProbe` of the model, when ``check`` proved the wrapping."""
 
     def fsdp_settings(self) -> dict | None:
         """The plugin's settings as plain values (for tests and ``check --json``)."""
@@ -732,7 +985,36 @@ class AccelerateView:
     def parallelism_sizes(self) -> dict | None:
         if self.parallelism is None:
             return None
-        return {"dp_replicate_size": self.parallelism.dp_replicate_size, "dp_shard_size": self.parallelism.dp_shard_size}
+        return {"dp_replicate_size": self.parallelism.dp_replicate_size, "dp_shard_size": self.parallelism.dp_shard_size,
+                "tp_size": self.parallelism.tp_size, "cp_size": self.parallelism.cp_size,
+                "sp_size": getattr(self.parallelism, "sp_size", 1)}
+
+    def layout_label(self) -> str:
+        """The parallelism layout in words: ``HSDP 2x4 (replicate 2 x shard 4)``, ``TP 2 x HSDP 2x2 (2x2x2)``,
+        ``context parallel 8``, ``hybrid ZeRO-2 (HYBRID_SHARD_ZERO2)``; '' for plain FSDP."""
+        settings = self.fsdp_settings() or {}
+        if self.parallelism is None:
+            return {"HYBRID_SHARD": "hybrid (HYBRID_SHARD: ZeRO-3 inside a node, replicas across nodes)",
+                    "_HYBRID_SHARD_ZERO2": "hybrid ZeRO-2 (HYBRID_SHARD_ZERO2: gradients and optimizer state sharded "
+                                           "inside a node, replicas across nodes)",
+                    }.get(settings.get("sharding_strategy") or "", "")
+        sizes = self.parallelism_sizes()
+        replicate, shard = sizes["dp_replicate_size"], sizes["dp_shard_size"]
+        if replicate > 1 and shard > 1:
+            data = f"HSDP {replicate}x{shard} (replicate {replicate} x shard {shard})"
+        elif replicate > 1:
+            data = f"replicate {replicate} (DDP-like, no sharding)"
+        elif shard > 1:
+            data = f"FSDP over {shard}"
+        else:
+            data = ""
+        parts = [f"TP {sizes['tp_size']}" if sizes["tp_size"] > 1 else "",
+                 f"context parallel {sizes['cp_size']}" if sizes["cp_size"] > 1 else "",
+                 f"sequence parallel {sizes['sp_size']}" if (sizes["sp_size"] or 1) > 1 else "", data]
+        dims = [size for size in (replicate, shard, sizes["tp_size"], sizes["cp_size"], sizes["sp_size"] or 1)
+                if size > 1]
+        label = " x ".join(part for part in parts if part)
+        return label + (f" ({'x'.join(map(str, dims))} = {self.num_processes})" if len(dims) > 2 else "")
 
 
 @contextlib.contextmanager
@@ -764,10 +1046,28 @@ def _as_on_a_gpu_host():
         accelerate_dataclasses.get_torch_accelerator_backend = original
 
 
-def accelerate_view(path: str | os.PathLike) -> AccelerateView:
+@contextlib.contextmanager
+def _fp8_as_on_the_training_nodes():
+    """accelerate's launcher refuses fp8 where neither torchao nor Transformer Engine is installed. That is a
+    fact about the checking machine, not the file (the ``fp8-needs-backend`` note says what the training
+    nodes need), so the file is loaded as on a node that has one."""
+    import accelerate.utils.launch as accelerate_launch
+
+    original = accelerate_launch.is_fp8_available
+    accelerate_launch.is_fp8_available = lambda: True
+    try:
+        yield
+    finally:
+        accelerate_launch.is_fp8_available = original
+
+
+def accelerate_view(path: str | os.PathLike, *, num_processes: int | None = None) -> AccelerateView:
     """Load ``path`` as ``accelerate launch --config_file PATH script.py`` does, and build the FSDP
     plugin and parallelism config from the environment it prepares. Raises AccelerateRejected
-    with accelerate's message when any of that raises."""
+    with accelerate's message when any of that raises.
+
+    ``num_processes``: what ``accelerate launch --num_processes`` would add (for a file without
+    ``num_processes``, which accelerate refuses unless the command line gives it)."""
     import logging
 
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
@@ -779,14 +1079,16 @@ def accelerate_view(path: str | os.PathLike) -> AccelerateView:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            args = launch_command_parser().parse_args(["--config_file", str(path), "train.py"])
+            extra = ["--num_processes", str(num_processes)] if num_processes else []
+            args = launch_command_parser().parse_args(["--config_file", str(path), *extra, "train.py"])
             args, defaults, _ = _validate_launch_command(args)
             distributed_type = str(getattr(defaults.distributed_type, "value", defaults.distributed_type))
             env: dict[str, str] = {}
             plugin = parallelism = None
             if args.use_fsdp or args.multi_gpu:
                 args.main_process_port = 0  # a free port: the check must not depend on who holds 29500
-                prepared = prepare_multi_gpu_env(args)
+                with _fp8_as_on_the_training_nodes():
+                    prepared = prepare_multi_gpu_env(args)
                 env = {key: value for key, value in prepared.items() if os.environ.get(key) != value}
             if args.use_fsdp:
                 from accelerate.utils import FullyShardedDataParallelPlugin
@@ -818,8 +1120,28 @@ def accelerate_view(path: str | os.PathLike) -> AccelerateView:
 # --------------------------------------------------------------------------- a file
 
 
-def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext()) -> tuple[CheckReport, AccelerateView | None]:
-    """Every finding for the file at ``path``, and accelerate's view of it (None when it refuses)."""
+# accelerate's own refusal -> the rule that already names the same problem (one problem, one finding).
+_REJECTION_RULES = (
+    ("had unknown keys", "unknown-key"),
+    ("use_parallelism_config", "hsdp-needs-fsdp2"),
+    ("fsdp_cpu_ram_efficient_loading", "ram-efficient-loading-needs-sync"),
+    ("LOCAL_STATE_DICT", "invalid-value"),
+    ("invalid truth value", "invalid-value"),
+    ("Invalid auto wrap policy", "invalid-value"),
+    ("Unknown mixed_precision", "invalid-value"),
+    ("not supported with FSDP", "invalid-value"),
+    ("KeyError", "invalid-value"),
+    ("requires `fsdp_version=2`", "fsdp2-key-under-fsdp1"),
+)
+
+
+def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(),
+               prove_wrapping: bool = False) -> tuple[CheckReport, AccelerateView | None]:
+    """Every finding for the file at ``path``, and accelerate's view of it (None when it refuses).
+
+    ``prove_wrapping``: with a model in ``context``, also run accelerate's FSDP preparation of it
+    under a fake process group (:mod:`fsdp_presets.wrap_probe`, a few seconds in a subprocess); the
+    result is ``view.probe``, its crash or unsharded parameters become findings."""
     import dataclasses
 
     import yaml
@@ -844,13 +1166,70 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
     report.findings += lint_config(config, context=context)
     view = None
     if isinstance(config, dict):
+        given = "num_processes" not in config and config.get("distributed_type") in ("FSDP", "MULTI_GPU")
         try:
-            view = accelerate_view(path)
+            view = accelerate_view(path, num_processes=_launch_processes(config, context) if given else None)
+            view.processes_in_file = not given
         except AccelerateRejected as error:
-            report.findings.append(finding("accelerate-rejects", f"accelerate itself rejects the file: {error}",
-                                           "fix the problems above; the message is accelerate's own"))
+            text_of_error = str(error)
+            covered = {rule for needle, rule in _REJECTION_RULES if needle in text_of_error}
+            if not covered & {item.rule for item in report.errors}:
+                report.findings.append(finding("accelerate-rejects", f"accelerate itself rejects the file: {error}",
+                                               "fix the problems above; the message is accelerate's own"))
+    if prove_wrapping and view is not None and view.fsdp_plugin is not None and context.model is not None \
+            and report.ok:
+        report.findings += _probe_findings(view, context, config)
     report.findings = _sorted(report.findings)
     return report, view
+
+
+def _launch_processes(config: dict, context: CheckContext) -> int:
+    """The ``--num_processes`` a launch of a file without one would pass: --gpus, else the
+    parallelism sizes' product, else 2 (what the view then shows is labelled as assumed)."""
+    if context.gpus:
+        return context.gpus
+    parallelism = config.get("parallelism_config") or {}
+    product = 1
+    for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
+        product *= _whole(parallelism.get(f"parallelism_config_{name}", 1)) or 1
+    return product if product > 1 else 2
+
+
+def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -> list[Finding]:
+    from fsdp_presets.wrap_probe import WrapProbe, probe_wrapping
+
+    model = context.model
+    sizes = view.parallelism_sizes() or {}
+    if (sizes.get("tp_size") or 1) > 1:
+        view.probe = WrapProbe(skipped="tensor parallelism: the probe does not build a TP plan")
+        return []
+    view.probe = probe = probe_wrapping(model.source, view.env, view.num_processes)
+    settings = view.fsdp_settings()
+    named = settings["transformer_cls_names_to_wrap"] if "FSDP_TRANSFORMER_CLS_TO_WRAP" in view.env else []
+    blocks = ",".join(model.profile.wrap_classes)
+    findings = []
+    if probe.error:
+        if named:
+            why, fix = "", ("wrap the blocks: fsdp_transformer_layer_cls_to_wrap: " + blocks
+                            if named != list(model.profile.wrap_classes) else
+                            "the error is accelerate's/torch's own; `fsdp-presets inspect MODEL` shows the units")
+        else:
+            declared = sorted(model.profile.structure.get("no_split_modules") or [])
+            why = (" With no fsdp_transformer_layer_cls_to_wrap, accelerate wraps the model's _no_split_modules"
+                   + (f" ({', '.join(declared)})" if declared else "") + " and then shards the input embedding "
+                   "again on its own")
+            fix = f"name the block classes: fsdp_transformer_layer_cls_to_wrap: {blocks}"
+        findings.append(finding(
+            "prepare-crashes", f"accelerate's FSDP{settings['fsdp_version']} preparation of {model.profile.architecture} "
+            f"({model.source}) raises {probe.error}" + (f" (at {probe.where})" if probe.where else "") + "; every "
+            f"rank fails in accelerator.prepare(model).{why}", fix, "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+    elif probe.left_out and not (config.get("fsdp_config") or {}).get("fsdp_ignored_modules"):
+        findings.append(finding(
+            "params-outside-units", f"{len(probe.left_out)} parameters of {model.profile.architecture} are in no FSDP "
+            f"unit ({', '.join(probe.left_out[:4])}{', ...' if len(probe.left_out) > 4 else ''}): they are neither "
+            "sharded nor gradient-synchronised", f"wrap the blocks: fsdp_transformer_layer_cls_to_wrap: {blocks}",
+            "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+    return findings
 
 
 def model_facts(source: str, *, trust_remote_code: bool = False) -> ModelFacts:

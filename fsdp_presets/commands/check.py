@@ -6,9 +6,11 @@ before a launch wastes cluster time.
     fsdp-presets check my_fsdp.yaml --json
 
 The file is loaded the way ``accelerate launch`` loads it (and the FSDP plugin built from it), then
-checked against accelerate's own key lists, the model and the planner. Each finding has a stable
-rule id (:data:`fsdp_presets.lint.RULES`). Exit status: 0 no errors (warnings do not fail), 1 errors,
-2 bad input.
+checked against accelerate's own key lists, the model and the planner. With a model, accelerate's
+own FSDP preparation of it runs under a fake process group (a few seconds, no weights, no GPU:
+:mod:`fsdp_presets.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
+launch. Each finding has a stable rule id (:data:`fsdp_presets.lint.RULES`). Exit status: 0 no errors
+(warnings and notes do not fail), 1 errors, 2 bad input.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--host-memory", type=float, metavar="GiB", help="host RAM of one node for the state-dict, loading and "
         "offload rules (default: the preset's, else 1024: 8-GPU nodes carry 1-2 TiB)")
     add("--seq-len", type=int, help="sequence length for the planner rules (default: the preset's, else 2048)")
+    add("--gpus", type=int, metavar="N", help="processes of the whole job for a file without num_processes (what "
+        "`accelerate launch --num_processes` will pass); without it such a file gets no GPU count or memory verdict")
+    add("--method", choices=("full",), help="the training method, for the memory rules (default: a generated "
+        "preset's; otherwise unknown, and full-fine-tuning memory verdicts are one warning, not errors)")
+    add("--no-probe", action="store_true", help="skip running accelerate's FSDP preparation of the model under a "
+        "fake process group")
     add("--list-rules", action="store_true", help="list the rule ids and exit")
 
 
@@ -54,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value}")
     if args.seq_len is not None and args.seq_len < 1:
         problems.append(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.gpus is not None and args.gpus < 1:
+        problems.append(f"--gpus must be >= 1, got {args.gpus}")
     missing = [path for path in args.configs if not Path(path).is_file()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")
@@ -71,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         if facts is None:
             facts, model_note = _model_from_header(path, cache, model_facts)
         context = CheckContext(model=facts, device=args.device, gpu_memory_gib=args.gpu_memory,
-                               host_memory_gib=args.host_memory, seq_len=args.seq_len)
-        report, view = check_file(path, context=context)
+                               host_memory_gib=args.host_memory, seq_len=args.seq_len, gpus=args.gpus,
+                               method=args.method)
+        report, view = check_file(path, context=context, prove_wrapping=not args.no_probe)
         failed = failed or not report.ok
         document = report.to_json()
         document["model"] = facts.source if facts else None
@@ -80,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             "distributed_type": view.distributed_type, "num_processes": view.num_processes,
             "num_machines": view.num_machines, "mixed_precision": view.mixed_precision,
             "fsdp": view.fsdp_settings(), "parallelism": view.parallelism_sizes(),
+            "num_processes_in_file": view.processes_in_file, "layout": view.layout_label() or None,
+            "wrap_probe": view.probe.to_json() if view.probe is not None else None,
         }
         documents.append(document)
         lines += _human(report, view, facts, model_note)
@@ -122,20 +135,63 @@ def _human(report, view, facts, model_note) -> list[str]:
     if model_note:
         lines.append(f"  {model_note}")
     if view is not None:
-        settings = view.fsdp_settings()
-        text = f"  accelerate loads it: {view.distributed_type}, {view.num_processes} processes on " \
-               f"{view.num_machines} node{'s' if view.num_machines != 1 else ''}, mixed precision {view.mixed_precision}"
-        if settings:
-            sharding = (f"reshard_after_forward {settings['reshard_after_forward']}" if settings["fsdp_version"] == 2
-                        else settings["sharding_strategy"])
-            text += (f"; FSDP{settings['fsdp_version']} {sharding}, wraps "
-                     f"{','.join(settings['transformer_cls_names_to_wrap']) or 'nothing'}, {settings['state_dict_type']}")
-        if view.parallelism_sizes():
-            sizes = view.parallelism_sizes()
-            text += f", HSDP {sizes['dp_replicate_size']}x{sizes['dp_shard_size']}"
-        lines.append(text)
+        lines.append(_summary(view, facts))
+        probe = view.probe
+        if probe is not None and probe.skipped:
+            lines.append(f"  wrapping not proved: {probe.skipped}")
+        elif probe is not None and not probe.error:
+            lines.append(f"  accelerate's FSDP preparation of the model (fake process group): {probe.unit_summary()}")
     for item in report.findings:
+        if item.severity == "note":
+            continue
         where = f" [{item.key}]" if item.key else ""
         lines.append(f"  {item.severity:7} {item.rule}{where}: {item.message}")
         lines.append(f"          fix: {item.fix}")
+    if report.notes:
+        # accelerate's own defaults: one short line, not a finding each
+        lines.append("  note: " + "; ".join(_note(item) for item in report.notes))
     return lines
+
+
+def _note(item) -> str:
+    short = {
+        "fsdp-version-missing": "no fsdp_version (FSDP1, accelerate's default)",
+        "wrap-classes-unset": "wrap classes from the model's _no_split_modules",
+        "num-processes-unset": "num_processes comes from the launch command (--gpus N here for the GPU count and "
+                               "memory rules)",
+        "ignored-default": f"{(item.key or '').split('.')[-1]} is not applied, but what applies is the same",
+    }.get(item.rule)
+    if short is None:
+        short = item.message
+    return f"{short} [{item.rule}]"
+
+
+def _summary(view, facts) -> str:
+    processes = (f"{view.num_processes} processes" if view.processes_in_file else
+                 f"num_processes from the launch command (assumed {view.num_processes})")
+    text = (f"  accelerate loads it: {view.distributed_type}, {processes} on {view.num_machines} "
+            f"node{'s' if view.num_machines != 1 else ''}, mixed precision {view.mixed_precision}")
+    settings = view.fsdp_settings()
+    if settings:
+        if settings["fsdp_version"] == 2:
+            sharding = "FULL_SHARD" if settings["reshard_after_forward"] else "SHARD_GRAD_OP"
+        else:
+            sharding = {"_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"}.get(settings["sharding_strategy"],
+                                                                         settings["sharding_strategy"])
+        classes = settings["transformer_cls_names_to_wrap"]
+        if view.probe is not None and view.probe.units and not view.probe.error:
+            wraps = "units as below"
+        elif classes:
+            wraps = "wraps " + ",".join(classes)
+        elif settings["auto_wrap_policy"] == "transformer_auto_wrap_policy":
+            declared = sorted((facts.profile.structure.get("no_split_modules") or []) if facts else [])
+            wraps = "wraps the model's _no_split_modules" + (f" ({','.join(declared)})" if declared else "")
+        elif settings["auto_wrap_policy"] == "size_based_auto_wrap_policy":
+            wraps = "wraps by size"
+        else:
+            wraps = "no auto-wrap (one unit)"
+        text += f"; FSDP{settings['fsdp_version']} {sharding}, {wraps}, {settings['state_dict_type']}"
+    layout = view.layout_label()
+    if layout:
+        text += f"; {layout}"
+    return text
