@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 
 import torch
 
@@ -37,6 +38,14 @@ from fsdp_presets import clean_exit
 FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
 FSDP1_OPTIMIZER_RESUME = "fsdp1-optimizer-resume"
 SYNC_MODULE_STATES = "sync-module-states"
+
+# NOTE: accelerate builds a GradScaler only when the device is not the CPU, so on a CPU host fp16
+# has no loss scaling (small gradients underflow to zero, an overflow is not skipped), and DDP
+# ignores fp16 altogether (no autocast on CPU: it trains in fp32). FSDP still computes in fp16
+# through its mixed-precision policy, so an FSDP fp16 run here differs from DDP "fp16".
+FP16_ON_CPU = ("mixed_precision fp16 on a CPU host: FSDP computes in fp16 but accelerate creates no gradient "
+               "scaler on CPU (no loss scaling, no overflow skipping) and DDP would train in fp32; use bf16 "
+               "(mixed_precision: bf16) for CPU runs, fp16 only on GPUs")
 
 # The accelerate release whose internals the patches below were written against and tested with
 # (AcceleratorState.__init__'s signature, FullyShardedDataParallelPlugin.__post_init__'s accelerator
@@ -170,6 +179,8 @@ def _patch_accelerator_state() -> None:
             return
         _refuse_settings_cpu_cannot_run(fsdp_plugin)
         self.distributed_type = DistributedType.FSDP
+        if self._mixed_precision == "fp16":
+            warnings.warn(FP16_ON_CPU, stacklevel=2)
         if self._mixed_precision != "no":
             fsdp_plugin.set_mixed_precision(self._mixed_precision)
         self.fsdp_plugin = fsdp_plugin
