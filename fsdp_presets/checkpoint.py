@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from fsdp_presets.digest import sha256_file, write_json_atomic
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.resume import IMPORTED_KIND
 from fsdp_presets.run_folder import FINAL
@@ -226,19 +226,27 @@ def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True)
     return Verdict(manifest=manifest, problem=None)
 
 
-def folder_problem(folder: str | os.PathLike) -> str | None:
-    """What makes a folder without a manifest unsafe to read: a symbolic link in it, or a pickle
-    that is not data only (the checks of :func:`checkpoint_verdict` that need no manifest)."""
-    from fsdp_presets.safe_unpickle import vet_checkpoint_pickles
+def folder_verdict(folder: str | os.PathLike) -> Verdict:
+    """The checks of :func:`checkpoint_verdict` that need no manifest, for a folder without one:
+    no symbolic link in it, every pickle data only (``manifest`` is None either way)."""
+    from fsdp_presets.safe_unpickle import UnsafeCheckpointError, vet_checkpoint_pickles
 
     problem = _walk_problem(Path(folder), None)
     if problem:
-        return problem
+        return Verdict(manifest=None, problem=problem)
     try:
         vet_checkpoint_pickles(Path(folder))
+    except UnsafeCheckpointError as error:
+        return Verdict(manifest=None, problem=str(error), unsafe=True)
     except UsageError as error:
-        return str(error)
-    return None
+        return Verdict(manifest=None, problem=str(error))
+    return Verdict(manifest=None, problem=None)
+
+
+def _short(problem: str) -> str:
+    """The first sentence of a problem, without the folder it is about (for a list of them)."""
+    text = problem.split(". ")[0]
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _raw_kind(folder: Path) -> Any:
@@ -385,7 +393,7 @@ class CheckpointManager:
                     choice = str(folder)
                     break
                 self.log(f"checkpoint: skipping {folder}: {problem}")
-                skipped.append(f"{folder.name}: {problem}")
+                skipped.append(f"{folder.name}: {_short(problem)}")
             if choice is None and skipped:
                 error = (f"--resume auto: no checkpoint in {self.directory} can be used ({' | '.join(skipped)}); "
                          "nothing was trained or overwritten. Restore a checkpoint (e.g. from a copy), give one "
@@ -396,24 +404,33 @@ class CheckpointManager:
                      "to continue from; nothing was trained or overwritten. Choose a new --output-dir to train "
                      "again, or give a checkpoint with --resume PATH")
         choice, error = self._broadcast((choice, error))
-        if error:
-            raise UsageError(error)
+        raise_on_every_rank(accelerator, error)
         return Path(choice) if choice else None
 
-    def resolve(self, resume: str) -> Path | None:
-        """The checkpoint that ``--resume auto|PATH|none`` names (collective)."""
+    def resolve(self, resume: str, *, max_steps: int | None = None) -> Path | None:
+        """The checkpoint that ``--resume auto|PATH|none`` names (collective). With ``max_steps``,
+        a checkpoint already past it is refused: the run would end at once with the later model
+        while run.json recorded the smaller number."""
         if resume == "none":
             return None
         if resume == "auto":
-            return self.latest_valid()
-        problem = None
-        if self.accelerator.is_main_process:
-            problem = checkpoint_verdict(resume).problem if Path(resume).is_dir() else "no such folder"
-        problem = self._broadcast(problem)
-        if problem:
-            raise UsageError(f"--resume {resume}: {problem}; give a committed checkpoint folder "
-                             "(checkpoints/step-NNNNNNNN) or --resume auto")
-        return Path(resume)
+            folder = self.latest_valid()
+        else:
+            problem = None
+            if self.accelerator.is_main_process:
+                problem = checkpoint_verdict(resume).problem if Path(resume).is_dir() else "no such folder"
+            problem = self._broadcast(problem)
+            raise_on_every_rank(self.accelerator, problem and (
+                f"--resume {resume}: {problem}; give a committed checkpoint folder (checkpoints/step-NNNNNNNN) "
+                "or --resume auto"))
+            folder = Path(resume)
+        if folder is not None and max_steps is not None:
+            step = Manifest.read(folder).step
+            raise_on_every_rank(self.accelerator, step > max_steps and (
+                f"--max-steps {max_steps}: the checkpoint to resume ({folder}) is already at step {step}; give "
+                f"--max-steps {step} or more to continue that run, or choose a new --output-dir (nothing was "
+                "trained or overwritten)"))
+        return folder
 
     # ---- load ----
     def load(self, folder: str | os.PathLike) -> Manifest:

@@ -69,7 +69,8 @@ class CheckpointSummary:
     config_digest: str | None
     """Model config digest recorded in the manifest."""
     integrity: dict[str, Any]
-    """``{"ok", "checked_files", "problem"}``: the manifest's checksums against the files."""
+    """``{"ok", "checked_files", "problem", "refused"}``: the verdict of
+    :func:`fsdp_presets.checkpoint.checkpoint_verdict` (``refused``: a file could run code)."""
     files: list[RankFile]
     """Data files: path, rank, tensors, bytes."""
     resume: list[ResumeAnswer] = field(default_factory=list)
@@ -153,25 +154,20 @@ def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> C
     """Read a checkpoint's manifest, files and DCP metadata (no tensor data) and give the verdict
     the recipes give (:func:`fsdp_presets.checkpoint.checkpoint_verdict`): checksums, a closed
     folder, and every pickle read as data only. Nothing of the folder is run or followed."""
-    from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict, folder_problem
+    from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict, folder_verdict
     from fsdp_presets.resume import IMPORTED_KIND, read_manifest_json, recorded_global_batch
 
     folder = Path(folder)
     has_manifest = (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink()
     # With a manifest, a missing .metadata is damage to report (exit 1), not a wrong folder (exit 2).
     files: CheckpointFiles = find_checkpoint_files(folder, require_metadata=not has_manifest)
-    if has_manifest:
-        verdict = checkpoint_verdict(folder)
-        manifest = verdict.manifest
-        checked = len(manifest.files) if manifest else 0
-        integrity = {"ok": verdict.ok, "checked_files": checked, "problem": verdict.problem}
-    else:
-        manifest = None
-        problem = folder_problem(folder)
-        integrity = ({"ok": False, "checked_files": 0, "problem": problem} if problem else
-                     {"ok": None, "checked_files": 0,
-                      "problem": "no manifest.json: an unfinished save, or not written by a recipe; nothing to check "
-                                 "the files against"})
+    verdict = checkpoint_verdict(folder) if has_manifest else folder_verdict(folder)
+    manifest = verdict.manifest
+    integrity = {"ok": verdict.ok, "checked_files": len(manifest.files) if manifest else 0,
+                 "problem": verdict.problem, "refused": verdict.unsafe}
+    if verdict.ok and not has_manifest:
+        integrity.update(ok=None, problem="no manifest.json: an unfinished save, or not written by a recipe; nothing "
+                                          "to check the files against")
     data_files: list[RankFile] = []
     try:  # reads .metadata through the allow-list too: a refused one lists no files
         data_files = rank_files(files)
@@ -212,6 +208,8 @@ def summary_lines(summary: CheckpointSummary) -> list[str]:
     if summary.config_digest:
         lines.append(f"  model       config digest {summary.config_digest[:16]}")
     state = {True: "OK", False: "DAMAGED", None: "NOT CHECKED"}[summary.integrity["ok"]]
+    if summary.integrity.get("refused"):
+        state = "REFUSED"  # a file could run code: it was not loaded
     detail = (f"{summary.integrity['checked_files']} files match their SHA-256 and size in manifest.json"
               if summary.integrity["ok"] else summary.integrity["problem"])
     lines.append(f"  integrity   {state}: {detail}")

@@ -276,7 +276,7 @@ class _ExportPlan:
 
 def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _ExportPlan:
     """Every check of an export, before anything is written."""
-    from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict, folder_problem
+    from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict, folder_verdict
     from fsdp_presets.digest import config_digest
     from fsdp_presets.resume import read_manifest_json
 
@@ -288,7 +288,7 @@ def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _
     if (checkpoint / MANIFEST).exists() or (checkpoint / MANIFEST).is_symlink():
         problem = checkpoint_verdict(checkpoint).problem
     else:
-        problem = folder_problem(checkpoint)
+        problem = folder_verdict(checkpoint).problem
     if problem is not None:
         raise UsageError(f"{checkpoint}: {problem} (the checkpoint is damaged or was changed after it was "
                          "saved; use another checkpoint)")

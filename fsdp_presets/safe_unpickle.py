@@ -212,7 +212,7 @@ def vet_dcp_folder(folder: Path):
         if len(data) != info.length:
             raise UsageError(f"{path}: truncated ({folder / '.metadata'} lists bytes beyond its end)")
         try:
-            load_torch_bytes(data, f"{path} (item {index.fqn})")
+            load_torch_bytes(data, f"{path}: item {index.fqn}")
         except UnsafeCheckpointError:
             raise
         except Exception as error:
@@ -330,5 +330,10 @@ def safe_dcp_loading() -> Iterator[None]:
 
 
 def _first_line(error: BaseException) -> str:
+    """The telling line of an error: for torch's weights_only refusal, the global it refused
+    (its first line is advice about torch versions)."""
     text = str(error).strip()
+    for line in text.splitlines():
+        if "Unsupported global" in line or "unsupported GLOBAL" in line or "Unsupported operand" in line:
+            return line.strip().rstrip(".")[:200]
     return text.splitlines()[0][:200] if text else type(error).__name__

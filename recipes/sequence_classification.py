@@ -36,7 +36,8 @@ from fsdp_presets.eval_metrics import metric_path
 from fsdp_presets.export import export_model
 from fsdp_presets.metrics import MetricsLog
 from fsdp_presets.plots import plot_run
-from fsdp_presets.run_folder import check_output_dir, distributed_settings, launch_config_file, write_run_json
+from fsdp_presets.run_folder import (acquire_run_lock, check_output_dir, distributed_settings, launch_config_file,
+                                     training_settings, write_run_json)
 
 COLUMNS = ("input_ids", "attention_mask", "labels")
 
@@ -64,8 +65,10 @@ def main():
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
     identity = {"recipe": "sequence_classification", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
-    run = check_output_dir(args.output_dir, identity, args.resume)
+    settings = training_settings(args)  # a continued run keeps them
+    run = check_output_dir(args.output_dir, identity, args.resume, settings)
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
+    acquire_run_lock(run, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
     config = AutoConfig.from_pretrained(args.model)
     training.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -93,7 +96,7 @@ def main():
     # ---- resume ----
     checkpoints = CheckpointManager(accelerator=accelerator, directory=run.checkpoints, keep_last=args.keep_last,
                                     config_digest=config_digest(config), distributed=distributed, log=say)
-    resume_from = checkpoints.resolve(args.resume)
+    resume_from = checkpoints.resolve(args.resume, max_steps=args.max_steps)
     step = samples = 0
     if resume_from is not None:
         manifest = checkpoints.load(resume_from)
@@ -106,7 +109,7 @@ def main():
                              "gradient_accumulation_steps": args.gradient_accumulation_steps,
                              "global_batch_samples": global_batch, "learning_rate": args.learning_rate,
                              **distributed, "accelerate_config": launch_config_file(),
-                             "resumed_from": str(resume_from) if resume_from else None,
+                             **settings, "resumed_from": str(resume_from) if resume_from else None,
                              "labels": label_names})
     metrics = MetricsLog(run.metrics, enabled=accelerator.is_main_process, keep_through_step=step)
 

@@ -1,0 +1,491 @@
+"""Checkpoints, exports and imports as an attacker or a careless user makes them.
+
+The attacker controls the whole folder, manifest included: every booby-trapped copy gets a
+manifest recomputed to match it. A trapped pickle runs ``touch MARKER`` when loaded; the tests
+first show that the payload really fires with torch's own readers, then that no command of the
+project (``inspect-checkpoint``, ``export``, the recipes' ``--resume PATH`` and ``--resume auto``)
+ever lets it run, and that each refuses with a message naming the file. Then: paths out of the
+checkpoint, symbolic links, unlisted files, malformed manifests, a dropped random state, outputs
+that exist, a finished run relaunched with other settings, an FSDP checkpoint under one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import io
+import json
+import os
+import pickle
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint_runs as runs
+from conftest import accelerate_config
+from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, offline_env, tree_digest
+from test_checkpoint import manager
+from fsdp_presets import cli
+from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict
+from fsdp_presets.checkpoint_files import DCP_METADATA, DCP_MODEL, DCP_OPTIMIZER
+from fsdp_presets.errors import UsageError
+from fsdp_presets.safe_unpickle import UnsafeCheckpointError, read_dcp_metadata, safe_dcp_loading
+from fsdp_presets.testing import run_launch
+
+STEPS = runs.REFERENCE_STEPS
+
+
+class Payload:
+    """Pickled, it is a call of ``os.system("touch MARKER")``: what an attacker puts in a file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(self.marker)}",))
+
+
+# ---- how the attacker builds a folder ----
+def recompute_manifest(folder: Path) -> None:
+    """What an attacker does after changing files: list and hash every file again (a link is
+    hashed as what it points to), so that every checksum matches."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    files = {}
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            path = Path(directory) / name
+            relative = str(path.relative_to(folder))
+            if relative != MANIFEST:
+                data = path.read_bytes()
+                files[relative] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["files"] = files
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def trap_metadata(checkpoint: Path, marker: Path) -> Path:
+    """The model's DCP index replaced by the payload."""
+    target = checkpoint / DCP_MODEL / DCP_METADATA
+    target.write_bytes(pickle.dumps(Payload(marker)))
+    return target
+
+
+def trap_bytes_item(checkpoint: Path, marker: Path) -> Path:
+    """One non-tensor optimizer item (a param-group value) pointed at a ``torch.save`` of the
+    payload appended to its shard file, and the (otherwise genuine) index rewritten to say so."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    folder = checkpoint / DCP_OPTIMIZER
+    metadata = read_dcp_metadata(folder)
+    fqn = next(name for name, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata))
+    index = next(index for index in metadata.storage_data if index.fqn == fqn)
+    shard = folder / metadata.storage_data[index].relative_path
+    payload = io.BytesIO()
+    torch.save(Payload(marker), payload)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as handle:
+        handle.write(payload.getvalue())
+    metadata.storage_data[index] = _StorageInfo(relative_path=shard.name, offset=offset, length=len(payload.getvalue()))
+    (folder / DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    return shard
+
+
+def trap_random_state(checkpoint: Path, marker: Path) -> Path:
+    target = checkpoint / "random_states_1.pkl"
+    torch.save({"random_state": Payload(marker)}, target)
+    return target
+
+
+TRAPS = {"metadata": trap_metadata, "bytes-item": trap_bytes_item, "random-state": trap_random_state}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """FSDP2 x2, tiny Llama, 10 steps, a checkpoint every 2 (shared with the other checkpoint tests)."""
+    return runs.reference_run(runs.base(tmp_path_factory))
+
+
+@pytest.fixture
+def checkpoint(reference, tmp_path) -> Path:
+    """A private copy of the last checkpoint, ready to be tampered with."""
+    copy = tmp_path / "given" / "step-00000010"
+    shutil.copytree(runs.checkpoint(reference, STEPS), copy)
+    return copy
+
+
+def trapped(checkpoint: Path, kind: str, manifest: str, marker: Path) -> Path:
+    path = TRAPS[kind](checkpoint, marker)
+    if manifest == "recomputed":
+        recompute_manifest(checkpoint)
+    else:
+        (checkpoint / MANIFEST).unlink()
+    return path
+
+
+# ---- the payloads are real ----
+def test_the_payloads_fire_with_torchs_own_readers(checkpoint, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    markers = [tmp_path / f"fired-{kind}" for kind in TRAPS]
+    trap_metadata(checkpoint, markers[0])
+    with pytest.raises(Exception):
+        dcp.FileSystemReader(str(checkpoint / DCP_MODEL)).read_metadata()  # runs it, then fails on the result
+    shard = trap_bytes_item(checkpoint, markers[1])
+    metadata = read_dcp_metadata(checkpoint / DCP_OPTIMIZER)
+    info = max(metadata.storage_data.values(), key=lambda item: item.offset if item.relative_path == shard.name else -1)
+    data = shard.read_bytes()[info.offset:info.offset + info.length]
+    torch.load(io.BytesIO(data), weights_only=False)  # what torch's DefaultLoadPlanner.load_bytes does
+    pickle.loads(pickle.dumps({"random_state": Payload(markers[2])}))
+    assert all(marker.exists() for marker in markers)
+
+
+# ---- inspect-checkpoint and export refuse, and nothing runs ----
+@pytest.mark.parametrize("manifest", ["recomputed", "absent"])
+@pytest.mark.parametrize("kind", list(TRAPS))
+def test_inspect_and_export_refuse_a_trapped_checkpoint_and_run_nothing(checkpoint, tmp_path, capsys, kind, manifest):
+    marker = tmp_path / "PWNED"
+    trap = trapped(checkpoint, kind, manifest, marker)
+    assert cli.main(["inspect-checkpoint", str(checkpoint), "--gpus", "2"]) == 1
+    shown = capsys.readouterr().out
+    assert "integrity   REFUSED" in shown and f"{trap}: " in shown and "nothing in it ran" in shown, shown
+    assert "resume at 2 GPU(s): no" in shown
+    output = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(output)]) == 2
+    error = capsys.readouterr().err
+    assert f"{trap}: " in error and ": refused: " in error and "Traceback" not in error, error
+    assert not output.exists() and not marker.exists()
+
+
+def test_the_safe_reader_and_planner_are_what_accelerate_gets(checkpoint, tmp_path):
+    """accelerate's load_state builds torch's FileSystemReader and DefaultLoadPlanner itself; inside
+    safe_dcp_loading those names are the safe classes, and they refuse the payloads."""
+    import accelerate.utils.fsdp_utils as fsdp_utils
+    import torch.distributed.checkpoint as dcp
+
+    for function in (fsdp_utils.load_fsdp_model, fsdp_utils.load_fsdp_optimizer):
+        source = inspect.getsource(function)  # looked up at call time: what the swap relies on
+        assert "dist_cp.FileSystemReader(" in source and "import DefaultLoadPlanner" in source
+    marker = tmp_path / "PWNED"
+    trap_metadata(checkpoint, marker)
+    with safe_dcp_loading():
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        with pytest.raises(UnsafeCheckpointError, match="posix.system|os.system"):
+            dcp.FileSystemReader(str(checkpoint / DCP_MODEL)).read_metadata()
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+        payload = io.BytesIO()
+        torch.save(Payload(marker), payload)
+        payload.seek(0)
+        where = MetadataIndex("optimizer.param_groups.0.lr")
+        item = ReadItem(type=LoadItemType.BYTE_IO, dest_index=where, dest_offsets=torch.Size([0]),
+                        storage_index=where, storage_offsets=torch.Size([0]), lengths=torch.Size([0]))
+        with pytest.raises(UnsafeCheckpointError, match="weights_only.*unsupported GLOBAL posix.system"):
+            DefaultLoadPlanner().load_bytes(item, payload)
+    assert dcp.FileSystemReader.__name__ == "FileSystemReader"  # restored
+    assert not marker.exists()
+
+
+# ---- closed folders ----
+@pytest.mark.parametrize("entry", ["../../../../etc/passwd", "/etc/passwd", "model_config/../../run.json"])
+def test_a_manifest_path_out_of_the_checkpoint_is_refused(checkpoint, capsys, entry):
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    outside = Path("/etc/passwd").read_bytes()
+    manifest["files"][entry] = {"sha256": hashlib.sha256(outside).hexdigest(), "bytes": len(outside)}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    assert "a path outside the checkpoint folder" in checkpoint_verdict(checkpoint).problem
+    assert cli.main(["inspect-checkpoint", str(checkpoint), "--gpus", "1"]) == 1
+    shown = capsys.readouterr().out
+    assert "DAMAGED" in shown and "resume at 1 GPU(s): no" in shown
+
+
+@pytest.mark.parametrize("manifest", ["recomputed", "absent"])
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_a_symlink_out_of_the_checkpoint_is_refused_and_never_exported(checkpoint, tmp_path, capsys, link, manifest):
+    secret = tmp_path / "outside" / "tokenizer.json"
+    secret.parent.mkdir()
+    shutil.copy(checkpoint / "model_config" / "tokenizer.json", secret)  # valid: an export would take it
+    if link == "file":
+        (checkpoint / "model_config" / "tokenizer.json").unlink()
+        (checkpoint / "model_config" / "tokenizer.json").symlink_to(secret)
+    else:
+        for name in os.listdir(checkpoint / "model_config"):
+            if name != "tokenizer.json":
+                shutil.copy(checkpoint / "model_config" / name, secret.parent / name)
+        shutil.rmtree(checkpoint / "model_config")
+        (checkpoint / "model_config").symlink_to(secret.parent, target_is_directory=True)
+    if manifest == "recomputed":
+        recompute_manifest(checkpoint)
+    else:
+        (checkpoint / MANIFEST).unlink()
+    assert cli.main(["inspect-checkpoint", str(checkpoint)]) == 1
+    assert "is a symbolic link" in capsys.readouterr().out
+    output = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(output)]) == 2
+    assert "is a symbolic link" in capsys.readouterr().err
+    assert not output.exists()
+
+
+def test_an_export_holds_only_files_it_wrote(checkpoint, tmp_path, capsys):
+    output = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(output)]) == 0
+    written = sorted(path.name for path in output.iterdir())
+    assert all(not path.is_symlink() and path.is_file() for path in output.iterdir())
+    assert written == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                       "tokenizer_config.json"], written
+
+
+def test_a_file_the_manifest_does_not_list_is_refused(checkpoint):
+    (checkpoint / "model_config" / "modeling_evil.py").write_text("import os; os.system('touch x')\n")
+    assert "modeling_evil.py is not listed in manifest.json" in checkpoint_verdict(checkpoint).problem
+
+
+# ---- malformed manifests: skipped with a message, falling back to the older checkpoint ----
+def _without_bytes(manifest):
+    del next(iter(manifest["files"].values()))["bytes"]
+
+
+def _set(key, value):
+    def change(manifest):
+        manifest[key] = value
+    return change
+
+
+MALFORMED = {
+    "no-bytes": (_without_bytes, "bytes None is not a size"),
+    "step-text": (_set("step", "six"), "step 'six' is not an integer"),
+    "files-list": (_set("files", ["model.safetensors"]), "files is not an object"),
+    "no-step": (lambda manifest: manifest.pop("step"), "no step"),
+    "digest-number": (_set("config_digest", 7), "config_digest 7 is not a string"),
+    "not-an-object": (lambda manifest: manifest.clear() or None, "no step"),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+def test_a_malformed_manifest_is_skipped_with_a_message(tmp_path, name):
+    change, expected = MALFORMED[name]
+    messages = []
+    checkpoints = manager(tmp_path, messages=messages)
+    checkpoints.save(step=2, samples_consumed=16)
+    newest = checkpoints.save(step=3, samples_consumed=24)
+    manifest = json.loads((newest / MANIFEST).read_text())
+    change(manifest)
+    (newest / MANIFEST).write_text(json.dumps(manifest))
+    assert checkpoints.latest_valid() == tmp_path / "checkpoints" / "step-00000002"
+    assert len(messages) == 1 and "step-00000003" in messages[0] and expected in messages[0], messages
+
+
+def test_inspect_agrees_with_the_recipe_on_a_corrupt_manifest(checkpoint, capsys):
+    (checkpoint / MANIFEST).write_text('{"step": 10, "files": ')
+    assert cli.main(["inspect-checkpoint", str(checkpoint), "--gpus", "2"]) == 1
+    shown = capsys.readouterr().out
+    assert "unreadable manifest.json" in shown and "resume at 2 GPU(s): no" in shown, shown
+    assert checkpoint_verdict(checkpoint).problem.startswith("unreadable manifest.json")
+
+
+def test_a_dropped_random_state_is_reported(checkpoint, capsys):
+    (checkpoint / "random_states_1.pkl").unlink()
+    recompute_manifest(checkpoint)
+    assert "random_states_1.pkl missing" in checkpoint_verdict(checkpoint).problem
+    assert cli.main(["inspect-checkpoint", str(checkpoint)]) == 1
+    assert "random_states_1.pkl missing" in capsys.readouterr().out
+
+
+def test_every_checkpoint_damaged_stops_resume_auto_with_the_list(tmp_path):
+    checkpoints = manager(tmp_path, messages=[])
+    for step in (2, 4):
+        (checkpoints.save(step=step, samples_consumed=8 * step) / "model.safetensors").write_bytes(b"x")
+    before = tree_digest(tmp_path)
+    with pytest.raises(UsageError, match=r"no checkpoint in .* can be used \(step-00000004: .*\| step-00000002: "
+                                         r".*nothing was trained or overwritten"):
+        checkpoints.resolve("auto")
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_finished_model_without_checkpoints_is_not_retrained(tmp_path):
+    (tmp_path / "final").mkdir()
+    (tmp_path / "final" / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="holds a finished model .* but no checkpoint"):
+        manager(tmp_path).resolve("auto")
+
+
+# ---- the run lock ----
+def test_the_lock_rule(tmp_path):
+    from fsdp_presets.run_folder import _lock_problem, _process_start
+
+    lock = tmp_path / "run.lock"
+    lock.write_text("{}")
+    host = os.uname().nodename
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+
+    def problem(*holders):
+        return _lock_problem(lock, {"processes": list(holders), "since_unix": 0})
+
+    refusal, _ = problem({"host": host, "pid": os.getpid(), "start": _process_start(os.getpid())})
+    assert f"is in use by another job ({host} PID {os.getpid()}" in refusal and f"kill {os.getpid()}" in refusal
+    refusal, note = problem({"host": host, "pid": gone.pid})
+    assert refusal is None and "is gone (no such process on this host); taking it over" in note
+    refusal, note = problem({"host": host, "pid": os.getpid(), "start": "1"})  # the PID now belongs to another process
+    assert refusal is None and "taking it over" in note
+    refusal, _ = problem({"host": host, "pid": gone.pid}, {"host": "node-7", "pid": 12})
+    assert "locked by a job on another host" in refusal and f"delete {lock}" in refusal
+
+
+# ---- export and import never overwrite what they did not make ----
+def test_export_and_import_replace_only_their_own_output_and_only_with_force(checkpoint, tmp_path, capsys):
+    stranger = tmp_path / "notes"
+    stranger.mkdir()
+    (stranger / "todo.txt").write_text("mine")
+    exported, imported = tmp_path / "hf", tmp_path / "start"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 2
+    assert "already holds an export; pass --force" in capsys.readouterr().err
+    (exported / "model.safetensors").write_bytes((exported / "model.safetensors").read_bytes())
+    assert cli.main(["export", str(checkpoint), "--output", str(exported), "--force"]) == 0
+    assert cli.main(["import", str(exported), "--output", str(imported)]) == 0
+    assert cli.main(["import", str(exported), "--output", str(imported)]) == 2
+    assert "already holds an imported checkpoint; pass --force" in capsys.readouterr().err
+    assert cli.main(["import", str(exported), "--output", str(imported), "--force"]) == 0
+    capsys.readouterr()
+    for command, source in (("export", checkpoint), ("import", exported)):
+        assert cli.main([command, str(source), "--output", str(stranger), "--force"]) == 2
+        assert "--force replaces only such a folder" in capsys.readouterr().err
+        assert cli.main([command, str(source), "--output", str(source / "inside")]) == 2
+        assert "inside" in capsys.readouterr().err
+    assert tree_digest(stranger) == {"todo.txt": hashlib.sha256(b"mine").hexdigest()}
+    assert sorted(os.listdir(tmp_path)) == ["given", "hf", "notes", "start"]  # no staging left behind
+
+
+# ---- the recipes ----
+def _launch(config: Path, args: list[str], processes: int = 2):
+    return run_launch(config, CAUSAL_LM, args, num_processes=processes, cwd=REPO, timeout=300)
+
+
+def _recipe_error(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("causal_lm.py: error:")]
+    assert len(lines) == 1, result.stderr[-4000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def model(reference) -> Path:
+    return runs.tiny_model(reference.parent)
+
+
+@pytest.mark.slow
+def test_resume_path_refuses_a_trapped_checkpoint_and_runs_nothing(reference, model, checkpoint, tmp_path):
+    marker = tmp_path / "PWNED"
+    trap = trapped(checkpoint, "metadata", "recomputed", marker)
+    output = tmp_path / "run"
+    result = _launch(runs.fsdp_config(reference.parent, 2),
+                     causal_lm_args(model, output, *runs.SCHEDULE, "--max-steps", STEPS, "--resume", checkpoint))
+    assert result.returncode != 0
+    error = _recipe_error(result)
+    assert f"--resume {checkpoint}: {trap}: refused" in error and "nothing in it ran" in error
+    assert not marker.exists() and not output.exists()
+
+
+@pytest.mark.slow
+def test_resume_auto_refuses_trapped_checkpoints_and_overwrites_nothing(reference, model, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    marker = tmp_path / "PWNED"
+    found = sorted((run_dir / "checkpoints").iterdir())
+    for index, folder in enumerate(found):  # each with one of the traps, manifests recomputed
+        trapped(folder, list(TRAPS)[index % len(TRAPS)], "recomputed", marker)
+    before = tree_digest(run_dir)
+    result = _launch(runs.fsdp_config(reference.parent, 2),
+                     causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", STEPS))
+    assert result.returncode != 0
+    error = _recipe_error(result)
+    assert "--resume auto: no checkpoint in" in error and "nothing was trained or overwritten" in error
+    assert all(folder.name in error for folder in found) and error.count("refused") == len(found)
+    assert "skipping" in result.stdout and "Traceback (most recent call last)" not in result.stdout
+    assert not marker.exists()
+    assert tree_digest(run_dir) == before
+
+
+DRIVER = """
+import json, runpy, sys
+from fsdp_presets.training import run_recipe
+main = runpy.run_path(sys.argv[1], run_name="recipe")["main"]
+codes = []
+for argv in json.loads(sys.argv[2]):
+    print("=== case", file=sys.stderr, flush=True)
+    sys.argv = ["causal_lm.py", *argv]
+    codes.append(run_recipe(main))
+print(json.dumps(codes))
+"""
+
+
+@pytest.mark.slow
+def test_a_finished_run_relaunched_otherwise_is_refused_with_the_difference(reference, model, tmp_path):
+    """One process runs the recipe's main once per case (torch imported once)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    locked = tmp_path / "locked"
+    shutil.copytree(reference, locked)
+    (locked / "run.lock").write_text(json.dumps({"processes": [{"host": os.uname().nodename, "pid": busy.pid}],
+                                                 "since_unix": 0}))
+
+    def args(output, *extra):
+        return causal_lm_args(model, output, *runs.SCHEDULE, "--max-steps", STEPS, *extra)
+
+    cases = {
+        f"--max-steps 4: the checkpoint to resume ({run_dir / 'checkpoints' / 'step-00000010'}) is already at step 10":
+            args(run_dir, "--max-steps", 4),
+        "holds this run trained with other settings (--learning-rate 0.003 there, 0.001 now)":
+            args(run_dir, "--learning-rate", "1e-3"),
+        "(--lr-scheduler 'constant_with_warmup' there, 'cosine' now)": args(run_dir, "--lr-scheduler", "cosine"),
+        "it was saved by FSDP2 with SHARDED_STATE_DICT (dcp layout) and this run is one process without FSDP":
+            args(tmp_path / "single", "--resume", runs.checkpoint(reference, STEPS)),
+        f"is in use by another job ({os.uname().nodename} PID {busy.pid}": args(locked),
+    }
+    before = tree_digest(run_dir), tree_digest(locked)
+    try:
+        driven = subprocess.run([sys.executable, "-c", DRIVER, str(CAUSAL_LM), json.dumps(list(cases.values()))],
+                                capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=300)
+    finally:
+        busy.kill()
+        busy.wait()
+    assert driven.returncode == 0, driven.stderr[-4000:]
+    assert json.loads(driven.stdout.strip().splitlines()[-1]) == [2] * len(cases)
+    for expected, part in zip(cases, driven.stderr.split("=== case")[1:]):
+        errors = [line for line in part.splitlines() if line.startswith("causal_lm.py: error:")]
+        assert len(errors) == 1 and expected in errors[0], (expected, part[-2000:])
+        assert "Traceback" not in part
+    assert (tree_digest(run_dir), tree_digest(locked)) == before
+    assert not (tmp_path / "single").exists()
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_under_ddp_is_a_clear_message(reference, model, tmp_path):
+    ddp = accelerate_config(tmp_path, "ddp", distributed_type="MULTI_CPU")
+    result = _launch(ddp, causal_lm_args(model, tmp_path / "run", *runs.SCHEDULE, "--max-steps", STEPS,
+                                         "--resume", runs.checkpoint(reference, STEPS)))
+    assert result.returncode != 0
+    assert "and this run is DDP (MULTI_CPU), which cannot read it" in _recipe_error(result)
+    assert "FileNotFoundError" not in result.stderr and "KeyError" not in result.stderr
+
+
+@pytest.mark.slow
+def test_a_stale_lock_is_taken_over_and_released(reference, model, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (run_dir / "run.lock").write_text(json.dumps({"processes": [{"host": os.uname().nodename, "pid": gone.pid}],
+                                                  "since_unix": 0}))
+    result = _launch(runs.fsdp_config(reference.parent, 2),
+                     causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", STEPS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"PID {gone.pid}) is gone (no such process on this host); taking it over" in result.stdout
+    assert "resumed from" in result.stdout and not (run_dir / "run.lock").exists()
