@@ -109,6 +109,7 @@ def _where(error: BaseException) -> str:
     ours = [frame for frame in frames if f"{os.sep}accelerate{os.sep}" in frame.filename]
     torch_frames = [frame for frame in frames if f"{os.sep}torch{os.sep}" in frame.filename
                     and not frame.filename.endswith(("_typing_utils.py", "_contextlib.py", "contract.py"))]
+    torch_frames = [frame for frame in torch_frames if f"{os.sep}fsdp{os.sep}" in frame.filename] or torch_frames
     parts = [f"accelerate {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}" for frame in ours[-1:]]
     parts += [f"torch {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}" for frame in torch_frames[-1:]]
     return " -> ".join(parts)

@@ -128,21 +128,49 @@ BAD_CONFIGS = {
     "ram-efficient-loading-off-70b": (mutate(top={"num_processes": 8}, fsdp={"fsdp_cpu_ram_efficient_loading": False}),
                                       "ram-efficient-loading-off", LLAMA_70B, {}, "1051 GiB"),
     "full-state-dict-70b": (mutate(fsdp={"fsdp_state_dict_type": "FULL_STATE_DICT"}),
-                            "full-state-dict-host-memory", LLAMA_70B, {"host_memory_gib": 512}, "SHARDED_STATE_DICT"),
+                            "full-state-dict-host-memory", LLAMA_70B, {"host_memory_gib": 512, "method": "full"},
+                            "SHARDED_STATE_DICT"),
     "offload-70b-on-one-node": (mutate(top={"num_processes": 8}, fsdp={"fsdp_offload_params": True,
                                                                         "fsdp_activation_checkpointing": True}),
-                                "offload-host-memory", LLAMA_70B, {}, "1051 GiB"),
+                                "offload-host-memory", LLAMA_70B, {"method": "full"}, "1051 GiB"),
     "offload-on-cpu-host": (mutate(fsdp={"fsdp_offload_params": True}), "offload-on-cpu", None, {"device": "cpu"},
                             "fsdp_offload_params: false"),
     "fp32-that-does-not-fit": (mutate(top={"num_processes": 8, "mixed_precision": "no"}), "fp32-does-not-fit",
-                               LLAMA_8B, {"gpu_memory_gib": 48, "seq_len": 4096}, "mixed_precision: bf16"),
-    "70b-on-two-gpus": (mutate(), "does-not-fit", LLAMA_70B, {}, "FULL_SHARD (FSDP2) on 2 GPUs"),
+                               LLAMA_8B, {"gpu_memory_gib": 48, "seq_len": 4096, "method": "full"},
+                               "mixed_precision: bf16"),
+    "70b-on-two-gpus": (mutate(), "does-not-fit", LLAMA_70B, {"method": "full"}, "FULL_SHARD (FSDP2) on 2 GPUs"),
+    "70b-on-two-gpus-method-unknown": (mutate(), "memory-assumes-full-finetune", LLAMA_70B, {}, "--method full"),
     "fp16-on-a-bf16-model": (mutate(top={"num_processes": 8, "mixed_precision": "fp16"}), "fp16-on-bf16-model",
                              LLAMA_8B, {}, "bf16"),
     "fsdp-config-under-ddp": (mutate(top={"distributed_type": "MULTI_GPU"}), "fsdp-config-ignored", None, {},
                               "FSDP"),
     "accelerate-refuses-checkpointing-offload": (mutate(fsdp={"fsdp_activation_checkpointing_offload": True}),
                                                  "accelerate-rejects", None, {}, "activation_checkpointing"),
+    # FSDP1 as `accelerate config` writes it: the key is not applied, but what applies is the same.
+    "fsdp1-reshard-as-accelerate-writes-it": (mutate(fsdp={**FSDP1, "fsdp_reshard_after_forward": "FULL_SHARD"},
+                                                     drop_fsdp=("fsdp_sharding_strategy",)),
+                                              "ignored-default", None, {}, "FULL_SHARD"),
+    "fsdp1-reshard-asks-for-another-strategy": (mutate(fsdp={**FSDP1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"},
+                                                       drop_fsdp=("fsdp_sharding_strategy",)),
+                                                "fsdp2-key-under-fsdp1", None, {},
+                                                "fsdp_sharding_strategy: SHARD_GRAD_OP"),
+    "limit-all-gathers-off": (mutate(fsdp={**FSDP1, "fsdp_limit_all_gathers": False}), "key-not-applied", None, {},
+                              "FullyShardedDataParallelPlugin(limit_all_gathers"),
+    "no-num-processes": (mutate(drop=("num_processes",)), "num-processes-unset", LLAMA_70B, {}, "--num_processes"),
+    "fp8-config": (mutate(top={"mixed_precision": "fp8"}), "fp8-needs-backend", None, {}, "torchao"),
+    "num-processes-edited-away-from-header": (lambda config: {**config, "num_processes": 16}, "num-processes-vs-header",
+                                              None, {"metadata": {"kind": "fsdp", "summary": {
+                                                  "processes": 8, "machines": 1, "data_parallel_size": 8,
+                                                  "micro_batch": 2, "gradient_accumulation": 16,
+                                                  "global_batch": 256}}}, "512 sequences"),
+    "fsdp-on-one-process": (mutate(top={"num_processes": 1}), "fsdp-single-process", None, {}, "distributed_type"),
+    "fixed-private-main-process-ip": (mutate(top={"num_processes": 16, "num_machines": 2,
+                                                  "main_process_ip": "10.1.2.3"},
+                                             parallelism={"parallelism_config_dp_replicate_size": 2,
+                                                          "parallelism_config_dp_shard_size": 8}),
+                                      "fixed-main-process-ip", None, {}, "--main_process_ip $MASTER_ADDR"),
+    "full-shard-across-nodes": (mutate(top={"num_processes": 16, "num_machines": 2}), "full-shard-across-nodes",
+                                None, {}, "parallelism_config_dp_replicate_size: 2"),
 }
 
 
@@ -166,11 +194,14 @@ def test_check_catches_planted_error(case, tmp_path):
     assert hits, f"{rule} not reported; got {[item.rule for item in report.findings]}"
     assert hits[0].severity == RULES[rule][0]
     assert any(text in item.message + " " + item.fix for item in hits), [item.message for item in hits]
-    assert report.ok == (RULES[rule][0] == "warning" and not report.errors)
+    assert report.ok == (RULES[rule][0] in ("warning", "note") and not report.errors)
+    assert all(item.fix for item in report.findings)
 
 
 def test_every_rule_has_a_planted_error():
-    planted = {rule for _, rule, _, _, _ in BAD_CONFIGS.values()} | {"yaml-invalid"}
+    # prepare-crashes and params-outside-units are planted in tests/test_check_probe.py
+    planted = {rule for _, rule, _, _, _ in BAD_CONFIGS.values()} | {"yaml-invalid", "prepare-crashes",
+                                                                       "params-outside-units"}
     assert planted == set(RULES)
 
 
@@ -183,7 +214,9 @@ def test_rule_ids_are_stable():
         "wrap-classes-unset", "no-split-modules-missing", "wrap-class-format", "wrap-class-not-in-model",
         "wrap-class-not-a-block", "ignored-modules", "ram-efficient-loading-needs-sync", "ram-efficient-loading-off",
         "full-state-dict-host-memory", "offload-host-memory", "offload-on-cpu", "fp32-does-not-fit", "does-not-fit",
-        "fp16-on-bf16-model", "fsdp-config-ignored",
+        "fp16-on-bf16-model", "fsdp-config-ignored", "ignored-default", "key-not-applied", "num-processes-unset",
+        "fp8-needs-backend", "memory-assumes-full-finetune", "prepare-crashes", "params-outside-units",
+        "num-processes-vs-header", "fsdp-single-process", "fixed-main-process-ip", "full-shard-across-nodes",
     )
 
 
