@@ -468,7 +468,7 @@ def test_a_finished_run_relaunched_otherwise_is_refused_with_the_difference(refe
 
 @pytest.mark.slow
 def test_an_fsdp_checkpoint_under_ddp_is_a_clear_message(reference, model, tmp_path):
-    ddp = accelerate_config(tmp_path, "ddp", distributed_type="MULTI_CPU")
+    ddp = accelerate_config(tmp_path, "ddp", distributed_type="MULTI_GPU")  # DDP over gloo on a CPU host
     result = _launch(ddp, causal_lm_args(model, tmp_path / "run", *runs.SCHEDULE, "--max-steps", STEPS,
                                          "--resume", runs.checkpoint(reference, STEPS)))
     assert result.returncode != 0
@@ -487,5 +487,6 @@ def test_a_stale_lock_is_taken_over_and_released(reference, model, tmp_path):
     result = _launch(runs.fsdp_config(reference.parent, 2),
                      causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", STEPS))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"PID {gone.pid}) is gone (no such process on this host); taking it over" in result.stdout
+    assert f"its job ({os.uname().nodename} PID {gone.pid} since " in result.stdout
+    assert "is gone (no such process on this host); taking it over" in result.stdout
     assert "resumed from" in result.stdout and not (run_dir / "run.lock").exists()
