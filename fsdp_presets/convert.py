@@ -205,8 +205,8 @@ def check_output(output: Path, *, kind: OutputKind = "export", force: bool = Fal
     if made:
         raise UsageError(f"--output {output} already holds {what}; pass --force to replace it, or choose a new "
                          "folder (nothing was written)")
-    raise UsageError(f"--output {output} exists and is not {what} this command wrote; choose a new folder "
-                     f"(nothing was written{', and --force replaces only such a folder' if force else ''})")
+    raise UsageError(f"--output {output} exists, is not empty and is not {what} this command wrote; choose a new "
+                     f"folder (nothing was written{', and --force replaces only such a folder' if force else ''})")
 
 
 @contextlib.contextmanager
