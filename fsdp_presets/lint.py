@@ -486,15 +486,15 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
                 "main_process_ip"))
         replicate = _whole((parallelism or {}).get("parallelism_config_dp_replicate_size", 1)) or 1
         strategy = _strategy_name(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")) if version == 1 else None
-        hybrid = replicate > 1 if version == 2 else strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+        hybrid = replicate > 1 if version == 2 else strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
         # A deliberate choice when HSDP does not fit one node's GPUs (the planner says so with a model).
         if version in (1, 2) and not hybrid and strategy != "NO_SHARD" and processes and \
                 _hybrid_fits(config, fsdp, context, processes, machines) is not False:
             per_node = processes // machines
             fix = (f"shard inside a node, replicate across nodes (HSDP): parallelism_config: "
                    f"parallelism_config_dp_replicate_size: {machines}, parallelism_config_dp_shard_size: {per_node}"
-                   if version == 2 else "fsdp_sharding_strategy: HYBRID_SHARD (or fsdp_version: 2 with "
-                   f"parallelism_config_dp_replicate_size: {machines}, parallelism_config_dp_shard_size: {per_node})")
+                   if version == 2 else "fsdp_sharding_strategy: HYBRID_SHARD (ZeRO-3 inside a node, replicas "
+                   "across nodes)")
             findings.append(finding(
                 "full-shard-across-nodes", f"FSDP shards over all {processes} processes of {machines} nodes: every "
                 "unit's all-gather and reduce-scatter crosses the network each step (usually several times slower "
@@ -587,7 +587,7 @@ def _strategy_name(value: Any) -> str | None:
 
     if _whole(value) is not None and 1 <= _whole(value) <= len(FSDP_SHARDING_STRATEGY):
         return FSDP_SHARDING_STRATEGY[_whole(value) - 1]
-    text = str(value).upper()
+    text = str(value).upper().lstrip("_")  # torch's enum spells it _HYBRID_SHARD_ZERO2; accelerate takes both
     return text if text in FSDP_SHARDING_STRATEGY else None
 
 
@@ -621,8 +621,8 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
         if key in enumerations and value is not None:
             allowed = enumerations[key]
             text = str(value).upper()
-            if key == "fsdp_sharding_strategy" and _whole(value) in range(1, len(allowed) + 1):
-                pass  # accelerate also takes the 1-based index
+            if key == "fsdp_sharding_strategy" and _strategy_name(value):
+                pass  # accelerate also takes the 1-based index and torch's enum names
             elif text not in allowed:
                 findings.append(finding("invalid-value", f"{key} {value!r} is not one of {', '.join(allowed)}"
                                         f"{_did_you_mean(text, allowed)}", f"use one of {', '.join(allowed)}", where))

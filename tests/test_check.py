@@ -136,7 +136,7 @@ BAD_CONFIGS = {
     "offload-on-cpu-host": (mutate(fsdp={"fsdp_offload_params": True}), "offload-on-cpu", None, {"device": "cpu"},
                             "fsdp_offload_params: false"),
     "fp32-that-does-not-fit": (mutate(top={"num_processes": 8, "mixed_precision": "no"}), "fp32-does-not-fit",
-                               LLAMA_8B, {"gpu_memory_gib": 48, "seq_len": 4096, "method": "full"},
+                               LLAMA_8B, {"gpu_memory_gib": 56, "seq_len": 4096, "method": "full"},
                                "mixed_precision: bf16"),
     "70b-on-two-gpus": (mutate(), "does-not-fit", LLAMA_70B, {"method": "full"}, "FULL_SHARD (FSDP2) on 2 GPUs"),
     "70b-on-two-gpus-method-unknown": (mutate(), "memory-assumes-full-finetune", LLAMA_70B, {}, "--method full"),

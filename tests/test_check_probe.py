@@ -38,6 +38,9 @@ fsdp_config:
   fsdp_cpu_ram_efficient_loading: false
   fsdp_offload_params: false
 """
+PLANTED_BY_THE_PROBE = frozenset({"prepare-crashes", "params-outside-units"})
+"""The rules these tests plant (tests/test_check.py plants every other rule)."""
+
 FIXED = HAND_WRITTEN_FSDP2 + "  fsdp_transformer_layer_cls_to_wrap: BertLayer\n"
 
 

@@ -631,8 +631,11 @@ def test_troubleshooting_cites_real_rules_each_planted_in_test_check():
 
     from fsdp_presets.lint import RULES
 
-    # test_check plants yaml-invalid in its own test (test_yaml_that_is_not_a_config).
-    planted_there = {rule for _, rule, _, _, _ in BAD_CONFIGS.values()} | {"yaml-invalid"}
+    from test_check_probe import PLANTED_BY_THE_PROBE
+
+    # test_check plants yaml-invalid in its own test (test_yaml_that_is_not_a_config), and
+    # test_check_probe the rules of the wrapping probe.
+    planted_there = {rule for _, rule, _, _, _ in BAD_CONFIGS.values()} | {"yaml-invalid"} | PLANTED_BY_THE_PROBE
     planted_here = {rule for block in read_blocks(TROUBLESHOOTING) if block.mode == "plant"
                     for rule in block.options("rules")[0].split(",")}
     for heading, body in troubleshooting_entries().items():
@@ -692,14 +695,18 @@ def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
         for key in block.options("drop"):
             config.get("fsdp_config", {}).pop(key, None)
             config.pop(key, None)
-        planted.write_text(yaml.safe_dump(config, sort_keys=False))
+        # a generated preset's header line (``# fsdp-presets: {...}``) stays with the planted file
+        header = "".join(line + "\n" for line in block.text.splitlines() if line.startswith("# fsdp-presets:"))
+        planted.write_text(header + yaml.safe_dump(config, sort_keys=False))
     else:
         planted.write_text(block.text)  # not a mapping (or not YAML): the file as shown
     context = CheckContext(model=_facts(model), **settings)
     clean = tmp_path / "clean.yaml"
     clean.write_text(yaml.safe_dump(GOOD, sort_keys=False))
-    assert not set(rules) & check_file(clean, context=context)[0].rules(), "the clean config already has it"
-    found = check_file(planted, context=context)[0].rules()
+    probe = bool(block.options("probe"))  # rules that need accelerate's preparation of the model
+    assert not set(rules) & check_file(clean, context=context, prove_wrapping=probe)[0].rules(), \
+        "the clean config already has it"
+    found = check_file(planted, context=context, prove_wrapping=probe)[0].rules()
     assert set(rules) <= found, f"{block.where}: planted {rules}, check reports {sorted(found)}"
 
 
