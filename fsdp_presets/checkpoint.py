@@ -24,7 +24,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 from fsdp_presets.digest import sha256_file, write_json_atomic
-from fsdp_presets.errors import UsageError, raise_on_every_rank
+from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
+                                 raise_on_every_rank)
 from fsdp_presets.faults import fault_point
 from fsdp_presets.resume import IMPORTED_KIND
 from fsdp_presets.run_folder import FINAL
@@ -327,9 +328,14 @@ class CheckpointManager:
             if temporary.exists():
                 _remove_tree(temporary)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(temporary))
-        if accelerator.is_main_process and write_extra is not None:
-            write_extra(temporary)
+        fault_point("save", step=step, rank=accelerator.process_index, folder=temporary)
+        try:
+            accelerator.save_state(str(temporary))
+            if accelerator.is_main_process and write_extra is not None:
+                write_extra(temporary)
+        except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
+            self._stop_if_disk_full(error, step=step, temporary=temporary)
+            raise
         accelerator.wait_for_everyone()
         fault_point("during-save", step=step, rank=accelerator.process_index)
 
@@ -351,7 +357,11 @@ class CheckpointManager:
                 files={relative: {"sha256": digest, "bytes": size} for relative, digest, size in sorted(hashed)},
                 versions=_library_versions(), created_unix=time.time(),
             )
-            write_json_atomic(temporary / MANIFEST, asdict(manifest))
+            try:
+                write_json_atomic(temporary / MANIFEST, asdict(manifest))
+            except OSError as error:
+                self._stop_if_disk_full(error, step=step, temporary=temporary)
+                raise
             if committed.exists():  # the same step saved again after resuming from an older one
                 _remove_tree(committed)
             os.rename(temporary, committed)  # the commit: atomic on one file system
@@ -359,6 +369,23 @@ class CheckpointManager:
             self._prune()
         accelerator.wait_for_everyone()
         return committed
+
+    def _stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
+        """A full disk during a save: remove the unfinished folder (the space it took is freed, and
+        the last committed checkpoint is untouched) and raise one :class:`Finding` naming both. DCP
+        raises on every rank (the main process prints it); another write fails on its rank alone."""
+        if isinstance(error, (KeyboardInterrupt, SystemExit)) or disk_full_cause(error) is None:
+            return
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = committed_checkpoints(self.directory)
+        kept = (f"The last complete checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
+                if previous else "No earlier checkpoint exists in this run.")
+        finding = Finding(disk_full_message(disk_full_cause(error), f"saving the checkpoint of step {step}",
+                                            self.directory, kept=kept))
+        if not type(error).__name__ == "CheckpointException":
+            rank = self.accelerator.process_index
+            finding = rank_local(Finding(f"rank {rank}: {finding}" if rank else str(finding)), print_here=True)
+        raise finding from None
 
     def _fsync_directory(self) -> None:
         descriptor = os.open(self.directory, os.O_RDONLY)

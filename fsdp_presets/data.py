@@ -31,6 +31,8 @@ def load_records(path: str | os.PathLike, flag: str = "--data"):
     if path.stat().st_size == 0:
         raise UsageError(f"{flag} {path} is empty")
     builder = _BUILDERS.get(path.suffix.lower(), "text")
+    if builder != "parquet":
+        _check_utf8(path, flag)
     datasets.disable_progress_bars()
     try:
         records = datasets.load_dataset(builder, data_files=str(path), split="train")
@@ -40,6 +42,32 @@ def load_records(path: str | os.PathLike, flag: str = "--data"):
     if len(records) == 0:
         raise UsageError(f"{flag} {path} holds no records")
     return records
+
+
+def _check_utf8(path: Path, flag: str) -> None:
+    """Text formats must be UTF-8 (what ``datasets`` reads them as): name the first bad line and
+    byte instead of the reader's "An error occurred while generating the dataset"."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as error:
+                position = offset + error.start
+                line += chunk[:error.start].count(b"\n")
+                raise UsageError(f"{flag} {path} is not UTF-8 text: byte 0x{chunk[error.start]:02x} at offset "
+                                 f"{position} (line {line}) cannot be decoded; convert the file to UTF-8, e.g. "
+                                 f"iconv -f latin1 -t utf-8 {path} > utf8{path.suffix}") from None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path} is not UTF-8 text: it ends inside a multi-byte character; convert the "
+                         "file to UTF-8 (e.g. with iconv) or restore its end") from None
 
 
 def _require_string_columns(records, columns: tuple[str, ...], flag: str, path, need: str) -> None:
@@ -116,6 +144,36 @@ def pad_each(tokenized, seq_len: int, pad_token_id: int):
     return tokenized.map(pad_batch, batched=True, batch_size=_MAP_BATCH, keep_in_memory=True)
 
 
+def drop_unlearnable(tokenized, seq_len: int, name: str):
+    """Unpacked samples are cut to ``seq_len`` tokens: keep those with at least one learned token
+    left (a prompt that alone fills ``seq_len`` leaves none: such a sample would add nothing but a
+    loss of 0), say how many were dropped and how many cut, and refuse when none is left."""
+    learnable, cut, longest_prompt = [], 0, 0
+    for ids, labels in zip(tokenized["input_ids"], tokenized["labels"]):
+        # The first token is never a target (each position predicts the next one).
+        learnable.append(any(label != IGNORE_INDEX for label in labels[1:seq_len]))
+        cut += len(ids) > seq_len
+        longest_prompt = max(longest_prompt, next((i for i, label in enumerate(labels) if label != IGNORE_INDEX),
+                                                  len(labels)))
+    dropped = learnable.count(False)
+    if dropped == len(learnable):
+        raise UsageError(f"{name}: with --no-packing every sample is cut to --seq-len {seq_len} tokens and the prompt "
+                         f"of every sample fills them (nothing of any response would be learned, every loss 0); "
+                         f"give --seq-len {longest_prompt + 1} or more (the longest prompt is {longest_prompt} tokens), shorter "
+                         "prompts, or drop --no-packing")
+    if dropped or cut:
+        _note(f"{name}: --no-packing cuts samples to --seq-len {seq_len} tokens: {cut} of {len(learnable)} were cut "
+              f"(their ends are not learned), {dropped} of them dropped (the prompt alone fills --seq-len, nothing "
+              "would be learned); a larger --seq-len keeps them")
+    return tokenized.select([index for index, keep in enumerate(learnable) if keep]) if dropped else tokenized
+
+
+def _note(message: str) -> None:
+    """A note on the main process of a launch (``RANK`` 0, or no launcher)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"note: {message}", flush=True)
+
+
 def _first(records, count: int):
     """The first ``count`` records (all when ``count`` is 0)."""
     return records.select(range(min(count, len(records)))) if count else records
@@ -143,7 +201,7 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
             shaped = pack(tokenized, seq_len)
         else:
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            shaped = pad_each(tokenized, seq_len, pad_id)
+            shaped = pad_each(drop_unlearnable(tokenized, seq_len, name), seq_len, pad_id)
         if len(shaped) == 0:
             raise UsageError(f"{name}: too little text for one block of --seq-len {seq_len} tokens "
                              "(add data or lower --seq-len)")
@@ -153,9 +211,11 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
 
 # ---- sequence classification ----
 def classification_splits(*, data: str, eval_data: str | None, eval_fraction: float, tokenizer,
-                          seq_len: int, seed: int, max_eval_samples: int = 0) -> tuple[Any, Any, list[str]]:
+                          seq_len: int, seed: int, max_eval_samples: int = 0,
+                          head_labels: list[str] | None = None) -> tuple[Any, Any, list[str]]:
     """``(train, eval, label_names)``: ``input_ids``, ``attention_mask`` (padded to ``seq_len``)
-    and integer ``labels``; label names are the sorted distinct values of the training labels."""
+    and integer ``labels``; label names are the sorted distinct values of the training labels, or
+    ``head_labels`` (the model's trained head, see :func:`fit_head`)."""
     records = load_records(data, "--data")
     _check_classification_columns(records, "--data", data)
     if eval_data is not None:
@@ -168,6 +228,8 @@ def classification_splits(*, data: str, eval_data: str | None, eval_fraction: fl
     label_names = sorted({str(label) for label in records["label"]})
     if len(label_names) < 2:
         raise UsageError(f"--data {data} has {len(label_names)} distinct label; classification needs at least 2")
+    if head_labels is not None:
+        label_names = fit_head(label_names, head_labels, data)
     unknown = sorted({str(label) for label in eval_records["label"]} - set(label_names))
     if unknown:
         raise UsageError(f"evaluation labels {unknown} never occur in --data {data}")
@@ -189,3 +251,27 @@ def _check_classification_columns(records, flag: str, path) -> None:
         raise UsageError(f"{flag} {path} has columns {records.column_names}, missing {missing}; "
                          "classification data needs `text` and `label` columns")
     _require_string_columns(records, ("text",), flag, path, "")
+
+
+def fit_head(data_labels: list[str], head_labels: list[str], data) -> list[str]:
+    """The label numbering to train a model that already has a classification head with: the
+    head's own when the data's labels are among its named labels (a label the data lacks stays
+    in the head), the data's sorted labels when the head's names are placeholders (``LABEL_0``...)
+    of the same count. Any other fit is refused: the head's outputs would not match the labels."""
+    placeholders = head_labels == [f"LABEL_{index}" for index in range(len(head_labels))]
+    unknown = [name for name in data_labels if name not in head_labels]
+    if placeholders and len(data_labels) == len(head_labels):
+        return data_labels
+    if not placeholders and not unknown:
+        missing = [name for name in head_labels if name not in data_labels]
+        if missing:
+            _note(f"labels {missing} of the model's classification head never occur in --data {data}; they stay "
+                  "in the head, untrained by this data")
+        return head_labels
+    fewer_more = "fewer" if len(data_labels) < len(head_labels) else "more" if len(data_labels) > len(
+        head_labels) else "other"
+    raise UsageError(f"--data {data} has {fewer_more} labels than the model's classification head: {len(data_labels)} "
+                     f"({', '.join(data_labels[:8])}{', ...' if len(data_labels) > 8 else ''}) against "
+                     f"{len(head_labels)} outputs ({', '.join(head_labels[:8])}"
+                     f"{', ...' if len(head_labels) > 8 else ''}); give data with the head's labels, or pass "
+                     f"--new-head to train a head for the data's {len(data_labels)} labels in place of the model's")

@@ -35,3 +35,53 @@ def raise_on_every_rank(accelerator, message: str | None) -> None:
 
         time.sleep(COLLECTIVE_EXIT_DELAY_S)
     raise UsageError(message)
+
+
+class Finding(Exception):
+    """Something found about the run itself (the loss diverged, the disk is full): the recipes
+    print it as one line and exit with status 1."""
+
+
+def rank_local(error: Exception, *, print_here: bool) -> Exception:
+    """Mark ``error`` as this rank's own: the recipes print it on this rank when ``print_here``
+    (a problem only this rank has), and not at all when it is false (a rank that stops because
+    another one reported a problem). Unmarked errors are printed by the main process only."""
+    error.print_on_this_rank = print_here
+    return error
+
+
+# ---- disk full ----
+_DISK_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (Linux errno numbers; the same on macOS for ENOSPC)
+_DISK_FULL_TEXT = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded")
+
+
+def disk_full_cause(error: BaseException | None) -> BaseException | None:
+    """The ENOSPC (or EDQUOT) error behind ``error``, or None: found through ``__cause__`` and
+    ``__context__``, DCP's ``CheckpointException`` (the failures of every rank) and the messages of
+    writers that do not raise ``OSError`` (safetensors: ``IoError(... code: 28, kind: StorageFull``)."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
+            return current
+        if any(text in str(current) for text in _DISK_FULL_TEXT) and not str(current).startswith("CheckpointException"):
+            return current
+        failures = getattr(current, "failures", None)
+        if isinstance(failures, dict):  # torch.distributed.checkpoint.api.CheckpointException
+            for wrapped in failures.values():
+                pending.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        pending += [current.__cause__, current.__context__]
+    return None
+
+
+def disk_full_message(cause: BaseException, what: str, where, *, kept: str = "") -> str:
+    """One line: the disk is full, while doing ``what`` in ``where``, what was kept, and the fix."""
+    path = getattr(cause, "filename", None)
+    written = f" (writing {path})" if path else ""
+    return (f"disk full (ENOSPC) while {what} in {where}{written}: no space left on that file system. "
+            f"{kept + ' ' if kept else ''}Free space there (delete old runs or checkpoints, lower --keep-last) "
+            "or give an --output-dir on a larger disk, then run the same command again")

@@ -11,18 +11,33 @@ Points (where the code calls :func:`fault_point`):
 ``during-save``
     :class:`fsdp_presets.checkpoint.CheckpointManager`, after every rank wrote its shards into the
     temporary folder and before the manifest is written and the folder committed.
+``save``
+    The same, before anything of the save is written (the folder of the files is the temporary one).
+``export``
+    :func:`fsdp_presets.export.export_model`, before the main process writes the Hugging Face folder.
 
-The action is ``kill`` (SIGKILL: no handler, no cleanup, like the out-of-memory killer) or
-``raise`` (a ``RuntimeError``). Without the variable nothing happens.
+The action is ``kill`` (SIGKILL: no handler, no cleanup, like the out-of-memory killer),
+``raise`` (a ``RuntimeError``) or ``full`` (a full disk: from that point on, every file this
+process opens for writing under the point's folder is ``/dev/full``, whose writes the kernel fails
+with ENOSPC, so the real error travels the real writers: DCP, ``torch.save``, transformers)::
+
+    FSDP_PRESETS_FAULT=full-save:step=4:rank=1            # rank 1's part of the step-4 save hits a full disk
+    FSDP_PRESETS_FAULT=full-export                        # the final export hits a full disk
+
+Without the variable nothing happens.
 """
 
 from __future__ import annotations
 
+import builtins
+import io
 import os
 import signal
+from pathlib import Path
 
 FAULT_ENV = "FSDP_PRESETS_FAULT"
-ACTIONS = ("kill", "raise")
+ACTIONS = ("kill", "raise", "full")
+FULL_DEVICE = "/dev/full"  # every write fails with ENOSPC (Linux, macOS has none)
 
 
 def _parse(spec: str) -> tuple[str, str, dict[str, int]] | None:
@@ -39,8 +54,8 @@ def _parse(spec: str) -> tuple[str, str, dict[str, int]] | None:
     return action, point, values
 
 
-def fault_point(point: str, *, step: int, rank: int) -> None:
-    """Die here if ``FSDP_PRESETS_FAULT`` names this point, step and rank (rank 0 by default)."""
+def fault_point(point: str, *, step: int | None, rank: int, folder: str | os.PathLike | None = None) -> None:
+    """Act here if ``FSDP_PRESETS_FAULT`` names this point, step and rank (rank 0 by default)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -50,4 +65,23 @@ def fault_point(point: str, *, step: int, rank: int) -> None:
     print(f"[fault] {action} at {point}, step {step}, rank {rank} ({FAULT_ENV})", flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "full" and folder is not None:
+        _fill_disk(Path(folder))
+        return
     raise RuntimeError(f"injected fault at {point}, step {step}, rank {rank}")
+
+
+def _fill_disk(folder: Path) -> None:
+    """From now on, files opened for writing under ``folder`` in this process are ``/dev/full``
+    (the open succeeds, the first write that reaches the kernel fails with ENOSPC)."""
+    inside = os.path.abspath(folder)
+    original = io.open
+
+    def open_on_a_full_disk(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and any(flag in mode for flag in "wax+"):
+            path = os.path.abspath(os.fspath(file))
+            if path == inside or path.startswith(inside + os.sep):
+                return original(FULL_DEVICE, mode.replace("x", "w"), *args, **kwargs)
+        return original(file, mode, *args, **kwargs)
+
+    io.open = builtins.open = open_on_a_full_disk

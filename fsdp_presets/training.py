@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import math
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,12 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
 def check_common_args(args: argparse.Namespace) -> None:
     """Range checks of the shared flags and the input paths; all problems raised at once."""
     problems = []
+    for name, value in sorted(vars(args).items()):  # NaN passes every comparison, inf most of them
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"--{name.replace('_', '-')} {value} is not a finite number; give a number such as "
+                            f"{_EXAMPLE_VALUES.get(name, '1.0')}")
+    if problems:
+        raise UsageError("; ".join(problems))
     for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "seq_len"):
         if getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1")
@@ -66,6 +73,8 @@ def check_common_args(args: argparse.Namespace) -> None:
         problems.append("--keep-last must be >= 1")
     if args.learning_rate <= 0:
         problems.append("--learning-rate must be > 0")
+    if not 0 <= args.seed < 2**32:  # numpy's and torch's seeding accept 0 .. 2**32 - 1
+        problems.append(f"--seed {args.seed} is out of range; give a whole number from 0 to {2**32 - 1}")
     if not 0 < args.eval_fraction < 1:
         problems.append("--eval-fraction must be between 0 and 1")
     model = Path(args.model)
@@ -78,6 +87,9 @@ def check_common_args(args: argparse.Namespace) -> None:
             problems.append(f"{flag} {value}: no such file")
     if problems:
         raise UsageError("; ".join(problems))
+
+
+_EXAMPLE_VALUES = {"learning_rate": "5e-5", "eval_fraction": "0.05", "max_grad_norm": "1.0", "weight_decay": "0.0"}
 
 
 def check_seq_len(seq_len: int, config: Any) -> None:
@@ -267,11 +279,35 @@ def finish(accelerator) -> None:
 
 
 def run_recipe(main: Callable[[], None]) -> int:
-    """Run a recipe's ``main``; bad input becomes one line on stderr and exit status 2."""
+    """Run a recipe's ``main`` and turn the ways it stops into one line on stderr and an exit
+    status: bad input 2 (:class:`UsageError`), a finding about the run 1 (:class:`Finding`: it
+    diverged, the disk is full), Ctrl-C 130. The main process prints what every rank shares; an
+    error marked :func:`fsdp_presets.errors.rank_local` is printed by the rank it concerns."""
+    from fsdp_presets import interrupts
+    from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message
+
+    interrupts.install()
     try:
         main()
+        return 0
     except UsageError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    return 0
+        return _report(error, 2)
+    except Finding as error:
+        return _report(error, 1)
+    except interrupts.Interrupted as error:
+        return _report(error, 130)
+    except KeyboardInterrupt:
+        return _report(interrupts.Interrupted("interrupted (Ctrl-C) before training started: nothing was trained "
+                                              "or half-written; run the same command again to start"), 130)
+    except OSError as error:  # a full disk anywhere else (metrics, run.json, plots): no traceback either
+        cause = disk_full_cause(error)
+        if cause is None:
+            raise
+        return _report(Finding(disk_full_message(cause, "writing the run's files", "the run folder")), 1)
+
+
+def _report(error: BaseException, status: int) -> int:
+    printed_here = getattr(error, "print_on_this_rank", None)
+    if printed_here if printed_here is not None else int(os.environ.get("RANK", "0")) == 0:
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+    return status

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 
 import fsdp_presets
 from fsdp_presets import data as recipe_data
-from fsdp_presets import training
+from fsdp_presets import interrupts, recipe_checks, training
 from fsdp_presets import resume
 from fsdp_presets.checkpoint import CheckpointManager, Manifest
 from fsdp_presets.digest import config_digest, sha256_files
@@ -75,7 +75,7 @@ def main():
     dp_size = distributed["data_parallel_size"]
 
     # ---- checks before anything is written ----
-    training.check_common_args(args)
+    recipe_checks.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
     identity = {"recipe": "causal_lm", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
@@ -160,6 +160,7 @@ def main():
 
     # ---- train ----
     model.train()
+    interrupts.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process,
                     desc="train", dynamic_ncols=True)
     while step < args.max_steps:
@@ -192,15 +193,21 @@ def main():
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+        recipe_checks.stop_if_diverged(accelerator, checkpoints, step=step, loss=step_loss, grad_norm=grad_norm,
+                                       learning_rate=args.learning_rate)  # NaN/inf: exit 1, nothing saved
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             results = evaluate()
             metrics.log_eval(step=step, **results)
             if accelerator.is_main_process:
                 progress.write(f"step {step}: eval loss {results['eval_loss']:.4f}, "
                                f"perplexity {results['perplexity']:.2f}")
-        if step == args.max_steps or (args.save_every and step % args.save_every == 0):
-            checkpoints.save(step=step, samples_consumed=samples,
-                             write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
+        stopping = interrupts.requested(accelerator)  # a Ctrl-C on any rank: save this step, then stop
+        if stopping or step == args.max_steps or (args.save_every and step % args.save_every == 0):
+            recipe_checks.check_weights_finite(accelerator, model, checkpoints, step=step)
+            saved = checkpoints.save(step=step, samples_consumed=samples,
+                                     write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
+        if stopping:
+            interrupts.stop(accelerator, saved, step=step)
     progress.close()
 
     # ---- save: the trained model as a Hugging Face folder, and the plots ----

@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 import fsdp_presets
 from fsdp_presets import data as recipe_data
-from fsdp_presets import training
+from fsdp_presets import interrupts, recipe_checks, training
 from fsdp_presets.checkpoint import CheckpointManager
 from fsdp_presets.digest import config_digest, sha256_files
 from fsdp_presets.eval_metrics import metric_path
@@ -50,7 +50,10 @@ def sample_losses(model, batch):
 
 
 def main():
-    args = training.recipe_argument_parser(__doc__).parse_args()
+    parser = training.recipe_argument_parser(__doc__)
+    parser.add_argument("--new-head", action="store_true", help="a model that has a classification head for "
+                        "other labels: train a head for the data's labels in its place")
+    args = parser.parse_args()
     # ---- launch: real FSDP/DDP on a CPU-only host too, refused if processes would train alone ----
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
@@ -61,7 +64,7 @@ def main():
     dp_size = distributed["data_parallel_size"]
 
     # ---- checks before anything is written ----
-    training.check_common_args(args)
+    recipe_checks.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
     identity = {"recipe": "sequence_classification", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
@@ -78,7 +81,8 @@ def main():
     with accelerator.main_process_first():
         train_set, eval_set, label_names = recipe_data.classification_splits(
             data=args.data, eval_data=args.eval_data, eval_fraction=args.eval_fraction, tokenizer=tokenizer,
-            seq_len=args.seq_len, seed=args.seed, max_eval_samples=args.max_eval_samples)
+            seq_len=args.seq_len, seed=args.seed, max_eval_samples=args.max_eval_samples,
+            head_labels=None if args.new_head else recipe_checks.classifier_head_labels(config))
         accuracy_metric = evaluate.load(metric_path("accuracy"))
     stream = training.SampleStream(len(train_set), seed=args.seed)
     global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size
@@ -87,7 +91,8 @@ def main():
     config.num_labels = len(label_names)
     config.id2label = dict(enumerate(label_names))
     config.label2id = {name: index for index, name in enumerate(label_names)}
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, config=config, dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_pretrained(args.model, config=config, dtype=torch.float32,
+                                                               ignore_mismatched_sizes=args.new_head)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate)
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=args.max_steps)
@@ -142,6 +147,7 @@ def main():
 
     # ---- train ----
     model.train()
+    interrupts.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
     progress = tqdm(total=args.max_steps, initial=step, disable=not accelerator.is_main_process,
                     desc="train", dynamic_ncols=True)
     while step < args.max_steps:
@@ -171,14 +177,20 @@ def main():
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
+        recipe_checks.stop_if_diverged(accelerator, checkpoints, step=step, loss=step_loss, grad_norm=grad_norm,
+                                       learning_rate=args.learning_rate)  # NaN/inf: exit 1, nothing saved
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             results = evaluate_model()
             metrics.log_eval(step=step, **results)
             if accelerator.is_main_process:
                 progress.write(f"step {step}: eval loss {results['eval_loss']:.4f}, accuracy {results['accuracy']:.3f}")
-        if step == args.max_steps or (args.save_every and step % args.save_every == 0):
-            checkpoints.save(step=step, samples_consumed=samples,
-                             write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
+        stopping = interrupts.requested(accelerator)  # a Ctrl-C on any rank: save this step, then stop
+        if stopping or step == args.max_steps or (args.save_every and step % args.save_every == 0):
+            recipe_checks.check_weights_finite(accelerator, model, checkpoints, step=step)
+            saved = checkpoints.save(step=step, samples_consumed=samples,
+                                     write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
+        if stopping:
+            interrupts.stop(accelerator, saved, step=step)
     progress.close()
 
     # ---- save: the trained model as a Hugging Face folder, and the plots ----
