@@ -139,16 +139,24 @@ def _fsdp1_units(model, plugin) -> list[tuple[str, str, int]]:
 
 
 def _fsdp2_units(model) -> tuple[list[tuple[str, str, int]], list[str]]:
+    """One entry per FSDP unit (parameter group): modules sharded together, as accelerate's tail
+    ``fully_shard([norm, embedding, head])`` does, are one unit labelled ``LlamaRMSNorm+Embedding+Linear``."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    units = []
+    groups: dict[int, list] = {}
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()
-            group = state._fsdp_param_group
-            count = sum(p._orig_size.numel() for p in group.fsdp_params) if group else 0
-            units.append((name, type(module).__name__.removeprefix("FSDP"), count))
+            inner = getattr(module, "_checkpoint_wrapped_module", None)  # activation checkpointing's wrapper
+            label = type(inner if inner is not None else module).__name__.removeprefix("FSDP")
+            groups.setdefault(id(state), [state, name, []])[2].append(label + (" (checkpointed)" if inner is not None
+                                                                                else ""))
+    units = []
+    for state, name, labels in groups.values():
+        group = state._fsdp_param_group
+        count = sum(p._orig_size.numel() for p in group.fsdp_params) if group else 0
+        units.append((name, "+".join(labels), count))
     units.sort(key=lambda unit: unit[0] == "")  # the root last
     left_out = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
     return units, left_out

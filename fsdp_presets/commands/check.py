@@ -179,9 +179,7 @@ def _summary(view, facts) -> str:
             sharding = {"_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"}.get(settings["sharding_strategy"],
                                                                          settings["sharding_strategy"])
         classes = settings["transformer_cls_names_to_wrap"]
-        if view.probe is not None and view.probe.units and not view.probe.error:
-            wraps = "units as below"
-        elif classes:
+        if classes:
             wraps = "wraps " + ",".join(classes)
         elif settings["auto_wrap_policy"] == "transformer_auto_wrap_policy":
             declared = sorted((facts.profile.structure.get("no_split_modules") or []) if facts else [])
