@@ -184,7 +184,7 @@ def check_weights_finite(accelerator, model, checkpoints, *, step: int) -> None:
     if bad:
         raise _on_every_rank_finding(accelerator, (
             f"step {step}: the model's weights hold NaN or infinite values after this step (the learning rate or "
-            f"the data made them diverge); it was not saved. {last_checkpoint(checkpoints)}, with a lower "
+            f"the data made them diverge) and it was not saved; {last_checkpoint(checkpoints)} and a lower "
             "--learning-rate or --max-grad-norm clipping"))
 
 

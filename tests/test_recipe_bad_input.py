@@ -1,0 +1,314 @@
+"""Bad input and interruptions at training time, built the way a careless user (or a full disk)
+makes them, through the real recipes and real launches (FSDP2, 2 gloo processes, tiny models).
+
+- flags and data: NaN/inf learning rate, a negative seed, non-UTF-8 data, fewer or more labels than
+  the classification head, --no-packing with prompts longer than --seq-len: one line, exit 2,
+  nothing written;
+- ranks started differently: other --seq-len on one rank, a data file missing on one rank: named
+  (on that rank), no hang;
+- a diverging run stops with the step and the last good checkpoint (exit 1);
+- Ctrl-C (SIGINT to the whole launch, as a terminal sends it) saves the step, exits 130 with one
+  line, and --resume auto continues;
+- a full disk (the kernel's ENOSPC from /dev/full, see fsdp_presets.faults) during a save and
+  during the final export says "disk full" and keeps the last checkpoint and the last model.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_presets.checkpoint import checkpoint_verdict, committed_checkpoints
+from fsdp_presets.data import fit_head
+from fsdp_presets.errors import UsageError, disk_full_cause
+from fsdp_presets.metrics import read_metrics
+from fsdp_presets.testing import launch_command, launch_env, run_launch
+from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
+                            causal_lm_args, offline_env, tiny_bert, tiny_llama, tree_digest)
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def error_lines(text: str, script: str = "causal_lm.py") -> list[str]:
+    return [line[line.index(f"{script}: error:"):] for line in text.splitlines() if f"{script}: error:" in line]
+
+
+# ---- fast: the rules themselves ----
+def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
+    named = ["law", "poetry", "gospels", "letters"]
+    assert fit_head(["gospels", "law"], named, "d") == named  # the head's numbering, fewer labels kept
+    assert fit_head(["a", "b"], ["LABEL_0", "LABEL_1"], "d") == ["a", "b"]
+    with pytest.raises(UsageError, match="fewer labels than the model's classification head: 2 .* --new-head"):
+        fit_head(["a", "b"], ["LABEL_0", "LABEL_1", "LABEL_2"], "d")
+    with pytest.raises(UsageError, match="more labels than the model's classification head: 3"):
+        fit_head(["a", "b", "c"], ["LABEL_0", "LABEL_1"], "d")
+    with pytest.raises(UsageError, match=r"more labels .*fish"):
+        fit_head(["fish", "law"], ["law"], "d")
+
+
+def test_the_full_fault_makes_the_kernel_say_enospc_only_under_its_folder(tmp_path, monkeypatch):
+    import builtins
+
+    from fsdp_presets import faults
+
+    monkeypatch.setattr(io, "open", io.open)  # restored after the test
+    monkeypatch.setattr(builtins, "open", builtins.open)
+    monkeypatch.setenv(faults.FAULT_ENV, "full-save:step=3")
+    faults.fault_point("save", step=2, rank=0, folder=tmp_path / "full")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "fine").write_bytes(b"x" * 100_000)  # step 2: not this fault's
+    faults.fault_point("save", step=3, rank=0, folder=tmp_path / "full")
+    with pytest.raises(OSError) as caught:
+        with open(tmp_path / "full" / "shard.bin", "wb") as handle:
+            handle.write(b"x" * 100_000)
+    assert caught.value.errno == errno.ENOSPC and disk_full_cause(RuntimeError("wrapped")) is None
+    try:
+        raise RuntimeError("while saving") from caught.value
+    except RuntimeError as wrapped:
+        assert disk_full_cause(wrapped) is caught.value
+    (tmp_path / "elsewhere.bin").write_bytes(b"x" * 100_000)  # outside the folder: a normal file
+    assert (tmp_path / "elsewhere.bin").stat().st_size == 100_000
+
+
+# ---- one process: bad flags and data, each a call of the recipe's main ----
+DRIVER = """
+import json, runpy, sys
+from fsdp_presets.training import run_recipe
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+main = runpy.run_path(script, run_name="recipe")["main"]
+codes = []
+for argv in cases:
+    print("=== case", file=sys.stderr, flush=True)
+    print("=== case", flush=True)
+    sys.argv = [script.rsplit("/", 1)[-1], *argv]
+    codes.append(run_recipe(main))
+print(json.dumps(codes))
+"""
+
+
+def drive(recipe: Path, cases: list[list[str]]):
+    """Run the recipe's main once per case in one process; ``(codes, stderr parts, stdout parts)``."""
+    driven = subprocess.run([sys.executable, "-c", DRIVER, str(recipe), json.dumps(cases)], capture_output=True,
+                            text=True, env=offline_env(), cwd=REPO, timeout=600)
+    assert driven.returncode == 0, driven.stderr[-4000:]
+    codes = json.loads(driven.stdout.strip().splitlines()[-1])
+    return codes, driven.stderr.split("=== case")[1:], driven.stdout.split("=== case")[1:]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {"llama": tiny_llama(root / "tiny-llama"), "bert": tiny_bert(root / "tiny-bert")}
+
+
+@pytest.mark.slow
+def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, tmp_path):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(SFT_TRAIN.read_text().replace("Moses", "Mos\u00e9s").encode("latin-1", "replace"))
+    latin1_text = tmp_path / "latin1.txt"
+    latin1_text.write_bytes("Caf\u00e9 au lait\n".encode("latin-1") * 50)
+    records = [json.loads(line) for line in SFT_TRAIN.read_text().splitlines()]
+    long_prompts = tmp_path / "long.jsonl"  # every prompt 100+ tokens, --seq-len 32
+    long_prompts.write_text("".join(json.dumps({"prompt": record["prompt"] * 3, "response": record["response"]}) + "\n"
+                                    for record in records[:64]))
+    mixed = tmp_path / "mixed.jsonl"  # half of them too long for --seq-len 64, half fine
+    mixed.write_text("".join(long_prompts.read_text().splitlines(True)[:32])
+                     + "".join(json.dumps(record) + "\n" for record in records[:64]))
+
+    def args(name, *extra, data=SFT_TRAIN):
+        return ["--model", str(models["llama"]), "--data", str(data), "--eval-data", str(SFT_EVAL),
+                "--max-eval-samples", "8", "--output-dir", str(tmp_path / name), "--seq-len", "32",
+                "--max-steps", "2", *extra]
+
+    cases = {
+        "--learning-rate nan is not a finite number; give a number such as 5e-5": args("nan", "--learning-rate", "nan"),
+        "--learning-rate inf is not a finite number": args("inf", "--learning-rate", "inf"),
+        "--seed -5 is out of range; give a whole number from 0 to 4294967295": args("seed", "--seed", "-5"),
+        f"--data {latin1} is not UTF-8 text: byte 0xe9 at offset": args("latin1", data=latin1),
+        f"--data {latin1_text} is not UTF-8 text: byte 0xe9 at offset 3 (line 1)": args("text", data=latin1_text),
+        "--data: with --no-packing every sample is cut to --seq-len 32 tokens and the prompt of every sample fills":
+            args("long", "--no-packing", data=long_prompts),
+    }
+    trains = args("mixed", "--no-packing", "--seq-len", "64", data=mixed)
+    codes, errors, outputs = drive(CAUSAL_LM, [*cases.values(), trains])
+    assert codes == [2] * len(cases) + [0]
+    for expected, part in zip(cases, errors):
+        lines = error_lines(part)
+        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
+        assert TRACEBACK not in part
+    assert not any((tmp_path / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long"))
+    # Too long for --seq-len: cut and said so (and the ones with nothing left dropped), never a loss of 0.
+    assert "note: --data: --no-packing cuts samples to --seq-len 64 tokens: " in outputs[-1]
+    assert "of them dropped" in outputs[-1]
+    losses = [record["loss"] for record in read_metrics(tmp_path / "mixed" / "metrics.jsonl")
+              if record["kind"] == "train"]
+    assert len(losses) == 2 and all(loss > 1.0 for loss in losses)
+
+    # The classification head: the tiny BERT's has 4 outputs (LABEL_0..3); the data has 3 or 5 labels.
+    rows = [json.loads(line) for line in GENRES_TRAIN.read_text().splitlines()]
+    three = tmp_path / "three.jsonl"
+    three.write_text("".join(json.dumps(row) + "\n" for row in rows if row["label"] != "poetry"))
+    five = tmp_path / "five.jsonl"
+    five.write_text(GENRES_TRAIN.read_text() + json.dumps({"text": "and the fish swam", "label": "fish"}) + "\n")
+
+    def classify(name, data, *extra):
+        return ["--model", str(models["bert"]), "--data", str(data), "--max-eval-samples", "8",
+                "--output-dir", str(tmp_path / name), "--seq-len", "32", "--max-steps", "2", *extra]
+
+    cases = {"has fewer labels than the model's classification head: 3 (gospels, law, letters) against 4 outputs "
+             "(LABEL_0, LABEL_1, LABEL_2, LABEL_3); give data with the head's labels, or pass --new-head":
+             classify("three", three),
+             "has more labels than the model's classification head: 5": classify("five", five)}
+    codes, errors, _ = drive(CLASSIFICATION, [*cases.values(), classify("new-head", three, "--new-head")])
+    assert codes == [2, 2, 0]
+    for expected, part in zip(cases, errors):
+        lines = error_lines(part, "sequence_classification.py")
+        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
+        assert TRACEBACK not in part
+    assert not (tmp_path / "three").exists() and not (tmp_path / "five").exists()
+    exported = json.loads((tmp_path / "new-head" / "final" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "gospels", "1": "law", "2": "letters"}
+
+
+# ---- launches ----
+PER_RANK = """
+import json, os, runpy, sys
+argv = sys.argv[1:]
+for flag, value in json.loads(os.environ["PER_RANK_ARGS"]).get(os.environ["RANK"], {}).items():
+    argv[argv.index(flag) + 1] = value
+sys.argv = argv
+runpy.run_path(argv[0], run_name="__main__")
+"""
+
+
+def launch_per_rank(tmp_path: Path, args: list[str], changes: dict[str, dict[str, str]]):
+    """One launch whose rank R runs the recipe with ``changes[R]`` (as per-node command lines would)."""
+    wrapper = tmp_path / "per_rank.py"
+    wrapper.write_text(PER_RANK)
+    started = time.monotonic()
+    result = run_launch(FSDP2_CONFIG, wrapper, [CAUSAL_LM, *args], cwd=REPO, timeout=300,
+                        env={"PER_RANK_ARGS": json.dumps(changes)})
+    return result, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_ranks_started_with_another_seq_len_are_named_instead_of_hanging(models, tmp_path):
+    output = tmp_path / "run"
+    result, seconds = launch_per_rank(tmp_path, causal_lm_args(models["llama"], output, "--max-steps", 4),
+                                      {"1": {"--seq-len": "64"}})
+    assert result.returncode != 0 and seconds < 200
+    lines = error_lines(result.stderr)
+    assert lines == ["causal_lm.py: error: the ranks were started with different settings that must match: "
+                     "--seq-len (rank 0: 32, rank 1: 64); launch every rank with the same flags, data and model "
+                     "(nothing was written)"], result.stderr[-3000:]
+    assert not output.exists()
+
+
+@pytest.mark.slow
+def test_a_data_file_missing_on_one_rank_is_said_by_that_rank(models, tmp_path):
+    output = tmp_path / "run"
+    missing = tmp_path / "node-b" / "train.jsonl"
+    result, seconds = launch_per_rank(tmp_path, causal_lm_args(models["llama"], output, "--max-steps", 4),
+                                      {"1": {"--data": str(missing)}})
+    assert result.returncode != 0 and seconds < 200
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("causal_lm.py: error: rank 1 (") and \
+        lines[0].endswith(f"): --data {missing}: no such file"), result.stderr[-3000:]
+    assert not output.exists()
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_with_the_step_and_the_last_good_checkpoint(models, tmp_path):
+    output = tmp_path / "run"
+    # Learning rate 0 for step 1 (warm-up), then 2.5e29: the weights explode within a few steps.
+    result = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(
+        models["llama"], output, "--max-steps", 8, "--save-every", 1, "--keep-last", 10, "--learning-rate", "1e30",
+        "--warmup-steps", 4, "--lr-scheduler", "linear"), cwd=REPO, timeout=300)
+    assert result.returncode == 1, result.stderr[-3000:]
+    saved = committed_checkpoints(output / "checkpoints")
+    good, last = saved[-1]
+    stopped = good + 1  # the step it stopped at: its loss or its updated weights were not finite
+    assert [step for step, _ in saved] == list(range(1, stopped)) and checkpoint_verdict(last).ok
+    train = [record for record in read_metrics(output / "metrics.jsonl") if record["kind"] == "train"]
+    assert all(math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"]) for record in train[:good])
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"causal_lm.py: error: step {stopped}: the "), result.stderr[-3000:]
+    assert "the loss is" in lines[0] or "the model's weights hold NaN or infinite values" in lines[0]
+    assert f"the last good checkpoint is {last} (step {good}): resume from it with --resume {last}" in lines[0]
+    assert not (output / "final").exists() and TRACEBACK not in result.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_step_exits_130_in_one_line_and_resume_auto_continues(models, tmp_path):
+    output = tmp_path / "run"
+    args = causal_lm_args(models["llama"], output, "--max-steps", 40, "--save-every", 10)
+    launcher = subprocess.Popen(launch_command(FSDP2_CONFIG, CAUSAL_LM, args), cwd=REPO, env=launch_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if sum(record["kind"] == "train" for record in read_metrics(output / "metrics.jsonl")) >= 3:
+            break
+        time.sleep(0.1)
+    os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C at a terminal does: the launcher and every rank
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr[-3000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("causal_lm.py: error: interrupted (Ctrl-C) after step "), stderr
+    step = int(lines[0].split("after step ")[1].split(":")[0])
+    checkpoint = output / "checkpoints" / f"step-{step:08d}"
+    assert f"saved {checkpoint}; run the same command again to continue from it (--resume auto)" in lines[0]
+    assert "KeyboardInterrupt" not in stderr + stdout and TRACEBACK not in stderr + stdout
+    assert 3 <= step < 40 and checkpoint_verdict(checkpoint).ok
+    assert sorted(path.name for path in (output / "checkpoints").iterdir()) == \
+        [f"step-{saved:08d}" for saved in sorted({10 * (step // 10), step} - {0})]  # nothing half-written
+    assert not (output / "run.lock").exists()
+    resumed = run_launch(FSDP2_CONFIG, CAUSAL_LM, args, cwd=REPO, timeout=300).check()
+    assert f"resumed from {checkpoint}: step {step}" in resumed.stdout
+    train = [record["step"] for record in read_metrics(output / "metrics.jsonl") if record["kind"] == "train"]
+    assert train == list(range(1, 41)) and (output / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_save_and_export_says_so_and_keeps_the_last_checkpoint_and_model(models, tmp_path):
+    output = tmp_path / "run"
+
+    def launch(max_steps, fault=None):
+        env = {"FSDP_PRESETS_FAULT": fault} if fault else {}
+        return run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(models["llama"], output, "--max-steps", max_steps,
+                                                                  "--save-every", 2, "--keep-last", 1),
+                          cwd=REPO, timeout=300, env=env)
+
+    # 1. Rank 1's part of the step-4 save hits a full disk (DCP reports it on every rank).
+    full_save = launch(4, "full-save:step=4:rank=1")
+    assert full_save.returncode == 1, full_save.stderr[-3000:]
+    step_2 = output / "checkpoints" / "step-00000002"
+    assert error_lines(full_save.stderr) == [
+        f"causal_lm.py: error: disk full (ENOSPC) while saving the checkpoint of step 4 in {output / 'checkpoints'}: "
+        f"no space left on that file system. The last complete checkpoint, {step_2}, is intact and --resume auto "
+        "continues from it. Free space there (delete old runs or checkpoints, lower --keep-last) or give an "
+        "--output-dir on a larger disk, then run the same command again"]
+    assert os.listdir(output / "checkpoints") == ["step-00000002"] and checkpoint_verdict(step_2).ok
+    # 2. Space again: the same command continues from step 2 and finishes.
+    assert "resumed from" in launch(4).check().stdout
+    final_before = tree_digest(output / "final")
+    assert "model.safetensors" in final_before
+    # 3. Training on to step 6, the export hits a full disk: the step-4 model stays in final/.
+    full_export = launch(6, "full-export")
+    assert full_export.returncode == 1, full_export.stderr[-3000:]
+    lines = error_lines(full_export.stderr)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"causal_lm.py: error: disk full (ENOSPC) while exporting the trained model in {output}: ")
+    assert f"{output / 'final'} keeps the model it held" in lines[0]
+    assert tree_digest(output / "final") == final_before
+    assert os.listdir(output / "checkpoints") == ["step-00000006"]
+    assert not [name for name in os.listdir(output) if name.startswith(".")]  # no staging left
