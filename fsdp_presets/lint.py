@@ -1198,10 +1198,12 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
                 report.findings.append(finding("accelerate-rejects", f"accelerate itself rejects the file: {error}",
                                                "fix the problems above; the message is accelerate's own"))
     if prove_wrapping and view is not None and view.fsdp_plugin is not None and context.model is not None \
-            and report.ok:
+            and not [item for item in report.errors if item.rule != "ignored-modules"]:
         report.findings += _probe_findings(view, context, config)
-        if "prepare-crashes" in report.rules():  # the crash is what the unset classes lead to: one finding
-            report.findings = [item for item in report.findings if item.rule != "wrap-classes-unset"]
+        # one problem, one finding: the probe's is the precise one
+        superseded = {"prepare-crashes": "wrap-classes-unset", "params-outside-units": "ignored-modules"}
+        drop = {superseded[rule] for rule in report.rules() & set(superseded)}
+        report.findings = [item for item in report.findings if item.rule not in drop]
     report.findings = _sorted(report.findings)
     return report, view
 
@@ -1246,12 +1248,15 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
             "prepare-crashes", f"accelerate's FSDP{settings['fsdp_version']} preparation of {model.profile.architecture} "
             f"({model.source}) raises {probe.error}" + (f" (at {probe.where})" if probe.where else "") + "; every "
             f"rank fails in accelerator.prepare(model).{why}", fix, "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
-    elif probe.left_out and not (config.get("fsdp_config") or {}).get("fsdp_ignored_modules"):
+    elif probe.left_out:
+        ignored = (config.get("fsdp_config") or {}).get("fsdp_ignored_modules")
         findings.append(finding(
             "params-outside-units", f"{len(probe.left_out)} parameters of {model.profile.architecture} are in no FSDP "
-            f"unit ({', '.join(probe.left_out[:4])}{', ...' if len(probe.left_out) > 4 else ''}): they are neither "
-            "sharded nor gradient-synchronised", f"wrap the blocks: fsdp_transformer_layer_cls_to_wrap: {blocks}",
-            "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
+            f"unit ({', '.join(probe.left_out[:4])}{', ...' if len(probe.left_out) > 4 else ''}): FSDP neither shards "
+            "nor gradient-synchronises them, so each rank updates its own copy and the replicas drift apart"
+            + (f" (fsdp_ignored_modules {ignored!r} leaves them out)" if ignored else ""),
+            "remove fsdp_ignored_modules" if ignored else f"wrap the blocks: fsdp_transformer_layer_cls_to_wrap: {blocks}",
+            "fsdp_config.fsdp_ignored_modules" if ignored else "fsdp_config.fsdp_transformer_layer_cls_to_wrap"))
     return findings
 
 

@@ -1,19 +1,20 @@
 """Prove the FSDP wrapping of a model before a launch, in seconds, without weights or GPUs.
 
 ``fsdp-presets check CONFIG.yaml --model MODEL`` runs accelerate's own FSDP preparation of the
-model on the meta device, as rank 0 of a fake process group of the config's size
-(``torch.testing._internal.distributed.fake_pg.FakeStore``, backend ``fake``: collectives are
-no-ops), with the environment ``accelerate launch`` would give the training processes::
+model as rank 0 of a fake process group of the config's size, with the environment ``accelerate
+launch`` would give the training processes. The harness is the rehearsal's
+(:func:`fsdp_presets.rehearsal.fake_accelerate`: ``FakeStore``/backend ``fake``, the device mesh
+built outside fake mode, an ``Accelerator`` from the launch environment, fake tensors)::
 
     probe = probe_wrapping("path/to/model", env, num_processes=8)
     probe.error      # what accelerate's preparation raised, or None
-    probe.units      # [(module path, class, parameters), ...]: the FSDP units it built
+    probe.units      # [(module path, classes, parameters), ...]: the FSDP units it built
     probe.left_out   # parameters that no unit shards
 
 FSDP2: ``Accelerator.prepare(model)`` (``fsdp2_prepare_model``: ``fully_shard`` on every unit,
-the embedding and tail units, the root); meta tensors make that free at any model size. FSDP1:
+the embedding and tail units, the root) on fake tensors, free at any model size. FSDP1:
 accelerate's ``set_auto_wrap_policy`` on the model and torch's own recursive wrap walk with a
-recording wrapper (building real FSDP1 units would materialise meta parameters). What differs from
+recording wrapper (building real FSDP1 units would materialise every parameter). What differs from
 a launch, and why it does not change the units: RAM-efficient loading and module-state sync are
 off (they move weights, not unit boundaries), and offload is off (the CPU host refuses it).
 
@@ -32,13 +33,9 @@ from dataclasses import dataclass, field
 PROBE_TIMEOUT_S = 180
 """A 70B-parameter model on the meta device builds and wraps in well under a minute here."""
 
-# Settings the probe switches off: each moves weights, not unit boundaries (see module docstring).
-_PROBE_OVERRIDES = {
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": "false",
-    "FSDP_SYNC_MODULE_STATES": "false",
-    "FSDP_OFFLOAD_PARAMS": "false",
-    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "false",
-}
+# Errors that come from the fake tensors, not from the configuration: accelerate moves ignored modules
+# with Module.to(), which cannot swap a fake parameter that has a bias (measured, accelerate 1.16).
+_FAKE_TENSOR_LIMITS = ("Couldn't swap", "meta tensor")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,48 +165,38 @@ def _child(request: dict) -> dict:
 
     warnings.simplefilter("ignore")
     logging.disable(logging.WARNING)
-    world_size = request["world_size"]
-    os.environ.update(request["env"])
-    os.environ.update(_PROBE_OVERRIDES)
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
     from fsdp_presets.profile import build_meta_model, load_config
+    from fsdp_presets.rehearsal import fake_accelerate
 
-    # The fake group exists before accelerate looks: its PartialState then uses it, and no
-    # collective leaves this process.
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    trust = request["trust_remote_code"]
     try:
-        enable_cpu_fsdp()
-        from accelerate import Accelerator
-
-        accelerator = Accelerator()
-        model = build_meta_model(load_config(request["model"], trust_remote_code=request["trust_remote_code"]),
-                                 trust_remote_code=request["trust_remote_code"])
+        config = load_config(request["model"], trust_remote_code=trust)
+        # rank 0 of a fake process group of the config's size, accelerate built from the launch
+        # environment (the rehearsal's own harness: one way to fake a launch)
+        setup = fake_accelerate(request["env"], world_size=request["world_size"])
+        fake = setup.__enter__()
     except Exception as error:  # noqa: BLE001 - the harness, not the config: say so, prove nothing
         return {"units": [], "left_out": [], "error": None, "where": None,
                 "skipped": f"could not set up the probe: {type(error).__name__}: {' '.join(str(error).split())}"}
-    plugin = accelerator.state.fsdp_plugin
     try:
+        plugin = fake.accelerator.state.fsdp_plugin
         if plugin.fsdp_version == 2:
-            with torch.no_grad():
-                model = accelerator.prepare(model)
+            model = fake.build_model(config, trust_remote_code=trust)
+            with fake.fake_mode, torch.no_grad():
+                model = fake.accelerator.prepare(model)
             units, left_out = _fsdp2_units(model)
         else:
-            units, left_out = _fsdp1_units(model, plugin), []
+            units, left_out = _fsdp1_units(build_meta_model(config, trust_remote_code=trust), plugin), []
     except Exception as error:  # noqa: BLE001 - accelerate's or torch's own failure: the finding
         text = f"{type(error).__name__}: {' '.join(str(error).split())}"
-        if "meta tensor" in text:  # a path that moves weights, which meta tensors do not have: not the config's
+        if any(marker in text for marker in _FAKE_TENSOR_LIMITS):  # the harness's limit, not the config's
             return {"units": [], "left_out": [], "error": None, "where": None,
-                    "skipped": f"this configuration moves weights during preparation, which the meta device cannot "
-                               f"do ({text[:120]})"}
+                    "skipped": f"this preparation moves tensors in a way fake tensors cannot ({text[:160]})"}
         return {"units": [], "left_out": [], "error": text, "where": _where(error), "skipped": None}
     finally:
-        dist.destroy_process_group()
+        setup.__exit__(None, None, None)
     return {"units": units, "left_out": left_out, "error": None, "where": None, "skipped": None}
 
 

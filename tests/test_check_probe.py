@@ -99,16 +99,14 @@ def test_fsdp1_probe_lists_the_units_accelerate_wraps(tmp_path):
     assert view.probe.units[-1][0] == ""
 
 
-def test_parameters_in_no_unit_are_an_error(monkeypatch, bert, configs):
-    # accelerate 1.16's FSDP2 path always ends with a root unit; this plants what the probe reports
-    # when a parameter is not sharded, to pin the finding's wording and fix.
-    from fsdp_presets import wrap_probe
-
-    monkeypatch.setattr(wrap_probe, "probe_wrapping", lambda *args, **kwargs: wrap_probe.WrapProbe(
-        units=[("", "BertForSequenceClassification", 10)], left_out=["classifier.weight", "classifier.bias"]))
-    report, _ = check_file(configs["fixed"], context=CheckContext(model=model_facts(str(bert))), prove_wrapping=True)
-    assert [item.rule for item in report.findings] == ["params-outside-units"]
-    assert "classifier.weight" in report.findings[0].message and "BertLayer" in report.findings[0].fix
+def test_parameters_in_no_unit_are_an_error(tmp_path):
+    ignoring = tmp_path / "ignoring.yaml"
+    ignoring.write_text(HAND_WRITTEN_FSDP2 + "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"
+                        "  fsdp_ignored_modules: lm_head\n")
+    report, view = check_file(ignoring, context=CheckContext(model=model_facts("llama")), prove_wrapping=True)
+    assert [item.rule for item in report.findings] == ["params-outside-units"]  # not also ignored-modules
+    assert view.probe.left_out == ["lm_head.weight"]
+    assert "lm_head.weight" in report.findings[0].message and report.findings[0].fix == "remove fsdp_ignored_modules"
 
 
 @pytest.mark.slow
