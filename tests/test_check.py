@@ -280,3 +280,44 @@ def test_list_rules(capsys):
     assert cli.main(["check", "--list-rules"]) == 0
     out = capsys.readouterr().out
     assert all(rule in out for rule in RULES)
+
+
+# --------------------------------------------------------------------------- advice accelerate accepts
+
+
+def test_did_you_mean_only_for_unknown_keys_and_near_misses(tmp_path):
+    # fsdp_limit_all_gathers is a real FSDP1 option (default true): never "rename it to fsdp_min_num_params"
+    config = mutate(fsdp={**FSDP1, "fsdp_limit_all_gathers": True, "fsdp_offload_parms": False,
+                          "fsdp_wrap_everything": True}, drop_fsdp=("fsdp_reshard_after_forward",))(copy.deepcopy(GOOD))
+    report, _ = check_file(_write(tmp_path, config))
+    by_key = {item.key: item for item in report.findings}
+    assert by_key["fsdp_config.fsdp_limit_all_gathers"].rule == "ignored-default"
+    assert "fsdp_min_num_params" not in " ".join(item.message + item.fix for item in report.findings)
+    assert by_key["fsdp_config.fsdp_offload_parms"].fix == "rename it to 'fsdp_offload_params'"
+    assert by_key["fsdp_config.fsdp_wrap_everything"].fix == "remove it"  # nothing close enough to guess
+
+
+def test_fsdp1_strategy_fix_is_one_accelerate_accepts(tmp_path):
+    from fsdp_presets.lint import accelerate_view
+
+    config = mutate(fsdp={**FSDP1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"},
+                    drop_fsdp=("fsdp_sharding_strategy",))(copy.deepcopy(GOOD))
+    path = _write(tmp_path, config)
+    report, view = check_file(path)
+    [item] = [item for item in report.findings if item.rule == "fsdp2-key-under-fsdp1"]
+    assert view.fsdp_settings()["sharding_strategy"] == "FULL_SHARD"  # what accelerate really runs
+    assert item.fix == "set fsdp_sharding_strategy: SHARD_GRAD_OP" and "fsdp_version: 2" not in item.fix
+    config["fsdp_config"]["fsdp_sharding_strategy"] = "SHARD_GRAD_OP"
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(yaml.safe_dump(config))
+    assert accelerate_view(fixed).fsdp_settings()["sharding_strategy"] == "SHARD_GRAD_OP"
+
+
+def test_no_gpu_count_verdict_without_num_processes(tmp_path):
+    config = mutate(drop=("num_processes",))(copy.deepcopy(GOOD))
+    report, view = check_file(_write(tmp_path, config), context=CheckContext(model=facts(LLAMA_70B), method="full"))
+    assert report.ok and report.rules() == {"num-processes-unset"} and not view.processes_in_file
+    # with --gpus the memory rules run for that count
+    report, _ = check_file(_write(tmp_path, config), context=CheckContext(model=facts(LLAMA_70B), method="full",
+                                                                       gpus=2))
+    assert "does-not-fit" in report.rules()

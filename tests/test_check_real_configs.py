@@ -158,3 +158,17 @@ def test_fp8_is_a_launch_requirement_not_a_verdict_on_this_machine(tmp_path):
     assert report.ok and view.mixed_precision == "fp8"
     assert [item.rule for item in report.findings if item.rule.startswith("fp8")] == ["fp8-needs-backend"]
     assert "torchao" in report.findings[0].message or any("torchao" in i.message for i in report.findings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_real_config_wrapping_is_proved(name):
+    # accelerate's own preparation of the recipe's model under the file's settings: no crash, the
+    # decoder layers are units, every parameter is in one.
+    report, view = check_file(REAL / name, context=CheckContext(model=_facts(name)), prove_wrapping=True)
+    probe = view.probe
+    assert probe is not None and probe.skipped is None and probe.error is None, probe
+    assert not report.rules() & {"prepare-crashes", "params-outside-units"}
+    assert probe.left_out == []
+    blocks = _facts(name).profile.wrap_classes
+    assert sum(1 for _, classes, _ in probe.units if classes in blocks) == _facts(name).profile.dims.num_layers
