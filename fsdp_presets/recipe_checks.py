@@ -119,7 +119,12 @@ def exchange(payload: dict[str, Any], *, rank: int, world_size: int, timeout_s: 
     global _store_round
     _store_round += 1
     timeout_s = timeout_s if timeout_s is not None else float(os.environ.get(STARTUP_TIMEOUT_ENV, STARTUP_TIMEOUT_S))
-    store = dist.distributed_c10d._get_default_store()
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private in torch 2.13: fall back if it goes
+    except Exception:
+        from accelerate.utils import gather_object
+
+        return sorted(gather_object([payload]), key=lambda report: report["rank"])
     keys = [f"fsdp_presets/start/{_store_round}/{index}" for index in range(world_size)]
     store.set(keys[rank], json.dumps(payload))
     try:
