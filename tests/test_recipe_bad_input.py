@@ -80,6 +80,22 @@ def test_the_full_fault_makes_the_kernel_say_enospc_only_under_its_folder(tmp_pa
     assert (tmp_path / "elsewhere.bin").stat().st_size == 100_000
 
 
+def test_a_rank_that_never_reaches_the_start_up_check_is_named_after_the_timeout(monkeypatch):
+    import torch.distributed as dist
+
+    from fsdp_presets.errors import Finding
+    from fsdp_presets.recipe_checks import exchange
+    from fsdp_presets.testing import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
+    started = time.monotonic()
+    with pytest.raises(Finding, match=r"rank 0: ranks \[1, 2\] did not reach the start-up check within 1 s "
+                                      r"\(of 3 processes\).*FSDP_PRESETS_STARTUP_TIMEOUT_S"):
+        exchange({"rank": 0}, rank=0, world_size=3, timeout_s=1)
+    assert time.monotonic() - started < 30
+
+
 # ---- one process: bad flags and data, each a call of the recipe's main ----
 DRIVER = """
 import json, runpy, sys
