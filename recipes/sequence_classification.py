@@ -9,7 +9,9 @@
         --output-dir runs/genres --max-steps 60 --micro-batch-size 8 --learning-rate 3e-4 --seq-len 40
 
 Data: JSONL (or CSV, Parquet) with `text` and `label` columns; labels may be names or numbers and
-are numbered in sorted order (the names go into the exported config's id2label). Accuracy comes
+are numbered in sorted order (the names go into the exported config's id2label); a model that already
+has a classification head keeps its labels, and data that does not fit them is refused (--new-head:
+a head for the data's labels in its place). Accuracy comes
 from `evaluate` through a local metric module (Hub metrics cannot load offline).
 Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoints/step-NNNNNNNN/, final/, plots/}.
 Restarting the same command continues from the last valid checkpoint (--resume auto).
