@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator, Literal
 
 from fsdp_presets.checkpoint_files import (DCP_MODEL, CheckpointFiles, DcpReader, TensorInfo, WeightReader,
                                            find_checkpoint_files, hf_weight_files, model_reader)
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, disk_full_cause, disk_full_message
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 MODEL_CONFIG = "model_config"  # the recipes' copy of config + tokenizer inside each checkpoint
@@ -230,9 +230,13 @@ def staged_folder(output: Path, *, kind: OutputKind = "export", force: bool = Fa
         os.rename(staging, output)
         if retired is not None:
             shutil.rmtree(retired, ignore_errors=True)
-    except BaseException:
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
         shutil.rmtree(staging, ignore_errors=True)
-        raise
+        cause = disk_full_cause(error)
+        if cause is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise UsageError(disk_full_message(cause, f"writing {output}", output.parent,
+                                           kept="Nothing was written (the partial folder was removed).")) from None
 
 
 # ---- export ----

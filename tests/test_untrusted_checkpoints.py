@@ -363,6 +363,28 @@ def test_export_and_import_replace_only_their_own_output_and_only_with_force(che
     assert sorted(os.listdir(tmp_path)) == ["given", "hf", "notes", "start"]  # no staging left behind
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 300 KiB file system (tmpfs): smaller than the tiny model."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_export_or_import_says_so_and_leaves_nothing(checkpoint, small_disk, capsys):
+    assert cli.main(["export", str(checkpoint), "--output", str(small_disk / "hf")]) == 2
+    error = capsys.readouterr().err
+    assert "disk full (ENOSPC) while writing" in error and "Nothing was written" in error, error
+    assert os.listdir(small_disk) == []
+    assert cli.main(["export", str(checkpoint), "--output", str(checkpoint.parent / "hf")]) == 0
+    assert cli.main(["import", str(checkpoint.parent / "hf"), "--output", str(small_disk / "start")]) == 2
+    assert "disk full (ENOSPC) while writing" in capsys.readouterr().err
+    assert os.listdir(small_disk) == []
+
+
 # ---- the recipes ----
 def _launch(config: Path, args: list[str], processes: int = 2):
     return run_launch(config, CAUSAL_LM, args, num_processes=processes, cwd=REPO, timeout=300)
