@@ -6,9 +6,16 @@ is silently ignored, and a wrong class name fails only once the job holds its GP
 reports each problem as a :class:`Finding` (stable rule id, severity, message, fix)::
 
     report = check_file("accelerate_configs/llama-3.1-8b_1x8.yaml", context=CheckContext(model=facts))
-    report.errors        # findings that fail the check (exit 1); warnings do not
+    report.errors        # findings that fail the check (exit 1); warnings and notes do not
 
-Two layers:
+The yardstick is accelerate 1.16's own behaviour: what accelerate accepts *and applies* is not an
+error, even where it is not the newest spelling (``fsdp_reshard_after_forward: FULL_SHARD`` in an
+FSDP1 file is what ``accelerate config`` writes); findings on defaults accelerate itself writes are
+notes (severity ``note``, printed as one line); a fix is always one accelerate accepts; nothing
+depends on the checking machine (fp8 says what the training nodes need), and without
+``num_processes`` there is no GPU count or memory verdict.
+
+Three layers:
 
 * :func:`lint_config` (pure): the parsed YAML against accelerate's own key lists and value sets
   (read from accelerate itself, so they follow its version), the model (``--model``) and the
@@ -16,7 +23,11 @@ Two layers:
 * :func:`accelerate_view`: the file loaded exactly as ``accelerate launch`` does
   (``load_config_from_file``, its argument merge, ``prepare_multi_gpu_env``) and the
   ``FullyShardedDataParallelPlugin`` and ``ParallelismConfig`` accelerate builds from that
-  environment; whatever accelerate raises becomes an ``accelerate-rejects`` finding.
+  environment; whatever accelerate raises becomes an ``accelerate-rejects`` finding (unless a rule
+  above already names the same problem).
+* ``check_file(..., prove_wrapping=True)``: accelerate's FSDP preparation of the model itself
+  under a fake process group (:mod:`fsdp_presets.wrap_probe`): a crash in ``prepare`` and
+  parameters in no unit become findings, and the real unit list is shown.
 
 Rule ids are stable (the docs cite them): see :data:`RULES`.
 """
@@ -49,7 +60,7 @@ RULES = MappingProxyType({
     "fsdp-version-missing": ("note", "no fsdp_version: accelerate launch runs FSDP1 (its default)"),
     "fsdp1-key-under-fsdp2": ("error", "an FSDP1-only key in an FSDP2 config: ignored (or refused)"),
     "fsdp2-key-under-fsdp1": ("error", "an FSDP2-only key in an FSDP1 config: ignored (or refused)"),
-    "hsdp-needs-fsdp2": ("error", "parallelism_config with FSDP1: accelerate launch refuses it"),
+    "hsdp-needs-fsdp2": ("error", "parallelism_config with FSDP1: accelerate requires FSDP2 for it"),
     "hsdp-size-mismatch": ("error", "HSDP replicate x shard sizes do not multiply to num_processes"),
     "hsdp-shard-spans-nodes": ("error", "the HSDP shard size does not fit the GPUs of one node"),
     "machines-do-not-divide": ("error", "num_processes is not a multiple of num_machines"),
@@ -486,7 +497,10 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
                 "main_process_ip"))
         replicate = _whole((parallelism or {}).get("parallelism_config_dp_replicate_size", 1)) or 1
         strategy = _strategy_name(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")) if version == 1 else None
-        hybrid = replicate > 1 if version == 2 else strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+        # (FSDP1 with a replicate size asks for HSDP too: hsdp-needs-fsdp2 reports that one)
+        hybrid = replicate > 1 if version in (1, 2) and parallelism else strategy in ("HYBRID_SHARD",
+                                                                                   "HYBRID_SHARD_ZERO2")
+        hybrid = hybrid or strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
         # A deliberate choice when HSDP does not fit one node's GPUs (the planner says so with a model).
         if version in (1, 2) and not hybrid and strategy != "NO_SHARD" and processes and \
                 _hybrid_fits(config, fsdp, context, processes, machines) is not False:
@@ -705,8 +719,10 @@ def _parallelism(parallelism: dict, version: int | None, processes: int | None, 
                 "unknown-parallelism-key", f"unknown parallelism_config key {key!r}{_did_you_mean(str(key), known)}: "
                 "accelerate ignores it silently", _rename(str(key), known), f"parallelism_config.{key}"))
     if version == 1:
-        findings.append(finding("hsdp-needs-fsdp2", "parallelism_config with fsdp_version 1: accelerate launch "
-                                "refuses it ('You cannot use --use_parallelism_config without ... fsdp_version=2')",
+        findings.append(finding("hsdp-needs-fsdp2", "parallelism_config with fsdp_version 1: accelerate requires "
+                                "FSDP2 for it ('You cannot use --use_parallelism_config without ... fsdp_version=2'); "
+                                "with the version taken from a config file, accelerate 1.16's launcher does not catch "
+                                "it (it compares the string '1' with the number 1)",
                                 "set fsdp_version: 2, or drop parallelism_config and use fsdp_sharding_strategy: "
                                 "HYBRID_SHARD", "parallelism_config"))
     sizes = {}
