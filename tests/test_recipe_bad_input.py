@@ -328,3 +328,22 @@ def test_a_full_disk_during_save_and_export_says_so_and_keeps_the_last_checkpoin
     assert tree_digest(output / "final") == final_before
     assert os.listdir(output / "checkpoints") == ["step-00000006"]
     assert not [name for name in os.listdir(output) if name.startswith(".")]  # no staging left
+
+
+@pytest.mark.slow
+def test_ctrl_c_before_training_starts_is_one_line_and_leaves_nothing_half_written(models, tmp_path):
+    output = tmp_path / "run"
+    launcher = subprocess.Popen(launch_command(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(models["llama"], output)),
+                                cwd=REPO, env=launch_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not (output / "run.json").exists():  # written before the first evaluation
+        time.sleep(0.02)
+    os.killpg(launcher.pid, signal.SIGINT)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr[-3000:]
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith("causal_lm.py: error: interrupted (Ctrl-C) "), stderr[-3000:]
+    assert "KeyboardInterrupt" not in stderr + stdout and TRACEBACK not in stderr + stdout
+    assert not (output / "run.lock").exists()
+    assert not [path for path in output.rglob("*") if path.name.startswith(".")]  # no temporary file or folder
