@@ -13,7 +13,9 @@ its formats are pickles:
   ``pytorch_model_fsdp.bin``. accelerate 1.16 loads these with ``torch.load(weights_only=True)``
   (``accelerate.utils.other.load`` defaults it, ``load_fsdp_model``/``load_fsdp_optimizer`` pass
   it): safe, but a refused random-state file is skipped with a log line nobody sees, and a refused
-  scheduler file is a traceback.
+  scheduler file is a traceback. ``custom_checkpoint_<n>.pkl`` (the state of objects registered
+  with ``register_for_checkpointing``) it loads with ``weights_only=False``: the recipes register
+  none, so such a file is refused outright.
 
 What this module does about each:
 
@@ -75,9 +77,10 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
             allowed[("torch", name)] = value
     allowed[("torch.serialization", "_get_layout")] = _layout_by_name
     # StorageMeta.checkpoint_id is the path the checkpoint was saved to: a pure path object.
-    for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
-        allowed[("pathlib", name)] = pathlib.PurePosixPath if "Posix" in name or name == "Path" else \
-            pathlib.PureWindowsPath
+    for module in ("pathlib", "pathlib._local"):  # pathlib._local: Python >= 3.13
+        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+            allowed[(module, name)] = pathlib.PurePosixPath if "Posix" in name or name == "Path" else \
+                pathlib.PureWindowsPath
     allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
     for name in ("set", "frozenset", "complex", "bytearray"):
         allowed[("builtins", name)] = getattr(__import__("builtins"), name)
@@ -251,6 +254,9 @@ def vet_checkpoint_pickles(folder: Path) -> None:
     from fsdp_presets.checkpoint_files import DCP_METADATA
 
     folder = Path(folder)
+    for custom in sorted(folder.rglob("custom_checkpoint_*.pkl")):
+        raise _refusal(custom, "accelerate loads a registered object's custom state with "
+                       "torch.load(weights_only=False), and the recipes register none")
     for metadata in sorted(folder.rglob(DCP_METADATA)):
         vet_dcp_folder(metadata.parent)
     for path in sorted(folder.rglob("*")):

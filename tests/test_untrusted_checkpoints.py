@@ -241,6 +241,14 @@ def test_an_export_holds_only_files_it_wrote(checkpoint, tmp_path, capsys):
                        "tokenizer_config.json"], written
 
 
+def test_a_custom_state_pickle_is_refused_even_when_listed(checkpoint):
+    """accelerate would load it with weights_only=False; the recipes register no custom state."""
+    torch.save({"lr": 0.1}, checkpoint / "custom_checkpoint_0.pkl")  # harmless content: refused by name
+    recompute_manifest(checkpoint)
+    verdict = checkpoint_verdict(checkpoint)
+    assert verdict.unsafe and "custom_checkpoint_0.pkl: refused: accelerate loads" in verdict.problem
+
+
 def test_a_file_the_manifest_does_not_list_is_refused(checkpoint):
     (checkpoint / "model_config" / "modeling_evil.py").write_text("import os; os.system('touch x')\n")
     assert "modeling_evil.py is not listed in manifest.json" in checkpoint_verdict(checkpoint).problem
