@@ -7,6 +7,13 @@ size, how the model was sharded, model-config digest, SHA-256 and size of every 
 that did not finish, and a committed folder whose files do not match their checksums is damaged:
 :meth:`CheckpointManager.latest_valid` skips both, saying so, and never resumes from them.
 
+A checkpoint may come from elsewhere, and whoever made it controls every byte, manifest included.
+:func:`checkpoint_verdict` is the one answer the recipes, ``inspect-checkpoint`` and ``export``
+give: a well-formed manifest, a closed folder (no symbolic link, no path out of it, no file it
+does not list), sizes and SHA-256, every saving rank's random state, and every pickle readable
+as data only (:mod:`fsdp_presets.safe_unpickle`); :meth:`CheckpointManager.load` then reads
+through the safe DCP reader and planner.
+
 Only the main process writes shared files (manifest, renames, pruning); every rank hashes a share
 of the files (so a large checkpoint is not hashed by one process alone) and all ranks wait at the
 same points. Kill-during-save drills: see :mod:`fsdp_presets.faults` (point ``during-save``).
