@@ -1022,9 +1022,14 @@ class AccelerateView:
     def parallelism_sizes(self) -> dict | None:
         if self.parallelism is None:
             return None
-        return {"dp_replicate_size": self.parallelism.dp_replicate_size, "dp_shard_size": self.parallelism.dp_shard_size,
-                "tp_size": self.parallelism.tp_size, "cp_size": self.parallelism.cp_size,
-                "sp_size": getattr(self.parallelism, "sp_size", 1)}
+        return {"dp_replicate_size": self.parallelism.dp_replicate_size, "dp_shard_size": self.parallelism.dp_shard_size}
+
+    def mesh_sizes(self) -> dict | None:
+        """Every dimension of the device mesh: replicate, shard, tensor, context and sequence parallel."""
+        if self.parallelism is None:
+            return None
+        return {**self.parallelism_sizes(), "tp_size": self.parallelism.tp_size, "cp_size": self.parallelism.cp_size,
+                "sp_size": getattr(self.parallelism, "sp_size", 1) or 1}
 
     def layout_label(self) -> str:
         """The parallelism layout in words: ``HSDP 2x4 (replicate 2 x shard 4)``, ``TP 2 x HSDP 2x2 (2x2x2)``,
@@ -1035,7 +1040,7 @@ class AccelerateView:
                     "_HYBRID_SHARD_ZERO2": "hybrid ZeRO-2 (HYBRID_SHARD_ZERO2: gradients and optimizer state sharded "
                                            "inside a node, replicas across nodes)",
                     }.get(settings.get("sharding_strategy") or "", "")
-        sizes = self.parallelism_sizes()
+        sizes = self.mesh_sizes()
         replicate, shard = sizes["dp_replicate_size"], sizes["dp_shard_size"]
         if replicate > 1 and shard > 1:
             data = f"HSDP {replicate}x{shard} (replicate {replicate} x shard {shard})"
@@ -1240,7 +1245,7 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
     from fsdp_presets.wrap_probe import WrapProbe, probe_wrapping
 
     model = context.model
-    sizes = view.parallelism_sizes() or {}
+    sizes = view.mesh_sizes() or {}
     if (sizes.get("tp_size") or 1) > 1:
         view.probe = WrapProbe(skipped="tensor parallelism: the probe does not build a TP plan")
         return []

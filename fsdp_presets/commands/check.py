@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
             "distributed_type": view.distributed_type, "num_processes": view.num_processes,
             "num_machines": view.num_machines, "mixed_precision": view.mixed_precision,
             "fsdp": view.fsdp_settings(), "parallelism": view.parallelism_sizes(),
-            "num_processes_in_file": view.processes_in_file, "layout": view.layout_label() or None,
+            "mesh": view.mesh_sizes(), "num_processes_in_file": view.processes_in_file,
+            "layout": view.layout_label() or None,
             "wrap_probe": view.probe.to_json() if view.probe is not None else None,
         }
         documents.append(document)
