@@ -481,6 +481,11 @@ class CheckpointManager:
         check_layout_fits(folder, manifest, self.distributed)
         with safe_dcp_loading():
             self.accelerator.load_state(str(folder))
+        if self.accelerator.num_processes > manifest.world_size and self.accelerator.is_main_process:
+            # accelerate skips a rank without its random_states_<rank>.pkl without a word.
+            self.log(f"checkpoint: ranks {manifest.world_size}-{self.accelerator.num_processes - 1} have no saved "
+                     f"random state ({folder} was saved by {manifest.world_size} processes): they keep their "
+                     "seeded one (only dropout, if any, draws differently)")
         return manifest
 
     def _broadcast(self, value):
