@@ -33,7 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as error:  # a bad number (fsdp_presets.arguments): one line, like any bad input
+        words = sys.argv[1:] if argv is None else argv
+        command = next((word for word in words if not word.startswith("-")), "")
+        print(f"fsdp-presets {command}: error: {error}", file=sys.stderr)
+        return 2
     if getattr(args, "run", None) is None:
         parser.print_help()
         return 0

@@ -13,7 +13,6 @@ rescaling reads back (``# fsdp-presets: {...}``) is a comment. Pure: text in, te
 from __future__ import annotations
 
 import json
-import shlex
 import textwrap
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -29,6 +28,7 @@ from fsdp_presets.presets import (
     bytes_text,
     count_text,
 )
+from fsdp_presets.quoting import comment_text, is_one_line, shell_join, shell_word
 
 METADATA_PREFIX = "# fsdp-presets: "
 """Start of the comment line holding the request (JSON) that generated a file."""
@@ -37,6 +37,10 @@ METADATA_FORMAT = 1
 RECIPE = "recipes/causal_lm.py"
 """The recipe the launch command runs for causal language models."""
 _WIDTH = 100
+# The variables the multi-node launch command reads (the names of launchers.py's scripts): the
+# only words of a command that are not quoted.
+_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT = "$NODE_RANK", "$MAIN_PROCESS_IP", "$MAIN_PROCESS_PORT"
+_SHELL_VARIABLES = frozenset((_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,7 +129,14 @@ def config_yaml(config: dict) -> str:
 
 def generate_command(request: PresetRequest, *, output: str, baseline_output: str | None = None,
                      launch: LaunchHints = LaunchHints()) -> str:
-    """The ``fsdp-presets generate`` command that makes these files again (non-default flags only)."""
+    """The ``fsdp-presets generate`` command that makes these files again (non-default flags only),
+    as one line of shell (:func:`~fsdp_presets.quoting.shell_word` each word)."""
+    return shell_join(generate_words(request, output=output, baseline_output=baseline_output, launch=launch))
+
+
+def generate_words(request: PresetRequest, *, output: str, baseline_output: str | None = None,
+                   launch: LaunchHints = LaunchHints()) -> list[str]:
+    """The words of :func:`generate_command`."""
     words = ["fsdp-presets", "generate", request.model, "--gpus", str(request.gpus)]
     optional = [
         ("--nodes", request.nodes, 1),
@@ -152,7 +163,7 @@ def generate_command(request: PresetRequest, *, output: str, baseline_output: st
         if baseline_output != default_baseline_path(output):
             words += ["--baseline-output", baseline_output]
     words += ["-o", output]
-    return shlex.join(words)
+    return words
 
 
 def default_baseline_path(output: str) -> str:
@@ -169,13 +180,19 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> li
     words = ["accelerate", "launch", "--config_file", config_file]
     if preset.parallelism.num_machines > 1:
         # The same variable names as the scripts `generate --launcher` writes (launchers.py).
-        words += ["--machine_rank", "$NODE_RANK", "--main_process_ip", "$MAIN_PROCESS_IP",
-                  "--main_process_port", "$MAIN_PROCESS_PORT"]
+        words += ["--machine_rank", _NODE_RANK, "--main_process_ip", _MAIN_PROCESS_IP,
+                  "--main_process_port", _MAIN_PROCESS_PORT]
     return words + [
         script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
         "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
         "--gradient-accumulation-steps", str(preset.batch.accumulation),
     ]
+
+
+def command_text(words: list[str]) -> str:
+    """A command of :func:`launch_words` or :func:`generate_words` as one line of shell: every
+    word quoted except the launch variables (``$NODE_RANK``...)."""
+    return " ".join(word if word in _SHELL_VARIABLES else shell_word(word) for word in words)
 
 
 def _number(value) -> str:
@@ -185,9 +202,10 @@ def _number(value) -> str:
 
 
 def _shell_lines(words: list[str], indent: str = "#   ") -> list[str]:
-    """A long command wrapped with backslashes, each line a comment."""
+    """A long command wrapped with backslashes, each line a comment. Every word is quoted for
+    the shell on one line (``$NAME`` words are the script's variables, left for the shell)."""
     lines, current = [], indent
-    for word in (shlex.quote(word) if not word.startswith("$") else word for word in words):
+    for word in (word if word in _SHELL_VARIABLES else shell_word(word) for word in words):
         if len(current) + len(word) + 1 > _WIDTH - 2 and current.strip("# "):
             lines.append(current + " \\")
             current = "#       "
@@ -197,7 +215,7 @@ def _shell_lines(words: list[str], indent: str = "#   ") -> list[str]:
 
 
 def _wrapped(text: str, *, first: str = "#   - ", rest: str = "#     ") -> list[str]:
-    return textwrap.wrap(text, width=_WIDTH, initial_indent=first, subsequent_indent=rest,
+    return textwrap.wrap(comment_text(text), width=_WIDTH, initial_indent=first, subsequent_indent=rest,
                          break_on_hyphens=False, break_long_words=False)
 
 
@@ -210,7 +228,7 @@ def _what_it_is(preset: Preset) -> str:
     layout = (f"{parallelism.num_machines} nodes x {request.gpus_per_node} {unit}" if parallelism.num_machines > 1
               else f"{parallelism.num_processes} {unit}")
     return (f"Accelerate FSDP{parallelism.fsdp_version} config: {profile.architecture} "
-            f"({count_text(profile.total_params)} parameters, from {request.model}) on {layout}")
+            f"({count_text(profile.total_params)} parameters, from {comment_text(request.model)}) on {layout}")
 
 
 def _settings_line(preset: Preset) -> str:
@@ -290,13 +308,13 @@ def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | 
 def render_preset(preset: Preset, *, output: str, baseline_output: str | None = None,
                   launch: LaunchHints = LaunchHints()) -> str:
     """The FSDP config file: header, then accelerate's keys."""
-    command = generate_command(preset.request, output=output, baseline_output=baseline_output, launch=launch)
+    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
     lines = [
         f"# {_what_it_is(preset)}",
         f"# {_settings_line(preset)}",
         "#",
         "# Generated; regenerate rather than edit (the same command rewrites this file):",
-        *_shell_lines(shlex.split(command)),
+        *_shell_lines(command),
         "#",
         "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_PROCESS_IP the address of node 0;"
                       " `--launcher slurm|torchrun|accelerate` writes this as a script)"
@@ -304,7 +322,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         *_shell_lines(launch_words(preset, config_file=output, launch=launch)),
     ]
     if baseline_output:
-        lines.append(f"# DDP baseline for the convergence check: {baseline_output}")
+        lines.append(f"# DDP baseline for the convergence check: {comment_text(baseline_output)}")
     lines += [
         "#",
         f"# Planner, per {_device_word(preset)} in {_table_unit(preset)[0]}; comm = {_table_unit(preset)[0]} each "
@@ -324,13 +342,13 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         for note in preset.notes:
             lines += _wrapped(note)
     lines += ["#", _metadata(preset, kind="fsdp", output=output, baseline_output=baseline_output, launch=launch)]
-    return "\n".join(lines) + "\n" + config_yaml(accelerate_config(preset))
+    return _assemble(lines, accelerate_config(preset))
 
 
 def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
                         launch: LaunchHints = LaunchHints()) -> str:
     """The DDP baseline file matching ``preset`` (same processes, machines, precision, batch)."""
-    command = generate_command(preset.request, output=output, baseline_output=baseline_output, launch=launch)
+    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
     ddp = preset.memory_plan.get("DDP")
     fit = (f"fits: {bytes_text(ddp.per_gpu.total)} per GPU, up to micro-batch {ddp.max_micro_batch}" if ddp.fits
            else f"does not fit here: {bytes_text(ddp.per_gpu.total)} per GPU of "
@@ -345,7 +363,7 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
                   "fsdp-presets compare).", first="# ", rest="# "),
         "#",
         "# Generated with its FSDP config by:",
-        *_shell_lines(shlex.split(command)),
+        *_shell_lines(command),
         "#",
         "# Launch with the FSDP config's recipe flags (the same samples in the same order):",
         *_shell_lines(launch_words(preset, config_file=baseline_output, launch=launch)),
@@ -354,7 +372,18 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
         "#",
         _metadata(preset, kind="ddp-baseline", output=output, baseline_output=baseline_output, launch=launch),
     ]
-    return "\n".join(lines) + "\n" + config_yaml(ddp_config(preset))
+    return _assemble(lines, ddp_config(preset))
+
+
+def _assemble(header: list[str], config: dict) -> str:
+    """Header comment lines, then the config through the YAML emitter. Refuses (a bug, never a
+    file) a header line that is not one comment line, or a text that does not load back as
+    exactly ``config``: no value can add a key or end a comment."""
+    broken = [line for line in header if not (line.startswith("#") and is_one_line(line))]
+    text = "\n".join(header) + "\n" + config_yaml(config)
+    if broken or yaml.safe_load(text) != config:
+        raise RuntimeError(f"generated header is not plain comment lines (a bug in fsdp-presets): {broken[:1]}")
+    return text
 
 
 def read_metadata(text: str) -> dict | None:
@@ -378,7 +407,9 @@ __all__ = [
     "config_yaml",
     "ddp_config",
     "default_baseline_path",
+    "command_text",
     "generate_command",
+    "generate_words",
     "launch_words",
     "read_metadata",
     "render_ddp_baseline",

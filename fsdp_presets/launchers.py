@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from fsdp_presets.errors import UsageError, unknown_name_message
+from fsdp_presets.quoting import comment_text, shell_word
 
 LauncherKind = Literal["slurm", "torchrun", "accelerate"]
 LAUNCHER_KINDS: tuple[str, ...] = ("slurm", "torchrun", "accelerate")
@@ -45,7 +45,33 @@ ACCELERATE_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
 
 # A flag or value that is a secret belongs in the environment, not in a script on shared storage.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|api[-_]?key)[\w-]*(=.*)?$", re.IGNORECASE)
-_SECRET_VALUE = re.compile(r"^(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})$")
+_SECRET_VALUE = re.compile(r"(^|[=:])(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})$")
+MADE_BY_PREFIX = "# Made by: fsdp-presets"
+"""Start of the header line that names the command that wrote a script: how a script this module
+wrote is told from one a person wrote (only the former is replaced without ``--force``)."""
+
+
+def _secret_names(arguments) -> list[str]:
+    """How to point at each secret in ``arguments`` without saying it: the flag name (its value
+    withheld), or the position of a bare value that looks like a token."""
+    names = []
+    for index, argument in enumerate(arguments):
+        if _SECRET_FLAG.match(argument):
+            names.append(argument.split("=", 1)[0] + ("=..." if "=" in argument else ""))
+        elif _SECRET_VALUE.search(argument):
+            names.append(f"word {index + 1} (a token-like value, not shown)")
+    return names
+
+
+def is_generated_launcher(text: str) -> bool:
+    """True when ``text`` is a script :func:`write_launcher` wrote: its opening comment block holds
+    the ``# Made by: fsdp-presets`` line."""
+    for line in text.splitlines():
+        if line.startswith(MADE_BY_PREFIX):
+            return True
+        if line and not line.startswith("#"):
+            return False
+    return False
 
 
 @dataclass(frozen=True)
@@ -115,8 +141,7 @@ class Job:
             problems.append(f"time limit {self.time_limit!r}: use SLURM's form, e.g. 24:00:00 or 1-12:00:00")
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             problems.append(f"CPUs per task {self.cpus_per_task} < 1")
-        secrets = [argument for argument in self.command
-                   if _SECRET_FLAG.match(argument) or _SECRET_VALUE.match(argument)]
+        secrets = _secret_names(self.command)
         if secrets:
             problems.append(f"the training command carries secrets ({', '.join(secrets)}); pass them "
                             "through the environment (export HF_TOKEN=... before launching), never in a script")
@@ -131,27 +156,32 @@ class Job:
 
 # ---- reading the config ----
 def job_from_config(config_file: str | os.PathLike, *, command, nodes: int | None = None,
-                    gpus_per_node: int | None = None, **settings) -> Job:
+                    gpus_per_node: int | None = None, config: dict | None = None, **settings) -> Job:
     """A :class:`Job` for ``config_file``. Nodes and GPUs per node default to what the config says
     (``num_machines``, else the HSDP mesh's ``dp_replicate_size``; ``num_processes`` or the mesh
-    size over the nodes); given ones must agree with it. ``settings``: the other :class:`Job` fields."""
+    size over the nodes); given ones must agree with it. ``config``: the config's settings when
+    the file is still to be written (it is not read then). ``settings``: the other :class:`Job` fields."""
     import yaml
 
     path = Path(config_file)
-    if not path.is_file():
-        raise UsageError(f"{path}: no such accelerate config")
-    try:
-        config = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise UsageError(f"{path} is not valid YAML ({error})") from None
+    if config is None:
+        if not path.is_file():
+            raise UsageError(f"{path}: no such accelerate config")
+        try:
+            config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as error:
+            raise UsageError(f"{path} is not valid YAML ({error})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path} is not an accelerate config (expected a mapping of settings)")
     parallelism = config.get("parallelism_config") or {}
-    mesh = {name: int(parallelism.get(f"parallelism_config_{name}", 1) or 1)
+    if not isinstance(parallelism, dict):
+        raise UsageError(f"{path}: parallelism_config must be a mapping of settings; regenerate the config "
+                         "(fsdp-presets generate)")
+    mesh = {name: _count_setting(path, parallelism, f"parallelism_config_{name}", 1)
             for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
     mesh_size = mesh["dp_replicate_size"] * mesh["dp_shard_size"] * mesh["tp_size"] * mesh["cp_size"]
-    config_machines = int(config.get("num_machines", 1) or 1)
-    config_processes = int(config.get("num_processes", 0) or 0)
+    config_machines = _count_setting(path, config, "num_machines", 1)
+    config_processes = _count_setting(path, config, "num_processes", 0)
 
     if nodes is None:
         nodes = config_machines if config_machines > 1 else mesh["dp_replicate_size"]
@@ -173,6 +203,21 @@ def job_from_config(config_file: str | os.PathLike, *, command, nodes: int | Non
                          "(fsdp-presets generate ... --nodes M --gpus N) or give matching --nodes/--gpus")
     return Job(config_file=str(config_file), nodes=nodes, gpus_per_node=gpus_per_node,
                command=tuple(map(str, command)), **settings)
+
+
+# Larger than any cluster (the largest hold about 10^5 GPUs); a bigger count is a typo.
+_MAX_COUNT = 2**20
+
+
+def _count_setting(path: Path, settings: dict, key: str, default: int) -> int:
+    """A whole-number setting of the config (``num_processes: 16``), or a UsageError naming it."""
+    value = settings.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _MAX_COUNT:
+        raise UsageError(f"{path}: {key} must be a whole number from 0 to {_MAX_COUNT}, got {comment_text(repr(value))}; "
+                         "fix it in the config (or regenerate it with fsdp-presets generate)")
+    return value or default
 
 
 def accelerate_environment(config_file: str | os.PathLike) -> dict[str, str]:
@@ -243,7 +288,7 @@ def concrete(command: list[Word]) -> list[str]:
 def shell_command(command: list[Word], *, indent: str = "  ", width: int = 92, script_at: int | None = None) -> str:
     """A command as shell text: quoted, continued over lines (`` \\``) before flags once a line is
     long, and before word ``script_at`` (where the training script starts) in any case."""
-    words = [str(word) if isinstance(word, FromEnvironment) else shlex.quote(str(word)) for word in command]
+    words = [str(word) if isinstance(word, FromEnvironment) else shell_word(str(word)) for word in command]
     lines, current = [], ""
     for index, word in enumerate(words):
         breaks = current and (index == script_at or len(current) + len(word) + 1 > width
@@ -263,11 +308,13 @@ def _script_at(job: Job, command: list[Word]) -> int:
 
 # ---- scripts ----
 def _header(title: str, job: Job, generated_by: str, run_lines: list[str]) -> list[str]:
+    # Every value in a comment goes through comment_text: a line break in it would end the comment
+    # and make the rest of the value a line of the script.
     lines = [f"# {title}",
-             f"# {job.config_file}: {job.nodes} node(s) x {job.gpus_per_node} GPU(s) = {job.num_processes} "
-             "processes.",
-             f"# Made by: {generated_by}", "# Run:"]
-    lines += [f"#   {line}" for line in run_lines]
+             f"# {comment_text(job.config_file)}: {job.nodes} node(s) x {job.gpus_per_node} GPU(s) = "
+             f"{job.num_processes} processes.",
+             f"# Made by: {comment_text(generated_by)}", "# Run:"]
+    lines += [f"#   {comment_text(line)}" for line in run_lines]
     lines += [
         "#",
         "# Read from the environment when it runs, never written here: MAIN_PROCESS_PORT (default",
@@ -286,9 +333,10 @@ def _run_time_settings(job: Job) -> list[str]:
 
 
 def _config_check(job: Job) -> list[str]:
-    config = shlex.quote(job.config_file)
+    config = shell_word(job.config_file)
+    # The path is a quoted word of its own: only "$(pwd)" is expanded in the message.
     return [f"if [[ ! -f {config} ]]; then",
-            f'  echo "{job.config_file}: no such accelerate config in $(pwd); start from the directory '
+            f'  echo {config}": no such accelerate config in $(pwd); start from the directory '
             'that holds it (or use an absolute path on shared storage)" >&2',
             "  exit 2", "fi"]
 
@@ -300,7 +348,7 @@ def render_slurm(job: Job, *, script_name: str, generated_by: str) -> str:
     inner = "exec " + shell_command(command, indent="    ", script_at=_script_at(job, command))
     lines = ["#!/bin/bash"]
     lines += _header("SLURM batch script of a multi-node FSDP job: one `accelerate launch` per node.", job, generated_by,
-                     [f"sbatch {script_name}      (from the directory that holds {job.config_file})"])
+                     [f"sbatch {shell_word(script_name)}      (from the directory that holds {job.config_file})"])
     lines += [f"#SBATCH --job-name={job.job_name}", f"#SBATCH --nodes={job.nodes}", "#SBATCH --ntasks-per-node=1",
               f"#SBATCH --gpus-per-node={job.gpus_per_node}"]
     if job.cpus_per_task is not None:
@@ -327,25 +375,25 @@ def render_slurm(job: Job, *, script_name: str, generated_by: str) -> str:
               "# rank, read inside each task (hence the single quotes). srun passes this environment on",
               "# (--export=ALL, also where the cluster's default is NONE);",
               "# --kill-on-bad-exit stops every node when one fails instead of leaving them waiting.",
-              'srun --nodes="$NODES" --ntasks-per-node=1 --export=ALL --kill-on-bad-exit=1 bash -c ' + shlex.quote(inner),
+              'srun --nodes="$NODES" --ntasks-per-node=1 --export=ALL --kill-on-bad-exit=1 bash -c ' + shell_word(inner),
               ""]
     return "\n".join(lines)
 
 
 def _per_node_preamble(job: Job, script_name: str) -> list[str]:
-    usage = (f"usage: MAIN_PROCESS_IP=<address of node 0> bash {script_name} NODE_RANK "
+    usage = (f"usage: MAIN_PROCESS_IP=<address of node 0> bash {shell_word(script_name)} NODE_RANK "
              f"(0..{job.nodes - 1}, the rank of this node)")
     return ["set -euo pipefail", "",
             f"NODES={job.nodes}",
             'NODE_RANK="${1:-${NODE_RANK:-}}"',
             'if ! [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || (( NODE_RANK >= NODES )); then',
-            f"  echo {shlex.quote(usage)} >&2", "  exit 2", "fi",
+            f"  echo {shell_word(usage)} >&2", "  exit 2", "fi",
             ': "${MAIN_PROCESS_IP:?set MAIN_PROCESS_IP to the address of node 0 (it hosts the rendezvous)}"',
             *_run_time_settings(job), *_config_check(job), ""]
 
 
 def _per_node_run_lines(job: Job, script_name: str) -> list[str]:
-    return [f"MAIN_PROCESS_IP=<address of node 0> bash {script_name} {rank}      # on node {rank}"
+    return [f"MAIN_PROCESS_IP=<address of node 0> bash {shell_word(script_name)} {rank}      # on node {rank}"
             for rank in range(job.nodes)]
 
 
@@ -367,8 +415,10 @@ def render_torchrun(job: Job, *, script_name: str, generated_by: str, environmen
     lines += _header("Per-node launch of a multi-node FSDP job: `torchrun` on every node.", job, generated_by,
                      _per_node_run_lines(job, script_name))
     lines += _per_node_preamble(job, script_name)
-    lines += [f"# The settings of {job.config_file}, as accelerate launch would pass them to its processes."]
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in sorted(environment.items())]
+    lines += [f"# The settings of {comment_text(job.config_file)}, as accelerate launch would pass them to its "
+              "processes."]
+    lines += [f"export {key}={shell_word(value)}" for key, value in sorted(environment.items())
+              if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)]
     command = torchrun_node_command(job, FromEnvironment("NODE_RANK"))
     lines += ["", "exec " + shell_command(command, script_at=_script_at(job, command)), ""]
     return "\n".join(lines)
@@ -380,12 +430,39 @@ def default_script_path(config_file: str | os.PathLike, kind: str) -> Path:
     return config.with_name(f"{config.stem}.{kind}.sh")
 
 
-def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: str | os.PathLike | None = None) -> Path:
+def check_launcher_output(path: str | os.PathLike, *, config_file: str | os.PathLike, force: bool = False) -> None:
+    """Refuse to write a launcher over its own accelerate config (ever), or over an existing file
+    that is not a launcher this module wrote (unless ``force``). Nothing is written."""
+    path, config = Path(path), Path(config_file)
+    if path.resolve() == config.resolve():
+        raise UsageError(f"the launch script {path} would replace the accelerate config {config_file} it "
+                         "launches; give another file (-o/--launch-output) or leave it out for "
+                         f"{default_script_path(config_file, 'KIND').name} next to the config (nothing was written)")
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder; give the script file to write (nothing was written)")
+    if force or not (path.exists() or path.is_symlink()):
+        return
+    try:
+        ours = not path.is_symlink() and is_generated_launcher(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        ours = False
+    if not ours:
+        raise UsageError(f"{path} exists and is not a launch script written by fsdp-presets (no "
+                         f"'{MADE_BY_PREFIX}' header line); choose another file, or pass --force to replace "
+                         "it (nothing was written)")
+
+
+def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: str | os.PathLike | None = None,
+                   force: bool = False) -> Path:
     """Render the ``kind`` launcher of ``job`` and write it (executable) to ``output``, by default
-    next to the config. Returns the path written."""
+    next to the config. Returns the path written. An existing file is replaced only when this
+    module wrote it, or with ``force`` (:func:`check_launcher_output`); the write is atomic."""
+    import tempfile
+
     if kind not in LAUNCHER_KINDS:
         raise UsageError(unknown_name_message("launcher", kind, LAUNCHER_KINDS))
     path = Path(output) if output is not None else default_script_path(job.config_file, kind)
+    check_launcher_output(path, config_file=job.config_file, force=force)
     name = path.name
     if kind == "slurm":
         text = render_slurm(job, script_name=name, generated_by=generated_by)
@@ -395,6 +472,13 @@ def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: s
         text = render_torchrun(job, script_name=name, generated_by=generated_by,
                                environment=accelerate_environment(job.config_file))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    path.chmod(0o755)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(temporary, 0o755)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
     return path

@@ -123,10 +123,12 @@ class PresetRequest:
         problems = []
         if not self.model:
             problems.append("give a MODEL: a family name, a model folder or a config.json")
-        for name in ("gpus", "nodes"):
+        from fsdp_presets import arguments as limits  # the command line's bounds, for every caller
+
+        for name, most in (("gpus", limits.MAX_GPUS), ("nodes", limits.MAX_NODES)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                problems.append(f"--{name} must be a whole number >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+                problems.append(f"--{name} must be a whole number from 1 to {most}, got {value!r}")
         if (isinstance(self.gpus, int) and isinstance(self.nodes, int) and self.gpus >= 1 and self.nodes >= 1
                 and self.gpus % self.nodes):
             problems.append(
@@ -141,15 +143,16 @@ class PresetRequest:
                                                      known))
         if self.fsdp_version not in (1, 2):
             problems.append(f"--fsdp-version must be 1 or 2, got {self.fsdp_version!r}")
-        for name in ("gpu_memory_gib", "host_memory_gib"):
+        for name, most in (("gpu_memory_gib", limits.MAX_GPU_MEMORY_GIB), ("host_memory_gib", limits.MAX_HOST_MEMORY_GIB)):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                          and math.isfinite(value) and 0 < value <= most):
                 problems.append(f"--{name.removesuffix('_gib').replace('_', '-')} must be a positive number of "
-                                f"GiB, got {value!r}")
-        for name in ("seq_len", "micro_batch"):
+                                f"GiB up to {most:g}, got {value!r}")
+        for name, most in (("seq_len", limits.MAX_SEQ_LEN), ("micro_batch", limits.MAX_MICRO_BATCH)):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                problems.append(f"--{name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most):
+                problems.append(f"--{name.replace('_', '-')} must be a whole number from 1 to {most}, got {value!r}")
         if self.global_batch is not None:
             try:
                 parse_global_batch(self.global_batch)

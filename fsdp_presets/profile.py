@@ -218,6 +218,44 @@ def _read_config_json(path: Path) -> dict:
     return data
 
 
+MAX_LAYERS = 1000
+"""Most blocks a config may declare: the deepest published transformers have about 100-130 (GPT-3
+96, Llama-3.1-405B 126). The profile builds every block on the meta device, a few milliseconds
+each, so a typo like 10^7 layers would otherwise run for hours."""
+# Keys of a config.json that count blocks, and keys that give a size; neither can be negative.
+_LAYER_KEYS = frozenset(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers",
+                         "num_encoder_layers", "encoder_layers", "decoder_layers"))
+_SIZE_KEYS = frozenset(("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+                        "num_key_value_heads", "max_position_embeddings", "head_dim", "n_embd", "n_head",
+                        "n_positions", "n_ctx", "n_inner", "d_model", "d_ff", "d_kv", "ffn_dim", "num_heads",
+                        "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                        "moe_intermediate_size", "encoder_attention_heads", "decoder_attention_heads",
+                        "encoder_ffn_dim", "decoder_ffn_dim"))
+
+
+def _config_number_problems(data: dict, where: str = "") -> list[str]:
+    """Layer counts and sizes of a parsed config.json (and of its nested configs: ``text_config``...)
+    that no model can have: negative, not whole numbers, or more than :data:`MAX_LAYERS` blocks."""
+    problems = []
+    for key, value in data.items():
+        name = f"{where}{key}"
+        if isinstance(value, dict):
+            problems += _config_number_problems(value, f"{name}.")
+            continue
+        if key not in _LAYER_KEYS and key not in _SIZE_KEYS or value is None or isinstance(value, list):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            if key in _LAYER_KEYS or not isinstance(value, float) or not value.is_integer():
+                problems.append(f"{name} is {json.dumps(value)}, not a whole number")
+                continue
+            value = int(value)
+        if value < 0:
+            problems.append(f"{name} is {value}, a negative {'number of blocks' if key in _LAYER_KEYS else 'size'}")
+        elif key in _LAYER_KEYS and value > MAX_LAYERS:
+            problems.append(f"{name} is {value}, more blocks than any real model (at most {MAX_LAYERS} are profiled)")
+    return problems
+
+
 def _known_model_types() -> list[str]:
     from transformers import CONFIG_MAPPING
 
@@ -226,6 +264,11 @@ def _known_model_types() -> list[str]:
 
 def _config_from_file(path: Path, *, trust_remote_code: bool) -> "PretrainedConfig":
     data = _read_config_json(path)  # before importing transformers: bad files fail fast
+    problems = _config_number_problems(data)
+    if problems:
+        raise UsageError(f"{path}: " + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5
+                                                                  else "")
+                         + "; fix these numbers in config.json (the model's published config has the real ones)")
 
     import transformers
     from transformers import CONFIG_MAPPING, AutoConfig
@@ -778,7 +821,11 @@ def profile_model(source: str, *, trust_remote_code: bool = False) -> ModelProfi
     """The profile of ``source`` (family name, model folder or config.json), built on meta."""
     config = load_config(source, trust_remote_code=trust_remote_code)
     model = build_meta_model(config, trust_remote_code=trust_remote_code)
-    return profile_module(model)
+    try:
+        return profile_module(model)
+    except ValueError as error:  # ModelDims, Unit, ModelProfile checks: numbers the config gave
+        raise UsageError(f"{source}: the model built from this config has impossible numbers ({error}); "
+                         "check its sizes and layer counts against the model's published config.json") from None
 
 
 __all__ = [

@@ -22,16 +22,21 @@ HELP = "generate an Accelerate FSDP config (and its DDP baseline) for a model an
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from fsdp_presets import arguments
+
     add = parser.add_argument
     add("model", metavar="MODEL", nargs="?", help="a family name, a local model folder, or a config.json path")
-    add("-o", "--output", required=True, metavar="FILE.yaml", help="the accelerate config to write")
+    add("-o", "--output", required=True, metavar="FILE.yaml",
+        help="the accelerate config to write; an existing file is replaced only when fsdp-presets generate wrote it")
+    add("--force", action="store_true",
+        help="replace existing output files (config, baseline, launch script) that fsdp-presets did not write")
     add("--from", dest="from_file", metavar="PRESET.yaml",
         help="rescale a generated preset: keep its model, choices and global batch, re-decide for --gpus/--nodes")
-    add("--gpus", type=int, help="GPUs in the whole job (with --device cpu: processes)")
-    add("--nodes", type=int, help="machines the GPUs are spread over, the same number on each (default 1)")
+    add("--gpus", type=arguments.gpu_count, help="GPUs in the whole job (with --device cpu: processes)")
+    add("--nodes", type=arguments.node_count, help="machines the GPUs are spread over, the same number on each (default 1)")
     add("--device", choices=("gpu", "cpu"), help="gpu (default) or cpu: a CPU-only host (demos, CI; fp32, no offload)")
-    add("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU in GiB (default 80)")
-    add("--host-memory", type=float, metavar="GiB",
+    add("--gpu-memory", type=arguments.gpu_memory_gib, metavar="GiB", help="memory of one GPU in GiB (default 80)")
+    add("--host-memory", type=arguments.host_memory_gib, metavar="GiB",
         help="host RAM of one node in GiB (default 1024; --device cpu: 16, shared by the node's processes)")
     add("--precision", choices=("auto", "bf16", "fp16", "fp32"), help="mixed precision (default auto: bf16 on GPUs)")
     add("--strategy", choices=("auto", "full", "grad-op", "hybrid", "no-shard"),
@@ -40,14 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--state-dict", choices=("sharded", "full"), help="checkpoint format (default sharded: DCP)")
     add("--activation-checkpointing", choices=("auto", "on", "off"), help="default auto: only when needed to fit")
     add("--offload", choices=("auto", "on", "off"), help="CPU offload (default auto: only when nothing fits otherwise)")
-    add("--seq-len", type=int, help="tokens per sequence (default 2048, capped by the model's positions)")
+    add("--seq-len", type=arguments.seq_len, help="tokens per sequence (default 2048, capped by the model's positions)")
     add("--global-batch", metavar="SAMPLES|TOKENS",
         help="per optimizer step: sequences (256) or tokens (1M, 512K, 524288tok); default 0.5M tokens")
-    add("--micro-batch", type=int, help="sequences per GPU per step (default: the largest that fits and divides)")
+    add("--micro-batch", type=arguments.micro_batch, help="sequences per GPU per step (default: the largest that fits and divides)")
     add("--baseline", choices=("ddp",), help="also write the matching DDP config (default next to -o: NAME.ddp.yaml)")
     add("--baseline-output", metavar="FILE.yaml", help="where --baseline ddp writes (default NAME.ddp.yaml)")
     add("--launch-model", metavar="DIR", help="model folder the header's launch command names (default MODEL_DIR)")
     add("--launch-data", metavar="FILE", help="data file the header's launch command names (default DATA.jsonl)")
+    add("--trust-remote-code", action="store_true",
+        help="allow a config that names its own Python code (auto_map) to run that code")
     from fsdp_presets.commands.launcher import add_launch_arguments
 
     add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
@@ -65,7 +72,7 @@ _REQUEST_FLAGS = {
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fsdp_presets.emit import LaunchHints, default_baseline_path, launch_words, read_metadata
+    from fsdp_presets.emit import LaunchHints, command_text, default_baseline_path, launch_words, read_metadata
     from fsdp_presets.errors import UsageError
     from fsdp_presets.presets import PresetRequest, describe_changes, rescale_request
 
@@ -86,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as error:
             problems.append(f"--from {args.from_file}: cannot read it ({error})")
         else:
-            if old is None or old.get("kind") != "fsdp" or "request" not in old:
+            if old is None or old.get("kind") != "fsdp" or not isinstance(old.get("request"), dict) or \
+                    not isinstance(old.get("summary"), dict) or \
+                    not isinstance(old["summary"].get("global_batch"), int) or old["summary"]["global_batch"] < 1:
                 problems.append(f"--from {args.from_file}: no '# fsdp-presets:' line of an FSDP preset in its header; "
                                 "only files written by `fsdp-presets generate` can be rescaled")
                 old = None
@@ -98,7 +107,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("; ".join(problems))
 
     if old is not None:
-        old_request = PresetRequest.from_json(old["request"])
+        try:
+            old_request = PresetRequest.from_json(old["request"])
+        except TypeError as error:
+            raise UsageError(f"--from {args.from_file}: its '# fsdp-presets:' line does not hold a request this "
+                             f"version reads ({error}); regenerate it from the command in its header") from None
         if "gpus" not in given and "nodes" in given:
             given["gpus"] = old_request.gpus // old_request.nodes * given["nodes"]  # same GPUs per node
         if "gpus" in given and "nodes" not in given and old_request.nodes > 1 and \
@@ -124,11 +137,28 @@ def run(args: argparse.Namespace) -> int:
     if baseline_output is not None and Path(baseline_output).resolve() == Path(output).resolve():
         raise UsageError(f"--baseline-output {baseline_output} is the same file as -o {output}")
 
-    profile = load_profile(request.model)
+    profile = load_profile(request.model, trust_remote_code=args.trust_remote_code)
     files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch)
     if old is not None and preset.batch.global_samples != old["summary"]["global_batch"]:
         raise UsageError(f"rescaling changed the global batch from {old['summary']['global_batch']} to "
                          f"{preset.batch.global_samples} sequences; pass --global-batch to choose one")
+    # The launch script is checked (flags, secrets, where it goes) before any file is written.
+    import yaml
+
+    from fsdp_presets.commands.launcher import job_from_args, launcher_path, write_from_args
+    from fsdp_presets.launchers import check_launcher_output
+
+    launch_command = launch_words(preset, config_file=output, launch=launch)
+    job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
+                        default_command=launch_command, config=yaml.safe_load(files[output]))
+    for path in files:
+        check_generated_output(Path(path), force=args.force)
+    if job is not None:
+        script_path = launcher_path(args, output)
+        if any(script_path.resolve() == Path(path).resolve() for path in files):
+            raise UsageError(f"--launch-output {script_path} is one of the configs this command writes; give "
+                             "the script another name (nothing was written)")
+        check_launcher_output(script_path, config_file=output, force=args.force)
     write_files({Path(path): text for path, text in files.items()})
 
     summary = preset.summary()
@@ -144,24 +174,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
     for note in preset.notes:
         print(f"note: {note}")
-    print("launch: " + " ".join(launch_words(preset, config_file=output, launch=launch)))
-    from fsdp_presets.commands.launcher import write_from_args
-
-    script = write_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
-                             default_command=launch_words(preset, config_file=output, launch=launch))
+    print("launch: " + command_text(launch_command))
+    script = write_from_args(args, output, job=job)
     if script is not None:
         print(f"wrote {script}: {args.launcher} launch script of {output}")
     return 0
 
 
-def load_profile(source: str):
+def load_profile(source: str, *, trust_remote_code: bool = False):
     """The model's profile, with transformers' advisory warnings silenced."""
     from transformers.utils import logging as hf_logging
 
     from fsdp_presets.profile import profile_model
 
     hf_logging.set_verbosity_error()
-    return profile_model(source)
+    return profile_model(source, trust_remote_code=trust_remote_code)
+
+
+def check_generated_output(path, *, force: bool = False) -> None:
+    """Refuse to replace an existing file that ``generate`` did not write (its header has no
+    ``# fsdp-presets:`` line), unless ``force``: regenerating a generated file is what its header
+    says to do, overwriting a hand-written one is not. Nothing is written."""
+    from fsdp_presets.emit import METADATA_PREFIX, read_metadata
+    from fsdp_presets.errors import UsageError
+
+    if force or not (path.exists() or path.is_symlink()):
+        return
+    try:
+        ours = path.is_file() and not path.is_symlink() and \
+            read_metadata(path.read_text(encoding="utf-8", errors="replace")) is not None
+    except OSError:
+        ours = False
+    if not ours:
+        raise UsageError(f"{path} exists and was not written by fsdp-presets generate (no '{METADATA_PREFIX.strip()}' "
+                         "line in its header); choose another file, or pass --force to replace it (nothing was written)")
 
 
 def render_files(profile, request, *, output: str, baseline_output: str | None, launch):

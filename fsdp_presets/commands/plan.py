@@ -14,16 +14,25 @@ from __future__ import annotations
 
 import argparse
 
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence when ``--seq-len`` is not given (capped by the model's positions)."""
 HELP = "plan per-GPU memory and communication of every FSDP/DDP strategy, and recommend one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from fsdp_presets import arguments
+
     parser.add_argument("model", metavar="MODEL", help="a family name, a local model folder, or a config.json path")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the whole job")
-    parser.add_argument("--nodes", type=int, default=1, help="machines the GPUs are spread over (default 1)")
-    parser.add_argument("--gpu-memory", type=float, required=True, metavar="GiB", help="memory of one GPU in GiB")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step (default 1)")
+    parser.add_argument("--gpus", type=arguments.gpu_count, required=True, help="GPUs in the whole job")
+    parser.add_argument("--nodes", type=arguments.node_count, default=1,
+                        help="machines the GPUs are spread over (default 1)")
+    parser.add_argument("--gpu-memory", type=arguments.gpu_memory_gib, required=True, metavar="GiB",
+                        help="memory of one GPU in GiB")
+    parser.add_argument("--seq-len", type=arguments.seq_len,
+                        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped by the model's positions; "
+                        "a longer one given here is refused)")
+    parser.add_argument("--micro-batch", type=arguments.micro_batch, default=1,
+                        help="sequences per GPU per step (default 1)")
     parser.add_argument("--precision", default="bf16", help="bf16 (default), fp16 or fp32 (accelerate mixed_precision)")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), default="off",
@@ -60,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             problems.append(str(error))
     try:
         shape = TrainingShape(
-            seq_len=args.seq_len,
+            seq_len=args.seq_len or DEFAULT_SEQ_LEN,
             micro_batch=args.micro_batch,
             precision=args.precision,
             optimizer=args.optimizer,
@@ -79,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     hf_logging.set_verbosity_error()
     profile = profile_model(args.model, trust_remote_code=args.trust_remote_code)
+    shape, seq_note = _fit_seq_len(shape, profile, given=args.seq_len)
     memory_plan = plan(profile, hardware, shape)
 
     if args.diagram:
@@ -93,9 +103,36 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         print(format_plan(memory_plan, profile, source=args.model))
+        if seq_note:
+            print(f"note: {seq_note}")
         if args.diagram:
             print(f"diagram: {args.diagram}")
     return 0
+
+
+def _fit_seq_len(shape, profile, *, given: int | None):
+    """``(shape, note)``: the sequence length checked against the model's positions.
+
+    A ``--seq-len`` longer than ``max_position_embeddings`` is refused, not planned: the model as
+    its config stands cannot take it (a learned position table has no row for it; a rotary model
+    runs past its trained context and the recipes' positions would not match the config), so a
+    plan for it would describe a run that cannot happen as configured. The default is capped with
+    a note instead, as ``generate`` does."""
+    import dataclasses
+
+    from fsdp_presets.errors import UsageError
+
+    limit = profile.dims.max_position_embeddings
+    if not limit or shape.seq_len <= limit:
+        return shape, None
+    if given is not None:
+        raise UsageError(f"--seq-len {given} is longer than the model's {limit} positions "
+                         f"(max_position_embeddings in its config): use --seq-len {limit} or less, or plan a "
+                         "longer context on a config that allows it (raise max_position_embeddings, with "
+                         "rope_scaling for a rotary model)")
+    return (dataclasses.replace(shape, seq_len=limit),
+            f"sequence length {shape.seq_len} capped to {limit}, the model's maximum positions "
+            "(max_position_embeddings)")
 
 
 # --------------------------------------------------------------------------- human output
