@@ -89,6 +89,18 @@ DEFAULT_RESERVED_BYTES = 1 * GiB
 NCCL buffers. The context alone is typically 0.3-1 GiB depending on the CUDA version and which
 kernels are loaded; 1 GiB is a round, deliberately cautious figure (override per hardware)."""
 
+ALLOCATOR_RESERVE_FRACTION = 0.05
+"""Share of a GPU's memory kept back for what a rehearsal on CPU cannot see
+(:mod:`fsdp_presets.rehearsal`): the CUDA caching allocator rounds every block up (to 512 B, and
+large ones to 2 MiB segments) and fragments, and CUDA-only kernels take workspaces. PyTorch's
+own guidance on fragmentation (``PYTORCH_CUDA_ALLOC_CONF``, CUDA semantics notes) gives no single
+figure; 5% is a cautious round one. Added to :data:`DEFAULT_RESERVED_BYTES` by default."""
+
+def default_reserved_bytes(gpu_memory_bytes: int) -> int:
+    """:data:`DEFAULT_RESERVED_BYTES` + :data:`ALLOCATOR_RESERVE_FRACTION` of the GPU."""
+    return DEFAULT_RESERVED_BYTES + int(ALLOCATOR_RESERVE_FRACTION * max(gpu_memory_bytes, 0))
+
+
 # Order used to break ties between strategies that cost the same communication: the simplest
 # first, and the project's default FSDP2 before FSDP1.
 _PREFERENCE: tuple[tuple[str, int | None], ...] = (
@@ -125,10 +137,14 @@ class Hardware:
     """Memory of one GPU in bytes (80 GiB for an H100 SXM: ``80 * GiB``)."""
     nodes: int = 1
     """Machines the GPUs are spread over, the same number on each."""
-    reserved_bytes: int = DEFAULT_RESERVED_BYTES
-    """Memory of each GPU that tensors cannot use (CUDA context, library workspaces)."""
+    reserved_bytes: int | None = None
+    """Memory of each GPU that tensors cannot use (CUDA context, library workspaces, allocator
+    rounding and fragmentation). Default: :data:`DEFAULT_RESERVED_BYTES` plus
+    :data:`ALLOCATOR_RESERVE_FRACTION` of the GPU's memory (5 GiB of an 80 GiB GPU)."""
 
     def __post_init__(self) -> None:
+        if self.reserved_bytes is None:
+            object.__setattr__(self, "reserved_bytes", default_reserved_bytes(self.gpu_memory_bytes))
         problems = []
         if self.gpus < 1:
             problems.append(f"--gpus must be at least 1, got {self.gpus}")
@@ -179,6 +195,12 @@ class TrainingShape:
     attention: Literal["fused", "eager"] = "fused"
     """``fused`` (SDPA/FlashAttention: the s x s attention matrices are never stored) or ``eager``
     (they are, the ``5as/h`` term of [Korthikanti] Eq. 1)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    reduce_every_micro_batch: bool = False
+    """Reduce (FSDP: reduce-scatter) gradients after every micro-batch instead of accumulating
+    them unsharded under ``no_sync`` until the last one: less memory (no unsharded gradient of the
+    whole model), ``grad_accum`` times the gradient communication."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -190,6 +212,8 @@ class TrainingShape:
             problems.append(unknown_name_message("precision", str(self.precision), PRECISIONS))
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             problems.append(unknown_name_message("optimizer", str(self.optimizer), tuple(OPTIMIZER_STATE_BYTES)))
+        if self.grad_accum < 1:
+            problems.append(f"--grad-accum must be at least 1, got {self.grad_accum}")
         if self.attention not in ("fused", "eager"):
             problems.append(unknown_name_message("attention", str(self.attention), ("fused", "eager")))
         if problems:
@@ -506,45 +530,132 @@ def zero_model_state_bytes(total_params: int, stage: int, world_size: int, k: in
 # --------------------------------------------------------------------------- activations
 
 
-def activation_bytes_per_layer(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
-    """[Korthikanti] Eq. 1: one transformer layer stores ``sbh(34 + 5as/h)`` bytes of activations
-    with 16-bit activations (s sequence, b micro-batch, h hidden, a heads). ``5as/h`` is the
-    s x s attention scores, softmax and dropout mask, which fused attention (FlashAttention,
-    Dao et al. 2022; PyTorch SDPA) never stores: [Korthikanti] Sec. 4.2 drops the same term by
-    recomputing it. fp32 activations double the 16-bit figure.
+@dataclass(frozen=True, kw_only=True)
+class BlockActivations:
+    """What one family's blocks keep for backward, in bytes per token and per hidden unit with
+    16-bit compute, measured by rehearsing a real training step (:mod:`fsdp_presets.rehearsal`).
+    Bytes of one block = coefficient x sequence x micro-batch x hidden size."""
 
-    The 34 is for a GPT layer (4h GELU MLP, dropout); gated MLPs of other widths store somewhat
-    different amounts: an estimate, not a measurement."""
-    s, b, h, a = shape.seq_len, micro_batch, profile.dims.hidden_size, profile.dims.num_attention_heads
-    coefficient = 34 + (5 * a * s / h if shape.attention == "eager" else 0)
-    return math.ceil(s * b * h * coefficient * shape.compute_bytes / 2)
+    saved: float
+    """One block without activation checkpointing."""
+    checkpointed: float
+    """One block under activation checkpointing (its input, and what the checkpoint keeps)."""
+    outside: float
+    """Outside the blocks (embedding output, final norm), once per model."""
+    logits: float = 12
+    """Bytes per logit element (sequence x micro-batch x vocabulary) at the loss's backward: see
+    :data:`LOGITS_BYTES_AT_PEAK`; more where the model transforms its logits (Gemma 2's final
+    soft-capping keeps its own copies)."""
+    attention_scores: float = 0
+    """Bytes per attention score (heads x sequence^2 x micro-batch) one block stores: non-zero for
+    families whose attention is eager in transformers (Gemma 2's soft-capping), 0 for SDPA."""
+    measured: str
+    """The rehearsals that produced the numbers, and what they measured."""
+
+
+_REHEARSED = "fsdp-presets rehearse model_configs/{model} --gpus 8 --seq-len {seq} (FULL_SHARD, bf16, micro-batch 1) "
+
+BLOCK_ACTIVATIONS = MappingProxyType({
+    # SwiGLU MLP (gate, up, their product and the SiLU: 8 bytes per intermediate unit), fp32
+    # RMSNorm upcasts, rotary q/k copies: about 25.5 x h + 8 x intermediate per token and layer.
+    "llama": BlockActivations(
+        saved=54.03, checkpointed=2.0, outside=8.13,
+        measured=_REHEARSED.format(model="llama-3.1-8b", seq=4096) + "with 32 and 2 layers: activations 29.10 and "
+        "3.77 GiB at the loss's backward (25.33 GiB / 30 layers = 54.03 x s x h); under activation checkpointing "
+        "3.10 and 2.16 GiB (2.0: each block keeps its bf16 input)"),
+    "mistral": BlockActivations(
+        saved=54.03, checkpointed=2.0, outside=8.13,
+        measured=_REHEARSED.format(model="mistral-7b-v0.3", seq=4096) + "with 4 and 2 layers: activations 4.00 and "
+        "2.32 GiB (Llama's block); checkpointed as Llama's (its own peak then moves into a block's backward)"),
+    "qwen2": BlockActivations(
+        saved=68.6, checkpointed=2.0, outside=8.14,
+        measured=_REHEARSED.format(model="qwen2.5-7b", seq=4096) + "with 4 and 2 layers: activations 6.18 and "
+        "4.31 GiB (a 5.3 x h MLP); under activation checkpointing 2.56 and 2.50 GiB"),
+    "phi3": BlockActivations(
+        saved=54.04, checkpointed=2.0, outside=8.13,
+        measured=_REHEARSED.format(model="phi-3-mini-4k", seq=4096) + "with 4 and 2 layers: activations 3.12 and "
+        "1.85 GiB; under activation checkpointing 0.69 and 0.65 GiB"),
+    "gemma2": BlockActivations(
+        saved=77.16, checkpointed=2.0, outside=8.13, logits=14.03, attention_scores=8.0,
+        measured=_REHEARSED.format(model="gemma-2-9b", seq="4096 and 2048") + "with 4 and 2 layers: activations "
+        "18.22 and 12.11 GiB at 4096, 7.11 and 5.05 GiB at 2048; per layer 77.16 x s x h plus 8 bytes per "
+        "attention score (eager attention: soft-capping), the final logit soft-capping 2.03 bytes per logit "
+        "more; under activation checkpointing 6.17 and 6.12 GiB at 4096"),
+    "mixtral": BlockActivations(
+        saved=90.0, checkpointed=2.0, outside=8.13,
+        measured=_REHEARSED.format(model="mixtral-8x7b", seq=4096) + "with all 32 layers: peak 119.93 GiB in the "
+        "last block's backward, activations and temporaries 45.84 GiB (the expert MLPs' routed copies); fitted to "
+        "that run. Truncated models (2 and 4 layers) measure less per layer: expert routing under fake tensors is "
+        "not data-dependent, so this is an estimate for other sizes"),
+})
+"""Per Hugging Face ``model_type``: measured by ``fsdp-presets rehearse`` (FSDP2 FULL_SHARD,
+bf16, seq 4096, micro-batch 1) at two layer counts of the family's shipped config
+(``model_configs/``): the difference per layer is ``saved``/``checkpointed``, the rest after the
+logits is ``outside``. A family not listed uses the largest measured figures (cautious)."""
+
+LOGITS_BYTES_AT_PEAK = 12
+"""Bytes per logit element (sequence x micro-batch x vocabulary) at the peak, the backward of the
+loss: the fp32 log-softmax that ``cross_entropy`` saved (4) and the two fp32 gradients its
+backward computes from it (8). Measured: 8B at 8 GPUs, seq 4096: 1.96 GiB saved + 3.91 GiB of
+temporaries for 525M logits. (The bf16 logits and their fp32 copy are freed by then.)"""
+
+
+def block_activations(profile: ModelProfile) -> BlockActivations:
+    """The family's measured :class:`BlockActivations`, or the largest measured ones."""
+    known = BLOCK_ACTIVATIONS.get(profile.model_type)
+    if known is not None:
+        return known
+    return BlockActivations(
+        saved=max(entry.saved for entry in BLOCK_ACTIVATIONS.values()),
+        checkpointed=max(entry.checkpointed for entry in BLOCK_ACTIVATIONS.values()),
+        outside=max(entry.outside for entry in BLOCK_ACTIVATIONS.values()),
+        logits=LOGITS_BYTES_AT_PEAK,
+        measured=f"no measurement for model_type {profile.model_type!r}: the largest of "
+        f"{', '.join(sorted(BLOCK_ACTIVATIONS))}",
+    )
+
+
+def _tokens_hidden(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> float:
+    """``s x b x h``, scaled by the compute width (fp32 activations are twice 16-bit ones)."""
+    return shape.seq_len * micro_batch * profile.dims.hidden_size * shape.compute_bytes / 2
+
+
+def activation_bytes_per_layer(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
+    """One block's saved activations, without checkpointing: the family's measured coefficient
+    (:data:`BLOCK_ACTIVATIONS`) x ``sbh``. With eager attention add the ``5as/h`` of
+    [Korthikanti] Eq. 1 (the s x s scores, softmax and dropout mask), which fused attention
+    (FlashAttention, Dao et al. 2022; PyTorch SDPA, as rehearsed) never stores.
+
+    [Korthikanti] Eq. 1 gives 34 for a GPT layer (4h GELU MLP); a Llama block measures ~54
+    (SwiGLU's three 3.5h-wide tensors, the fp32 upcast inside RMSNorm, rotary embeddings)."""
+    s, a, h = shape.seq_len, profile.dims.num_attention_heads, profile.dims.hidden_size
+    family = block_activations(profile)
+    coefficient = family.saved + (5 * a * s / h if shape.attention == "eager" and not family.attention_scores else 0)
+    scores = family.attention_scores * a * s * s * micro_batch * shape.compute_bytes / 2
+    return math.ceil(_tokens_hidden(profile, shape, micro_batch) * coefficient + scores)
 
 
 def logits_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
-    """Logits of the output head, ``s x b x V``: in the compute dtype, plus the fp32 copy the
-    Hugging Face loss makes (``transformers/loss/loss_utils.py``: ``logits = logits.float()``)
-    and the fp32 log-softmax ``cross_entropy`` saves for backward. In fp32 the copy is the
-    tensor itself."""
-    elements = shape.seq_len * micro_batch * profile.dims.vocab_size
-    per_element = 4 + 4 if shape.compute_bytes == 4 else shape.compute_bytes + 4 + 4
-    return elements * per_element
+    """Logits and the loss's fp32 tensors at the peak (:data:`LOGITS_BYTES_AT_PEAK` per element)."""
+    per_element = block_activations(profile).logits
+    return math.ceil(shape.seq_len * micro_batch * profile.dims.vocab_size * per_element)
 
 
 def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int | None = None) -> int:
-    """Saved activations at the end of forward, plus logits.
+    """Activations at the peak, the start of backward (the loss's backward): every block's saved
+    activations (checkpointed blocks keep less, :class:`BlockActivations`), what is saved outside
+    the blocks, and the logits with the loss's fp32 tensors.
 
-    Without checkpointing: L layers of [Korthikanti] Eq. 1. With full recomputation
-    ([Korthikanti] Sec. 5): ``2sbh`` per layer (each block's 16-bit input) plus one layer's
-    full activations while that layer is recomputed in backward."""
+    Under activation checkpointing the peak is still there: recomputing one block later in
+    backward needs less than the logits' loss tensors free by then (measured for 8B and 70B)."""
     b = shape.micro_batch if micro_batch is None else micro_batch
-    per_layer = activation_bytes_per_layer(profile, shape, b)
-    layers = profile.dims.num_layers
-    if shape.activation_checkpointing:
-        stored_inputs = math.ceil(2 * shape.seq_len * b * profile.dims.hidden_size * shape.compute_bytes / 2)
-        saved = layers * stored_inputs + per_layer
-    else:
-        saved = layers * per_layer
-    return saved + logits_bytes(profile, shape, b)
+    family = block_activations(profile)
+    per_block = family.checkpointed if shape.activation_checkpointing else family.saved
+    tokens_hidden = _tokens_hidden(profile, shape, b)
+    blocks = profile.dims.num_layers * (
+        math.ceil(tokens_hidden * per_block) if shape.activation_checkpointing
+        else activation_bytes_per_layer(profile, shape, b))
+    return blocks + math.ceil(tokens_hidden * family.outside) + logits_bytes(profile, shape, b)
 
 
 # --------------------------------------------------------------------------- communication
@@ -612,37 +723,90 @@ def fsdp_comm(
 # --------------------------------------------------------------------------- one strategy
 
 
-def _buffers(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: int | None) -> int:
-    """Transient bytes at the peak (start of backward), per strategy. See each branch."""
+ACCUMULATED_GRAD_BYTES = {1: STORED_PARAM_BYTES, 2: 2}
+"""Bytes per parameter of the unsharded gradients FSDP accumulates under ``no_sync``, by FSDP
+version, with 16-bit compute. FSDP2 keeps every parameter's unsharded gradient in the compute
+dtype until the micro-batch that reduces (measured: +14.96 GiB per GPU for 8B at 8 GPUs, with
+or without activation checkpointing); FSDP1 accumulates them in the parameter dtype (fp32; not
+rehearsed). In fp32 both are 4."""
+
+
+def _accumulated_grads(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> int:
+    """Unsharded gradients of the whole model held across micro-batches under ``no_sync``."""
+    if shape.grad_accum == 1 or shape.reduce_every_micro_batch or fsdp_version is None:
+        return 0
+    per_param = STORED_PARAM_BYTES if shape.compute_bytes == 4 else ACCUMULATED_GRAD_BYTES[fsdp_version]
+    return profile.total_params * per_param
+
+
+def _mlp_width(profile: ModelProfile) -> int:
+    """Widest MLP tensor per token: the intermediate size, times the experts each token visits."""
+    return profile.dims.intermediate_size * max(1, profile.dims.num_experts_per_token)
+
+
+def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: int | None,
+          state: ModelStateBytes, micro_batch: int) -> PerGpuBytes:
+    """Bytes on one GPU at the peak of a step at ``micro_batch``; ``state`` is what the GPU keeps
+    between steps (zero when offloaded).
+
+    FSDP: the larger of two moments of the last micro-batch's backward, as rehearsed:
+
+    - the loss's backward (the peak in every rehearsal here): parameters and optimizer state,
+      every saved activation, the logits' fp32 loss tensors, the units FSDP keeps gathered (the
+      tail/root), and the unsharded gradients accumulated under ``no_sync``. Gradient shards do
+      not exist yet (``zero_grad(set_to_none=True)`` freed them), unless gradients are reduced
+      every micro-batch, which keeps their fp32 shards between micro-batches.
+    - a block's backward: the logits' tensors are gone; that block and the next (prefetched,
+      [FSDP] Sec. 3.3) are gathered, with the unsharded gradients of one and the gradient shards
+      of the units reduced before it; its activations are recomputed first under activation
+      checkpointing, and the gradients of its MLP's two widest tensors are live (measured:
+      Mixtral-8x7B peaks here, and Mistral-7B under activation checkpointing, with
+      2 x s x b x intermediate x 2 bytes of temporaries).
+
+    DDP and NO_SHARD are not rehearsed: model states, full gradients and the buffers below."""
     c = shape.compute_bytes
     total = profile.total_params
+    activations = activation_bytes(profile, shape, micro_batch)
+    accumulated = _accumulated_grads(profile, shape, fsdp_version)
     if name == "DDP":
         # [DDP]: buckets as large as all gradients (fp32, the parameter dtype) unless
         # gradient_as_bucket_view=True; under autocast the low-precision copies of the weights
         # are saved for backward.
-        return total * STORED_PARAM_BYTES + (total * c if shape.mixed else 0)
+        buffers = total * STORED_PARAM_BYTES + (total * c if shape.mixed else 0)
+        return PerGpuBytes(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                           activations=activations, buffers=buffers)
+    if name == "NO_SHARD":
+        units = fsdp_units(profile, fsdp_version)
+        largest = max((unit.params for unit in units), default=0)
+        # FSDP1 NO_SHARD under mixed precision keeps a full low-precision copy for compute.
+        buffers = (total * c + largest * c) if shape.mixed else 0
+        return PerGpuBytes(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                           activations=activations, buffers=buffers + accumulated)
     units = fsdp_units(profile, fsdp_version)
-    # The two largest units resharded after forward: the one computing and the one prefetched
-    # ([FSDP] Sec. 3.3: forward and backward prefetch hold one extra unit).
     resharded = sorted(
         (unit.params for unit in units if unit.reshards_after_forward for _ in range(min(unit.count, 2))),
         reverse=True,
     )
     largest = resharded[0] if resharded else 0
-    in_flight = sum(resharded[:2])
     kept = sum(unit.count * unit.params for unit in units if not unit.reshards_after_forward)
-    # Unsharded gradients of the unit in backward before its reduce-scatter; FSDP2 also copies
-    # them into a flat reduce-scatter input (foreach_reduce_scatter_copy_in).
-    grad_in_flight = largest * c * (2 if fsdp_version == 2 else 1)
-    root_grad = kept * c if fsdp_version == 1 else 0
-    if name == "NO_SHARD":
-        # FSDP1 NO_SHARD under mixed precision keeps a full low-precision copy for compute.
-        return (total * c + largest * c) if shape.mixed else 0
     if name == "SHARD_GRAD_OP":
-        # Every unit stays all-gathered from its forward until its backward.
-        return total * c + grad_in_flight + root_grad
-    # FULL_SHARD / HYBRID_SHARD: kept units, plus the units in flight.
-    return kept * c + in_flight * c + grad_in_flight + root_grad
+        gathered_at_loss = gathered_in_block = total  # every unit gathered from forward to backward
+    else:
+        gathered_at_loss, gathered_in_block = kept, kept + sum(resharded[:2])
+    grads = state.grads if shape.grad_accum > 1 and shape.reduce_every_micro_batch else 0
+    # In a block's backward the units reduced before it (the tail, the block after it) already
+    # hold their fp32 gradient shards (measured: 0.74 GiB for Mixtral-8x7B at 8 GPUs).
+    reduced_shards = grads or (state.grads * (largest + kept) // total if total else 0)
+    at_loss = PerGpuBytes(params=state.params, grads=grads, optimizer=state.optimizer, activations=activations,
+                          buffers=gathered_at_loss * c + accumulated)
+    # Under activation checkpointing the block in backward first recomputes its full activations.
+    recomputed = activation_bytes_per_layer(profile, shape, micro_batch) if shape.activation_checkpointing else 0
+    block_temporaries = 2 * shape.seq_len * micro_batch * _mlp_width(profile) * c
+    in_block = PerGpuBytes(params=state.params, grads=reduced_shards, optimizer=state.optimizer,
+                           activations=activations - logits_bytes(profile, shape, micro_batch) + recomputed
+                           + block_temporaries,
+                           buffers=gathered_in_block * c + largest * c + accumulated)
+    return max(at_loss, in_block, key=lambda peak: peak.total)
 
 
 def _strategy_plan(
@@ -664,7 +828,6 @@ def _strategy_plan(
     if offloaded:
         notes.append(f"{state.total / GiB:.1f} GiB of model states per rank in host memory")
     on_gpu = ModelStateBytes(params=0, grads=0, optimizer=0) if offloaded else state
-    buffers = _buffers(profile, shape, name, fsdp_version)
 
     if name == "DDP":
         # Gradients all-reduced in the parameter dtype (fp32 under autocast) [ZeRO] Sec. 7.1.
@@ -674,18 +837,10 @@ def _strategy_plan(
     else:
         comm = fsdp_comm(profile, hardware, shape, name, fsdp_version)
 
-    fixed = on_gpu.total + buffers
-
     def total_at(micro_batch: int) -> int:
-        return fixed + activation_bytes(profile, shape, micro_batch)
+        return _peak(profile, shape, name, fsdp_version, on_gpu, micro_batch).total
 
-    per_gpu = PerGpuBytes(
-        params=on_gpu.params,
-        grads=on_gpu.grads,
-        optimizer=on_gpu.optimizer,
-        activations=activation_bytes(profile, shape),
-        buffers=buffers,
-    )
+    per_gpu = _peak(profile, shape, name, fsdp_version, on_gpu, shape.micro_batch)
     return StrategyPlan(
         name=name,
         fsdp_version=fsdp_version,

@@ -105,8 +105,10 @@ class FakeAccelerate:
 
         model = self.build_model(config, trust_remote_code=trust_remote_code)
         with self.fake_mode:
+            # foreach=True: what torch.optim picks by default for CUDA tensors (and so in the recipes
+            # on GPUs), with its per-group temporaries; on CPU tensors the default is a per-tensor loop.
             optimizer = torch.optim.AdamW(training.param_groups(model, weight_decay), lr=learning_rate,
-                                          betas=(0.9, 0.95))
+                                          betas=(0.9, 0.95), foreach=True)
             model, optimizer = self.accelerator.prepare(model, optimizer)
         return model, optimizer
 
@@ -141,7 +143,10 @@ def fake_accelerate(env: dict[str, str], *, world_size: int):
     restore_mesh = _default_mesh_built_outside_fake_mode(world_size)
     restore_ids = _fake_parameters_keep_their_identity()
     try:
-        enable_cpu_fsdp()
+        if enable_cpu_fsdp():
+            # What enable_cpu_fsdp() sets once per process; restored away by an earlier use.
+            os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+            os.environ.setdefault("ACCELERATE_TORCH_DEVICE", "cpu")
         from accelerate import Accelerator
 
         accelerator = Accelerator()
@@ -327,16 +332,27 @@ def _clip_like_training(model, max_norm: float) -> None:
         local.mul_(coefficient)
 
 
+REHEARSED_MICRO_BATCHES = 2
+"""Micro-batches rehearsed per optimizer step when more are accumulated. From the second on, each
+micro-batch of a step holds what the second holds (gradients accumulated so far have their full
+size after the first), so a longer accumulation has the same peak; only the last one differs
+(it reduces), and the second of two is the last."""
+
+
 def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micro_batch: int = 1,
-             grad_accum: int = 1, iterations: int = 2, trust_remote_code: bool = False) -> Rehearsal:
-    """Rehearse ``iterations`` optimizer steps of ``grad_accum`` micro-batches each, as
-    ``recipes/causal_lm.py`` runs them, and return rank 0's peak (see the module notes)."""
+             grad_accum: int = 1, reduce_every_micro_batch: bool = False, iterations: int = 2,
+             trust_remote_code: bool = False) -> Rehearsal:
+    """Rehearse ``iterations`` optimizer steps of ``grad_accum`` micro-batches each (at most
+    :data:`REHEARSED_MICRO_BATCHES`, which have the same peak), as ``recipes/causal_lm.py`` runs
+    them, and return rank 0's peak (see the module notes). ``reduce_every_micro_batch``: reduce
+    gradients after every micro-batch instead of accumulating them unsharded under ``no_sync``."""
     import torch
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_presets import training
 
     started = time.perf_counter()
+    micro_batches = min(grad_accum, REHEARSED_MICRO_BATCHES)
     restore_propagation = _exclude_sharding_propagation()
     try:
         with fake_accelerate(env, world_size=world_size) as fake:
@@ -354,8 +370,9 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
             model.train()
             with fake.fake_mode, tracker:
                 for _ in range(iterations):
-                    for index in range(grad_accum):
-                        with training.gradient_sync(accelerator, model, last_micro_batch=index == grad_accum - 1):
+                    for index in range(micro_batches):
+                        last = index == micro_batches - 1 or reduce_every_micro_batch
+                        with training.gradient_sync(accelerator, model, last_micro_batch=last):
                             loss = causal_lm_summed_loss(model, input_ids, labels)
                             accelerator.backward(loss / (micro_batch * seq_len * grad_accum))
                         del loss

@@ -70,7 +70,10 @@ def test_planner_model_states_reproduce_zero_ddp_and_stage_3():
         assert round(full.model_state.total / GB, 1) == 1.9
         # Every unit here divides by 64: no padding, exactly the paper's (2+2+12) x P / 64.
         assert full.model_state.total == zero_model_state_bytes(7.5e9, 3, 64)
-        assert full.per_gpu.params + full.per_gpu.grads + full.per_gpu.optimizer == full.model_state.total
+        # At the peak (the start of backward) most gradient shards do not exist yet: zero_grad
+        # freed them, and only the units already reduced hold theirs.
+        assert full.per_gpu.grads < full.model_state.grads / 8
+        assert full.per_gpu.params + full.per_gpu.optimizer == full.model_state.total - full.model_state.grads
 
 
 def test_shard_grad_op_is_zero_stage_2_with_fp32_gradient_shards():
@@ -142,20 +145,67 @@ def test_hybrid_shard_shards_inside_a_node_and_all_reduces_across():
     assert "HYBRID_SHARD" not in {s.name for s in plan(profile, Hardware(gpus=8, gpu_memory_bytes=80 * GiB), TrainingShape()).strategies}
 
 
-def test_activations_follow_korthikanti():
-    """Korthikanti et al. 2022: sbh(34 + 5as/h) per layer (16-bit), 2sbh per layer with full
-    recomputation plus one layer being recomputed; logits s x b x V on top."""
+def test_activations_use_the_measured_block_constants():
+    """Per block: the family's measured bytes per token per hidden unit (Korthikanti et al.
+    2022's 34 for a GPT layer is too low for gated MLPs), plus 5as/h with eager attention; the
+    logits at 12 bytes each at the loss's backward. A family without a measurement takes the
+    largest measured figures."""
+    import math
+
+    from fsdp_presets.planner import BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, block_activations
+
     profile = make_profile(blocks=24, block_params=1, root_params=0, hidden=2048, heads=16, vocab=1000)
+    family = block_activations(profile)
+    assert family.saved == max(entry.saved for entry in BLOCK_ACTIVATIONS.values())
+    assert "no measurement for model_type 'gpt'" in family.measured
     s, b, h, a = 1024, 2, 2048, 16
     eager = TrainingShape(seq_len=s, micro_batch=b, attention="eager")
-    assert activation_bytes_per_layer(profile, eager, b) == s * b * h * (34 + 5 * a * s // h)
+    assert activation_bytes_per_layer(profile, eager, b) == math.ceil(s * b * h * (family.saved + 5 * a * s / h))
     fused = TrainingShape(seq_len=s, micro_batch=b)
-    assert activation_bytes_per_layer(profile, fused, b) == s * b * h * 34
-    assert activation_bytes_per_layer(profile, fused.replace(precision="fp32"), b) == 2 * s * b * h * 34
-    logits = s * b * 1000 * (2 + 4 + 4)
-    assert activation_bytes(profile, fused) == 24 * s * b * h * 34 + logits
+    per_layer = activation_bytes_per_layer(profile, fused, b)
+    assert per_layer == math.ceil(s * b * h * family.saved)
+    assert activation_bytes_per_layer(profile, fused.replace(precision="fp32"), b) == math.ceil(2 * s * b * h * family.saved)
+    logits = s * b * 1000 * LOGITS_BYTES_AT_PEAK
+    outside = math.ceil(s * b * h * family.outside)
+    assert activation_bytes(profile, fused) == 24 * per_layer + outside + logits
     checkpointed = fused.replace(activation_checkpointing=True)
-    assert activation_bytes(profile, checkpointed) == 24 * 2 * s * b * h + s * b * h * 34 + logits
+    assert activation_bytes(profile, checkpointed) == 24 * math.ceil(s * b * h * family.checkpointed) + outside + logits
+
+
+def test_every_measured_family_says_what_measured_it():
+    from fsdp_presets.planner import BLOCK_ACTIVATIONS
+
+    for model_type, entry in BLOCK_ACTIVATIONS.items():
+        assert "fsdp-presets rehearse" in entry.measured, model_type
+        assert 0 < entry.checkpointed < entry.saved and entry.outside > 0, model_type
+
+
+def test_accumulation_under_no_sync_holds_unsharded_gradients_of_the_whole_model():
+    """FSDP2 under no_sync keeps every parameter's unsharded gradient in the compute dtype between
+    micro-batches (rehearsed: +14.96 GiB per GPU for Llama-3.1-8B at 8 GPUs = 8.03B x 2 bytes);
+    reducing every micro-batch keeps only the fp32 gradient shards instead."""
+    profile = make_profile(blocks=32, block_params=200_000_000, root_params=500_000_000)
+    hardware = Hardware(gpus=8, gpu_memory_bytes=80 * GiB)
+    one = plan(profile, hardware, TrainingShape(seq_len=4096)).get("FULL_SHARD", 2)
+    accumulated = plan(profile, hardware, TrainingShape(seq_len=4096, grad_accum=4)).get("FULL_SHARD", 2)
+    assert accumulated.per_gpu.total - one.per_gpu.total == profile.total_params * 2
+    assert accumulated.per_gpu.grads == one.per_gpu.grads == 0
+    reduced = plan(profile, hardware, TrainingShape(seq_len=4096, grad_accum=4, reduce_every_micro_batch=True))
+    reduced_row = reduced.get("FULL_SHARD", 2)
+    assert reduced_row.per_gpu.grads == reduced_row.model_state.grads
+    assert reduced_row.per_gpu.total - one.per_gpu.total == reduced_row.model_state.grads
+    fsdp1 = plan(profile, hardware, TrainingShape(seq_len=4096, grad_accum=4)).get("FULL_SHARD", 1)
+    assert fsdp1.per_gpu.total - plan(profile, hardware, TrainingShape(seq_len=4096)).get("FULL_SHARD", 1).per_gpu.total \
+        == profile.total_params * 4
+
+
+def test_plan_grad_accum_flag(capsys):
+    code = main(["plan", "llama", "--gpus", "2", "--gpu-memory", "24", "--grad-accum", "4", "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["shape"]["grad_accum"] == 4 and document["shape"]["reduce_every_micro_batch"] is False
+    assert main(["plan", "llama", "--gpus", "2", "--gpu-memory", "24", "--grad-accum", "0"]) == 2
+    assert "--grad-accum must be at least 1" in capsys.readouterr().err
 
 
 def test_max_micro_batch_is_the_largest_that_fits():

@@ -3,8 +3,10 @@
     fsdp-presets plan tests/data/llama-3-70b --gpus 16 --nodes 2 --gpu-memory 80 --seq-len 4096
     fsdp-presets plan llama --gpus 2 --gpu-memory 24 --json
     fsdp-presets plan path/to/model --gpus 8 --gpu-memory 80 --diagram plan.png
+    fsdp-presets plan model_configs/llama-3.1-8b --gpus 8 --gpu-memory 80 --seq-len 4096 --grad-accum 4
 
-Per GPU: parameters, gradients, optimizer state, activations and transient buffers for DDP,
+Per GPU at the step's peak (the start of backward, as a rehearsal measures it: ``fsdp-presets
+rehearse``): parameters, gradients, optimizer state, activations and transient buffers for DDP,
 NO_SHARD, SHARD_GRAD_OP, FULL_SHARD and (with --nodes > 1) HYBRID_SHARD, FSDP1 and FSDP2;
 whether each fits, the largest micro-batch that does, and the bytes each GPU sends per step.
 Formulas and their sources: :mod:`fsdp_presets.planner`.
@@ -33,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a longer one given here is refused)")
     parser.add_argument("--micro-batch", type=arguments.micro_batch, default=1,
                         help="sequences per GPU per step (default 1)")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches accumulated per optimizer step (default 1); under no_sync FSDP keeps "
+                        "unsharded gradients of the whole model between them")
+    parser.add_argument("--reduce-every-micro-batch", action="store_true",
+                        help="plan gradients reduced after every micro-batch instead of accumulated under no_sync")
     parser.add_argument("--precision", default="bf16", help="bf16 (default), fp16 or fp32 (accelerate mixed_precision)")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
     parser.add_argument("--activation-checkpointing", choices=("on", "off"), default="off",
@@ -71,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         shape = TrainingShape(
             seq_len=args.seq_len or DEFAULT_SEQ_LEN,
             micro_batch=args.micro_batch,
+            grad_accum=args.grad_accum,
+            reduce_every_micro_batch=args.reduce_every_micro_batch,
             precision=args.precision,
             optimizer=args.optimizer,
             activation_checkpointing=args.activation_checkpointing == "on",
@@ -148,7 +157,8 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
     lines = [
         f"{source}: {profile.architecture}, {human_count(profile.total_params)} parameters",
         f"{hardware.gpus} GPUs{nodes} x {hardware.gpu_memory_bytes / GiB:g} GiB "
-        f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}, "
+        f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}"
+        f"{_accumulation_text(shape)}, "
         f"{shape.precision}, {shape.optimizer}, activation checkpointing "
         f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}",
         "",
@@ -184,6 +194,13 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         lines.append(f"reason: {memory_plan.reason}")
         lines += [f"try: {suggestion}" for suggestion in memory_plan.suggestions]
     return "\n".join(lines)
+
+
+def _accumulation_text(shape) -> str:
+    if shape.grad_accum == 1:
+        return ""
+    how = "reduced every micro-batch" if shape.reduce_every_micro_batch else "no_sync"
+    return f" x {shape.grad_accum} accumulation ({how})"
 
 
 def _unit(largest: float, *, binary: bool) -> tuple[str, int]:
