@@ -404,12 +404,22 @@ def auto_tolerance(baseline: RunRecord, candidate: RunRecord) -> Tolerance:
 # ---------------------------------------------------------------------------------------------
 
 
-def relative_deviation(baseline: float, candidate: float) -> float:
-    """|a - b| / max(|a|, |b|): 0 for equal values (NaN == NaN included), inf when one is not finite."""
-    if baseline == candidate or (math.isnan(baseline) and math.isnan(candidate)):
+# Metrics where two equal non-finite values still agree: with fp16 loss scaling an overflowing
+# step has an inf (or NaN) gradient norm in both runs and is skipped by both. A NaN or inf loss is
+# never agreement: a run whose loss is not finite has stopped training, whatever the other did.
+NON_FINITE_MAY_AGREE: frozenset[str] = frozenset({"grad_norm"})
+
+
+def relative_deviation(baseline: float, candidate: float, *, metric: str = "loss") -> float:
+    """|a - b| / max(|a|, |b|): 0 for equal values, inf when either is NaN or infinite (two NaN
+    losses are a divergence, not a match), except two equal non-finite values of a metric in
+    :data:`NON_FINITE_MAY_AGREE`."""
+    both_finite = math.isfinite(baseline) and math.isfinite(candidate)
+    if not both_finite:
+        same = baseline == candidate or (math.isnan(baseline) and math.isnan(candidate))
+        return 0.0 if same and metric in NON_FINITE_MAY_AGREE else math.inf
+    if baseline == candidate:
         return 0.0
-    if not (math.isfinite(baseline) and math.isfinite(candidate)):
-        return math.inf
     return abs(baseline - candidate) / max(abs(baseline), abs(candidate))
 
 
@@ -610,7 +620,7 @@ def compare_runs(baseline: RunRecord, candidate: RunRecord, tolerance: float | T
                 metric=name,
                 tolerance=chosen.for_metric(name),
                 steps=steps,
-                deviations=[relative_deviation(ours[step], theirs[step]) for step in steps],
+                deviations=[relative_deviation(ours[step], theirs[step], metric=name) for step in steps],
                 baseline_values=[ours[step] for step in steps],
                 candidate_values=[theirs[step] for step in steps],
             )
@@ -667,7 +677,15 @@ def diagnose(comparison: Comparison) -> str | None:
     )
     resumed_before = [r for r in resume_steps if r < step <= r + RESUME_WINDOW_STEPS]
 
-    if first.metric == "samples_seen":
+    if not (math.isfinite(base_value) and math.isfinite(cand_value)):
+        runs = [role for role, value in (("baseline", base_value), ("candidate", cand_value)) if not math.isfinite(value)]
+        cause = (
+            f"the {' and the '.join(runs)} {'runs' if len(runs) > 1 else 'run'} logged a {first.metric} that is "
+            "not a number (NaN or inf): the training blew up there (learning rate too high, fp16 overflow "
+            "without loss scaling, bad data). A run that is not finite matches nothing, not even another "
+            "such run: fix it and compare again"
+        )
+    elif first.metric == "samples_seen":
         cause = (
             "the runs consumed a different number of samples by this step: a batch skipped or "
             "repeated (data position not restored exactly on resume, a changed micro-batch or "

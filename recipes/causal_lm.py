@@ -83,9 +83,9 @@ def main():
     run = check_output_dir(args.output_dir, identity, args.resume, settings)
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(run, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
-    config = AutoConfig.from_pretrained(args.model)
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=False)  # never run code from the model folder
     training.check_seq_len(args.seq_len, config)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     set_seed(args.seed)
 
     # ---- data ----
@@ -99,7 +99,7 @@ def main():
     global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size
 
     # ---- model ----
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, trust_remote_code=False)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate,
                                   betas=(0.9, 0.95))
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,

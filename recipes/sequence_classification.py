@@ -74,9 +74,9 @@ def main():
     run = check_output_dir(args.output_dir, identity, args.resume, settings)
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(run, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
-    config = AutoConfig.from_pretrained(args.model)
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=False)  # never run code from the model folder
     training.check_seq_len(args.seq_len, config)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     set_seed(args.seed)
 
     # ---- data ----
@@ -94,7 +94,8 @@ def main():
     config.id2label = dict(enumerate(label_names))
     config.label2id = {name: index for index, name in enumerate(label_names)}
     model = AutoModelForSequenceClassification.from_pretrained(args.model, config=config, dtype=torch.float32,
-                                                               ignore_mismatched_sizes=args.new_head)
+                                                               ignore_mismatched_sizes=args.new_head,
+                                                               trust_remote_code=False)
     optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate)
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                               num_training_steps=args.max_steps)

@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--no-probe", action="store_true", help="skip running accelerate's FSDP preparation of the model under a "
         "fake process group")
     add("--list-rules", action="store_true", help="list the rule ids and exit")
+    add("--trust-remote-code", action="store_true",
+        help="allow a model config that names its own Python code (auto_map) to run that code")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.lint import CheckContext, check_file, model_facts
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.trust_remote_code:
+        import functools
+
+        model_facts = functools.partial(model_facts, trust_remote_code=True)
     explicit = model_facts(args.model) if args.model else None
     cache: dict = {}
     documents, failed, lines = [], False, []
