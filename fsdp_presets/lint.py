@@ -1241,6 +1241,10 @@ def _launch_processes(config: dict, context: CheckContext) -> int:
     return product if product > 1 else 2
 
 
+_PROBES: dict = {}
+"""Probe results of this process, by (model, launch environment, processes)."""
+
+
 def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -> list[Finding]:
     from fsdp_presets.wrap_probe import WrapProbe, probe_wrapping
 
@@ -1249,7 +1253,10 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
     if (sizes.get("tp_size") or 1) > 1:
         view.probe = WrapProbe(skipped="tensor parallelism: the probe does not build a TP plan")
         return []
-    view.probe = probe = probe_wrapping(model.source, view.env, view.num_processes)
+    key = (model.source, tuple(sorted(view.env.items())), view.num_processes)
+    if key not in _PROBES:  # files that differ only outside the launch environment share one probe
+        _PROBES[key] = probe_wrapping(model.source, view.env, view.num_processes)
+    view.probe = probe = _PROBES[key]
     settings = view.fsdp_settings()
     named = settings["transformer_cls_names_to_wrap"] if "FSDP_TRANSFORMER_CLS_TO_WRAP" in view.env else []
     blocks = ",".join(model.profile.wrap_classes)

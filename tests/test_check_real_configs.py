@@ -172,3 +172,10 @@ def test_real_config_wrapping_is_proved(name):
     assert probe.left_out == []
     blocks = _facts(name).profile.wrap_classes
     assert sum(1 for _, classes, _ in probe.units if classes in blocks) == _facts(name).profile.dims.num_layers
+
+
+def test_every_real_config_has_its_source_in_the_readme():
+    readme = (REAL / "README.md").read_text()
+    rows = {line.split("|")[1].strip() for line in readme.splitlines() if line.startswith("| ") and ".yaml" in line}
+    assert rows == set(FILES)
+    assert "Apache License 2.0" in readme
