@@ -186,7 +186,7 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> li
         script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
         "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
         "--gradient-accumulation-steps", str(preset.batch.accumulation),
-    ]
+    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else [])
 
 
 def command_text(words: list[str]) -> str:
@@ -329,6 +329,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         f"{_device_word(preset)} sends per optimizer step; * = this preset:",
         *_wrapped(_hardware_line(preset), first="#   ", rest="#   "),
         *_planner_table(preset, mark=(preset.row.name, preset.row.fsdp_version)),
+        *_rehearsed_lines(preset, output),
         "#",
         "# Decisions:",
     ]
@@ -343,6 +344,25 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
             lines += _wrapped(note)
     lines += ["#", _metadata(preset, kind="fsdp", output=output, baseline_output=baseline_output, launch=launch)]
     return _assemble(lines, accelerate_config(preset))
+
+
+def _rehearsed_lines(preset: Preset, output: str) -> list[str]:
+    """What a rehearsal of this very preset measured (shipped presets: fsdp_presets.rehearsed_presets)."""
+    from fsdp_presets.rehearsed_presets import recorded_rehearsal
+
+    record = recorded_rehearsal(output, preset.summary())
+    if record is None:
+        return []
+    gib = 1024**3
+    gpu_gib = preset.memory_plan.hardware.gpu_memory_bytes / gib
+    text = (f"rehearsed peak per GPU: {record['peak_bytes'] / gib:.1f} GiB of {gpu_gib:g} GiB ({record['where']}; "
+            f"the planner says {record['planner_bytes'] / gib:.1f} GiB): {record['command']}")
+    if record.get("same_as"):
+        text += f" (the same per-GPU step as {record['same_as']})"
+    lines = ["#"] + _wrapped(text, first="# ", rest="#   ")
+    if record.get("change"):
+        lines += _wrapped(f"changed: {record['change']}", first="# ", rest="#   ")
+    return lines
 
 
 def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,

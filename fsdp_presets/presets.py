@@ -327,6 +327,9 @@ class BatchPlan:
     """Ranks that each see different data (every process: FSDP and HSDP are data parallel)."""
     reason: str
     """Why this split."""
+    reduce_every_micro_batch: bool = False
+    """Gradients reduced after every micro-batch (recipe ``--reduce-every-micro-batch``) instead of
+    accumulated unsharded under ``no_sync``, which would hold a whole model's gradients per GPU."""
 
     def __post_init__(self) -> None:
         if min(self.seq_len, self.micro_batch, self.accumulation, self.data_parallel_size) < 1:
@@ -397,6 +400,7 @@ class Preset:
             "seq_len": self.batch.seq_len,
             "micro_batch": self.batch.micro_batch,
             "gradient_accumulation": self.batch.accumulation,
+            "reduce_every_micro_batch": self.batch.reduce_every_micro_batch,
             "data_parallel_size": self.batch.data_parallel_size,
             "global_batch": self.batch.global_samples,
         }
@@ -427,21 +431,31 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
             f"{', '.join(str(d) for d in _divisors(per_rank))}"
         )
 
+    # Accumulating (more than one micro-batch per rank): under no_sync FSDP holds a whole model's
+    # unsharded gradients between micro-batches; reducing every micro-batch avoids that for more
+    # traffic, and is tried only when no_sync does not fit with any memory saver.
+    accumulating = per_rank > needed_micro
+    reductions = [False, True] if accumulating else [False]
     found = None
     host_short: list[str] = []
     for offload in offloading:
         for name in candidates:
-            for ac in checkpointing:
-                shape = TrainingShape(seq_len=seq_len, micro_batch=needed_micro, precision=precision.planner_precision,
-                                      activation_checkpointing=ac, offload=offload)
-                row = plan(profile, hardware, shape).get(name, request.fsdp_version)
-                if row.max_micro_batch < needed_micro:
-                    continue
-                if offload and not _host_holds_offload(row, request):
-                    host_short.append(_host_message(row, request))
-                    continue
-                found = (name, ac, offload, row)
-                break
+            for reduce_every in reductions:
+                for ac in checkpointing:
+                    shape = TrainingShape(seq_len=seq_len, micro_batch=needed_micro,
+                                          precision=precision.planner_precision, activation_checkpointing=ac,
+                                          offload=offload, grad_accum=2 if accumulating else 1,
+                                          reduce_every_micro_batch=reduce_every)
+                    row = plan(profile, hardware, shape).get(name, request.fsdp_version)
+                    if row.max_micro_batch < needed_micro:
+                        continue
+                    if offload and not _host_holds_offload(row, request):
+                        host_short.append(_host_message(row, request))
+                        continue
+                    found = (name, ac, offload, reduce_every, row)
+                    break
+                if found:
+                    break
             if found:
                 break
         if found:
@@ -449,23 +463,28 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
     if found is None:
         raise UsageError(_nothing_fits(profile, request, hardware, seq_len, precision, candidates, checkpointing,
                                        offloading, needed_micro, host_short))
-    name, ac, offload, row = found
+    name, ac, offload, reduce_every, row = found
 
     micro = request.micro_batch or max(d for d in _divisors(per_rank) if d <= row.max_micro_batch)
     accumulation = per_rank // micro
+    reduce_every = reduce_every and accumulation > 1
     final_shape = TrainingShape(seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
-                                activation_checkpointing=ac, offload=offload)
+                                activation_checkpointing=ac, offload=offload, grad_accum=accumulation,
+                                reduce_every_micro_batch=reduce_every)
     memory_plan = plan(profile, hardware, final_shape)
     row = memory_plan.get(name, request.fsdp_version)
 
     parallelism = _parallelism(request, name, row, memory_plan)
     savers = MemorySavers(activation_checkpointing=ac, offload=offload,
-                          reason=_savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision))
+                          reason=_savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision,
+                                                 shape=final_shape))
     state_dict = _state_dict(profile, request, notes)
     wrap = _wrap(profile, request)
     batch = BatchPlan(
         seq_len=seq_len, micro_batch=micro, accumulation=accumulation, data_parallel_size=data_parallel,
-        reason=_batch_reason(request, row, micro, accumulation, data_parallel, global_samples, seq_len),
+        reason=_batch_reason(request, row, micro, accumulation, data_parallel, global_samples, seq_len)
+        + _accumulation_reason(profile, hardware, final_shape, name, request.fsdp_version),
+        reduce_every_micro_batch=reduce_every,
     )
     if precision.mixed_precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
         notes.append("fp16 on a model trained in bf16: bf16 weights can exceed fp16's range (max 65504); "
@@ -654,13 +673,14 @@ def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_pl
                        fsdp_version=request.fsdp_version, replicate_size=replicate, shard_size=shard, reason=reason)
 
 
-def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision) -> str:
+def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision, shape=None) -> str:
     parts = []
     if request.activation_checkpointing == "auto":
         if ac:
-            without = plan(profile, hardware, TrainingShape(
-                seq_len=seq_len, micro_batch=1, precision=precision.planner_precision, offload=offload,
-            )).get(row.name, row.fsdp_version)
+            plain = TrainingShape(seq_len=seq_len, micro_batch=1, precision=precision.planner_precision, offload=offload)
+            if shape is not None:  # the same accumulation, without checkpointing
+                plain = shape.replace(micro_batch=1, activation_checkpointing=False)
+            without = plan(profile, hardware, plain).get(row.name, row.fsdp_version)
             parts.append(f"activation checkpointing on (auto): without it {row.label} needs "
                          f"{bytes_text(without.per_gpu.total)} per GPU at micro-batch 1 of "
                          f"{bytes_text(hardware.usable_bytes)} usable; recomputing each block in backward costs about "
@@ -779,6 +799,21 @@ def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
     parts.append("no ignored modules (fsdp_ignored_modules unset): FSDP leaves ignored parameters out of gradient "
                  "synchronisation, so they would drift apart between ranks")
     return parts
+
+
+def _accumulation_reason(profile, hardware, shape, name, fsdp_version) -> str:
+    """Why gradients are accumulated under no_sync or reduced every micro-batch, with the
+    planner's (rehearsal-checked) numbers."""
+    if shape.grad_accum == 1:
+        return ""
+    no_sync = plan(profile, hardware, shape.replace(reduce_every_micro_batch=False)).get(name, fsdp_version)
+    held = no_sync.per_gpu.buffers - plan(profile, hardware, shape.replace(grad_accum=1)).get(name, fsdp_version).per_gpu.buffers
+    if not shape.reduce_every_micro_batch:
+        return (f"; accumulated under no_sync: reduced once per optimizer step, while each GPU holds "
+                f"{bytes_text(held)} of unsharded gradients between micro-batches")
+    return (f"; gradients reduced after every micro-batch (recipe --reduce-every-micro-batch): accumulating "
+            f"them under no_sync would hold {bytes_text(held)} of unsharded gradients per GPU "
+            f"({bytes_text(no_sync.per_gpu.total)} in all, over {bytes_text(hardware.usable_bytes)} usable)")
 
 
 def _batch_reason(request, row, micro, accumulation, data_parallel, global_samples, seq_len) -> str:

@@ -38,6 +38,9 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--max-steps", type=int, default=100, help="optimizer steps to train in total")
     add("--micro-batch-size", type=int, default=2, help="samples per forward pass per rank")
     add("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
+    add("--reduce-every-micro-batch", action="store_true",
+        help="reduce gradients after every micro-batch instead of accumulating them unsharded under no_sync "
+        "(FSDP then never holds a whole model's unsharded gradients; more communication)")
     add("--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
     add("--warmup-steps", type=int, default=0, help="linear warm-up steps")
@@ -254,10 +257,15 @@ def clip_grad_norm(accelerator, model, max_norm: float) -> float:
     return norm
 
 
-def gradient_sync(accelerator, model, *, last_micro_batch: bool):
+def gradient_sync(accelerator, model, *, last_micro_batch: bool, reduce_every_micro_batch: bool = False):
     """Reduce gradients only on the last micro-batch of an optimizer step (accelerate's
-    ``no_sync``: DDP skips its all-reduce, FSDP2 its reduce-scatter, until then)."""
-    return contextlib.nullcontext() if last_micro_batch else accelerator.no_sync(model)
+    ``no_sync``: DDP skips its all-reduce, FSDP2 its reduce-scatter, until then), or on every
+    micro-batch with ``reduce_every_micro_batch``: under ``no_sync`` FSDP keeps an unsharded
+    gradient of every parameter between micro-batches (a whole model's worth per GPU), which a
+    large model cannot afford; reducing each time keeps only the shards, for more traffic."""
+    if last_micro_batch or reduce_every_micro_batch:
+        return contextlib.nullcontext()
+    return accelerator.no_sync(model)
 
 
 # ---- process ----

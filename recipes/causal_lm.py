@@ -173,7 +173,8 @@ def main():
                                             reduction="sum").item()
         loss_sum = torch.zeros((), dtype=torch.float64)
         for index, batch in enumerate(batches):
-            with training.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1):
+            with training.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1,
+                                         reduce_every_micro_batch=args.reduce_every_micro_batch):
                 loss, _, _ = summed_loss(model, batch)
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / tokens.
                 accelerator.backward(loss * dp_size / max(global_targets, 1.0))

@@ -160,7 +160,8 @@ def main():
             accumulation_steps=args.gradient_accumulation_steps, rank=rank, data_parallel_size=dp_size)]
         loss_sum = torch.zeros((), dtype=torch.float64)
         for index, batch in enumerate(batches):
-            with training.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1):
+            with training.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1,
+                                         reduce_every_micro_batch=args.reduce_every_micro_batch):
                 loss = sample_losses(model, batch)[0].sum()
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / samples.
                 accelerator.backward(loss * dp_size / global_batch)

@@ -96,7 +96,8 @@ def _request_from_flags(args):
     if args.gpus is None:
         raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
     nodes = args.nodes or 1
-    micro, accumulation = args.micro_batch or 1, args.grad_accum or 1
+    micro = 1 if args.micro_batch is None else args.micro_batch
+    accumulation = 1 if args.grad_accum is None else args.grad_accum
     problems = [f"--{name} must be at least 1, got {value}" for name, value in
                 (("micro-batch", micro), ("grad-accum", accumulation), ("gpus", args.gpus)) if value < 1]
     if problems:
@@ -136,7 +137,7 @@ def _decide_unchecked(profile, request):
     from fsdp_presets.planner import GiB, Hardware, plan
     from fsdp_presets.presets import DEFAULT_GPU_MEMORY_GIB, decide
 
-    roomy = dataclasses.replace(request, gpu_memory_gib=1e9, host_memory_gib=1e9)
+    roomy = dataclasses.replace(request, gpu_memory_gib=4096.0, host_memory_gib=65536.0)  # the largest accepted
     preset = decide(profile, roomy)
     gpu_gib = request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
     hardware = Hardware(gpus=request.gpus, nodes=request.nodes, gpu_memory_bytes=int(gpu_gib * GiB))
@@ -175,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         micro, accumulation = summary["micro_batch"], summary["gradient_accumulation"]
     else:
         request = _request_from_flags(args)
-        micro, accumulation = request.micro_batch, args.grad_accum or 1
+        micro, accumulation = request.micro_batch, 1 if args.grad_accum is None else args.grad_accum
     config = load_config(request.model, trust_remote_code=args.trust_remote_code)
     profile = profile_module(build_meta_model(config, trust_remote_code=args.trust_remote_code))
     if request.fsdp_version != 2:
