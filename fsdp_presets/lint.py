@@ -152,6 +152,8 @@ class ModelFacts:
     """The model's FSDP anatomy."""
     module_classes: frozenset[str]
     """Class names of every module in the built model (for "did you mean")."""
+    trust_remote_code: bool = False
+    """The model was built with its own code (``auto_map``); the wrap probe builds it the same way."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -1253,9 +1255,10 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
     if (sizes.get("tp_size") or 1) > 1:
         view.probe = WrapProbe(skipped="tensor parallelism: the probe does not build a TP plan")
         return []
-    key = (model.source, tuple(sorted(view.env.items())), view.num_processes)
+    key = (model.source, model.trust_remote_code, tuple(sorted(view.env.items())), view.num_processes)
     if key not in _PROBES:  # files that differ only outside the launch environment share one probe
-        _PROBES[key] = probe_wrapping(model.source, view.env, view.num_processes)
+        _PROBES[key] = probe_wrapping(model.source, view.env, view.num_processes,
+                                      trust_remote_code=model.trust_remote_code)
     view.probe = probe = _PROBES[key]
     settings = view.fsdp_settings()
     named = settings["transformer_cls_names_to_wrap"] if "FSDP_TRANSFORMER_CLS_TO_WRAP" in view.env else []
@@ -1295,7 +1298,8 @@ def model_facts(source: str, *, trust_remote_code: bool = False) -> ModelFacts:
     model = build_meta_model(load_config(source, trust_remote_code=trust_remote_code),
                              trust_remote_code=trust_remote_code)
     return ModelFacts(source=source, profile=profile_module(model),
-                      module_classes=frozenset(type(module).__name__ for module in model.modules()))
+                      module_classes=frozenset(type(module).__name__ for module in model.modules()),
+                      trust_remote_code=trust_remote_code)
 
 
 __all__ = [
