@@ -76,17 +76,12 @@ class Manifest:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("step", "samples_consumed", "world_size"):
+        for name, least in (("step", 0), ("samples_consumed", 0), ("world_size", 1)):
             value = getattr(self, name)
             if type(value) is not int:
                 problems.append(f"{name} {value!r} is not an integer")
-        if not problems:
-            if self.step < 0:
-                problems.append(f"step {self.step} < 0")
-            if self.samples_consumed < 0:
-                problems.append(f"samples_consumed {self.samples_consumed} < 0")
-            if self.world_size < 1:
-                problems.append(f"world_size {self.world_size} < 1")
+            elif value < least:
+                problems.append(f"{name} {value} < {least}")
         if not isinstance(self.distributed_type, str):
             problems.append(f"distributed_type {self.distributed_type!r} is not a string")
         if self.fsdp is not None and not isinstance(self.fsdp, dict):
