@@ -3,9 +3,11 @@
     fsdp-presets inspect-checkpoint runs/sft/checkpoints/step-00000020 --gpus 1 --gpus 4
     fsdp-presets inspect-checkpoint runs/sft/checkpoints/step-00000020 --json
 
-Reads the manifest and the DCP metadata only (no tensor data) and checks every file against its
-SHA-256. Exit 0 intact (and resumable at every --gpus asked), 1 damaged or not resumable there,
-2 not a checkpoint.
+Reads the manifest and the DCP metadata only (no tensor data), checks every file against its
+SHA-256 and gives the recipes' verdict: a link, a path out of the folder, an unlisted file or a
+pickle that could run code (never loaded: read through an allow-list) makes it DAMAGED or
+REFUSED. Exit 0 intact (and resumable at every --gpus asked), 1 damaged, refused or not resumable
+there, 2 not a checkpoint.
 """
 
 from __future__ import annotations
