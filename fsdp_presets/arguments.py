@@ -30,6 +30,9 @@ MAX_SEQ_LEN = 2**24
 """Tokens per sequence: 16M, beyond the longest contexts models are trained on (about 10M)."""
 MAX_MICRO_BATCH = 2**16
 """Sequences per GPU per forward pass."""
+MAX_GLOBAL_BATCH = {"samples": 2**24, "tokens": 2**36}
+"""Per optimizer step (``--global-batch``): 16M sequences or 64G tokens; the largest published runs
+use about 60M tokens (Llama 3 405B: 16M tokens)."""
 MAX_JOIN_TIMEOUT_S = 7 * 24 * 3600
 """Seconds the first node waits for the others: a week."""
 MAX_CPUS_PER_TASK = 2**16

@@ -208,11 +208,16 @@ def parse_global_batch(text: str) -> tuple[int, str]:
     match = _BATCH_PATTERN.match(str(text))
     if not match:
         raise UsageError(f"--global-batch {text!r}: give sequences (256) or tokens (1M, 512K, 524288tok)")
+    from fsdp_presets.arguments import MAX_GLOBAL_BATCH
+
     number, suffix, tokens = match.groups()
     value = float(number) * _BINARY[suffix.lower()]
+    unit = "tokens" if suffix or tokens else "samples"
+    if not math.isfinite(value) or value > MAX_GLOBAL_BATCH[unit]:
+        raise UsageError(f"--global-batch {text!r}: more than {MAX_GLOBAL_BATCH[unit]} {unit} per optimizer step, "
+                         "beyond any real training; give sequences (256) or tokens (1M, 512K, 524288tok)")
     if value != int(value) or value < 1:
         raise UsageError(f"--global-batch {text!r} must come to a whole number >= 1")
-    unit = "tokens" if suffix or tokens else "samples"
     if unit == "samples" and "." in number:
         raise UsageError(f"--global-batch {text!r}: a number of sequences must be whole")
     return int(value), unit

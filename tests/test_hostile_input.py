@@ -263,6 +263,9 @@ BAD_INPUT = [
      "--seq-len must be at most"),
     ("plan-micro-batch", ["plan", "llama", "--gpus", "2", "--gpu-memory", "24", "--micro-batch", "-3"],
      "--micro-batch must be at least 1"),
+    ("generate-global-batch", ["generate", "llama", "--gpus", "2", "--global-batch", "9" * 30], "more than 16777216"),
+    ("generate-global-batch-overflow", ["generate", "llama", "--gpus", "2", "--global-batch", "9" * 400 + "M"],
+     "more than 68719476736 tokens"),
     ("launcher-port", ["launcher", "x.yaml", "--port", "70000"], "--port must be at most 65535"),
     ("launcher-join-timeout", ["launcher", "x.yaml", "--join-timeout", "1e9"], "--join-timeout must be a whole"),
 ]
@@ -329,6 +332,16 @@ def test_rescaling_a_tampered_preset_is_one_line(tmp_path, capsys, metadata):
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "Traceback" not in error
     assert not (tmp_path / "out.yaml").exists()
+
+
+@pytest.mark.parametrize("value", ["two", "99999999999999999999999", "-4", "[4]"])
+def test_launcher_refuses_a_config_with_an_impossible_process_count(tmp_path, capsys, value):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"distributed_type: FSDP\nnum_machines: 2\nnum_processes: {value}\n")
+    assert cli.main(["launcher", str(config), "--command", "train.py", "-o", str(tmp_path / "job.sh")]) == 2
+    error = capsys.readouterr().err
+    assert "num_processes must be a whole number" in error and error.count("\n") == 1
+    assert not (tmp_path / "job.sh").exists()
 
 
 # --------------------------------------------------------------------------- remote code
