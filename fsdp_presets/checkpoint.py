@@ -73,6 +73,8 @@ class Manifest:
     """When it was committed (seconds since the epoch)."""
     format: int = MANIFEST_FORMAT
     """Manifest format version."""
+    training: dict[str, Any] | None = None
+    """LoRA/QLoRA runs: the method and LoRA shape (:func:`fsdp_presets.lora.settings`); None: full."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +88,8 @@ class Manifest:
             problems.append(f"distributed_type {self.distributed_type!r} is not a string")
         if self.fsdp is not None and not isinstance(self.fsdp, dict):
             problems.append(f"fsdp {self.fsdp!r} is not an object")
+        if self.training is not None and not isinstance(self.training, dict):
+            problems.append(f"training {self.training!r} is not an object")
         if not isinstance(self.config_digest, str):
             problems.append(f"config_digest {self.config_digest!r} is not a string")
         if not isinstance(self.files, dict):
@@ -310,6 +314,11 @@ class CheckpointManager:
     """:func:`fsdp_presets.run_folder.distributed_settings` of this run."""
     log: Callable[[str], None] = print
     """Where messages go (the main process prints them)."""
+    state: Any = None
+    """What to save and load instead of ``accelerator.save_state``/``load_state`` (an object with
+    ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.lora.TrainableState`), or None."""
+    training: dict[str, Any] | None = None
+    """Recorded in each manifest (:attr:`Manifest.training`)."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -332,7 +341,10 @@ class CheckpointManager:
         accelerator.wait_for_everyone()
         fault_point("save", step=step, rank=accelerator.process_index, folder=temporary)
         try:
-            accelerator.save_state(str(temporary))
+            if self.state is not None:
+                self.state.save(temporary)
+            else:
+                accelerator.save_state(str(temporary))
             if accelerator.is_main_process and write_extra is not None:
                 write_extra(temporary)
         except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
@@ -357,7 +369,7 @@ class CheckpointManager:
                 distributed_type=self.distributed["distributed_type"], fsdp=self.distributed["fsdp"],
                 config_digest=self.config_digest,
                 files={relative: {"sha256": digest, "bytes": size} for relative, digest, size in sorted(hashed)},
-                versions=_library_versions(), created_unix=time.time(),
+                versions=_library_versions(), created_unix=time.time(), training=self.training,
             )
             try:
                 write_json_atomic(temporary / MANIFEST, asdict(manifest))
@@ -473,9 +485,12 @@ class CheckpointManager:
         if manifest.config_digest != self.config_digest:
             raise UsageError(f"--resume {folder}: the checkpoint is of another model (config digest "
                              "differs); give a checkpoint of this --model")
-        check_layout_fits(folder, manifest, self.distributed)
-        with safe_dcp_loading():
-            self.accelerator.load_state(str(folder))
+        if self.state is not None:
+            self.state.load(folder)  # a LoRA checkpoint: DCP of the trainable weights, any strategy reads it
+        else:
+            check_layout_fits(folder, manifest, self.distributed)
+            with safe_dcp_loading():
+                self.accelerator.load_state(str(folder))
         if self.accelerator.num_processes > manifest.world_size and self.accelerator.is_main_process:
             # accelerate skips a rank without its random_states_<rank>.pkl without a word.
             self.log(f"checkpoint: ranks {manifest.world_size}-{self.accelerator.num_processes - 1} have no saved "
@@ -499,6 +514,10 @@ def check_layout_fits(folder: str | os.PathLike, manifest: Manifest, distributed
     from fsdp_presets.checkpoint_files import find_checkpoint_files
 
     layout = find_checkpoint_files(folder).layout
+    if layout == "adapter":
+        raise UsageError(f"--resume {folder}: it is a LoRA checkpoint (trainable weights only) and this run trains "
+                         "every weight; resume it with the LoRA flags it was saved with (its manifest's training "
+                         "entry names them), or export the adapter: fsdp-presets export CHECKPOINT --output DIR")
     fsdp = distributed.get("fsdp") or None
     now_type = (fsdp or {}).get("state_dict_type")
     needs = {"dcp": "FSDP with SHARDED_STATE_DICT", "full": "FSDP with FULL_STATE_DICT", "ddp": "DDP or one process"}

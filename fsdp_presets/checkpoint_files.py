@@ -8,6 +8,8 @@ layout     written by                      model                                
 ``dcp``    FSDP, ``SHARDED_STATE_DICT``    ``pytorch_model_fsdp_0/`` (DCP)      ``optimizer_0/`` (DCP)
 ``full``   FSDP, ``FULL_STATE_DICT``       ``pytorch_model_fsdp.bin``           ``optimizer.bin``
 ``ddp``    DDP or one process              ``model.safetensors``                ``optimizer.bin``
+``adapter``  a LoRA run (any strategy)     ``adapter_model_0/`` (DCP, trainable  ``adapter_optimizer_0/``
+                                           weights only)                        (DCP)
 =========  ==============================  ===================================  ====================
 
 A DCP folder is ``.metadata`` (every tensor's global shape, dtype, and which byte range of which
@@ -38,13 +40,15 @@ from typing import Any, Literal
 
 from fsdp_presets.errors import UsageError
 
-Layout = Literal["dcp", "full", "ddp"]
+Layout = Literal["dcp", "full", "ddp", "adapter"]
 DCP_MODEL = "pytorch_model_fsdp_0"
 DCP_OPTIMIZER = "optimizer_0"
 FULL_MODEL = "pytorch_model_fsdp.bin"
 DDP_MODEL = "model.safetensors"
 OPTIMIZER_BIN = "optimizer.bin"
 DCP_METADATA = ".metadata"
+ADAPTER_MODEL = "adapter_model_0"  # fsdp_presets.lora: trainable weights only, the base reloads from --model
+ADAPTER_OPTIMIZER = "adapter_optimizer_0"
 _RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec) -> torch names
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -91,12 +95,13 @@ def find_checkpoint_files(folder: str | Path, *, require_metadata: bool = True) 
         raise UsageError(f"{folder}: no such checkpoint folder (give OUTPUT_DIR/checkpoints/step-NNNNNNNN)")
     candidates: list[tuple[Layout, Path, Path]] = [
         ("dcp", folder / DCP_MODEL, folder / DCP_OPTIMIZER),
+        ("adapter", folder / ADAPTER_MODEL, folder / ADAPTER_OPTIMIZER),
         ("full", folder / FULL_MODEL, folder / OPTIMIZER_BIN),
         ("ddp", folder / DDP_MODEL, folder / OPTIMIZER_BIN),
     ]
     for layout, model, optimizer in candidates:
         if model.exists():
-            if layout == "dcp" and require_metadata and not (model / DCP_METADATA).is_file():
+            if layout in ("dcp", "adapter") and require_metadata and not (model / DCP_METADATA).is_file():
                 raise UsageError(f"{model / DCP_METADATA}: missing; the DCP folder {model.name} has no index "
                                  "of its shards, so the checkpoint cannot be read (restore the file, or use "
                                  "another checkpoint)")
@@ -307,7 +312,7 @@ class SafetensorsReader(WeightReader):
 
 def model_reader(files: CheckpointFiles) -> WeightReader:
     """The reader of a checkpoint's model weights."""
-    if files.layout == "dcp":
+    if files.layout in ("dcp", "adapter"):
         return DcpReader(files.model)
     if files.layout == "full":
         return TorchFileReader(files.model)

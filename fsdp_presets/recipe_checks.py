@@ -181,6 +181,8 @@ def check_weights_finite(accelerator, model, checkpoints, *, step: int) -> None:
     bad = 0.0
     with torch.no_grad():
         for param in model.parameters():
+            if not param.requires_grad:  # frozen (LoRA's base, 4-bit bytes stored as bf16) cannot diverge
+                continue
             local = param.to_local() if hasattr(param, "to_local") else param
             if local.numel() and not bool(torch.isfinite(local).all()):
                 bad = 1.0

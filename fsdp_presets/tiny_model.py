@@ -13,8 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-Kind = Literal["llama", "llama-tied", "bert"]
-KINDS = ("llama", "llama-tied", "bert")
+Kind = Literal["llama", "llama-tied", "bert", "qwen2"]
+KINDS = ("llama", "llama-tied", "bert", "qwen2")
 
 _LLAMA_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 _BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -37,12 +37,12 @@ def write_tiny_model(folder: str | os.PathLike, *, kind: Kind = "llama", text: s
                      vocab_size: int = 512, max_positions: int = 128, num_labels: int = 2,
                      seed: int = 0) -> Path:
     """Write a tiny model of ``kind`` with a tokenizer whose vocabulary is the most frequent words
-    of ``text``. Llama: hidden 64, 2 layers, 4 heads (2 key/value); BERT: hidden 64, 2 layers,
+    of ``text``. Llama (and Qwen2, untied, with attention biases): hidden 64, 2 layers, 4 heads (2 key/value); BERT: hidden 64, 2 layers,
     for sequence classification with ``num_labels`` labels."""
     import torch
     from tokenizers import processors
     from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
-                              PreTrainedTokenizerFast)
+                              PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {KINDS}")
@@ -63,11 +63,13 @@ def write_tiny_model(folder: str | os.PathLike, *, kind: Kind = "llama", text: s
         backend = _tokenizer(text, vocab_size, _LLAMA_SPECIALS, "<unk>")
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
                                             eos_token="</s>", unk_token="<unk>")
-        config = LlamaConfig(vocab_size=len(backend.get_vocab()), hidden_size=64, intermediate_size=128,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
-                             eos_token_id=2, tie_word_embeddings=kind == "llama-tied")
-        model = LlamaForCausalLM(config)
+        config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig,
+                                                                                              LlamaForCausalLM)
+        config = config_class(vocab_size=len(backend.get_vocab()), hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
+                              eos_token_id=2, tie_word_embeddings=kind == "llama-tied")
+        model = model_class(config)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
