@@ -181,7 +181,8 @@ def _made_by(output: Path, kind: OutputKind) -> bool:
     if kind == "import":
         return is_imported(output)
     entries = list(output.iterdir())
-    return ((output / "config.json").is_file() and any(entry.suffix == ".safetensors" for entry in entries)
+    return (((output / "config.json").is_file() or (output / "adapter_config.json").is_file())  # HF or PEFT folder
+            and any(entry.suffix == ".safetensors" for entry in entries)
             and not any(entry.is_dir() or entry.is_symlink() for entry in entries))
 
 
@@ -341,6 +342,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     _check_shard_size(max_shard_size)
     output = Path(output)
     check_output(output, kind="export", force=force, source=Path(checkpoint))
+    from fsdp_presets import lora
+
+    if lora.is_adapter_checkpoint(checkpoint):
+        return _export_adapter(Path(checkpoint), output, dtype=dtype, verify=verify, force=force, log=log)
     plan = plan_export(checkpoint, model=model)
     target = getattr(torch, DTYPES[dtype])
     written = plan.expected.written
@@ -363,6 +368,28 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
             if not report.verification.passed:
                 raise _VerificationFailed(report)
     return report
+
+
+def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool, force: bool,
+                    log: Callable[[str], None]) -> ExportReport:
+    """A LoRA checkpoint (trainable weights only) as a PEFT folder: adapter_config.json,
+    adapter_model.safetensors and the tokenizer (:func:`fsdp_presets.lora.export_checkpoint_adapter`)."""
+    from fsdp_presets import lora
+    from fsdp_presets.checkpoint import checkpoint_verdict
+
+    if verify:
+        raise UsageError(f"--verify: {checkpoint} is a LoRA checkpoint, whose export is an adapter; load it with "
+                         "peft (PeftModel.from_pretrained(base, HF_DIR)) instead (nothing was written)")
+    problem = checkpoint_verdict(checkpoint).problem
+    if problem is not None:
+        raise UsageError(f"{checkpoint}: {problem} (the checkpoint is damaged or was changed after it was saved; use "
+                         "another checkpoint)")
+    log(f"export: {checkpoint / lora.ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
+    with staged_folder(output, kind="export", force=force) as staging:
+        tensors, total = lora.export_checkpoint_adapter(checkpoint, staging, dtype=dtype)
+    return ExportReport(output=output, layout="adapter", dtype=dtype, shards=["adapter_model.safetensors"],
+                        tensors=tensors, bytes=total, tied=[], streamed=False, largest_shard_bytes=total,
+                        model_files=f"{checkpoint / MODEL_CONFIG} (adapter_config.json)")
 
 
 class _VerificationFailed(Exception):

@@ -133,6 +133,8 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
     if quantized:
         kwargs["quantization_config"] = quantization_config()
     model = model_class.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, **kwargs)
+    if quantized:
+        keep_4bit_layout(model)
     if lora is None:
         return model
     from peft import LoraConfig, get_peft_model
@@ -152,6 +154,16 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
         if param.requires_grad and param.dtype != torch.float32:
             param.data = param.data.float()
     return peft_model
+
+
+def keep_4bit_layout(model) -> None:
+    """bitsandbytes repacks a 4-bit weight for its CPU inference kernel the first time the layer
+    runs in eval mode without gradients (on CPUs with AVX512-BF16): the weight's data is replaced
+    by another layout, under FSDP the gathered copy of a shard, and training afterwards fails ("a
+    view of a leaf Variable ... in-place"). Keep the layout the weights were sharded in."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def quantization_config():
@@ -195,9 +207,10 @@ def prepare(accelerator, model, build_optimizer: Callable[[Any], tuple[Any, Any]
 
 
 def local_bytes(model) -> dict[str, int]:
-    """Bytes of this rank's share of the frozen and of the trainable parameters (4-bit weights
-    counted in their storage dtype)."""
-    frozen = trainable = 0
+    """Bytes of this rank's share of the frozen, the 4-bit (in their storage dtype; part of the
+    frozen) and the trainable parameters."""
+    quantized_ids = {id(module.weight) for module in model.modules() if type(module).__name__ == "Linear4bit"}
+    frozen = trainable = quantized = 0
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
         size = local.numel() * local.element_size()
@@ -205,7 +218,9 @@ def local_bytes(model) -> dict[str, int]:
             trainable += size
         else:
             frozen += size
-    return {"frozen": frozen, "trainable": trainable}
+        if id(param) in quantized_ids:
+            quantized += size
+    return {"frozen": frozen, "trainable": trainable, "quantized": quantized}
 
 
 def memory_record(accelerator, model) -> dict[str, list[int]]:
@@ -214,8 +229,7 @@ def memory_record(accelerator, model) -> dict[str, list[int]]:
 
     mine = [local_bytes(model)]
     ranks = gather_object(mine) if accelerator.num_processes > 1 else mine
-    return {"frozen_bytes_per_rank": [entry["frozen"] for entry in ranks],
-            "trainable_bytes_per_rank": [entry["trainable"] for entry in ranks]}
+    return {f"{kind}_bytes_per_rank": [entry[kind] for entry in ranks] for kind in ("frozen", "quantized", "trainable")}
 
 
 # ---- checkpoints ----
@@ -377,6 +391,7 @@ def export_merged(adapter_dir: Path, merged_dir: Path, *, model_class, base_path
     kwargs = {"quantization_config": quantization_config()} if quantized else {}
     base = model_class.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False, **kwargs)
     if quantized:
+        keep_4bit_layout(base)
         base = base.dequantize()  # merging into 4-bit weights would re-quantize them
         base = base.to(torch.float32)
         for attribute in ("quantization_config", "_pre_quantization_dtype"):
@@ -424,7 +439,7 @@ def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str) ->
         raise UsageError(f"{checkpoint}: tensors {unknown[:3]} have no PEFT name in model_config/{ADAPTER_KEYS}")
     target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     tensors = {keys[name]: tensor.to(target).contiguous() for name, tensor in reader.read(sorted(entries)).items()}
-    staging.mkdir(parents=True)
+    staging.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
     (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
     for path in config_dir.iterdir():  # the tokenizer files

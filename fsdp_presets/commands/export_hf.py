@@ -3,7 +3,7 @@
     fsdp-presets export runs/sft/checkpoints/step-00000020 --output runs/sft-hf --dtype bf16 --verify
 
 Reads DCP shards (FSDP ``SHARDED_STATE_DICT``), ``pytorch_model_fsdp.bin`` (``FULL_STATE_DICT``) or
-``model.safetensors`` (DDP) in one process, without a GPU, one output shard at a time, and writes
+``model.safetensors`` (DDP) in one process (a LoRA checkpoint becomes a PEFT adapter folder), without a GPU, one output shard at a time, and writes
 config, generation config, tokenizer and safetensors shards (tied weights once). Exit 0 written,
 1 ``--verify`` found the logits differ beyond the dtype's tolerance (nothing written), 2 bad input
 (nothing written). See docs/checkpoints.md.
@@ -57,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {report.output}: {len(report.shards)} safetensors file(s), {report.tensors} tensors, "
                   f"{report.bytes / 2**20:.1f} MiB as {report.dtype}"
                   + (f"; tied: {', '.join(report.tied)} (written once)" if report.tied else ""))
-            print("  read " + ("one output shard at a time" if report.streamed else "whole (weight conversion)")
-                  + f": at most {report.largest_shard_bytes / 2**20:.1f} MiB of tensors held at once")
+            if report.layout == "adapter":  # a LoRA checkpoint: a PEFT folder
+                print("  a PEFT adapter folder: PeftModel.from_pretrained(base_model, HF_DIR) loads it")
+            else:
+                print("  read " + ("one output shard at a time" if report.streamed else "whole (weight conversion)")
+                      + f": at most {report.largest_shard_bytes / 2**20:.1f} MiB of tensors held at once")
         if verification is not None:
             print(verification.summary())
         if failed:

@@ -1,0 +1,275 @@
+"""LoRA and QLoRA through the causal LM recipe on 2 real gloo processes, tiny Qwen2 (not Llama).
+
+Launched once per module and shared by the tests:
+
+- LoRA (r 8, the block's attention and MLP projections) under DDP, FSDP2 and FSDP1, 16 steps
+  each: per-step losses equal within 1e-6 relative. FSDP2 keeps TRANSFORMER_BASED_WRAP on the
+  decoder layer; FSDP1 runs with use_orig_params and peft's wrap policy set by the recipe.
+- An FSDP2 LoRA run SIGKILLed (rank 0) while saving step 12, then resumed with ``--resume auto``
+  from step 8 on 1 process (another world size), which must reproduce the uninterrupted losses.
+- The FSDP2 run's exports: the PEFT folder in final/ (``PeftModel.from_pretrained``) and the merged
+  folder (plain transformers), checked against the trained adapter read back from the checkpoint.
+- QLoRA (``--load-in-4bit``, bitsandbytes nf4 stored as bf16) under DDP and under FSDP2, the FSDP2
+  run killed while saving step 12 and resumed: loss falls, each rank holds half the 4-bit base,
+  and the resumed run matches QLoRA under DDP.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fsdp_presets.testing import run_launch
+
+from conftest import GLOO_EXIT_ABORT, accelerate_config
+from recipe_helpers import CAUSAL_LM, REPO, SFT_TRAIN, causal_lm_args
+
+pytest.importorskip("peft")
+
+STEPS = 16
+LOSS_TOLERANCE = 1e-6  # relative, fp32 round-off (compare's fp32 tolerance)
+LORA = ("--lora-r", "8", "--lora-dropout", "0.0", "--lr-scheduler", "constant_with_warmup", "--save-every", "4",
+        "--keep-last", "10", "--max-steps", STEPS)
+KILL_WHILE_SAVING_STEP_12 = {"FSDP_PRESETS_FAULT": "kill-save:step=12"}
+
+
+def _launch(config: Path, args: list, *, processes: int = 2, env: dict | None = None, ok: bool = True):
+    result = run_launch(config, CAUSAL_LM, [str(arg) for arg in args], num_processes=processes, cwd=REPO, env=env)
+    if ok:
+        result.check()
+        assert GLOO_EXIT_ABORT not in result.stderr
+    return result
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {line["step"]: line["loss"] for line in lines if line["kind"] == "train"}
+
+
+def _assert_close(expected: dict[int, float], got: dict[int, float], steps) -> None:
+    for step in steps:
+        assert abs(got[step] - expected[step]) <= LOSS_TOLERANCE * abs(expected[step]), (step, expected[step], got[step])
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    from fsdp_presets.tiny_model import write_tiny_model
+
+    folder = tmp_path_factory.mktemp("lora")
+    write_tiny_model(folder / "tiny-qwen2", kind="qwen2", text=SFT_TRAIN.read_text(), max_positions=128)
+    return folder
+
+
+def _configs(root: Path) -> dict[str, Path]:
+    layer = {"transformer_layer_cls_to_wrap": "Qwen2DecoderLayer"}
+    return {"ddp": accelerate_config(root, "ddp", distributed_type="MULTI_CPU"),
+            "fsdp2": accelerate_config(root, "fsdp2", fsdp=layer),
+            "fsdp1": accelerate_config(root, "fsdp1", fsdp={"version": 1, "use_orig_params": True, **layer})}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(root) -> dict[str, Path]:
+    model, configs = root / "tiny-qwen2", _configs(root)
+    runs = {}
+    for name in ("ddp", "fsdp2", "fsdp1"):
+        runs[name] = root / f"lora-{name}"
+        extra = ("--export-merged",) if name == "fsdp2" else ()
+        _launch(configs[name], causal_lm_args(model, runs[name], *LORA, *extra))
+    return runs
+
+
+@pytest.mark.slow
+def test_lora_fsdp2_and_fsdp1_equal_lora_ddp_step_by_step(lora_runs):
+    ddp = _losses(lora_runs["ddp"])
+    assert sorted(ddp) == list(range(1, STEPS + 1))
+    assert ddp[STEPS] < ddp[1] - 0.2  # it learned
+    for name in ("fsdp2", "fsdp1"):
+        _assert_close(ddp, _losses(lora_runs[name]), range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
+    from fsdp_presets.checkpoint import Manifest, verify_checkpoint
+
+    for name, run_dir in lora_runs.items():
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["training"]["method"] == "lora" and record["training"]["r"] == 8
+        assert record["training"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"]
+        checkpoint = run_dir / "checkpoints" / f"step-{STEPS:08d}"
+        manifest, problem = verify_checkpoint(checkpoint)
+        assert problem is None and Manifest.read(checkpoint).training["method"] == "lora"
+        assert (checkpoint / "adapter_model_0").is_dir() and not (checkpoint / "pytorch_model_fsdp_0").exists()
+        weights = sum(entry["bytes"] for path, entry in manifest.files.items() if path.startswith("adapter_model_0"))
+        base = (run_dir.parent / "tiny-qwen2" / "model.safetensors").stat().st_size
+        assert weights < base / 5, (weights, base)  # the frozen base is not in it
+    fsdp2 = json.loads((lora_runs["fsdp2"] / "run.json").read_text())
+    # FSDP1 with peft's wrap policy: each rank holds half the adapter, not all of it on rank 0
+    fsdp1 = json.loads((lora_runs["fsdp1"] / "run.json").read_text())
+    for record in (fsdp2, fsdp1):
+        trainable = record["trainable_bytes_per_rank"]
+        assert len(trainable) == 2 and abs(trainable[0] - trainable[1]) <= 0.1 * max(trainable), trainable
+
+
+def _checkpoint_adapter(checkpoint: Path) -> dict:
+    """The trained adapter read back from a checkpoint (safe DCP reader), under PEFT key names."""
+    from fsdp_presets.checkpoint_files import DcpReader
+
+    keys = json.loads((checkpoint / "model_config" / "adapter_keys.json").read_text())["keys"]
+    reader = DcpReader(checkpoint / "adapter_model_0")
+    return {keys[name]: tensor for name, tensor in reader.read(sorted(reader.entries())).items()}
+
+
+def _batch():
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(4, 300, (2, 24), generator=generator)
+
+
+@pytest.mark.slow
+def test_exported_adapter_and_merged_model_give_the_trained_logits(lora_runs, root):
+    import torch
+    from peft import PeftModel, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    run_dir, base_dir = lora_runs["fsdp2"], root / "tiny-qwen2"
+    trained = _checkpoint_adapter(run_dir / "checkpoints" / f"step-{STEPS:08d}")
+    assert any("lora_B" in key and tensor.abs().max() > 0 for key, tensor in trained.items())  # B starts at 0
+    batch = _batch()
+    with torch.no_grad():
+        base_logits = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)(batch).logits
+        exported = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                             run_dir / "final").eval()
+        exported_logits = exported(batch).logits
+        reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                              run_dir / "final").eval()
+        set_peft_model_state_dict(reference, trained)  # the weights the run had at its last step
+        reference_logits = reference(batch).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(run_dir / "merged", dtype=torch.float32)(batch).logits
+    scale = reference_logits.abs().max()
+    assert (exported_logits - reference_logits).abs().max() <= 1e-5 * scale
+    assert (merged_logits - reference_logits).abs().max() <= 1e-5 * scale
+    assert (base_logits - reference_logits).abs().max() > 1e-3 * scale  # the adapter changed the model
+    config = json.loads((run_dir / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+
+
+@pytest.mark.slow
+def test_export_command_writes_a_peft_folder_from_a_lora_checkpoint(lora_runs, tmp_path):
+    """The FSDP1 run's checkpoint: peft would have written zeros from the wrapped FSDP1 model."""
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
+    checkpoint = lora_runs["fsdp1"] / "checkpoints" / f"step-{STEPS:08d}"
+    output = tmp_path / "adapter"
+    result = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "export", str(checkpoint), "--output",
+                             str(output)], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    written = load_file(output / "adapter_model.safetensors")
+    final = load_file(lora_runs["fsdp1"] / "final" / "adapter_model.safetensors")
+    assert sorted(written) == sorted(final) and written
+    for key in final:
+        assert torch.equal(written[key], final[key]), key
+    assert any(tensor.abs().max() > 0 for key, tensor in final.items() if "lora_B" in key)
+    assert json.loads((output / "adapter_config.json").read_text())["r"] == 8
+
+
+@pytest.fixture(scope="module")
+def lora_killed_and_resumed(root, lora_runs) -> Path:
+    """FSDP2 on 2 processes, rank 0 SIGKILLed while saving step 12; resumed on 1 process."""
+    model, configs = root / "tiny-qwen2", _configs(root)
+    run_dir = root / "lora-killed"
+    killed = _launch(configs["fsdp2"], causal_lm_args(model, run_dir, *LORA), env=KILL_WHILE_SAVING_STEP_12, ok=False)
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
+    assert sorted(path.name for path in (run_dir / "checkpoints").glob("step-*")) == ["step-00000004", "step-00000008"]
+    # One process: gradient accumulation doubles to keep the global batch (see fsdp_presets.resume).
+    _launch(configs["fsdp2"], causal_lm_args(model, run_dir, *LORA, "--resume", "auto"), processes=1)
+    return run_dir
+
+
+@pytest.mark.slow
+def test_lora_resumes_after_sigkill_at_another_world_size(lora_runs, lora_killed_and_resumed):
+    reference = _losses(lora_runs["fsdp2"])
+    resumed = _losses(lora_killed_and_resumed)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    _assert_close(reference, resumed, range(1, STEPS + 1))
+    record = json.loads((lora_killed_and_resumed / "run.json").read_text())
+    assert record["resumed_from"].endswith("step-00000008")
+
+
+@pytest.mark.slow
+def test_a_lora_checkpoint_is_refused_by_a_full_fine_tuning_run(lora_runs, root, tmp_path):
+    checkpoint = lora_runs["fsdp2"] / "checkpoints" / "step-00000008"
+    result = _launch(_configs(root)["fsdp2"], causal_lm_args(root / "tiny-qwen2", tmp_path / "full", "--max-steps", 16,
+                                                             "--resume", checkpoint), ok=False)
+    assert result.returncode == 2
+    assert "LoRA checkpoint" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- QLoRA ----
+QLORA = ("--load-in-4bit", *LORA)
+
+
+@pytest.fixture(scope="module")
+def qlora_runs(root) -> dict[str, Path]:
+    pytest.importorskip("bitsandbytes")
+    model, configs = root / "tiny-qwen2", _configs(root)
+    runs = {"ddp": root / "qlora-ddp", "fsdp2": root / "qlora-fsdp2"}
+    _launch(configs["ddp"], causal_lm_args(model, runs["ddp"], *QLORA))
+    killed = _launch(configs["fsdp2"], causal_lm_args(model, runs["fsdp2"], *QLORA, "--export-merged"),
+                     env=KILL_WHILE_SAVING_STEP_12, ok=False)
+    assert killed.returncode != 0
+    assert sorted(path.name for path in (runs["fsdp2"] / "checkpoints").glob("step-*")) == ["step-00000004",
+                                                                                         "step-00000008"]
+    _launch(configs["fsdp2"], causal_lm_args(model, runs["fsdp2"], *QLORA, "--export-merged", "--resume", "auto"))
+    return runs
+
+
+@pytest.mark.slow
+def test_qlora_fsdp2_trains_resumes_after_a_kill_and_matches_qlora_ddp(qlora_runs):
+    ddp, fsdp2 = _losses(qlora_runs["ddp"]), _losses(qlora_runs["fsdp2"])
+    assert sorted(fsdp2) == list(range(1, STEPS + 1))
+    assert fsdp2[STEPS] < fsdp2[1] - 0.2  # loss falls
+    _assert_close(ddp, fsdp2, range(1, STEPS + 1))
+    record = json.loads((qlora_runs["fsdp2"] / "run.json").read_text())
+    assert record["resumed_from"].endswith("step-00000008")
+    assert record["training"]["method"] == "qlora"
+    assert record["training"]["quantization"]["quant_storage"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_qlora_fsdp2_each_rank_holds_half_of_the_4bit_base(qlora_runs):
+    ddp = json.loads((qlora_runs["ddp"] / "run.json").read_text())["quantized_bytes_per_rank"]
+    fsdp2 = json.loads((qlora_runs["fsdp2"] / "run.json").read_text())["quantized_bytes_per_rank"]
+    whole = ddp[0]
+    assert whole > 0 and ddp[1] == whole  # DDP: every rank holds the whole 4-bit base
+    for held in fsdp2:
+        assert abs(held - whole / 2) <= 0.05 * whole, (fsdp2, whole)
+
+
+@pytest.mark.slow
+def test_qlora_exports_adapter_and_merges_into_the_dequantized_base(qlora_runs, root):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_presets.lora import keep_4bit_layout, quantization_config
+
+    run_dir = qlora_runs["fsdp2"]
+    batch = _batch()
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(root / "tiny-qwen2", dtype=torch.float32,
+                                                    quantization_config=quantization_config())
+        keep_4bit_layout(base)
+        adapted = PeftModel.from_pretrained(base, run_dir / "final").eval()
+        reference = adapted(batch).logits
+        merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged", dtype=torch.float32)(batch).logits
+    assert "quantization_config" not in json.loads((run_dir / "merged" / "config.json").read_text())
+    # the dequantized base computes what the 4-bit layers compute, up to their fp32 rounding
+    assert (merged - reference).abs().max() <= 1e-4 * reference.abs().max()
