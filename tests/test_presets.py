@@ -329,7 +329,7 @@ def test_rescale_keeps_the_global_batch_and_says_what_changed(tmp_path, capsys):
     assert cli.main(["generate", "--from", str(source), "--gpus", "8", "-o", str(output)]) == 0
     out = capsys.readouterr().out
     assert "global batch 256 sequences kept" in out
-    assert "sharding HSDP 2x8 -> FULL_SHARD 8" in out and "gradient accumulation 8 -> 16" in out
+    assert "sharding HSDP 2x8 -> FULL_SHARD 8" in out and "gradient accumulation 16 -> 32" in out
     assert "machines 2 -> 1" in out
     old, new = read_metadata(source.read_text())["summary"], read_metadata(output.read_text())["summary"]
     assert new["micro_batch"] * new["gradient_accumulation"] * new["data_parallel_size"] == old["global_batch"]
