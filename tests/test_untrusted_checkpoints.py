@@ -520,3 +520,57 @@ def test_a_stale_lock_is_taken_over_and_released(reference, model, tmp_path):
     assert f"its job ({os.uname().nodename} PID {gone.pid} since " in result.stdout
     assert "is gone (no such process on this host); taking it over" in result.stdout
     assert "resumed from" in result.stdout and not (run_dir / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_a_relaunch_while_orphaned_ranks_still_train_is_refused(reference, model, tmp_path):
+    """The launcher is SIGKILLed; its ranks go on training as orphans. The relaunch names them."""
+    import signal
+    import time
+
+    from fsdp_presets.testing import launch_command, launch_env
+
+    run_dir = tmp_path / "run"
+    args = causal_lm_args(model, run_dir, "--max-steps", 100000, "--save-every", 50, "--keep-last", 1)
+    launcher = subprocess.Popen(launch_command(runs.fsdp_config(reference.parent, 2), CAUSAL_LM, args, num_processes=2),
+                                cwd=REPO, env=launch_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").is_file() or '"step": 3' not in (run_dir / "metrics.jsonl").read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.5)
+        ranks = [holder["pid"] for holder in json.loads((run_dir / "run.lock").read_text())["processes"]]
+        launcher.kill()  # the launcher only: its ranks are orphans now
+        launcher.wait()
+        lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
+        time.sleep(3)
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) > lines, "the orphans stopped training"
+        result = _launch(runs.fsdp_config(reference.parent, 2), args)
+        assert result.returncode != 0
+        error = _recipe_error(result)
+        assert "is in use by another job" in error and all(str(pid) in error for pid in ranks), error
+        assert f"kill {' '.join(map(str, ranks))}" in error
+    finally:  # torchrun starts each rank in a session of its own: find them by their --output-dir
+        if launcher.poll() is None:
+            launcher.kill()
+        launcher.wait()
+        for pid in _processes_with_argument(str(run_dir)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _processes_with_argument(argument: str) -> list[int]:
+    """PIDs of this host's processes whose command line holds ``argument``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if argument.encode() in (entry / "cmdline").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
