@@ -17,7 +17,8 @@ model (FSDP2, FSDP1, DDP or one process; DCP reshards them) and the run starts a
 fresh optimizer and schedule.
 
 RNG state: accelerate restores ``random_states_<rank>.pkl`` per rank and silently skips ranks that
-have no file (more processes than were saved). The recipes' models train without dropout by
+have no file (more processes than were saved); :meth:`~fsdp_presets.checkpoint.CheckpointManager.load`
+says which ranks those are, and a checkpoint missing the file of a rank that saved it is damaged. The recipes' models train without dropout by
 default, so this does not change the training; with dropout, the new ranks draw other masks.
 """
 
