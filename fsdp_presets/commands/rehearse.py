@@ -164,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.planner import GiB, Hardware, plan
-    from fsdp_presets.presets import DEFAULT_GPU_MEMORY_GIB, decide
-    from fsdp_presets.profile import load_config, profile_module, build_meta_model
+    from fsdp_presets.planner import plan
+    from fsdp_presets.presets import decide
+    from fsdp_presets.profile import build_meta_model, load_config, profile_module
 
     hf_logging.set_verbosity_error()
     if from_preset:
