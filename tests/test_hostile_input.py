@@ -75,11 +75,13 @@ def hostile_generate(tmp_path_factory):
     common = ["generate", "llama", "--device", "cpu", "--gpus", "4", "--nodes", "2", "--seq-len", "32",
               "--global-batch", "8", "--baseline", "ddp", "--launcher", "accelerate"]
     output = f"{HOSTILE_FOLDER}/x.yaml"
-    hostile = fsdp_presets(*common, "--launch-model", HOSTILE_MODEL, "--launch-data", HOSTILE_DATA, "-o", output,
-                           cwd=root)
-    plain = fsdp_presets(*common, "-o", "plain/x.yaml", cwd=root)
-    assert hostile.returncode == 0, hostile.stderr
-    assert plain.returncode == 0, plain.stderr
+    previous = os.getcwd()
+    os.chdir(root)
+    try:
+        assert cli.main([*common, "--launch-model", HOSTILE_MODEL, "--launch-data", HOSTILE_DATA, "-o", output]) == 0
+        assert cli.main([*common, "-o", "plain/x.yaml"]) == 0
+    finally:
+        os.chdir(previous)
     return root, output
 
 
