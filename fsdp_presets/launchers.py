@@ -46,6 +46,15 @@ ACCELERATE_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
 # A flag or value that is a secret belongs in the environment, not in a script on shared storage.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|api[-_]?key)[\w-]*(=.*)?$", re.IGNORECASE)
 _SECRET_VALUE = re.compile(r"(^|[=:])(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})$")
+_TOKEN_ANYWHERE = re.compile(r"(?<![A-Za-z0-9_-])(hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+
+
+def carries_token(text: str) -> bool:
+    """True when ``text`` holds a value that looks like an access token (``hf_...``, ``sk-...``):
+    a generated file must not (it lands on shared storage and in version control)."""
+    return bool(_TOKEN_ANYWHERE.search(text))
+
+
 MADE_BY_PREFIX = "# Made by: fsdp-presets"
 """Start of the header line that names the command that wrote a script: how a script this module
 wrote is told from one a person wrote (only the former is replaced without ``--force``)."""
@@ -471,6 +480,10 @@ def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: s
     else:
         text = render_torchrun(job, script_name=name, generated_by=generated_by,
                                environment=accelerate_environment(job.config_file))
+    if carries_token(text):
+        raise UsageError(f"the launch script {path} would carry a value that looks like an access token (hf_..., "
+                         "sk-...; not shown); pass secrets through the environment (export HF_TOKEN=... before "
+                         "launching), never on the command line that writes a file (nothing was written)")
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -191,6 +191,18 @@ def test_secrets_are_refused_without_being_repeated(tmp_path, hostile_config, ca
     assert not (tmp_path / "job.sh").exists()
 
 
+def test_a_token_anywhere_on_the_command_line_is_never_written(tmp_path, hostile_config, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["fsdp-presets", "launcher", hostile_config.name, "--job-name", "x",
+                                      "--time", "1:00:00", f"--note={TOKEN}"])
+    assert cli.main(["launcher", hostile_config.name, "--command", "train.py", "-o", "job.sh"]) == 2
+    assert not (tmp_path / "job.sh").exists()
+    assert cli.main(GENERATE + ["--launch-data", TOKEN, "-o", "x.yaml"]) == 2
+    captured = capsys.readouterr()
+    assert "looks like an access token" in captured.err and TOKEN not in captured.out + captured.err
+    assert not (tmp_path / "x.yaml").exists()
+
+
 # --------------------------------------------------------------------------- nothing overwritten
 
 

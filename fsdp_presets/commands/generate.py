@@ -151,6 +151,12 @@ def run(args: argparse.Namespace) -> int:
     launch_command = launch_words(preset, config_file=output, launch=launch)
     job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
                         default_command=launch_command, config=yaml.safe_load(files[output]))
+    from fsdp_presets.launchers import carries_token
+
+    if any(carries_token(text) for text in files.values()):
+        raise UsageError("the generated config would carry a value that looks like an access token (hf_..., sk-...; "
+                         "not shown); pass secrets through the environment, never in a flag that is written to "
+                         "a file (nothing was written)")
     for path in files:
         check_generated_output(Path(path), force=args.force)
     if job is not None:
