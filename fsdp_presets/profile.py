@@ -738,6 +738,7 @@ def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -
         "no_split_not_blocks": [name for name in no_split if name in present and name not in wrap_classes],
         "moe": _moe(model, dims, total_params, num_blocks=sum(unit.count for unit in units)),
         "config_dtype": _config_dtype(config),
+        "block_linears": _block_linears(model, wrap_classes),
         "warnings": warnings,
     }
     if is_encoder_decoder:
@@ -758,6 +759,22 @@ def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -
         dims=dims,
         structure=structure,
     )
+
+
+def _block_linears(model: "nn.Module", wrap_classes: list[str]) -> dict[str, list[list]]:
+    """Per block class, the ``nn.Linear`` layers of its first block: ``[name, in_features,
+    out_features, has_bias]`` each, ``name`` the module's last path component (``q_proj``), as
+    LoRA target names and the 4-bit quantization of QLoRA see them (the planner's LoRA terms)."""
+    from torch import nn
+
+    found: dict[str, list[list]] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name not in wrap_classes or name in found:
+            continue
+        found[name] = [[path.rsplit(".", 1)[-1], child.in_features, child.out_features, child.bias is not None]
+                       for path, child in module.named_modules() if isinstance(child, nn.Linear)]
+    return found
 
 
 def _same_storage(a, b) -> bool:
