@@ -347,7 +347,27 @@ def _replace(staging: Path, output: Path) -> None:
         os.rename(staging, output)
 
 
-def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, merged_dir: Path | None = None,
+def write_adapter_folder(folder: Path, state: dict[str, Any], key_map: dict[str, str], adapter_config) -> None:
+    """adapter_model.safetensors under peft's key names (from :func:`adapter_key_map`, taken on the
+    unwrapped model: peft's own ``save_pretrained`` on an FSDP1-wrapped model writes nothing or
+    zeros) and adapter_config.json."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    missing = sorted(set(state) - set(key_map))
+    if missing:
+        raise RuntimeError(f"trainable weights without a PEFT name: {missing[:3]}")
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({key_map[name]: tensor for name, tensor in state.items()}, str(folder / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = copy.deepcopy(adapter_config)
+    config.inference_mode = True
+    config.save_pretrained(str(folder))
+
+
+def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, key_map: dict[str, str],
+                   merged_dir: Path | None = None,
                    model_class=None, base_path: str | None = None, lora: dict[str, Any] | None = None) -> None:
     """Write ``output_dir`` as a PEFT folder (adapter_config.json + adapter_model.safetensors +
     tokenizer) and, with ``merged_dir``, the merged model as a Hugging Face folder. Collective."""
@@ -359,8 +379,7 @@ def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, merged_di
         output_dir = Path(output_dir)
         staging = output_dir.with_name(f".tmp-{output_dir.name}")
         shutil.rmtree(staging, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(str(staging), state_dict=state, safe_serialization=True)
+        write_adapter_folder(staging, state, key_map, accelerator.unwrap_model(model).peft_config["default"])
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
         _replace(staging, output_dir)

@@ -226,7 +226,8 @@ def main():
 
     # ---- save: the trained model as a Hugging Face folder, and the plots ----
     if method:  # LoRA/QLoRA: final/ is a PEFT adapter folder; --export-merged adds OUTPUT_DIR/merged
-        recipe_lora.export_adapter(accelerator, model, tokenizer, run.final, lora=method, base_path=args.model,
+        recipe_lora.export_adapter(accelerator, model, tokenizer, run.final, key_map=key_map, lora=method,
+                                   base_path=args.model,
                                    model_class=AutoModelForCausalLM,
                                    merged_dir=run.root / recipe_lora.MERGED if args.export_merged else None)
     else:
