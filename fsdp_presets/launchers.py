@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -384,7 +385,9 @@ def render_slurm(job: Job, *, script_name: str, generated_by: str) -> str:
               "# rank, read inside each task (hence the single quotes). srun passes this environment on",
               "# (--export=ALL, also where the cluster's default is NONE);",
               "# --kill-on-bad-exit stops every node when one fails instead of leaving them waiting.",
-              'srun --nodes="$NODES" --ntasks-per-node=1 --export=ALL --kill-on-bad-exit=1 bash -c ' + shell_word(inner),
+              # NOTE: shlex.quote, not shell_word: the only line breaks in `inner` are its own
+              # continuations (every value in it is already one quoted line), kept readable.
+              'srun --nodes="$NODES" --ntasks-per-node=1 --export=ALL --kill-on-bad-exit=1 bash -c ' + shlex.quote(inner),
               ""]
     return "\n".join(lines)
 

@@ -27,6 +27,8 @@ def _escape(character: str) -> str:
         return named[character]
     if code < 0x80:
         return f"\\x{code:02x}"
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (Python's surrogateescape): that byte again
+        return f"\\x{code - 0xDC00:02x}"
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 

@@ -64,6 +64,25 @@ def assert_nothing_ran(folder: Path) -> None:
     assert not [path for path in folder.rglob("*") if path.name == MARKER], "an injected command ran"
 
 
+# --------------------------------------------------------------------------- quoting
+
+
+NASTY = [HOSTILE_MODEL, HOSTILE_DATA, "it's", "a\rb", "tab\there", "\\'\"", "é日本😀", "x\u2028y\x85z",
+         os.fsdecode(b"not utf-8 \xff\xfe"), "$HOME ${HOME} !! *", "-n"]
+
+
+def test_shell_words_read_back_by_bash_as_exactly_the_value_on_one_line(tmp_path):
+    from fsdp_presets.quoting import comment_text, is_one_line, shell_word
+
+    for value in NASTY:
+        word = shell_word(value)
+        assert is_one_line(word) and is_one_line(comment_text(value)), repr(value)
+        echoed = subprocess.run(["bash", "-c", f"printf '%s' {word}"], capture_output=True, cwd=tmp_path,
+                                timeout=30).stdout
+        assert echoed == os.fsencode(value), repr(value)
+    assert_nothing_ran(tmp_path)
+
+
 # --------------------------------------------------------------------------- generate
 
 
