@@ -377,6 +377,16 @@ def test_launcher_refuses_a_config_with_an_impossible_process_count(tmp_path, ca
     assert not (tmp_path / "job.sh").exists()
 
 
+def test_rescaling_ignores_launch_hints_that_are_not_text(tmp_path, capsys):
+    source = tmp_path / "odd.yaml"
+    metadata = {"kind": "fsdp", "request": {"model": "llama", "gpus": 2, "device": "cpu", "seq_len": 16,
+                                            "global_batch": "8"},
+                "launch": {"model": ["not", "text"], "data": HOSTILE_DATA}, "summary": {"global_batch": 8}}
+    source.write_text("# fsdp-presets: " + json.dumps(metadata) + "\ndistributed_type: FSDP\n")
+    assert cli.main(["generate", "--from", str(source), "--gpus", "4", "-o", str(tmp_path / "out.yaml")]) == 0
+    assert read_metadata((tmp_path / "out.yaml").read_text())["launch"] == {"data": HOSTILE_DATA}
+
+
 # --------------------------------------------------------------------------- remote code
 
 

@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
                              f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
                              f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
         request = rescale_request(old_request, old["summary"], **given)
-        stored = old.get("launch") or {}
+        stored = {key: value for key, value in (old.get("launch") if isinstance(old.get("launch"), dict) else {}).items()
+                  if isinstance(value, str)}
         launch = LaunchHints(model=args.launch_model or stored.get("model"), data=args.launch_data or stored.get("data"))
     else:
         request = PresetRequest(model=args.model, **given)
