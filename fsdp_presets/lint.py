@@ -96,6 +96,12 @@ RULES = MappingProxyType({
     "fixed-main-process-ip": ("warning", "a fixed private main_process_ip in a multi-machine config"),
     "full-shard-across-nodes": ("warning", "sharding across nodes without a hybrid layout (HSDP keeps "
                                            "all-gathers inside a node)"),
+    "lora-fsdp1-flat-params": ("warning", "LoRA under FSDP1 with fsdp_use_orig_params false: flat parameters mix "
+                                          "frozen and trainable weights"),
+    "qlora-fsdp1": ("warning", "QLoRA under FSDP1: the 4-bit base is flattened (only bf16 quant storage and peft's "
+                               "wrap policy work)"),
+    "qlora-full-state-dict": ("warning", "QLoRA with FULL_STATE_DICT: accelerate's load_state fails on the 4-bit "
+                                         "quantization-state keys"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 
@@ -176,9 +182,13 @@ class CheckContext:
     gpus: int | None = None
     """Processes in the whole job when the file has no ``num_processes`` (``accelerate launch
     --num_processes``); None: no GPU count or memory verdict for such a file."""
-    method: Literal["full"] | None = None
+    method: Literal["full", "lora", "qlora"] | None = None
     """The training method: ``full`` makes the memory rules (which count gradients and AdamW state for
-    every parameter) errors; None: the file's metadata says, else unknown (one warning instead)."""
+    every parameter) errors, ``lora``/``qlora`` plan them for an adapter over a frozen (4-bit) base and
+    add the LoRA rules; None: the file's metadata says, else unknown (one warning instead)."""
+    lora: Any = None
+    """The adapter's :class:`~fsdp_presets.planner.LoraShape` for ``lora``/``qlora`` (default: the
+    file's metadata, else r 16 on every projection of the block)."""
 
     def __post_init__(self) -> None:
         if self.device not in (None, "gpu", "cpu"):
@@ -187,8 +197,8 @@ class CheckContext:
             raise ValueError("memory sizes must be positive")
         if self.gpus is not None and self.gpus < 1:
             raise ValueError("gpus must be >= 1")
-        if self.method not in (None, "full"):
-            raise ValueError(f"method must be full or None, got {self.method!r}")
+        if self.method not in (None, "full", "lora", "qlora"):
+            raise ValueError(f"method must be full, lora, qlora or None, got {self.method!r}")
 
     def _from_request(self, name: str):
         return ((self.metadata or {}).get("request") or {}).get(name)
@@ -199,7 +209,7 @@ class CheckContext:
 
     @property
     def training_method(self) -> str | None:
-        """``full`` when known (``--method`` or a generated preset's header), else None."""
+        """``full``, ``lora`` or ``qlora`` when known (``--method`` or a generated preset's header), else None."""
         if self.method:
             return self.method
         if self.metadata and self.metadata.get("kind") == "fsdp":
@@ -455,6 +465,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             "fsdp_sync_module_states is false: accelerate launch refuses this (ranks other than 0 start with empty "
             "weights that only the sync fills)", "set fsdp_sync_module_states: true (or remove it)",
             "fsdp_config.fsdp_sync_module_states"))
+    findings += _lora_rules(fsdp, version, context)
     memory = _device_and_memory(config, fsdp, parallelism, version, context,
                                 processes if layout_ok else None, machines if layout_ok else None)
     full_finetune_only = [item for item in memory if item.rule in FULL_FINETUNE_RULES]
@@ -470,6 +481,61 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             full_finetune_only[0].key))
     findings += memory
     return _sorted(findings)
+
+
+def lora_shape(context: CheckContext):
+    """The :class:`~fsdp_presets.planner.LoraShape` the memory rules plan with, None for full."""
+    from fsdp_presets.planner import LoraShape
+
+    method = context.training_method
+    if method not in ("lora", "qlora"):
+        return None
+    if context.lora is not None:
+        return context.lora
+    recorded = ((context.metadata or {}).get("request") or {}).get("lora") or {}
+    try:
+        targets = recorded.get("target_modules")
+        return LoraShape(method=method, r=int(recorded.get("r", 16)), alpha=recorded.get("alpha"),
+                         dropout=float(recorded.get("dropout", 0.0)),
+                         target_modules=tuple(targets) if targets else None)
+    except Exception:  # noqa: BLE001 - a header edited by hand: plan the default adapter
+        return LoraShape(method=method)
+
+
+def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
+    """The LoRA/QLoRA failures a config file and the method reveal (docs/troubleshooting.md)."""
+    method = context.training_method
+    if method not in ("lora", "qlora"):
+        return []
+    findings = []
+    if version == 1 and _boolean(fsdp.get("fsdp_use_orig_params", True)) is False:
+        findings.append(finding(
+            "lora-fsdp1-flat-params", f"{method} under FSDP1 with fsdp_use_orig_params: false: each flat parameter "
+            "must hold weights of one requires_grad, so with the layer wrapping of this file FSDP1 raises 'Must "
+            "flatten tensors with uniform requires_grad' unless the training script replaces the wrap policy with "
+            "peft's fsdp_auto_wrap_policy (transformers' Trainer and trl do; a plain accelerate script does not)",
+            "set fsdp_version: 2 (fsdp-presets generate --method " + method + "), or fsdp_use_orig_params: true "
+            "and peft's fsdp_auto_wrap_policy(model) on the plugin before prepare, with the optimizer built after "
+            "preparing the model", "fsdp_config.fsdp_use_orig_params"))
+    if method == "qlora" and version == 1:
+        findings.append(finding(
+            "qlora-fsdp1", "QLoRA under FSDP1: FSDP1 flattens the 4-bit base, which works only with "
+            "bnb_4bit_quant_storage=bfloat16 (uint8 storage: 'Cannot flatten integer dtype tensors'; torchao NF4: "
+            "'aten.view(NF4Tensor)' not implemented) and peft's wrap policy; the adapter export under FSDP1 needs "
+            "the trainable weights gathered with torch's get_model_state_dict (peft's own save writes zero tensors)",
+            "set fsdp_version: 2 with TRANSFORMER_BASED_WRAP on the decoder layer (fsdp-presets generate --method "
+            "qlora); keep bnb_4bit_quant_storage=bfloat16", "fsdp_config.fsdp_version"))
+    state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT" if version == 2 else
+                              "FULL_STATE_DICT")).upper()
+    if method == "qlora" and state_dict == "FULL_STATE_DICT":
+        findings.append(finding(
+            "qlora-full-state-dict", "QLoRA with FULL_STATE_DICT" + (" (accelerate's FSDP1 default)" if
+            "fsdp_state_dict_type" not in fsdp else "") + ": accelerate's save_state gathers the frozen 4-bit base "
+            "onto rank 0 at every save, and load_state fails on its quantization-state keys (absmax, quant_map), so "
+            "the run cannot resume from it", "set fsdp_state_dict_type: SHARDED_STATE_DICT and resume from "
+            "trainable-only (adapter + optimizer) checkpoints, as the recipes' --lora-r/--load-in-4bit do",
+            "fsdp_config.fsdp_state_dict_type"))
+    return findings
 
 
 FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "fp32-does-not-fit",
@@ -852,10 +918,17 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     # accelerate's default: FULL_STATE_DICT for FSDP1, SHARDED_STATE_DICT for FSDP2
     state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT" if version == 2 else
                               "FULL_STATE_DICT")).upper()
-    if state_dict == "FULL_STATE_DICT" and full_state_dict_host_bytes(profile) > host:
+    full_bytes = full_state_dict_host_bytes(profile)
+    lora = lora_shape(context)
+    if lora is not None:
+        from fsdp_presets.planner import adapter_params, base_storage_bytes
+
+        lora_training = _training_shape(config, fsdp, context)
+        full_bytes = base_storage_bytes(profile, lora_training) + 12 * adapter_params(profile, lora_training)
+    if state_dict == "FULL_STATE_DICT" and full_bytes > host:
         findings.append(finding(
             "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
-            f"at every save: about {full_state_dict_host_bytes(profile) / GiB:.0f} GiB for "
+            f"at every save: about {full_bytes / GiB:.0f} GiB for "
             f"{profile.total_params / 1e9:.2f}B parameters (fp32 weights + Adam moments), more than "
             f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
                                                                  "missing)" if "fsdp_state_dict_type" not in fsdp
@@ -924,7 +997,7 @@ def _training_shape(config, fsdp, context) -> TrainingShape:
         precision = "fp32"
     return TrainingShape(seq_len=seq_len, micro_batch=1, precision=precision,
                          activation_checkpointing=bool(_boolean(fsdp.get("fsdp_activation_checkpointing", False))),
-                         offload=bool(_boolean(fsdp.get("fsdp_offload_params", False))))
+                         offload=bool(_boolean(fsdp.get("fsdp_offload_params", False))), lora=lora_shape(context))
 
 
 def _hybrid_fits(config, fsdp, context, processes, machines) -> bool | None:

@@ -104,6 +104,12 @@ BAD_CONFIGS = {
         "hsdp-shard-spans-nodes", None, {}, "parallelism_config_dp_shard_size: 4"),
     "processes-not-divisible-by-machines": (mutate(top={"num_processes": 6, "num_machines": 4}),
                                             "machines-do-not-divide", None, {}, "multiple of 4"),
+    "lora-fsdp1-orig-params-false": (mutate(fsdp={**FSDP1, "fsdp_use_orig_params": False}, drop_fsdp=(
+        "fsdp_reshard_after_forward",)), "lora-fsdp1-flat-params", None, {"method": "lora"}, "uniform requires_grad"),
+    "qlora-fsdp1": (mutate(fsdp={**FSDP1}, drop_fsdp=("fsdp_reshard_after_forward",)), "qlora-fsdp1", None,
+                    {"method": "qlora"}, "bnb_4bit_quant_storage=bfloat16"),
+    "qlora-full-state-dict": (mutate(fsdp={"fsdp_state_dict_type": "FULL_STATE_DICT"}), "qlora-full-state-dict",
+                              None, {"method": "qlora"}, "quantization-state keys"),
     "no-wrap-policy": (mutate(fsdp={"fsdp_auto_wrap_policy": "NO_WRAP"}), "no-wrap-policy", None, {},
                        "TRANSFORMER_BASED_WRAP"),
     "wrap-classes-left-to-the-model": (mutate(drop_fsdp=("fsdp_transformer_layer_cls_to_wrap",)),
@@ -217,6 +223,7 @@ def test_rule_ids_are_stable():
         "fp16-on-bf16-model", "fsdp-config-ignored", "ignored-default", "key-not-applied", "num-processes-unset",
         "fp8-needs-backend", "memory-assumes-full-finetune", "prepare-crashes", "params-outside-units",
         "num-processes-vs-header", "fsdp-single-process", "fixed-main-process-ip", "full-shard-across-nodes",
+        "lora-fsdp1-flat-params", "qlora-fsdp1", "qlora-full-state-dict",
     )
 
 

@@ -34,8 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", type=int, help="sequence length for the planner rules (default: the preset's, else 2048)")
     add("--gpus", type=int, metavar="N", help="processes of the whole job for a file without num_processes (what "
         "`accelerate launch --num_processes` will pass); without it such a file gets no GPU count or memory verdict")
-    add("--method", choices=("full",), help="the training method, for the memory rules (default: a generated "
-        "preset's; otherwise unknown, and full-fine-tuning memory verdicts are one warning, not errors)")
+    from fsdp_presets.method_flags import add_method_arguments
+
+    add_method_arguments(parser, method_default=None, method_help="the training method, for the memory and LoRA "
+                         "rules: full, lora or qlora (default: a generated preset's; otherwise unknown, and "
+                         "full-fine-tuning memory verdicts are one warning, not errors)")
     add("--no-probe", action="store_true", help="skip running accelerate's FSDP preparation of the model under a "
         "fake process group")
     add("--list-rules", action="store_true", help="list the rule ids and exit")
@@ -69,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     missing = [path for path in args.configs if not Path(path).is_file()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")
+    from fsdp_presets.method_flags import lora_from_args
+
+    try:
+        lora = lora_from_args(args)
+    except UsageError as error:
+        problems.append(str(error))
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -88,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             facts, model_note = _model_from_header(path, cache, model_facts)
         context = CheckContext(model=facts, device=args.device, gpu_memory_gib=args.gpu_memory,
                                host_memory_gib=args.host_memory, seq_len=args.seq_len, gpus=args.gpus,
-                               method=args.method)
+                               method=args.method, lora=lora)
         report, view = check_file(path, context=context, prove_wrapping=not args.no_probe)
         failed = failed or not report.ok
         document = report.to_json()
