@@ -108,7 +108,8 @@ def strategy_words(distributed_type: str | None, fsdp: dict[str, Any] | None, la
         return f"DDP ({distributed_type})"
     if distributed_type == "NO":
         return "one process" if layout != "dcp" else "written by one process (DCP)"
-    return {"dcp": "FSDP, SHARDED_STATE_DICT (DCP)", "full": "FSDP, FULL_STATE_DICT", "ddp": "DDP or one process"}[layout]
+    return {"dcp": "FSDP, SHARDED_STATE_DICT (DCP)", "full": "FSDP, FULL_STATE_DICT", "ddp": "DDP or one process",
+            "adapter": "a LoRA run (DCP of the trainable weights)"}[layout]
 
 
 def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
@@ -128,7 +129,9 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
                                    "starts at step 0 with a fresh optimizer")
     how = {"dcp": f"DCP reshards to {gpus} process(es); use the same FSDP version with SHARDED_STATE_DICT",
            "full": f"full tensors load on {gpus} process(es); use FSDP with FULL_STATE_DICT",
-           "ddp": f"full tensors load on {gpus} process(es); use DDP (or one process)"}[summary.layout]
+           "ddp": f"full tensors load on {gpus} process(es); use DDP (or one process)",
+           "adapter": f"DCP reshards the LoRA adapter to {gpus} process(es) under FSDP2, FSDP1 or DDP; relaunch "
+                      "with the same --lora-* flags (the base reloads from --model)"}[summary.layout]
     batch = summary.global_batch_samples
     if batch is None:
         return ResumeAnswer(gpus=gpus, possible=True,

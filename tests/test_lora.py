@@ -107,7 +107,7 @@ def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
         assert len(saved) == 2 * 7 * 2 and all(".lora_A." in name or ".lora_B." in name for name in saved), saved
         weights = sum(entry["bytes"] for path, entry in manifest.files.items() if path.startswith("adapter_model_0"))
         base = (run_dir.parent / "tiny-qwen2" / "model.safetensors").stat().st_size
-        assert weights < base / 4, (weights, base)
+        assert weights < base / 3, (weights, base)  # 64 KiB of adapter + DCP's per-tensor metadata (FSDP1: more)
     fsdp2 = json.loads((lora_runs["fsdp2"] / "run.json").read_text())
     # FSDP1 with peft's wrap policy: each rank holds half the adapter, not all of it on rank 0
     fsdp1 = json.loads((lora_runs["fsdp1"] / "run.json").read_text())
