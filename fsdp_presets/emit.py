@@ -348,11 +348,12 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
 
 def _rehearsed_lines(preset: Preset, output: str) -> list[str]:
     """What a rehearsal of this very preset measured (shipped presets: fsdp_presets.rehearsed_presets)."""
-    from fsdp_presets.rehearsed_presets import recorded_rehearsal
+    from fsdp_presets.rehearsed_presets import missing_rehearsal, recorded_rehearsal
 
     record = recorded_rehearsal(output, preset.summary())
     if record is None:
-        return []
+        why = missing_rehearsal(output)
+        return ["#"] + _wrapped(f"not rehearsed: {why}", first="# ", rest="#   ") if why else []
     gib = 1024**3
     gpu_gib = preset.memory_plan.hardware.gpu_memory_bytes / gib
     text = (f"rehearsed peak per GPU: {record['peak_bytes'] / gib:.1f} GiB of {gpu_gib:g} GiB ({record['where']}; "

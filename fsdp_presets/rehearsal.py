@@ -369,9 +369,12 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
             tracker.track_inputs((input_ids, labels))
             model.train()
             with fake.fake_mode, tracker:
-                for _ in range(iterations):
-                    for index in range(micro_batches):
-                        last = index == micro_batches - 1 or reduce_every_micro_batch
+                for iteration in range(iterations):
+                    # Earlier iterations only create the optimizer state (the peak is in the last,
+                    # which has it): one micro-batch each is enough.
+                    count = micro_batches if iteration == iterations - 1 else 1
+                    for index in range(count):
+                        last = index == count - 1 or reduce_every_micro_batch
                         with training.gradient_sync(accelerator, model, last_micro_batch=last):
                             loss = causal_lm_summed_loss(model, input_ids, labels)
                             accelerator.backward(loss / (micro_batch * seq_len * grad_accum))
