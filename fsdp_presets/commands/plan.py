@@ -42,10 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan gradients reduced after every micro-batch instead of accumulated under no_sync")
     parser.add_argument("--precision", default="bf16", help="bf16 (default), fp16 or fp32 (accelerate mixed_precision)")
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
-    parser.add_argument("--activation-checkpointing", choices=("on", "off"), default="off",
-                        help="recompute block activations in backward (default off)")
-    parser.add_argument("--offload", choices=("on", "off"), default="off",
-                        help="FSDP CPU offload of parameters, gradients and optimizer state (default off)")
+    parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"),
+                        help="recompute block activations in backward (default off; with --method lora|qlora auto: "
+                        "on only when nothing fits without it, and the plan says so)")
+    parser.add_argument("--offload", choices=("on", "off", "auto"),
+                        help="FSDP CPU offload of parameters, gradients and optimizer state (default off; with "
+                        "--method lora|qlora auto: on only when nothing fits without it, after activation "
+                        "checkpointing)")
+    from fsdp_presets.method_flags import add_method_arguments
+
+    add_method_arguments(parser)
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
                         help="fused (SDPA/FlashAttention, default) or eager attention (stores s x s scores)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -67,6 +73,15 @@ def run(args: argparse.Namespace) -> int:
     if args.diagram and Path(args.diagram).suffix.lower() not in (".png", ".svg", ".pdf"):
         problems.append(f"--diagram {args.diagram}: give a .png (or .svg/.pdf) file name")
     hardware = shape = None
+    lora_default = "auto" if args.method in ("lora", "qlora") else "off"
+    checkpointing = args.activation_checkpointing or lora_default
+    offload = args.offload or lora_default
+    from fsdp_presets.method_flags import lora_from_args
+
+    try:
+        lora_from_args(args)  # the flags alone; target names are checked against the model below
+    except UsageError as error:
+        problems.append(str(error))
     if not math.isfinite(args.gpu_memory):
         problems.append(f"--gpu-memory must be a number of GiB, got {args.gpu_memory}")
     else:
@@ -82,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
             reduce_every_micro_batch=args.reduce_every_micro_batch,
             precision=args.precision,
             optimizer=args.optimizer,
-            activation_checkpointing=args.activation_checkpointing == "on",
-            offload=args.offload == "on",
+            activation_checkpointing=checkpointing == "on",
+            offload=offload == "on",
             attention=args.attention,
         )
     except UsageError as error:
@@ -98,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()
     profile = profile_model(args.model, trust_remote_code=args.trust_remote_code)
     shape, seq_note = _fit_seq_len(shape, profile, given=args.seq_len)
-    memory_plan = plan(profile, hardware, shape)
+    shape = shape.replace(lora=lora_from_args(args, profile))
+    memory_plan, chosen = _plan_with_auto_savers(profile, hardware, shape, checkpointing=checkpointing,
+                                                 offload=offload)
 
     if args.diagram:
         from fsdp_presets.plan_diagram import draw_plan
@@ -109,14 +126,48 @@ def run(args: argparse.Namespace) -> int:
         document = memory_plan.to_json()
         document["model"] = {"source": args.model, "architecture": profile.architecture,
                              "total_params": profile.total_params}
+        document["settings_chosen"] = chosen
+        if shape.lora is not None:
+            from fsdp_presets.planner import adapter_params, base_storage_bytes, default_target_modules
+
+            document["lora"] = {**shape.lora.to_json(), "trainable_params": adapter_params(profile, memory_plan.shape),
+                                "base_storage_bytes": base_storage_bytes(profile, memory_plan.shape),
+                                "targets_resolved": shape.lora.target_modules and list(shape.lora.target_modules)
+                                if shape.lora.target_modules and "all-linear" not in shape.lora.target_modules
+                                else default_target_modules(profile)}
         print(json.dumps(document, indent=2))
     else:
         print(format_plan(memory_plan, profile, source=args.model))
+        if chosen:
+            print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
         if seq_note:
             print(f"note: {seq_note}")
         if args.diagram:
             print(f"diagram: {args.diagram}")
     return 0
+
+
+def _plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offload: str):
+    """``(plan, chosen)``: the plan as asked, or, where a saver is ``auto`` and nothing fits, with the
+    cheapest savers that make something fit (activation checkpointing first, then offload too).
+    ``chosen`` names the savers turned on; when none makes anything fit, the plan as asked."""
+    from fsdp_presets.planner import plan
+
+    first = plan(profile, hardware, shape)
+    if first.recommended is not None:
+        return first, []
+    steps = []
+    if checkpointing == "auto":
+        steps.append((["activation checkpointing"], {"activation_checkpointing": True}))
+    if offload == "auto":
+        previous = steps[-1][1] if steps else {}
+        names = (steps[-1][0] if steps else []) + ["offload"]
+        steps.append((names, {**previous, "offload": True}))
+    for names, change in steps:
+        candidate = plan(profile, hardware, shape.replace(**change))
+        if candidate.recommended is not None:
+            return candidate, names
+    return first, []
 
 
 def _fit_seq_len(shape, profile, *, given: int | None):
@@ -159,7 +210,7 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         f"{hardware.gpus} GPUs{nodes} x {hardware.gpu_memory_bytes / GiB:g} GiB "
         f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}"
         f"{_accumulation_text(shape)}, "
-        f"{shape.precision}, {shape.optimizer}, activation checkpointing "
+        f"{shape.precision}, {shape.optimizer}, {_method_text(shape)}activation checkpointing "
         f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}",
         "",
     ]
@@ -194,6 +245,15 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         lines.append(f"reason: {memory_plan.reason}")
         lines += [f"try: {suggestion}" for suggestion in memory_plan.suggestions]
     return "\n".join(lines)
+
+
+def _method_text(shape) -> str:
+    lora = shape.lora
+    if lora is None:
+        return ""
+    base = "4-bit NF4 base (bf16 storage)" if lora.method == "qlora" else "frozen base"
+    targets = "default targets" if lora.target_modules is None else ",".join(lora.target_modules)
+    return f"{lora.method} r {lora.r} ({targets}, {base}), "
 
 
 def _accumulation_text(shape) -> str:

@@ -1,0 +1,100 @@
+"""The planner under LoRA and QLoRA: the headline cases, and a hand calculation of the 70B QLoRA
+state per GPU (docs/sharding.md, "LoRA and QLoRA") that the planner must agree with within 10%."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_presets.errors import UsageError
+from fsdp_presets.planner import (GiB, Hardware, LoraShape, TrainingShape, adapter_params, base_storage_bytes,
+                                  plan)
+from fsdp_presets.profile import profile_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return profile_model(str(REPO / "model_configs/llama-3.1-70b"))
+
+
+def _plan_json(*words):
+    out = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", *words, "--json"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def test_70b_qlora_fits_two_24gb_gpus_and_full_does_not():
+    qlora = _plan_json("model_configs/llama-3.1-70b", "--method", "qlora", "--gpus", "2", "--gpu-memory", "24")
+    fitting = [s for s in qlora["strategies"] if s["fits"]]
+    assert fitting and qlora["recommended"] == {"name": "FULL_SHARD", "fsdp_version": 2}
+    # the settings that make it fit are named
+    assert qlora["settings_chosen"] == ["activation checkpointing", "offload"]
+    assert qlora["shape"]["activation_checkpointing"] and qlora["shape"]["offload"] and qlora["method"] == "qlora"
+    full = _plan_json("model_configs/llama-3.1-70b", "--method", "full", "--gpus", "2", "--gpu-memory", "24")
+    assert not [s for s in full["strategies"] if s["fits"]] and full["recommended"] is None
+
+
+def test_8b_lora_fits_one_24gb_gpu():
+    lora = _plan_json("model_configs/llama-3.1-8b", "--method", "lora", "--gpus", "1", "--gpu-memory", "24")
+    assert lora["recommended"] is not None
+
+
+def test_hand_calculation_70b_qlora(llama70b):
+    """Hand calculation (docs/sharding.md): Llama-3.1-70B, 80 blocks of q,k,v,o (8192 wide, 1024 for
+    k,v) and gate,up,down (28672); r 16 on all seven."""
+    h, kv, i, layers, r = 8192, 1024, 28672, 80, 16
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    adapters = layers * sum(r * (a + b) for a, b in linears)
+    quantized = layers * sum(a * b for a, b in linears)
+    other = llama70b.total_params - quantized  # embeddings, head, norms: bf16
+    base = quantized * (0.5 + 0.5 / 8) + other * 2  # nf4 + fp32 absmax per 64 weights
+    per_gpu_state = base / 2 + adapters * 16 / 2  # fp32 adapter + grads + AdamW, sharded over 2
+    shape = TrainingShape(seq_len=2048, lora=LoraShape(method="qlora"), activation_checkpointing=True)
+    assert adapter_params(llama70b, shape) == adapters
+    assert abs(base_storage_bytes(llama70b, shape) - base) / base < 0.01
+    row = plan(llama70b, Hardware(gpus=2, gpu_memory_bytes=24 * GiB), shape).get("FULL_SHARD", 2)
+    assert abs(row.model_state.total - per_gpu_state) / per_gpu_state < 0.10
+    # frozen weights carry no gradients or optimizer state
+    assert row.model_state.grads == -(-adapters // 2) * 4
+    # activations with checkpointing: 2 bytes x s x h per block + logits 12 x s x vocab + outside
+    activations = layers * 2 * 2048 * h + 12 * 2048 * 128256 + 8.13 * 2048 * h
+    from fsdp_presets.planner import lora_activation_bytes
+
+    assert abs(lora_activation_bytes(llama70b, shape, 1) - activations) / activations < 0.10
+
+
+def test_lora_is_far_below_full(llama70b):
+    hardware = Hardware(gpus=8, gpu_memory_bytes=80 * GiB)
+    full = plan(llama70b, hardware, TrainingShape(seq_len=2048)).get("FULL_SHARD", 2)
+    lora = plan(llama70b, hardware, TrainingShape(seq_len=2048, lora=LoraShape())).get("FULL_SHARD", 2)
+    qlora = plan(llama70b, hardware, TrainingShape(seq_len=2048, lora=LoraShape(method="qlora"))).get("FULL_SHARD", 2)
+    assert qlora.model_state.params < lora.model_state.params < full.model_state.params / 1.9
+    assert lora.model_state.optimizer < full.model_state.optimizer / 100
+    assert lora.comm.reduce_scatter < full.comm.reduce_scatter / 100  # only the adapters' gradients
+
+
+def test_target_modules_and_bad_values(llama70b):
+    shape = TrainingShape(lora=LoraShape(target_modules=("q_proj", "v_proj")))
+    assert adapter_params(llama70b, shape) == 80 * 16 * ((8192 + 8192) + (8192 + 1024))
+    everything = TrainingShape(lora=LoraShape(target_modules=("all-linear",)))
+    assert adapter_params(llama70b, everything) == adapter_params(llama70b, TrainingShape(lora=LoraShape()))
+    with pytest.raises(UsageError, match="--lora-r"):
+        LoraShape(r=0)
+    with pytest.raises(UsageError, match="--lora-dropout"):
+        LoraShape(dropout=1.5)
+
+
+def test_plan_refuses_unknown_target_and_lora_flags_without_method():
+    bad = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", "model_configs/llama-3.1-8b", "--gpus",
+                          "1", "--gpu-memory", "24", "--method", "lora", "--lora-target-modules", "qproj"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "qproj" in bad.stderr and "q_proj" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", "model_configs/llama-3.1-8b", "--gpus",
+                          "1", "--gpu-memory", "24", "--lora-r", "8"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--method lora" in bad.stderr
