@@ -179,3 +179,26 @@ def test_every_real_config_has_its_source_in_the_readme():
     rows = {line.split("|")[1].strip() for line in readme.splitlines() if line.startswith("| ") and ".yaml" in line}
     assert rows == set(FILES)
     assert "Apache License 2.0" in readme
+
+
+# QLoRA configs as their repositories ship them, with the models their recipes name.
+QLORA = {
+    "trl_fsdp_qlora.yaml": "model_configs/llama-3.1-70b",  # trl's QLoRA FSDP docs: Llama-70B class
+    "peft_sft_fsdp_config_qlora.yaml": "model_configs/llama-3.1-70b",  # run_peft_qlora_fsdp.sh: Llama-2-70b
+    "llamafactory_fsdp_config.yaml": "model_configs/llama-3.1-8b",  # fsdp_qlora example: Llama-3-8B
+}
+
+
+@pytest.mark.parametrize("name", sorted(QLORA))
+def test_real_qlora_config_passes_with_method_qlora(name):
+    report, _ = check_file(REAL / name, context=CheckContext(model=model_facts(str(REPO / QLORA[name])),
+                                                             method="qlora"))
+    assert report.ok, [item.to_json() for item in report.errors]
+    assert "memory-assumes-full-finetune" not in report.rules()
+    # genuine problems still reported: every one of these is FSDP1 with a 4-bit base
+    assert "qlora-fsdp1" in report.rules()
+    config = yaml.safe_load((REAL / name).read_text())
+    if config["fsdp_config"].get("fsdp_use_orig_params") is False:
+        assert "lora-fsdp1-flat-params" in report.rules()
+    if config["fsdp_config"].get("fsdp_state_dict_type") == "FULL_STATE_DICT":
+        assert "qlora-full-state-dict" in report.rules()
