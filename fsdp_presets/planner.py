@@ -493,6 +493,27 @@ def fsdp2_shard_numel(shapes: list[tuple[int, ...]], shard_world_size: int) -> i
     return total
 
 
+def fused_expert_params(profile: ModelProfile) -> int:
+    """Parameters of one block's experts when transformers stores them fused, one 3-D tensor per
+    projection with the experts on dim 0 (Mixtral in transformers 5: gate, up and down, each
+    experts x hidden x intermediate); 0 for a dense model."""
+    dims = profile.dims
+    return dims.num_experts * 3 * dims.hidden_size * dims.intermediate_size if dims.num_experts else 0
+
+
+def _unit_shard_numel(profile: ModelProfile, unit: "ShardUnit", shard_world_size: int, fsdp_version: int) -> int:
+    """Elements of ``unit`` the largest rank (rank 0) holds. FSDP2 shards every parameter on
+    dim 0 [FSDP2]: a fused expert tensor has only ``experts`` rows, so over more ranks than
+    experts rank 0 holds a whole expert of each (1/8 of Mixtral's experts at 16 or 32 GPUs, not
+    1/16 or 1/32; rehearsed: 21.2 GiB of fp32 parameters on rank 0 at 32 GPUs)."""
+    experts = fused_expert_params(profile)
+    if fsdp_version != 2 or not experts or unit.name in ("embedding", "tail", "root") or experts > unit.params:
+        return shard_numel(unit.params, shard_world_size)
+    count = profile.dims.num_experts
+    rows = -(-count // shard_world_size)
+    return rows * (experts // count) + shard_numel(unit.params - experts, shard_world_size)
+
+
 def model_state_bytes(
     profile: ModelProfile, shape: TrainingShape, shard_world_size: int, fsdp_version: int | None = 2
 ) -> ModelStateBytes:
@@ -509,7 +530,8 @@ def model_state_bytes(
     if shard_world_size == 1 or fsdp_version is None:
         numel = profile.total_params if shard_world_size == 1 else shard_numel(profile.total_params, shard_world_size)
     else:
-        numel = sum(unit.count * shard_numel(unit.params, shard_world_size) for unit in fsdp_units(profile, fsdp_version))
+        numel = sum(unit.count * _unit_shard_numel(profile, unit, shard_world_size, fsdp_version)
+                    for unit in fsdp_units(profile, fsdp_version))
     return ModelStateBytes(
         params=numel * STORED_PARAM_BYTES,
         grads=numel * STORED_PARAM_BYTES,
@@ -818,7 +840,14 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
                            activations=activations - logits_bytes(profile, shape, micro_batch) + recomputed
                            + block_temporaries,
                            buffers=gathered_in_block * c + largest * c + accumulated)
-    return max(at_loss, in_block, key=lambda peak: peak.total)
+    # The end of backward: every gradient shard exists (the backward of the embedding, with the
+    # last blocks gathered). Sharded states dominate here when they are large beside the
+    # activations: fused experts over more ranks than experts (rehearsed: Mixtral-8x7B at 32
+    # GPUs, rank 0 peaks late in backward with most of its 21 GiB of gradient shards).
+    at_end = PerGpuBytes(params=state.params, grads=max(state.grads, grads), optimizer=state.optimizer,
+                         activations=recomputed + block_temporaries,
+                         buffers=gathered_in_block * c + largest * c + accumulated)
+    return max(at_loss, in_block, at_end, key=lambda peak: peak.total)
 
 
 def _strategy_plan(
