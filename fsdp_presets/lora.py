@@ -120,7 +120,8 @@ def default_targets(model) -> list[str]:
         for name, child in module.named_modules():
             if isinstance(child, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in names:
                 names.append(name.rsplit(".", 1)[-1])
-        break
+        if names:  # the first block with Linear layers (_no_split_modules may also name embeddings)
+            break
     return names or ["all-linear"]
 
 

@@ -277,3 +277,31 @@ def test_qlora_exports_adapter_and_merges_into_the_dequantized_base(qlora_runs, 
     assert "quantization_config" not in json.loads((run_dir / "merged" / "config.json").read_text())
     # the dequantized base computes what the 4-bit layers compute, up to their fp32 rounding
     assert (merged - reference).abs().max() <= 1e-4 * reference.abs().max()
+
+
+# ---- the classification recipe ----
+@pytest.mark.slow
+def test_classification_recipe_trains_a_lora_adapter_and_its_head(tmp_path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    from recipe_helpers import CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, tiny_bert
+
+    model = tiny_bert(tmp_path / "tiny-bert")
+    config = accelerate_config(tmp_path, "fsdp2-bert", fsdp={"transformer_layer_cls_to_wrap": "BertLayer"})
+    run_dir = tmp_path / "cls"
+    args = ["--model", model, "--data", GENRES_TRAIN, "--eval-data", GENRES_EVAL, "--max-eval-samples", 16,
+            "--output-dir", run_dir, "--seq-len", 32, "--max-steps", 6, "--learning-rate", 3e-3, "--lora-r", 4]
+    result = run_launch(config, CLASSIFICATION, [str(arg) for arg in args], num_processes=2, cwd=REPO).check()
+    assert GLOO_EXIT_ABORT not in result.stderr
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["training"]["target_modules"] == ["query", "key", "value", "dense"]
+    adapter = json.loads((run_dir / "final" / "adapter_config.json").read_text())
+    assert adapter["task_type"] == "SEQ_CLS" and adapter["r"] == 4
+    with torch.no_grad():
+        base = AutoModelForSequenceClassification.from_pretrained(model, num_labels=4)
+        loaded = PeftModel.from_pretrained(base, run_dir / "final").eval()
+        head = loaded.base_model.model.classifier.modules_to_save["default"].weight
+        original = AutoModelForSequenceClassification.from_pretrained(model, num_labels=4).classifier.weight
+    assert not torch.equal(head, original)  # the head trained and was exported with the adapter
