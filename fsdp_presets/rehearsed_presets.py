@@ -31,8 +31,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                          'command': 'fsdp-presets rehearse accelerate_configs/gemma-2-9b_1x8.yaml',
                          'change': 'activation_checkpointing False -> True: the earlier settings need 316.1 '
                                    'GiB per GPU (planner checked against rehearsals; the earlier planner left '
-                                   'out the unsharded gradients no_sync accumulation holds and under-counted '
-                                   'activations)'},
+                                   'out the unsharded gradients no_sync accumulation holds, under-counted '
+                                   'activations and split fused experts evenly over the ranks)'},
  'gemma-2-9b_2x8.yaml': {'settings': {'processes': 16,
                                       'sharding': 'HSDP 2x8',
                                       'precision': 'bf16',
@@ -49,8 +49,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                     'micro-batch)',
                          'change': 'activation_checkpointing False -> True: the earlier settings need 316.1 '
                                    'GiB per GPU (planner checked against rehearsals; the earlier planner left '
-                                   'out the unsharded gradients no_sync accumulation holds and under-counted '
-                                   'activations)'},
+                                   'out the unsharded gradients no_sync accumulation holds, under-counted '
+                                   'activations and split fused experts evenly over the ranks)'},
  'gemma-2-9b_4x8.yaml': {'settings': {'processes': 32,
                                       'sharding': 'HSDP 4x8',
                                       'precision': 'bf16',
@@ -67,8 +67,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                     'micro-batch)',
                          'change': 'activation_checkpointing False -> True: the earlier settings need 316.1 '
                                    'GiB per GPU (planner checked against rehearsals; the earlier planner left '
-                                   'out the unsharded gradients no_sync accumulation holds and under-counted '
-                                   'activations)'},
+                                   'out the unsharded gradients no_sync accumulation holds, under-counted '
+                                   'activations and split fused experts evenly over the ranks)'},
  'llama-3.1-8b_1x8.yaml': {'settings': {'processes': 8,
                                         'sharding': 'FULL_SHARD 8',
                                         'precision': 'bf16',
@@ -101,8 +101,9 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                       'micro-batch)',
                            'change': 'micro_batch 2 -> 1, gradient_accumulation 8 -> 16: the earlier settings '
                                      'need 93.2 GiB per GPU (planner checked against rehearsals; the earlier '
-                                     'planner left out the unsharded gradients no_sync accumulation holds and '
-                                     'under-counted activations)'},
+                                     'planner left out the unsharded gradients no_sync accumulation holds, '
+                                     'under-counted activations and split fused experts evenly over the '
+                                     'ranks)'},
  'llama-3.1-8b_4x8.yaml': {'settings': {'processes': 32,
                                         'sharding': 'HSDP 4x8',
                                         'precision': 'bf16',
@@ -119,8 +120,9 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                       'micro-batch)',
                            'change': 'micro_batch 2 -> 1, gradient_accumulation 4 -> 8: the earlier settings '
                                      'need 93.2 GiB per GPU (planner checked against rehearsals; the earlier '
-                                     'planner left out the unsharded gradients no_sync accumulation holds and '
-                                     'under-counted activations)'},
+                                     'planner left out the unsharded gradients no_sync accumulation holds, '
+                                     'under-counted activations and split fused experts evenly over the '
+                                     'ranks)'},
  'mistral-7b-v0.3_1x8.yaml': {'settings': {'processes': 8,
                                            'sharding': 'FULL_SHARD 8',
                                            'precision': 'bf16',
@@ -136,7 +138,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                               'change': 'micro_batch 2 -> 1, gradient_accumulation 16 -> 32: the earlier '
                                         'settings need 81.2 GiB per GPU (planner checked against rehearsals; '
                                         'the earlier planner left out the unsharded gradients no_sync '
-                                        'accumulation holds and under-counted activations)'},
+                                        'accumulation holds, under-counted activations and split fused experts '
+                                        'evenly over the ranks)'},
  'mistral-7b-v0.3_2x8.yaml': {'settings': {'processes': 16,
                                            'sharding': 'HSDP 2x8',
                                            'precision': 'bf16',
@@ -154,7 +157,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                               'change': 'micro_batch 2 -> 1, gradient_accumulation 8 -> 16: the earlier '
                                         'settings need 81.2 GiB per GPU (planner checked against rehearsals; '
                                         'the earlier planner left out the unsharded gradients no_sync '
-                                        'accumulation holds and under-counted activations)'},
+                                        'accumulation holds, under-counted activations and split fused experts '
+                                        'evenly over the ranks)'},
  'mistral-7b-v0.3_4x8.yaml': {'settings': {'processes': 32,
                                            'sharding': 'HSDP 4x8',
                                            'precision': 'bf16',
@@ -172,7 +176,64 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                               'change': 'micro_batch 2 -> 1, gradient_accumulation 4 -> 8: the earlier '
                                         'settings need 81.2 GiB per GPU (planner checked against rehearsals; '
                                         'the earlier planner left out the unsharded gradients no_sync '
-                                        'accumulation holds and under-counted activations)'},
+                                        'accumulation holds, under-counted activations and split fused experts '
+                                        'evenly over the ranks)'},
+ 'mixtral-8x7b_1x8.yaml': {'settings': {'processes': 8,
+                                        'sharding': 'FULL_SHARD 8',
+                                        'precision': 'bf16',
+                                        'activation_checkpointing': False,
+                                        'offload': True,
+                                        'seq_len': 4096,
+                                        'micro_batch': 1,
+                                        'reduce_every_micro_batch': True},
+                           'peak_bytes': 57932514796,
+                           'planner_bytes': 57894315951,
+                           'where': "in a block's backward",
+                           'command': 'fsdp-presets rehearse accelerate_configs/mixtral-8x7b_1x8.yaml',
+                           'change': 'micro_batch 2 -> 1, gradient_accumulation 16 -> 32, gradients reduced '
+                                     'every micro-batch: the earlier settings need 186.5 GiB per GPU (planner '
+                                     'checked against rehearsals; the earlier planner left out the unsharded '
+                                     'gradients no_sync accumulation holds, under-counted activations and '
+                                     'split fused experts evenly over the ranks)'},
+ 'mixtral-8x7b_2x8.yaml': {'settings': {'processes': 16,
+                                        'sharding': 'HSDP 2x8',
+                                        'precision': 'bf16',
+                                        'activation_checkpointing': False,
+                                        'offload': True,
+                                        'seq_len': 4096,
+                                        'micro_batch': 1,
+                                        'reduce_every_micro_batch': True},
+                           'peak_bytes': 57932514796,
+                           'planner_bytes': 57894315951,
+                           'where': "in a block's backward",
+                           'command': 'fsdp-presets rehearse accelerate_configs/mixtral-8x7b_1x8.yaml',
+                           'same_as': 'mixtral-8x7b_1x8.yaml (HSDP shards over the same 8 GPUs with the same '
+                                      'micro-batch)',
+                           'change': 'sharding FULL_SHARD 16 -> HSDP 2x8, offload False -> True, gradients '
+                                     'reduced every micro-batch: the earlier settings need 205.8 GiB per GPU '
+                                     '(planner checked against rehearsals; the earlier planner left out the '
+                                     'unsharded gradients no_sync accumulation holds, under-counted '
+                                     'activations and split fused experts evenly over the ranks)'},
+ 'mixtral-8x7b_4x8.yaml': {'settings': {'processes': 32,
+                                        'sharding': 'HSDP 4x8',
+                                        'precision': 'bf16',
+                                        'activation_checkpointing': False,
+                                        'offload': True,
+                                        'seq_len': 4096,
+                                        'micro_batch': 1,
+                                        'reduce_every_micro_batch': True},
+                           'peak_bytes': 57932514796,
+                           'planner_bytes': 57894315951,
+                           'where': "in a block's backward",
+                           'command': 'fsdp-presets rehearse accelerate_configs/mixtral-8x7b_1x8.yaml',
+                           'same_as': 'mixtral-8x7b_1x8.yaml (HSDP shards over the same 8 GPUs with the same '
+                                      'micro-batch)',
+                           'change': 'sharding FULL_SHARD 32 -> HSDP 4x8, offload False -> True, micro_batch 2 '
+                                     '-> 1, gradient_accumulation 4 -> 8, gradients reduced every micro-batch: '
+                                     'the earlier settings need 250.8 GiB per GPU (planner checked against '
+                                     'rehearsals; the earlier planner left out the unsharded gradients no_sync '
+                                     'accumulation holds, under-counted activations and split fused experts '
+                                     'evenly over the ranks)'},
  'phi-3-mini-4k_1x8.yaml': {'settings': {'processes': 8,
                                          'sharding': 'FULL_SHARD 8',
                                          'precision': 'bf16',
@@ -187,8 +248,9 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                             'command': 'fsdp-presets rehearse accelerate_configs/phi-3-mini-4k_1x8.yaml',
                             'change': 'micro_batch 4 -> 2, gradient_accumulation 8 -> 16: the earlier settings '
                                       'need 100.0 GiB per GPU (planner checked against rehearsals; the earlier '
-                                      'planner left out the unsharded gradients no_sync accumulation holds and '
-                                      'under-counted activations)'},
+                                      'planner left out the unsharded gradients no_sync accumulation holds, '
+                                      'under-counted activations and split fused experts evenly over the '
+                                      'ranks)'},
  'phi-3-mini-4k_2x8.yaml': {'settings': {'processes': 16,
                                          'sharding': 'HSDP 2x8',
                                          'precision': 'bf16',
@@ -205,8 +267,9 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                        'micro-batch)',
                             'change': 'micro_batch 4 -> 2, gradient_accumulation 4 -> 8: the earlier settings '
                                       'need 100.0 GiB per GPU (planner checked against rehearsals; the earlier '
-                                      'planner left out the unsharded gradients no_sync accumulation holds and '
-                                      'under-counted activations)'},
+                                      'planner left out the unsharded gradients no_sync accumulation holds, '
+                                      'under-counted activations and split fused experts evenly over the '
+                                      'ranks)'},
  'phi-3-mini-4k_4x8.yaml': {'settings': {'processes': 32,
                                          'sharding': 'HSDP 4x8',
                                          'precision': 'bf16',
@@ -223,8 +286,9 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                        'micro-batch)',
                             'change': 'micro_batch 4 -> 2, gradient_accumulation 2 -> 4: the earlier settings '
                                       'need 100.0 GiB per GPU (planner checked against rehearsals; the earlier '
-                                      'planner left out the unsharded gradients no_sync accumulation holds and '
-                                      'under-counted activations)'},
+                                      'planner left out the unsharded gradients no_sync accumulation holds, '
+                                      'under-counted activations and split fused experts evenly over the '
+                                      'ranks)'},
  'qwen2.5-7b_1x8.yaml': {'settings': {'processes': 8,
                                       'sharding': 'FULL_SHARD 8',
                                       'precision': 'bf16',
@@ -239,8 +303,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                          'command': 'fsdp-presets rehearse accelerate_configs/qwen2.5-7b_1x8.yaml',
                          'change': 'micro_batch 2 -> 1, gradient_accumulation 16 -> 32: the earlier settings '
                                    'need 92.5 GiB per GPU (planner checked against rehearsals; the earlier '
-                                   'planner left out the unsharded gradients no_sync accumulation holds and '
-                                   'under-counted activations)'},
+                                   'planner left out the unsharded gradients no_sync accumulation holds, '
+                                   'under-counted activations and split fused experts evenly over the ranks)'},
  'qwen2.5-7b_2x8.yaml': {'settings': {'processes': 16,
                                       'sharding': 'HSDP 2x8',
                                       'precision': 'bf16',
@@ -257,8 +321,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                     'micro-batch)',
                          'change': 'micro_batch 2 -> 1, gradient_accumulation 8 -> 16: the earlier settings '
                                    'need 92.5 GiB per GPU (planner checked against rehearsals; the earlier '
-                                   'planner left out the unsharded gradients no_sync accumulation holds and '
-                                   'under-counted activations)'},
+                                   'planner left out the unsharded gradients no_sync accumulation holds, '
+                                   'under-counted activations and split fused experts evenly over the ranks)'},
  'qwen2.5-7b_4x8.yaml': {'settings': {'processes': 32,
                                       'sharding': 'HSDP 4x8',
                                       'precision': 'bf16',
@@ -275,8 +339,8 @@ REHEARSED = {'gemma-2-9b_1x8.yaml': {'settings': {'processes': 8,
                                     'micro-batch)',
                          'change': 'micro_batch 2 -> 1, gradient_accumulation 4 -> 8: the earlier settings '
                                    'need 92.5 GiB per GPU (planner checked against rehearsals; the earlier '
-                                   'planner left out the unsharded gradients no_sync accumulation holds and '
-                                   'under-counted activations)'}}
+                                   'planner left out the unsharded gradients no_sync accumulation holds, '
+                                   'under-counted activations and split fused experts evenly over the ranks)'}}
 """``file name -> {"settings", "peak_bytes", "planner_bytes", "where", "command", ["same_as"], ["change"]}``."""
 
 
@@ -298,16 +362,7 @@ NOT_REHEARSED: dict[str, str] = {'llama-3.1-70b_1x8.yaml': 'a rehearsal of its o
  'llama-3.1-70b_4x8.yaml': 'a rehearsal of its own settings (32 GPUs, micro-batch 2, activation checkpointing) '
                            'did not finish in the time given on a shared 2-core host; the planner agrees with '
                            'full-size Llama-3.1-70B rehearsals within 2% without checkpointing and 7.4% with '
-                           'it',
- 'mixtral-8x7b_1x8.yaml': 'a rehearsal of its own settings did not finish in the time given on a shared 2-core '
-                          'host; the planner agrees with the full-size Mixtral-8x7B rehearsal at 8 GPUs '
-                          '(micro-batch 1) within 0.1%, its constant fitted to it',
- 'mixtral-8x7b_2x8.yaml': 'a rehearsal of its own settings did not finish in the time given on a shared 2-core '
-                          'host; the planner agrees with the full-size Mixtral-8x7B rehearsal at 8 GPUs '
-                          '(micro-batch 1) within 0.1%, its constant fitted to it',
- 'mixtral-8x7b_4x8.yaml': 'a rehearsal of its own settings did not finish in the time given on a shared 2-core '
-                          'host; the planner agrees with the full-size Mixtral-8x7B rehearsal at 8 GPUs '
-                          '(micro-batch 1) within 0.1%, its constant fitted to it'}
+                           'it'}
 """Shipped presets whose own settings are not rehearsed yet, each with why."""
 
 
