@@ -22,14 +22,23 @@ workspaces, and CUDA-only kernels (FlashAttention's workspace; the CPU's fused S
 same (b, heads, s) log-sum-exp). The planner keeps a reserve for these
 (:data:`fsdp_presets.planner.DEFAULT_RESERVED_BYTES` and its allocator margin).
 
-Two obstacles, measured with torch 2.13 and accelerate 1.16, and how they are handled here:
+For another tool that needs accelerate's real FSDP2 wrapping of a model without weights or GPUs
+(e.g. to prove a config's units): :func:`fake_accelerate` and :meth:`FakeAccelerate.prepare_model`
+are the public part, usable on their own (one at a time per process; everything is restored on
+exit). The step itself runs CPU kernels on fake tensors; AdamW is built with ``foreach=True``
+(torch's default for CUDA tensors) so its temporaries are the GPU's.
+
+Three obstacles, measured with torch 2.13 and accelerate 1.16, and how they are handled here:
 
 - the device mesh cannot be built inside ``FakeTensorMode`` (``init_device_mesh`` reads rank
   lists with ``tolist()``): it is built before, and ``fully_shard``'s default mesh is that one;
 - DTensor's sharding propagation runs its shape inference in the *outer* fake mode, so the
   tracker would count its full-size placeholder tensors (94 GiB of phantom optimizer state for
   8B): allocations made inside ``ShardingPropagator._propagate_tensor_meta_non_cached`` are not
-  counted (:class:`_RehearsalTracker`).
+  counted (:class:`_RehearsalTracker`);
+- accelerate matches the optimizer's parameters to the sharded ones by ``data_ptr()``, which is 0
+  for every fake tensor (AdamW would keep state for one parameter): fake tensors are matched by
+  identity, as accelerate does for meta tensors.
 """
 
 from __future__ import annotations
