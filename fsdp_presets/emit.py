@@ -152,6 +152,11 @@ def generate_words(request: PresetRequest, *, output: str, baseline_output: str 
         ("--seq-len", request.seq_len, None),
         ("--global-batch", request.global_batch, None),
         ("--micro-batch", request.micro_batch, None),
+        ("--method", request.method, "full"),
+        ("--lora-r", request.lora_r, None),
+        ("--lora-alpha", request.lora_alpha, None),
+        ("--lora-dropout", request.lora_dropout, None),
+        ("--lora-target-modules", request.lora_target_modules, None),
         ("--launch-model", launch.model, None),
         ("--launch-data", launch.data, None),
     ]
@@ -186,7 +191,47 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> li
         script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
         "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
         "--gradient-accumulation-steps", str(preset.batch.accumulation),
-    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else [])
+    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else []) + lora_recipe_words(preset)
+
+
+def lora_recipe_words(preset: Preset) -> list[str]:
+    """The recipe flags of the preset's LoRA/QLoRA (the settings accelerate YAML cannot hold)."""
+    lora = preset.request.lora_shape
+    if lora is None:
+        return []
+    words = ["--lora-r", str(lora.r), "--lora-alpha", _number(lora.lora_alpha)]
+    if lora.dropout:
+        words += ["--lora-dropout", _number(lora.dropout)]
+    if lora.target_modules is not None:
+        words += ["--lora-target-modules", ",".join(lora.target_modules)]
+    return words + (["--load-in-4bit"] if lora.method == "qlora" else [])
+
+
+def _method_lines(preset: Preset) -> list[str]:
+    """Header lines for LoRA/QLoRA: the method, the adapter and the base's storage, none of which
+    accelerate YAML holds (the recipe flags of the launch command carry them)."""
+    lora = preset.request.lora_shape
+    if lora is None:
+        return []
+    from fsdp_presets.planner import adapter_params, base_storage_bytes, default_target_modules
+
+    shape = preset.memory_plan.shape
+    targets = ",".join(lora.target_modules) if lora.target_modules else ",".join(
+        default_target_modules(preset.profile))
+    base = ("bitsandbytes 4-bit nf4 (transformers BitsAndBytesConfig load_in_4bit, bnb_4bit_quant_type nf4, "
+            "bnb_4bit_quant_storage bfloat16 so that FSDP shards it, no double quantization)"
+            if lora.method == "qlora" else "frozen in its storage dtype")
+    text = (f"method: {lora.method}, r {lora.r}, alpha {_number(lora.lora_alpha)}, dropout {_number(lora.dropout)}, "
+            f"target modules {targets}: {count_text(adapter_params(preset.profile, shape))} trainable parameters "
+            f"(fp32 with fp32 gradients and AdamW state); base {base}, "
+            f"{bytes_text(base_storage_bytes(preset.profile, shape))} stored. FSDP"
+            f"{preset.parallelism.fsdp_version}: " + (
+                "TRANSFORMER_BASED_WRAP on the decoder layer (accelerate's FSDP2 ignores peft's wrap policy); "
+                "model and optimizer prepared together" if preset.parallelism.fsdp_version == 2 else
+                "fsdp_use_orig_params true, and the recipe sets peft's fsdp_auto_wrap_policy on the plugin and "
+                "builds the optimizer after preparing the model") +
+            ". Checkpoints hold the adapter and its optimizer state only (the base is reloaded from --model).")
+    return ["#"] + _wrapped(text, first="# ", rest="#   ")
 
 
 def command_text(words: list[str]) -> str:
@@ -320,6 +365,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
                       " `--launcher slurm|torchrun|accelerate` writes this as a script)"
                       if preset.parallelism.num_machines > 1 else "") + ":",
         *_shell_lines(launch_words(preset, config_file=output, launch=launch)),
+        *_method_lines(preset),
     ]
     if baseline_output:
         lines.append(f"# DDP baseline for the convergence check: {comment_text(baseline_output)}")
@@ -388,6 +434,7 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
         "#",
         "# Launch with the FSDP config's recipe flags (the same samples in the same order):",
         *_shell_lines(launch_words(preset, config_file=baseline_output, launch=launch)),
+        *_method_lines(preset),
         "#",
         *_wrapped(f"Planner: DDP at micro-batch {preset.batch.micro_batch} {fit}.", first="# ", rest="# "),
         "#",

@@ -492,12 +492,14 @@ def lora_shape(context: CheckContext):
         return None
     if context.lora is not None:
         return context.lora
-    recorded = ((context.metadata or {}).get("request") or {}).get("lora") or {}
+    recorded = (context.metadata or {}).get("request") or {}
+    if recorded.get("method") != method:  # --method given for a file whose header says otherwise
+        return LoraShape(method=method)
     try:
-        targets = recorded.get("target_modules")
-        return LoraShape(method=method, r=int(recorded.get("r", 16)), alpha=recorded.get("alpha"),
-                         dropout=float(recorded.get("dropout", 0.0)),
-                         target_modules=tuple(targets) if targets else None)
+        targets = recorded.get("lora_target_modules")
+        return LoraShape(method=method, r=int(recorded.get("lora_r") or 16), alpha=recorded.get("lora_alpha"),
+                         dropout=float(recorded.get("lora_dropout") or 0.0),
+                         target_modules=tuple(name.strip() for name in targets.split(",")) if targets else None)
     except Exception:  # noqa: BLE001 - a header edited by hand: plan the default adapter
         return LoraShape(method=method)
 

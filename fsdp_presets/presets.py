@@ -118,9 +118,24 @@ class PresetRequest:
     """Samples (``256``) or tokens (``1M``, ``524288tok``; K/M are binary) per optimizer step."""
     micro_batch: int | None = None
     """Sequences per GPU per forward; None: the largest that fits and divides the rank's share."""
+    method: str = "full"
+    """``full``, ``lora`` or ``qlora`` (:mod:`fsdp_presets.method_flags`); the LoRA fields below are
+    None for full fine-tuning, and none of them is written to a full-method preset's header."""
+    lora_r: int | None = None
+    """LoRA rank (default 16)."""
+    lora_alpha: float | None = None
+    """peft's lora_alpha (default 2 x r)."""
+    lora_dropout: float | None = None
+    """Dropout on the LoRA path (default 0)."""
+    lora_target_modules: str | None = None
+    """Comma-separated Linear names or ``all-linear`` (default: every projection of the block)."""
 
     def __post_init__(self) -> None:
         problems = []
+        try:
+            self.lora_shape  # noqa: B018 - validates the method and the LoRA fields
+        except UsageError as error:
+            problems.append(str(error))
         if not self.model:
             problems.append("give a MODEL: a family name, a model folder or a config.json")
         from fsdp_presets import arguments as limits  # the command line's bounds, for every caller
@@ -187,8 +202,25 @@ class PresetRequest:
     def gpus_per_node(self) -> int:
         return self.gpus // self.nodes
 
+    @property
+    def lora_shape(self):
+        """The planner's :class:`~fsdp_presets.planner.LoraShape`, None for full fine-tuning."""
+        from types import SimpleNamespace
+
+        from fsdp_presets.method_flags import METHODS, lora_from_args
+
+        if self.method not in METHODS:
+            raise UsageError(unknown_name_message("--method value", str(self.method), METHODS))
+        return lora_from_args(SimpleNamespace(method=self.method, lora_r=self.lora_r, lora_alpha=self.lora_alpha,
+                                              lora_dropout=self.lora_dropout,
+                                              lora_target_modules=self.lora_target_modules))
+
     def to_json(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.method == "full":  # a full fine-tune's header stays as it always was
+            for name in ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):
+                data.pop(name)
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "PresetRequest":
@@ -429,6 +461,15 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
     offloading = [False] if request.device == "cpu" else {"on": [True], "off": [False], "auto": [False, True]}[
         request.offload]
     needed_micro = request.micro_batch or 1
+    lora = request.lora_shape
+    if lora is not None:
+        from fsdp_presets.planner import default_target_modules, unknown_target_modules
+
+        unknown = unknown_target_modules(profile, lora)
+        if unknown or not default_target_modules(profile):
+            raise UsageError(f"--lora-target-modules: {', '.join(unknown) or 'no Linear layer'} not in "
+                             f"{profile.architecture}'s block; its Linear layers are "
+                             f"{','.join(default_target_modules(profile)) or 'none'} (or give all-linear)")
     if request.micro_batch and per_rank % request.micro_batch:
         raise UsageError(
             f"--micro-batch {request.micro_batch} does not divide each rank's share of the global batch "
@@ -447,7 +488,7 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
         for name in candidates:
             for reduce_every in reductions:
                 for ac in checkpointing:
-                    shape = TrainingShape(seq_len=seq_len, micro_batch=needed_micro,
+                    shape = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=needed_micro,
                                           precision=precision.planner_precision, activation_checkpointing=ac,
                                           offload=offload, grad_accum=2 if accumulating else 1,
                                           reduce_every_micro_batch=reduce_every)
@@ -473,7 +514,7 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
     micro = request.micro_batch or max(d for d in _divisors(per_rank) if d <= row.max_micro_batch)
     accumulation = per_rank // micro
     reduce_every = reduce_every and accumulation > 1
-    final_shape = TrainingShape(seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
+    final_shape = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
                                 activation_checkpointing=ac, offload=offload, grad_accum=accumulation,
                                 reduce_every_micro_batch=reduce_every)
     memory_plan = plan(profile, hardware, final_shape)
@@ -606,7 +647,7 @@ def _layout(request: PresetRequest) -> str:
 
 def _nothing_fits(profile, request, hardware, seq_len, precision, candidates, checkpointing, offloading,
                   needed_micro, host_short) -> str:
-    widest = TrainingShape(seq_len=seq_len, micro_batch=needed_micro, precision=precision.planner_precision,
+    widest = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=needed_micro, precision=precision.planner_precision,
                            activation_checkpointing=checkpointing[-1], offload=offloading[-1])
     memory_plan = plan(profile, hardware, widest)
     tried = " or ".join(f"{name} (FSDP{request.fsdp_version})" for name in candidates)
@@ -628,7 +669,7 @@ def _nothing_fits(profile, request, hardware, seq_len, precision, candidates, ch
     if request.strategy != "auto" and fitting_other is not None and fitting_other.name != "DDP":
         message += f"; {fitting_other.label} would fit (--strategy {_flag_for(fitting_other.name)})"
     suggestions = memory_plan.suggestions or plan(
-        profile, hardware, TrainingShape(seq_len=seq_len, micro_batch=needed_micro,
+        profile, hardware, TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=needed_micro,
                                          precision=precision.planner_precision,
                                          activation_checkpointing=True, offload=request.device != "cpu")).suggestions
     if suggestions:
@@ -682,7 +723,7 @@ def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precis
     parts = []
     if request.activation_checkpointing == "auto":
         if ac:
-            plain = TrainingShape(seq_len=seq_len, micro_batch=1, precision=precision.planner_precision, offload=offload)
+            plain = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=1, precision=precision.planner_precision, offload=offload)
             if shape is not None:  # the same accumulation, without checkpointing
                 plain = shape.replace(micro_batch=1, activation_checkpointing=False)
             without = plan(profile, hardware, plain).get(row.name, row.fsdp_version)

@@ -98,3 +98,58 @@ def test_plan_refuses_unknown_target_and_lora_flags_without_method():
     bad = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", "model_configs/llama-3.1-8b", "--gpus",
                           "1", "--gpu-memory", "24", "--lora-r", "8"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--method lora" in bad.stderr
+
+
+def _generate(tmp_path, *words):
+    return subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "generate", str(REPO / "model_configs/llama-3.1-8b"),
+                           *words], cwd=tmp_path, capture_output=True, text=True)
+
+
+def test_generate_qlora_records_what_accelerate_yaml_cannot(tmp_path):
+    import yaml
+
+    from fsdp_presets.emit import read_metadata
+    from fsdp_presets.lint import CheckContext, check_file
+
+    done = _generate(tmp_path, "--gpus", "2", "--gpu-memory", "24", "--method", "qlora", "--lora-r", "8",
+                     "--lora-target-modules", "q_proj,v_proj", "--baseline", "ddp", "-o", "q.yaml")
+    assert done.returncode == 0, done.stderr
+    launch = "--lora-r 8 --lora-alpha 16 --lora-target-modules q_proj,v_proj --load-in-4bit"
+    assert launch in done.stdout
+    for name in ("q.yaml", "q.ddp.yaml"):
+        text = (tmp_path / name).read_text()
+        assert "--load-in-4bit" in text and "bnb_4bit_quant_storage bfloat16" in text and "method: qlora" in text
+        request = read_metadata(text)["request"]
+        assert (request["method"], request["lora_r"], request["lora_target_modules"]) == ("qlora", 8, "q_proj,v_proj")
+    config = yaml.safe_load((tmp_path / "q.yaml").read_text())
+    assert config["fsdp_config"]["fsdp_version"] == 2
+    assert config["fsdp_config"]["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    # check reads the method from the header and plans the adapter (no full-fine-tuning warning)
+    report, _ = check_file(tmp_path / "q.yaml", context=CheckContext(), prove_wrapping=False)
+    assert report.ok and "memory-assumes-full-finetune" not in report.rules()
+
+
+def test_generate_lora_fsdp1_keeps_original_parameters(tmp_path):
+    import yaml
+
+    done = _generate(tmp_path, "--gpus", "2", "--method", "lora", "--fsdp-version", "1", "-o", "l.yaml")
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load((tmp_path / "l.yaml").read_text())
+    assert config["fsdp_config"]["fsdp_use_orig_params"] is True
+    assert "fsdp_auto_wrap_policy on the plugin" in (tmp_path / "l.yaml").read_text()
+
+
+def test_generate_full_header_has_no_method_fields(tmp_path):
+    from fsdp_presets.emit import read_metadata
+
+    assert _generate(tmp_path, "--gpus", "2", "-o", "f.yaml").returncode == 0
+    request = read_metadata((tmp_path / "f.yaml").read_text())["request"]
+    assert not {"method", "lora_r"} & set(request)
+
+
+@pytest.mark.parametrize("value", ["q_proj;touch x", "q_proj\nnum_processes: 9", "$(id)", ""])
+def test_generate_refuses_hostile_target_names(tmp_path, value):
+    done = _generate(tmp_path, "--gpus", "2", "--method", "lora", "--lora-target-modules", value, "-o", "x.yaml")
+    assert done.returncode == 2 and "--lora-target-modules" in done.stderr
+    assert not (tmp_path / "x.yaml").exists()

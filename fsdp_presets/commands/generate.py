@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--launch-data", metavar="FILE", help="data file the header's launch command names (default DATA.jsonl)")
     add("--trust-remote-code", action="store_true",
         help="allow a config that names its own Python code (auto_map) to run that code")
+    from fsdp_presets.method_flags import add_method_arguments
+
+    add_method_arguments(parser, method_default=None, method_help=(
+        "full fine-tuning (default), lora or qlora: the planner counts a frozen (4-bit) base and fp32 adapters, "
+        "the header and launch command carry the adapter and quantization settings"))
     from fsdp_presets.commands.launcher import add_launch_arguments
 
     add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
@@ -66,6 +71,8 @@ _REQUEST_FLAGS = {
     "host_memory": "host_memory_gib", "precision": "precision", "strategy": "strategy",
     "fsdp_version": "fsdp_version", "state_dict": "state_dict", "activation_checkpointing": "activation_checkpointing",
     "offload": "offload", "seq_len": "seq_len", "global_batch": "global_batch", "micro_batch": "micro_batch",
+    "method": "method", "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+    "lora_target_modules": "lora_target_modules",
 }
 
 
