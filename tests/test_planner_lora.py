@@ -153,3 +153,9 @@ def test_generate_refuses_hostile_target_names(tmp_path, value):
     done = _generate(tmp_path, "--gpus", "2", "--method", "lora", "--lora-target-modules", value, "-o", "x.yaml")
     assert done.returncode == 2 and "--lora-target-modules" in done.stderr
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_rehearse_refuses_lora_with_one_message(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "rehearse", "model_configs/llama-3.1-8b",
+                           "--gpus", "2", "--method", "lora"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 2 and "only full fine-tuning is rehearsed" in done.stderr

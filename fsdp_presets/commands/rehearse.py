@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gpu-memory", type=float, default=None, metavar="GiB",
         help="memory of one GPU in GiB, for the fit verdict and the planner (default 80, or the preset's)")
     add("--json", action="store_true", help="print the result as JSON")
+    from fsdp_presets.method_flags import add_method_arguments
+
+    add_method_arguments(parser, method_help="the training method: only full is rehearsed (a LoRA/QLoRA plan is "
+                         "checked against a hand calculation, docs/sharding.md)")
     add("--trust-remote-code", action="store_true",
         help="allow a config that names its own Python code (auto_map) to run that code")
 
@@ -79,6 +83,9 @@ def _from_preset(args) -> tuple:
     if not metadata or metadata.get("kind") != "fsdp":
         raise UsageError(f"{path}: not an FSDP preset written by `fsdp-presets generate` (no `# fsdp-presets:` "
                          "metadata line); rehearse the model instead: fsdp-presets rehearse MODEL --gpus N")
+    method = (metadata.get("request") or {}).get("method", "full")
+    if method != "full":
+        raise UsageError(_NOT_REHEARSED.format(method=method, where=f"{path} (its header)"))
     try:
         request = PresetRequest(**metadata["request"])
         view = accelerate_view(path)
@@ -87,6 +94,11 @@ def _from_preset(args) -> tuple:
     except AccelerateRejected as error:
         raise UsageError(f"{path}: accelerate rejects it: {error}") from None
     return request, metadata["summary"], view.env
+
+
+_NOT_REHEARSED = ("--method {method} from {where}: only full fine-tuning is rehearsed (a fake-tensor FSDP2 step of "
+                  "the whole model); a LoRA/QLoRA plan is checked against the hand calculation in docs/sharding.md "
+                  "instead: fsdp-presets plan MODEL --method {method} --gpus N --gpu-memory GiB")
 
 
 def _request_from_flags(args):
@@ -158,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
         raise UsageError(f"--gpu-memory must be a positive number of GiB, got {args.gpu_memory}")
+    if args.method != "full":
+        raise UsageError(_NOT_REHEARSED.format(method=args.method, where="the command line"))
+    from fsdp_presets.method_flags import lora_from_args
+
+    lora_from_args(args)  # LoRA flags without --method lora|qlora are refused
     from_preset = args.model.endswith((".yaml", ".yml")) and Path(args.model).is_file()
     if args.model.endswith((".yaml", ".yml")) and not from_preset:
         raise UsageError(f"{args.model}: no such preset file")
