@@ -305,3 +305,13 @@ def test_classification_recipe_trains_a_lora_adapter_and_its_head(tmp_path):
         head = loaded.base_model.model.classifier.modules_to_save["default"].weight
         original = AutoModelForSequenceClassification.from_pretrained(model, num_labels=4).classifier.weight
     assert not torch.equal(head, original)  # the head trained and was exported with the adapter
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp1_is_refused_in_one_line(root, tmp_path):
+    pytest.importorskip("bitsandbytes")
+    result = _launch(_configs(root)["fsdp1"], causal_lm_args(root / "tiny-qwen2", tmp_path / "q1", "--max-steps", 2,
+                                                             "--load-in-4bit"), ok=False)
+    assert result.returncode != 0 and "exitcode: 2" in result.stderr
+    assert "causal_lm.py: error: --load-in-4bit needs FSDP2" in result.stderr
+    assert not (tmp_path / "q1" / "checkpoints").exists()
