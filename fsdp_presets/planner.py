@@ -844,9 +844,11 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     # last blocks gathered). Sharded states dominate here when they are large beside the
     # activations: fused experts over more ranks than experts (rehearsed: Mixtral-8x7B at 32
     # GPUs, rank 0 peaks late in backward with most of its 21 GiB of gradient shards).
+    # (The tail kept gathered through backward is resharded after its own backward, early on.)
     at_end = PerGpuBytes(params=state.params, grads=max(state.grads, grads), optimizer=state.optimizer,
                          activations=recomputed + block_temporaries,
-                         buffers=gathered_in_block * c + largest * c + accumulated)
+                         buffers=(gathered_in_block - (kept if name != "SHARD_GRAD_OP" else 0)) * c + largest * c
+                         + accumulated)
     return max(at_loss, in_block, at_end, key=lambda peak: peak.total)
 
 
