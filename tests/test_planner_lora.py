@@ -159,3 +159,24 @@ def test_rehearse_refuses_lora_with_one_message(tmp_path):
     done = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "rehearse", "model_configs/llama-3.1-8b",
                            "--gpus", "2", "--method", "lora"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 2 and "only full fine-tuning is rehearsed" in done.stderr
+
+
+def test_the_sharding_guide_table_is_the_planners():
+    import re
+
+    from fsdp_presets.commands.plan import _plan_with_auto_savers
+
+    text = (REPO / "docs" / "sharding.md").read_text()
+    rows = re.findall(r"^\| (llama-[\w.-]+) \| (q?lora) \| (\d+) x (\d+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text,
+                      flags=re.M)
+    assert len(rows) == 24
+    profiles = {}
+    for model, method, gpus, memory, label, total, savers in rows:
+        profile = profiles.setdefault(model, profile_model(str(REPO / "model_configs" / model)))
+        memory_plan, chosen = _plan_with_auto_savers(
+            profile, Hardware(gpus=int(gpus), gpu_memory_bytes=int(memory) * GiB),
+            TrainingShape(seq_len=2048, lora=LoraShape(method=method)), checkpointing="auto", offload="auto")
+        best = memory_plan.recommended
+        assert best is not None and best.label == label.strip(), (model, method, gpus, memory)
+        assert f"{best.per_gpu.total / GiB:.1f}" == total.strip()
+        assert (", ".join(chosen) or "-") == savers.strip()
