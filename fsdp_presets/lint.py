@@ -521,10 +521,12 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             "preparing the model", "fsdp_config.fsdp_use_orig_params"))
     if method == "qlora" and version == 1:
         findings.append(finding(
-            "qlora-fsdp1", "QLoRA under FSDP1: FSDP1 flattens the 4-bit base, which works only with "
-            "bnb_4bit_quant_storage=bfloat16 (uint8 storage: 'Cannot flatten integer dtype tensors'; torchao NF4: "
-            "'aten.view(NF4Tensor)' not implemented) and peft's wrap policy; the adapter export under FSDP1 needs "
-            "the trainable weights gathered with torch's get_model_state_dict (peft's own save writes zero tensors)",
+            "qlora-fsdp1", "QLoRA under FSDP1: FSDP1 flattens each unit into one tensor of one dtype, which works "
+            "only when the whole unit shares it: bnb_4bit_quant_storage=bfloat16 with norms and adapters in bf16 "
+            "too and peft's wrap policy (fp32 norms or adapters: 'Must flatten tensors with uniform dtype'; uint8 "
+            "storage: 'Cannot flatten integer dtype tensors'; torchao NF4: 'aten.view(NF4Tensor)' not implemented; "
+            "this project's recipes refuse --load-in-4bit under FSDP1); the adapter export under FSDP1 needs the "
+            "trainable weights gathered with torch's get_model_state_dict (peft's own save writes zero tensors)",
             "set fsdp_version: 2 with TRANSFORMER_BASED_WRAP on the decoder layer (fsdp-presets generate --method "
             "qlora); keep bnb_4bit_quant_storage=bfloat16", "fsdp_config.fsdp_version"))
     state_dict = str(fsdp.get("fsdp_state_dict_type", "SHARDED_STATE_DICT" if version == 2 else

@@ -180,3 +180,9 @@ def test_the_sharding_guide_table_is_the_planners():
         assert best is not None and best.label == label.strip(), (model, method, gpus, memory)
         assert f"{best.per_gpu.total / GiB:.1f}" == total.strip()
         assert (", ".join(chosen) or "-") == savers.strip()
+
+
+def test_generate_refuses_qlora_under_fsdp1(tmp_path):
+    done = _generate(tmp_path, "--gpus", "2", "--method", "qlora", "--fsdp-version", "1", "-o", "q1.yaml")
+    assert done.returncode == 2 and "--method qlora needs FSDP2" in done.stderr
+    assert not (tmp_path / "q1.yaml").exists()
