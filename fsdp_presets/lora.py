@@ -303,11 +303,16 @@ class TrainableState:
                 raise UsageError(f"--resume {folder}: no {name}/ in it, so it is not a LoRA checkpoint; give a "
                                  "checkpoint of a LoRA run with the same --lora-* flags, or train without them")
         model_state, optimizer_state = _trainable_state(self.model, self.optimizer)
-        saved = _saved_names(folder / ADAPTER_MODEL)
-        if saved != set(model_state):
-            missing, extra = sorted(set(model_state) - saved), sorted(saved - set(model_state))
+        saved = _saved_shapes(folder / ADAPTER_MODEL)
+        if set(saved) != set(model_state):
+            missing, extra = sorted(set(model_state) - set(saved)), sorted(set(saved) - set(model_state))
             raise UsageError(f"--resume {folder}: its adapter does not match this run's (missing {missing[:3]}, "
                              f"extra {extra[:3]}); resume with the --lora-* flags of the run that saved it")
+        other = sorted(name for name, value in model_state.items() if tuple(value.shape) != saved[name])
+        if other:
+            raise UsageError(f"--resume {folder}: its adapter has other shapes ({other[0]}: {saved[other[0]]} there, "
+                             f"{tuple(model_state[other[0]].shape)} now); resume with the --lora-r of the run that "
+                             "saved it")
         single = self.accelerator.num_processes == 1
         safe_dcp_load({"model": model_state}, folder / ADAPTER_MODEL, no_dist=single)
         safe_dcp_load({"optimizer": optimizer_state}, folder / ADAPTER_OPTIMIZER, no_dist=single)
@@ -317,10 +322,10 @@ class TrainableState:
             self._without_model_and_optimizer(lambda: self.accelerator.load_state(str(folder)))
 
 
-def _saved_names(folder: Path) -> set[str]:
+def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
     from fsdp_presets.checkpoint_files import DcpReader
 
-    return set(DcpReader(folder).entries())
+    return {name: tuple(info.shape) for name, info in DcpReader(folder).entries().items()}
 
 
 def write_checkpoint_extra(folder: Path, lora: dict[str, Any], key_map: dict[str, str], adapter_config) -> None:
