@@ -90,6 +90,19 @@ def test_lora_fsdp2_and_fsdp1_equal_lora_ddp_step_by_step(lora_runs):
 
 
 @pytest.mark.slow
+def test_compare_reads_lora_runs_unchanged(lora_runs, tmp_path):
+    import subprocess
+    import sys
+
+    for name in ("fsdp2", "fsdp1"):
+        result = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "compare", str(lora_runs["ddp"]),
+                                 str(lora_runs[name]), "--report", str(tmp_path / f"{name}.md")],
+                                capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stdout.startswith(("IDENTICAL", "AGREE within tolerance")), result.stdout
+
+
+@pytest.mark.slow
 def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
     from fsdp_presets.checkpoint import Manifest, verify_checkpoint
     from fsdp_presets.checkpoint_files import DcpReader
