@@ -125,15 +125,22 @@ def default_targets(model) -> list[str]:
     return names or ["all-linear"]
 
 
-def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, **kwargs):
-    """The model to train: ``model_class.from_pretrained(path)`` in fp32, wrapped by peft when
-    ``lora`` (its 4-bit base for QLoRA). Records the chosen target modules in ``lora``."""
+def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, mixed_precision: str = "no",
+               **kwargs):
+    """The model to train: ``model_class.from_pretrained(path)`` wrapped by peft when ``lora`` (its
+    4-bit base for QLoRA). Records the chosen target modules in ``lora``.
+
+    Trained weights are fp32. Under LoRA with ``mixed_precision: bf16`` the frozen base is loaded
+    in bf16: it is only ever computed with in bf16, accelerate's FSDP2 preparation upcasts only
+    weights that train, and the planner counts a frozen base at 2 bytes per parameter (in fp32 an
+    8B base alone would take 32 GB of a 24 GB GPU). Without mixed precision everything is fp32."""
     import torch
 
     quantized = lora is not None and lora["method"] == "qlora"
     if quantized:
         kwargs["quantization_config"] = quantization_config()
-    model = model_class.from_pretrained(path, dtype=torch.float32, trust_remote_code=False, **kwargs)
+    base_dtype = torch.bfloat16 if lora is not None and mixed_precision == "bf16" else torch.float32
+    model = model_class.from_pretrained(path, dtype=base_dtype, trust_remote_code=False, **kwargs)
     if quantized:
         keep_4bit_layout(model)
     if lora is None:

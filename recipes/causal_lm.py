@@ -103,7 +103,8 @@ def main():
     global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size
 
     # ---- model ----
-    model = recipe_lora.load_model(AutoModelForCausalLM, args.model, method, task_type="CAUSAL_LM")  # LoRA: peft
+    model = recipe_lora.load_model(AutoModelForCausalLM, args.model, method, task_type="CAUSAL_LM",  # LoRA: peft
+                                   mixed_precision=accelerator.mixed_precision)
     key_map = recipe_lora.adapter_key_map(model) if method else None  # LoRA/QLoRA
 
     def build_optimizer(model):

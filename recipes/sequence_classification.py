@@ -99,7 +99,7 @@ def main():
     config.label2id = {name: index for index, name in enumerate(label_names)}
     # LoRA/QLoRA: a peft model whose adapters and classification head train (else every weight)
     model = recipe_lora.load_model(AutoModelForSequenceClassification, args.model, method, task_type="SEQ_CLS",
-                                   config=config, ignore_mismatched_sizes=args.new_head)
+                                   mixed_precision=accelerator.mixed_precision, config=config, ignore_mismatched_sizes=args.new_head)
     key_map = recipe_lora.adapter_key_map(model) if method else None  # LoRA/QLoRA
 
     def build_optimizer(model):

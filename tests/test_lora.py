@@ -129,6 +129,23 @@ def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
         assert len(trainable) == 2 and abs(trainable[0] - trainable[1]) <= 0.1 * max(trainable), trainable
 
 
+@pytest.mark.slow
+def test_lora_under_bf16_keeps_the_frozen_base_in_bf16(root, lora_runs):
+    """The planner counts a frozen base at 2 bytes per parameter under bf16 mixed precision: the
+    recipe must hold it so (accelerate's FSDP2 preparation upcasts only trained weights)."""
+    config = accelerate_config(root, "fsdp2-bf16", fsdp={"transformer_layer_cls_to_wrap": "Qwen2DecoderLayer"},
+                               mixed_precision="bf16")
+    run_dir = root / "lora-fsdp2-bf16"
+    _launch(config, causal_lm_args(root / "tiny-qwen2", run_dir, "--lora-r", "8", "--max-steps", "4",
+                                   "--save-every", "4"))
+    fp32 = json.loads((lora_runs["fsdp2"] / "run.json").read_text())
+    bf16 = json.loads((run_dir / "run.json").read_text())
+    assert bf16["frozen_bytes_per_rank"] == [held // 2 for held in fp32["frozen_bytes_per_rank"]]
+    assert bf16["trainable_bytes_per_rank"] == fp32["trainable_bytes_per_rank"]  # adapters stay fp32
+    losses = _losses(run_dir)
+    assert sorted(losses) == [1, 2, 3, 4] and all(loss == loss and loss < 20 for loss in losses.values())
+
+
 def _checkpoint_adapter(checkpoint: Path) -> dict:
     """The trained adapter read back from a checkpoint (safe DCP reader), under PEFT key names."""
     from fsdp_presets.checkpoint_files import DcpReader
