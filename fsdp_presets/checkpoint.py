@@ -388,13 +388,14 @@ class CheckpointManager:
         """A full disk during a save: remove the unfinished folder (the space it took is freed, and
         the last committed checkpoint is untouched) and raise one :class:`Finding` naming both. DCP
         raises on every rank (the main process prints it); another write fails on its rank alone."""
-        if isinstance(error, (KeyboardInterrupt, SystemExit)) or disk_full_cause(error) is None:
+        cause = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else disk_full_cause(error, temporary)
+        if cause is None:
             return
         shutil.rmtree(temporary, ignore_errors=True)
         previous = committed_checkpoints(self.directory)
         kept = (f"The last complete checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
                 if previous else "No earlier checkpoint exists in this run.")
-        finding = Finding(disk_full_message(disk_full_cause(error), f"saving the checkpoint of step {step}",
+        finding = Finding(disk_full_message(cause, f"saving the checkpoint of step {step}",
                                             self.directory, kept=kept))
         if not type(error).__name__ == "CheckpointException":
             rank = self.accelerator.process_index

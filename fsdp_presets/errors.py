@@ -53,12 +53,32 @@ def rank_local(error: Exception, *, print_here: bool) -> Exception:
 # ---- disk full ----
 _DISK_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (Linux errno numbers; the same on macOS for ENOSPC)
 _DISK_FULL_TEXT = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded")
+# torch.save to a path (accelerate's optimizer.bin, scheduler.bin, random states) writes through its
+# own C++ stream, which reports a full disk as a failed position check ("[enforce fail at
+# inline_container.cc] unexpected pos 576 vs 534"), never as ENOSPC: read as a full disk only when
+# the file system written to has (almost) no space left.
+_TORCH_WRITER_TEXT = ("unexpected pos", "PytorchStreamWriter failed", "basic_ios::clear")
+_NEARLY_FULL_BYTES = 1 << 20
 
 
-def disk_full_cause(error: BaseException | None) -> BaseException | None:
+def _nearly_full(where) -> bool:
+    import shutil
+    from pathlib import Path
+
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def disk_full_cause(error: BaseException | None, where=None) -> BaseException | None:
     """The ENOSPC (or EDQUOT) error behind ``error``, or None: found through ``__cause__`` and
     ``__context__``, DCP's ``CheckpointException`` (the failures of every rank) and the messages of
-    writers that do not raise ``OSError`` (safetensors: ``IoError(... code: 28, kind: StorageFull``)."""
+    writers that do not raise ``OSError`` (safetensors: ``IoError(... code: 28, kind: StorageFull``;
+    torch.save's stream, when the file system of ``where`` is full)."""
     seen: set[int] = set()
     pending = [error]
     while pending:
@@ -69,6 +89,8 @@ def disk_full_cause(error: BaseException | None) -> BaseException | None:
         if isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
             return current
         if any(text in str(current) for text in _DISK_FULL_TEXT) and not str(current).startswith("CheckpointException"):
+            return current
+        if where is not None and any(text in str(current) for text in _TORCH_WRITER_TEXT) and _nearly_full(where):
             return current
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):  # torch.distributed.checkpoint.api.CheckpointException

@@ -574,3 +574,19 @@ def _processes_with_argument(argument: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def test_a_full_disk_under_torch_save_is_read_as_disk_full(small_disk):
+    """accelerate writes optimizer.bin, scheduler.bin and random states with torch.save(path), whose
+    C++ stream reports a full disk as "unexpected pos ..." with no errno: it must still read as a
+    full disk where the file system really is full (and only there)."""
+    import torch
+
+    from fsdp_presets.errors import disk_full_cause
+
+    with pytest.raises(Exception) as raised:
+        torch.save(torch.zeros(200_000), small_disk / "optimizer.bin")  # 800 KB on a 300 KiB disk
+    assert not isinstance(raised.value, OSError)  # the case this rule exists for
+    assert disk_full_cause(raised.value, small_disk) is raised.value
+    assert disk_full_cause(raised.value, small_disk.parent) is None  # plenty of space there
+    assert disk_full_cause(raised.value) is None  # no place to look: not guessed
