@@ -1220,6 +1220,7 @@ def accelerate_view(path: str | os.PathLike, *, num_processes: int | None = None
                         from accelerate.parallelism_config import ParallelismConfig
 
                         parallelism = ParallelismConfig()
+            num_processes, num_machines = int(args.num_processes or 1), int(args.num_machines or 1)
     except SystemExit as error:  # argparse
         raise AccelerateRejected(f"accelerate's argument parser exited ({error})") from None
     except Exception as error:  # noqa: BLE001 - accelerate raises ValueError, KeyError, RuntimeError, ...
@@ -1229,8 +1230,8 @@ def accelerate_view(path: str | os.PathLike, *, num_processes: int | None = None
         accelerate_logger.setLevel(level)
     return AccelerateView(
         distributed_type=distributed_type,
-        num_processes=int(args.num_processes or 1),
-        num_machines=int(args.num_machines or 1),
+        num_processes=num_processes,
+        num_machines=num_machines,
         mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", str(args.mixed_precision)),
         env=env,
         fsdp_plugin=plugin,
@@ -1248,6 +1249,7 @@ _REJECTION_RULES = (
     ("fsdp_cpu_ram_efficient_loading", "ram-efficient-loading-needs-sync"),
     ("LOCAL_STATE_DICT", "invalid-value"),
     ("invalid truth value", "invalid-value"),
+    ("invalid literal for int()", "invalid-value"),
     ("Invalid auto wrap policy", "invalid-value"),
     ("Unknown mixed_precision", "invalid-value"),
     ("not supported with FSDP", "invalid-value"),

@@ -233,6 +233,14 @@ def test_yaml_that_is_not_a_config(text, tmp_path):
     assert [item.rule for item in report.findings] == ["yaml-invalid"] and view is None
 
 
+@pytest.mark.parametrize("value", ["two", "99999999999999999999999x", "2.5"])
+def test_process_count_that_is_not_a_number_is_one_finding(value, tmp_path):
+    """No traceback from accelerate's int() of the count: one invalid-value finding, no duplicate."""
+    report, _ = check_file(_write(tmp_path, mutate(top={"num_processes": value})(copy.deepcopy(GOOD))),
+                           context=CheckContext(model=facts("llama")), prove_wrapping=False)
+    assert [item.rule for item in report.errors] == ["invalid-value"], [item.message for item in report.findings]
+
+
 def test_all_problems_are_reported_at_once(tmp_path):
     config = mutate(top={"num_processes": 6, "num_machines": 4},
                     fsdp={"fsdp_reshard_after_foward": False, "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayr",
