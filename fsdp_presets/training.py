@@ -95,6 +95,23 @@ def check_common_args(args: argparse.Namespace) -> None:
 _EXAMPLE_VALUES = {"learning_rate": "5e-5", "eval_fraction": "0.05", "max_grad_norm": "1.0", "weight_decay": "0.0"}
 
 
+def load_model_config(model: str) -> Any:
+    """The model's transformers config, read without running code from the model folder. A folder
+    whose config names its own code (``auto_map``, a ``model_type`` transformers does not know) is
+    refused in one line: the recipes never pass ``trust_remote_code=True``."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error) and "model_type" not in str(error):
+            raise
+        raise UsageError(f"--model {model}: its config needs code from the model folder or an architecture this "
+                         "transformers does not know, and the recipes never run code from a model folder. Use a "
+                         "model of an architecture transformers ships (see `fsdp-presets inspect`), or adapt a "
+                         "copy of the recipe to your reviewed model code") from None
+
+
 def check_seq_len(seq_len: int, config: Any) -> None:
     """``--seq-len`` must fit the model's position table."""
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 import fsdp_presets
 from fsdp_presets import data as recipe_data
@@ -87,7 +87,7 @@ def main():
     run = check_output_dir(args.output_dir, identity, args.resume, settings)
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(run, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
-    config = AutoConfig.from_pretrained(args.model, trust_remote_code=False)  # never run code from the model folder
+    config = training.load_model_config(args.model)  # never runs code from the model folder
     training.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     set_seed(args.seed)

@@ -432,3 +432,17 @@ def test_equal_overflowing_gradient_norms_still_agree(tmp_path):
     norms[3] = float("inf")  # an fp16 overflow step, skipped by both runs
     base, cand = write_run(tmp_path / "a", grad_norms=norms), write_run(tmp_path / "b", grad_norms=norms)
     assert compare.compare_runs(compare.load_run(base), compare.load_run(cand)).verdict == "identical"
+
+
+def test_recipes_refuse_a_model_that_needs_its_own_code_in_one_line(tmp_path):
+    """A model folder whose config names its own code: one UsageError, nothing of the folder runs."""
+    from fsdp_presets import training
+    from fsdp_presets.errors import UsageError
+
+    marker = tmp_path / "RAN"
+    (tmp_path / "configuration_x.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_in_transformers",
+                                                      "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
+    with pytest.raises(UsageError, match="never run code from a model folder"):
+        training.load_model_config(str(tmp_path))
+    assert not marker.exists()
