@@ -112,9 +112,11 @@ def test_nodes_get_hsdp_inside_a_node_when_it_fits():
 
 
 def test_full_shard_across_nodes_when_hsdp_does_not_fit():
-    # Mixtral's model states (16 bytes x 46.7B / 8 = 87 GiB per GPU) do not fit one node's shards.
-    preset = real("mixtral-8x7b", gpus=16, nodes=2, seq_len=4096, global_batch="1M")
-    assert preset.parallelism.label == "FULL_SHARD 16"
+    # Llama-3.1-70B's model states (16 bytes x 70.6B / 8 = 131 GiB per GPU) do not fit one node's
+    # shards. (Mixtral, once the example, now goes HSDP with offload: FSDP2 shards its fused expert
+    # tensors by expert rows, so sharding over more than 8 GPUs does not lower rank 0's share.)
+    preset = real("llama-3.1-70b", gpus=32, nodes=4, seq_len=4096, global_batch="1M")
+    assert preset.parallelism.label == "FULL_SHARD 32"
     assert "HYBRID_SHARD does not fit" in preset.parallelism.reason
 
 
