@@ -9,12 +9,12 @@ purpose instead of by luck::
 Points (where the code calls :func:`fault_point`):
 
 ``during-save``
-    :class:`fsdp_presets.checkpoint.CheckpointManager`, after every rank wrote its shards into the
+    :class:`fsdp_presets.checkpoint.manager.CheckpointManager`, after every rank wrote its shards into the
     temporary folder and before the manifest is written and the folder committed.
 ``save``
     The same, before anything of the save is written (the folder of the files is the temporary one).
 ``export``
-    :func:`fsdp_presets.export.export_model`, before the main process writes the Hugging Face folder.
+    :func:`fsdp_presets.train.final_model.export_model`, before the main process writes the Hugging Face folder.
 
 The action is ``kill`` (SIGKILL: no handler, no cleanup, like the out-of-memory killer),
 ``raise`` (a ``RuntimeError``) or ``full`` (a full disk: from that point on, every file this

@@ -23,21 +23,23 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 import fsdp_presets
-from fsdp_presets import data as recipe_data
-from fsdp_presets import interrupts, recipe_checks, training
-from fsdp_presets import resume
-from fsdp_presets import lora as recipe_lora  # LoRA/QLoRA
-from fsdp_presets.checkpoint import CheckpointManager, Manifest
-from fsdp_presets.digest import config_digest, sha256_files
-from fsdp_presets.export import export_model
-from fsdp_presets.metrics import MetricsLog
-from fsdp_presets.plots import plot_run
-from fsdp_presets.run_folder import (acquire_run_lock, check_output_dir, distributed_settings, launch_config_file,
+from fsdp_presets.train import data as recipe_data
+from fsdp_presets.train import interrupts
+from fsdp_presets.train import startup
+from fsdp_presets.train import loop
+from fsdp_presets.checkpoint import resume
+from fsdp_presets.train import lora as recipe_lora  # LoRA/QLoRA
+from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest
+from fsdp_presets.fileio import config_digest, sha256_files
+from fsdp_presets.train.final_model import export_model
+from fsdp_presets.train.metrics import MetricsLog
+from fsdp_presets.train.plots import plot_run
+from fsdp_presets.checkpoint.run_folder import (acquire_run_lock, check_output_dir, distributed_settings, launch_config_file,
                                      training_settings, write_run_json)
 
 
 def parse_args():
-    parser = training.recipe_argument_parser(__doc__)
+    parser = loop.recipe_argument_parser(__doc__)
     parser.add_argument("--no-packing", action="store_true", help="one padded sample per row instead of packing")
     parser.add_argument("--fsdp-reduce-dtype", choices=("fp32", "bf16"),
                         help="dtype FSDP reduces gradients in (default: accelerate's, which follows "
@@ -71,13 +73,13 @@ def main():
     fsdp_presets.check_launch(accelerator)
     if args.fsdp_reduce_dtype:
         _set_fsdp_reduce_dtype(accelerator, args.fsdp_reduce_dtype)
-    say = training.main_process_print(accelerator)
+    say = loop.main_process_print(accelerator)
     rank, world = accelerator.process_index, accelerator.num_processes
     distributed = distributed_settings(accelerator)
     dp_size = distributed["data_parallel_size"]
 
     # ---- checks before anything is written ----
-    recipe_checks.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
+    startup.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
     identity = {"recipe": "causal_lm", "model": str(Path(args.model).resolve()),
                 "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
@@ -87,8 +89,8 @@ def main():
     run = check_output_dir(args.output_dir, identity, args.resume, settings)
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(run, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
-    config = training.load_model_config(args.model)  # never runs code from the model folder
-    training.check_seq_len(args.seq_len, config)
+    config = loop.load_model_config(args.model)  # never runs code from the model folder
+    loop.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     set_seed(args.seed)
 
@@ -99,7 +101,7 @@ def main():
             seq_len=args.seq_len, packing=not args.no_packing, seed=args.seed,
             max_eval_samples=args.max_eval_samples)
     columns = ("input_ids", "labels") + (("attention_mask",) if args.no_packing else ())
-    stream = training.SampleStream(len(train_set), seed=args.seed)
+    stream = loop.SampleStream(len(train_set), seed=args.seed)
     global_batch = args.micro_batch_size * args.gradient_accumulation_steps * dp_size
 
     # ---- model ----
@@ -108,7 +110,7 @@ def main():
     key_map = recipe_lora.adapter_key_map(model) if method else None  # LoRA/QLoRA
 
     def build_optimizer(model):
-        optimizer = torch.optim.AdamW(training.param_groups(model, args.weight_decay), lr=args.learning_rate,
+        optimizer = torch.optim.AdamW(loop.param_groups(model, args.weight_decay), lr=args.learning_rate,
                                       betas=(0.9, 0.95))
         return optimizer, get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                                         num_training_steps=args.max_steps)
@@ -154,9 +156,9 @@ def main():
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # loss sum, tokens, correct tokens
         with torch.no_grad():
-            for slots in training.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
+            for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
                                                      rank=rank, data_parallel_size=dp_size):
-                batch = training.collate(eval_set, [index for index, _ in slots], columns)
+                batch = loop.collate(eval_set, [index for index, _ in slots], columns)
                 batch["labels"][torch.tensor([not counts for _, counts in slots])] = recipe_data.IGNORE_INDEX
                 loss, count, correct = summed_loss(model, batch)
                 totals += torch.stack([loss.double(), count.double(), correct.double()])
@@ -178,7 +180,7 @@ def main():
                     desc="train", dynamic_ncols=True)
     while step < args.max_steps:
         started = time.perf_counter()
-        batches = [training.collate(train_set, indices, columns) for indices in training.rank_micro_batches(
+        batches = [loop.collate(train_set, indices, columns) for indices in loop.rank_micro_batches(
             stream, samples_consumed=samples, micro_batch_size=args.micro_batch_size,
             accumulation_steps=args.gradient_accumulation_steps, rank=rank, data_parallel_size=dp_size)]
         local_targets = sum(int((batch["labels"][:, 1:] != recipe_data.IGNORE_INDEX).sum()) for batch in batches)
@@ -186,14 +188,14 @@ def main():
                                             reduction="sum").item()
         loss_sum = torch.zeros((), dtype=torch.float64)
         for index, batch in enumerate(batches):
-            with training.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1,
+            with loop.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1,
                                          reduce_every_micro_batch=args.reduce_every_micro_batch):
                 loss, _, _ = summed_loss(model, batch)
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / tokens.
                 accelerator.backward(loss * dp_size / max(global_targets, 1.0))
             loss_sum += loss.detach().double()
         # Norm summed in float64: the same number, and so the same clipping, under DDP, FSDP1 and FSDP2.
-        grad_norm = training.clip_grad_norm(accelerator, model, args.max_grad_norm)
+        grad_norm = loop.clip_grad_norm(accelerator, model, args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]  # the rate this step uses (the scheduler steps after it)
         optimizer.step()
         scheduler.step()
@@ -207,7 +209,7 @@ def main():
                           tokens_per_s=tokens / step_time, step_time_s=step_time, samples_seen=samples)
         progress.update(1)
         progress.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}")
-        recipe_checks.stop_if_diverged(accelerator, checkpoints, step=step, loss=step_loss, grad_norm=grad_norm,
+        startup.stop_if_diverged(accelerator, checkpoints, step=step, loss=step_loss, grad_norm=grad_norm,
                                        learning_rate=args.learning_rate)  # NaN/inf: exit 1, nothing saved
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
             results = evaluate()
@@ -217,7 +219,7 @@ def main():
                                f"perplexity {results['perplexity']:.2f}")
         stopping = interrupts.requested(accelerator)  # a Ctrl-C on any rank: save this step, then stop
         if stopping or step == args.max_steps or (args.save_every and step % args.save_every == 0):
-            recipe_checks.check_weights_finite(accelerator, model, checkpoints, step=step)
+            startup.check_weights_finite(accelerator, model, checkpoints, step=step)
             saved = checkpoints.save(step=step, samples_consumed=samples,
                                      write_extra=lambda folder: _save_config(folder, accelerator, model, tokenizer,
                                                                              method, key_map))
@@ -236,8 +238,8 @@ def main():
     if accelerator.is_main_process:
         plots = plot_run(run.root)
         say(f"done: model in {run.final}, metrics in {run.metrics}, plots {', '.join(map(str, plots))}")
-    model = optimizer = scheduler = None  # freed before the process group goes (see training.finish)
-    training.finish(accelerator)
+    model = optimizer = scheduler = None  # freed before the process group goes (see loop.finish)
+    loop.finish(accelerator)
 
 
 def _set_fsdp_reduce_dtype(accelerator, name):
@@ -270,4 +272,4 @@ def _save_config(folder, accelerator, model, tokenizer, method=None, key_map=Non
 
 
 if __name__ == "__main__":
-    raise SystemExit(training.run_recipe(main))
+    raise SystemExit(loop.run_recipe(main))

@@ -46,9 +46,9 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(REPO / "scripts"))
 
 import fault_campaign  # noqa: E402
-from fsdp_presets import doc_sections  # noqa: E402
-from fsdp_presets.measure import DEFAULT_TOLERANCE, relative_error, sent_bytes, state_deviations  # noqa: E402
-from fsdp_presets.planner import GiB, Hardware, TrainingShape, human_bytes, plan  # noqa: E402
+from fsdp_harness import doc_sections  # noqa: E402
+from fsdp_harness.measure import DEFAULT_TOLERANCE, relative_error, sent_bytes, state_deviations  # noqa: E402
+from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, human_bytes, plan  # noqa: E402
 
 WORKER = REPO / "scripts" / "bench_worker.py"
 DOC = REPO / "docs" / "benchmarks.md"
@@ -154,7 +154,7 @@ QUICK_SETTINGS = BenchSettings(model=QUICK_MODEL, seq_len=64, timed_steps=2)
 
 def run_case(case: Case, settings: BenchSettings, work_dir: Path, *, timeout_s: float = 1800) -> dict[int, dict]:
     """Launch one case; ``{rank: worker result}``. Raises with the launch's output when it fails."""
-    from fsdp_presets.testing import read_rank_results, run_launch
+    from fsdp_harness.launch import read_rank_results, run_launch
 
     config = fault_campaign.write_accelerate_config(
         work_dir / f"{case.name}.yaml", num_processes=case.processes, distributed_type=case.distributed_type,
@@ -181,12 +181,12 @@ def run_case(case: Case, settings: BenchSettings, work_dir: Path, *, timeout_s: 
 
 def write_model_folder(folder: Path, model_config: dict) -> Path:
     """A Hugging Face folder the recipe can load: random weights of ``model_config`` and a word
-    tokenizer of the shipped data (``fsdp_presets.tiny_model``), vocabulary capped by the model's."""
+    tokenizer of the shipped data (``fsdp_harness.tiny_model``), vocabulary capped by the model's."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging
 
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     logging.disable_progress_bar()  # no "Writing model shards" bars in the benchmark's output
     write_tiny_model(folder, kind="llama", text=fault_campaign.TRAIN_DATA.read_text(),
@@ -201,8 +201,8 @@ def resume_drill(settings: BenchSettings, work_dir: Path) -> dict:
     """Resume cost on the benchmark model: FSDP2 on 2 processes, a checkpoint every 2 steps, rank 1
     SIGKILLed right after step 3 (mid-step 4), the same command again; stopped after its first new
     step. The checkpoint it loads is the same size as the one the checkpoint rows time."""
-    from fsdp_presets.drill import KillPlan, kill_and_resume
-    from fsdp_presets.testing import launch_command
+    from fsdp_harness.drill import KillPlan, kill_and_resume
+    from fsdp_harness.launch import launch_command
 
     model = write_model_folder(work_dir / "drill-model", settings.model)
     config = fault_campaign.write_accelerate_config(work_dir / "drill.yaml", num_processes=2)
@@ -408,9 +408,9 @@ def render(report: dict, *, images: dict[str, str], campaign_section: str | None
 
     lines += ["", "## Per-rank model state: measured vs DDP vs planner", "",
               "Bytes one rank holds after an optimizer step (its shards): parameters, gradients, AdamW "
-              "moments (`fsdp_presets.measure.held_state_bytes`; AdamW's per-parameter `step` scalars, "
+              "moments (`fsdp_harness.measure.held_state_bytes`; AdamW's per-parameter `step` scalars, "
               "a few hundred bytes, left out as the planner leaves them out). Planner: "
-              "`fsdp_presets.planner.plan(...)` row of the same strategy. The benchmark fails when any "
+              "`fsdp_presets.plan.planner.plan(...)` row of the same strategy. The benchmark fails when any "
               f"rank's params, grads or optimizer state is more than {DEFAULT_TOLERANCE:.0%} off.", "",
               "| processes | strategy | params | grads | optimizer | total | / DDP | planned total | planner error |",
               "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -492,7 +492,7 @@ def render(report: dict, *, images: dict[str, str], campaign_section: str | None
     if checkpoint_row:
         lines += ["", "## Checkpoints: sharded vs full state dict", "",
                   f"{checkpoint_row['label']}, {checkpoint_row['processes']} processes: a committed checkpoint "
-                  "(`fsdp_presets.checkpoint.CheckpointManager`: `accelerator.save_state` into a temporary "
+                  "(`fsdp_presets.checkpoint.manager.CheckpointManager`: `accelerator.save_state` into a temporary "
                   "folder, SHA-256 of every file, manifest, rename) and its load, model + optimizer + RNG. "
                   "Times: the slowest rank. Bytes: what each rank wrote.", "",
                   "| state dict | save | load | bytes rank 0 | bytes rank 1 | files |", "|---|---:|---:|---:|---:|---:|"]
@@ -524,7 +524,7 @@ def render(report: dict, *, images: dict[str, str], campaign_section: str | None
 
 
 def _kill_text(drill: dict) -> str:
-    from fsdp_presets.drill import KillPlan
+    from fsdp_harness.drill import KillPlan
 
     return KillPlan(**drill["plan"]).describe() + " (SIGKILL)"
 
@@ -661,8 +661,8 @@ def _versions() -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    from fsdp_presets.measure import host_description
-    from fsdp_presets.profile import profile_model
+    from fsdp_harness.measure import host_description
+    from fsdp_presets.plan.profile import profile_model
 
     args = parse_args(argv)
     if args.render:

@@ -7,7 +7,7 @@ config it is launched with, measured. ``scripts/bench.py`` launches it once per 
 Every rank writes ``OUT/rank-N.json`` with:
 
 - ``held``: bytes of its parameters, gradients and optimizer state after the first optimizer
-  step (:func:`fsdp_presets.measure.held_state_bytes`);
+  step (:func:`fsdp_harness.measure.held_state_bytes`);
 - ``collectives``: every collective of the first step with payload and group size (a
   ``CommDebugMode`` for FSDP; a communication hook for DDP, whose all-reduces start in C++);
 - ``step_times_s``: wall time of each timed step (forward, backward, optimizer, zero_grad), each
@@ -16,11 +16,11 @@ Every rank writes ``OUT/rank-N.json`` with:
   the wall time;
 - ``rss_before_bytes``/``rss_peak_bytes``: resident memory before the third step and its peak
   during it (Linux ``VmRSS``/``VmHWM``, the peak reset first), glibc returning freed memory at
-  once until then (:func:`fsdp_presets.measure.follow_live_memory`): on a CPU host the
+  once until then (:func:`fsdp_harness.measure.follow_live_memory`): on a CPU host the
   activations, gathered parameters and gradients of a step all live in this memory (the second
   step settles DDP, which rebuilds its gradient buckets in its second forward);
 - ``checkpoints`` (with ``--checkpoint-dir``): save and load time of a committed checkpoint
-  (:class:`fsdp_presets.checkpoint.CheckpointManager`, SHA-256 of every file included) as
+  (:class:`fsdp_presets.checkpoint.manager.CheckpointManager`, SHA-256 of every file included) as
   sharded (DCP) and as full state dicts, and the files each rank wrote.
 """
 
@@ -38,10 +38,10 @@ from accelerate.utils import DistributedType
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import fsdp_presets
-from fsdp_presets import measure
-from fsdp_presets.checkpoint import CheckpointManager
-from fsdp_presets.digest import config_digest
-from fsdp_presets.run_folder import distributed_settings
+from fsdp_harness import measure
+from fsdp_presets.checkpoint.manager import CheckpointManager
+from fsdp_presets.fileio import config_digest
+from fsdp_presets.checkpoint.run_folder import distributed_settings
 
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 # Files accelerate writes per rank: DCP shards (__RANK_0.distcp) and RNG states; the rest (full

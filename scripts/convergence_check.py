@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from fsdp_presets import compare, compare_report  # noqa: E402
+from fsdp_presets import compare  # noqa: E402
 from fsdp_presets.errors import UsageError  # noqa: E402
 
 DEFAULT_RECIPE = REPO / "recipes" / "causal_lm.py"
@@ -154,7 +154,7 @@ def launch(config: Path, recipe: str, recipe_args: list[str], log: Path, timeout
            extra_env: dict[str, str] | None = None, expect_kill: bool = False) -> None:
     """``accelerate launch`` the recipe, output to a log file; UsageError with its tail when it
     fails (or, with ``expect_kill``, when it finishes although a fault should have stopped it)."""
-    from fsdp_presets.testing import launch_command
+    from fsdp_harness.launch import launch_command
 
     command = launch_command(config, recipe, recipe_args)
     env = dict(os.environ)
@@ -246,10 +246,10 @@ def check(args: argparse.Namespace) -> int:
     # ---- compare ------------------------------------------------------------------------------
     comparison = compare.compare_runs(compare.load_run(baseline_dir), compare.load_run(candidate_dir), tolerance)
     plot, report, result = output / "overlay.png", output / "report.md", output / "comparison.json"
-    compare_report.write_plot(comparison, plot)
-    compare_report.write_report(comparison, report, plot_path=plot)
+    compare.write_plot(comparison, plot)
+    compare.write_report(comparison, report, plot_path=plot)
     result.write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
-    print("\n".join(compare_report.summary_lines(comparison)))
+    print("\n".join(compare.summary_lines(comparison)))
     print(f"report: {report}\nplot: {plot}\nresult: {result}")
     return 0 if comparison.agrees else 1
 
@@ -257,7 +257,7 @@ def check(args: argparse.Namespace) -> int:
 def interrupted_and_resumed(args: argparse.Namespace, config: Path, run_dir: Path, extra: list[str],
                             output: Path) -> None:
     """Train the candidate to step K's checkpoint, kill it in its next save, resume from step K."""
-    from fsdp_presets.checkpoint import step_folder_name, verify_checkpoint
+    from fsdp_presets.checkpoint.manager import step_folder_name, verify_checkpoint
     from fsdp_presets.faults import FAULT_ENV
 
     resume_at = args.resume_at

@@ -35,8 +35,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from fsdp_presets.metrics import read_metrics  # noqa: E402
-from fsdp_presets.testing import launch_command, launch_env  # noqa: E402
+from fsdp_presets.train.metrics import read_metrics  # noqa: E402
+from fsdp_harness.launch import launch_command, launch_env  # noqa: E402
 
 FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml"
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
@@ -47,7 +47,7 @@ MARKER = "demo.json"  # marks a folder this script made, so a rerun may replace 
 SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens per rank: FSDP2 about 4 s per step on 2 cores (FIELD-NOTES)
 # NOTE: gradient clipping is on (the recipe's --max-grad-norm 1.0; the norm of this model is far
 # above it, so every step is clipped). The recipe computes the norm in float64 from each rank's shard
-# or whole tensor (fsdp_presets.training.clip_grad_norm), so FSDP2 and DDP clip with the same
+# or whole tensor (fsdp_presets.train.loop.clip_grad_norm), so FSDP2 and DDP clip with the same
 # coefficient and stay bitwise equal. accelerate's own fp32 norm differs by ~1.5e-5 relative between
 # the two on this model, and through the clipping factor that round-off reached the loss by step 4.
 
@@ -210,7 +210,7 @@ def main() -> int:
     train("DDP", ddp_config, model, runs["DDP"], args.max_steps, args.lora)
 
     banner("5/5 compare, evaluate, reload the export")
-    from fsdp_presets.plots import plot_runs
+    from fsdp_presets.train.plots import plot_runs
 
     plots = plot_runs(runs, output_dir / "plots")
     verdict, compare_report = compare(runs["DDP"], runs["FSDP2"], output_dir)

@@ -5,7 +5,7 @@
 Trains ``recipes/causal_lm.py`` (a tiny Llama built from the words of ``data/kjv_sft``, FSDP2
 FULL_SHARD over gloo, sharded checkpoints every ``--save-every`` steps, ``--resume auto``) once
 without interruption, then ``--trials`` times with one random rank SIGKILLed at a random moment
-(:mod:`fsdp_presets.drill`): either from outside, a random delay after a random step (it lands
+(:mod:`fsdp_harness.drill`): either from outside, a random delay after a random step (it lands
 mid-step or mid-save), or from inside the save of a random checkpoint step, after the shards are
 written and before the manifest commits them (:mod:`fsdp_presets.faults`). Each killed run is
 then launched again with the same command.
@@ -40,10 +40,10 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
-from fsdp_presets import doc_sections  # noqa: E402
-from fsdp_presets.drill import DrillResult, KillPlan, kill_and_resume, run_watched  # noqa: E402
-from fsdp_presets.metrics import train_losses  # noqa: E402
-from fsdp_presets.testing import launch_command  # noqa: E402
+from fsdp_harness import doc_sections  # noqa: E402
+from fsdp_harness.drill import DrillResult, KillPlan, kill_and_resume, run_watched  # noqa: E402
+from fsdp_presets.train.metrics import train_losses  # noqa: E402
+from fsdp_harness.launch import launch_command  # noqa: E402
 
 RECIPE = REPO / "recipes" / "causal_lm.py"
 TRAIN_DATA = REPO / "data" / "kjv_sft" / "train.jsonl"
@@ -51,7 +51,7 @@ EVAL_DATA = REPO / "data" / "kjv_sft" / "eval.jsonl"
 DOC = REPO / "docs" / "benchmarks.md"
 IMG_DIR = REPO / "docs" / "img"
 SECTION = "fault-campaign"
-"""Name of this script's section in docs/benchmarks.md (:mod:`fsdp_presets.doc_sections`)."""
+"""Name of this script's section in docs/benchmarks.md (:mod:`fsdp_harness.doc_sections`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +148,7 @@ def run_campaign(settings: CampaignSettings, work_dir: Path, *, log=print) -> di
     """Baseline, then every trial; returns the campaign record (see ``to_markdown``)."""
     from transformers.utils import logging
 
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     logging.disable_progress_bar()  # no "Writing model shards" bar in the campaign's output
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
     accelerate launch --config_file DIR/single_gpu.yaml scripts/gpu_bench.py train --work-dir DIR
     python scripts/gpu_bench.py report --work-dir DIR [--doc docs/benchmarks.md]
 
-``prepare`` checks the arguments and the GPU, plans the run (:func:`fsdp_presets.planner.plan`),
+``prepare`` checks the arguments and the GPU, plans the run (:func:`fsdp_presets.plan.planner.plan`),
 and writes DIR/{settings.json, plan.json, single_gpu.yaml, model/} (random bf16 weights of the
 config below, a word tokenizer of the shipped data). ``--dry-run`` does everything except
 touching a GPU and writing weights, so that it runs anywhere (the tests run it).
@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fsdp_presets import doc_sections  # noqa: E402
+from fsdp_harness import doc_sections  # noqa: E402
 
 RECIPE = REPO / "recipes" / "causal_lm.py"
 TRAIN_DATA = REPO / "data" / "kjv_sft" / "train.jsonl"
@@ -123,8 +123,8 @@ def detect_gpu(args: argparse.Namespace) -> dict:
 
 def planned(settings: dict, gpu: dict) -> dict:
     """The planner's single-GPU figures for this run (its DDP row with one GPU)."""
-    from fsdp_presets.planner import Hardware, TrainingShape, plan
-    from fsdp_presets.profile import build_meta_model, profile_module
+    from fsdp_presets.plan.planner import Hardware, TrainingShape, plan
+    from fsdp_presets.plan.profile import build_meta_model, profile_module
     from transformers import AutoConfig
 
     values = {key: value for key, value in settings["model"].items() if key not in ("model_type", "architectures")}
@@ -163,7 +163,7 @@ def write_model(folder: Path, model_config: dict) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging
 
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     logging.disable_progress_bar()
     write_tiny_model(folder, kind="llama", text=TRAIN_DATA.read_text(), vocab_size=model_config["vocab_size"],
@@ -280,7 +280,7 @@ def to_markdown(settings: dict, plan_figures: dict, figures: dict) -> str:
 
 
 def report(args: argparse.Namespace) -> int:
-    from fsdp_presets.metrics import read_metrics
+    from fsdp_presets.train.metrics import read_metrics
 
     work_dir = Path(args.work_dir)
     settings = json.loads((work_dir / "settings.json").read_text())

@@ -81,9 +81,9 @@ def render_all() -> dict[str, str]:
     from transformers.utils import logging as hf_logging
 
     from fsdp_presets.commands.generate import render_files
-    from fsdp_presets.emit import LaunchHints
-    from fsdp_presets.presets import PresetRequest
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.emit import LaunchHints
+    from fsdp_presets.plan.presets import PresetRequest
+    from fsdp_presets.plan.profile import profile_model
 
     hf_logging.set_verbosity_error()
     cwd = os.getcwd()

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fsdp_presets.digest import sha256_file  # noqa: E402
+from fsdp_presets.fileio import sha256_file  # noqa: E402
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"

@@ -44,8 +44,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fsdp_presets.metrics import train_losses  # noqa: E402
-from fsdp_presets.testing import free_port, launch_env  # noqa: E402
+from fsdp_presets.train.metrics import train_losses  # noqa: E402
+from fsdp_harness.launch import free_port, launch_env  # noqa: E402
 
 ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
 FSDP_PRESETS = (sys.executable, "-m", "fsdp_presets.cli")
@@ -268,7 +268,7 @@ def main() -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     model = write_tiny_model(work / "model", kind="llama",
                              text=(REPO / "data" / "kjv_sft" / "train.jsonl").read_text())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp_presets.testing import run_launch
+from fsdp_harness.launch import run_launch
 
 from conftest import GLOO_EXIT_ABORT, accelerate_config
 from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, tiny_llama

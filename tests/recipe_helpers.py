@@ -7,8 +7,8 @@ import hashlib
 import sys
 from pathlib import Path
 
-from fsdp_presets.drill import descendants, rank_pid  # noqa: F401 (re-exported for the tests)
-from fsdp_presets.testing import launch_env
+from fsdp_harness.drill import descendants, rank_pid  # noqa: F401 (re-exported for the tests)
+from fsdp_harness.launch import launch_env
 
 REPO = Path(__file__).resolve().parent.parent
 CAUSAL_LM = REPO / "recipes" / "causal_lm.py"
@@ -22,14 +22,14 @@ DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
 
 
 def tiny_llama(folder: Path, *, tied: bool = True) -> Path:
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     return write_tiny_model(folder, kind="llama-tied" if tied else "llama",
                             text=SFT_TRAIN.read_text(), max_positions=128)
 
 
 def tiny_bert(folder: Path) -> Path:
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     return write_tiny_model(folder, kind="bert", text=GENRES_TRAIN.read_text(), max_positions=128, num_labels=4)
 

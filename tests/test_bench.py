@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets import doc_sections
-from fsdp_presets.drill import DrillResult, KillPlan
-from fsdp_presets.measure import ring_bytes, sent_bytes, state_deviations
-from fsdp_presets.planner import ModelStateBytes
+from fsdp_harness import doc_sections
+from fsdp_harness.drill import DrillResult, KillPlan
+from fsdp_harness.measure import ring_bytes, sent_bytes, state_deviations
+from fsdp_presets.plan.planner import ModelStateBytes
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -27,7 +27,7 @@ import gpu_bench  # noqa: E402
 
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.profile import profile_model
 
     folder = tmp_path_factory.mktemp("bench_profile")
     (folder / "config.json").write_text(json.dumps(bench.QUICK_MODEL))
@@ -36,7 +36,7 @@ def quick_profile(tmp_path_factory):
 
 def fabricated_results(case: bench.Case, profile, *, scale: float = 1.0) -> dict[int, dict]:
     """Worker results as a launch would write them, holding exactly the planned bytes x ``scale``."""
-    from fsdp_presets.planner import GiB, Hardware, plan
+    from fsdp_presets.plan.planner import GiB, Hardware, plan
 
     row = plan(profile, Hardware(gpus=case.processes, nodes=case.nodes, gpu_memory_bytes=80 * GiB),
                bench.QUICK_SETTINGS.shape).get(case.strategy, case.fsdp_version)

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from fsdp_presets import cli
-from fsdp_presets.emit import read_metadata
-from fsdp_presets.lint import RULES, CheckContext, check_file, model_facts
+from fsdp_presets.plan.emit import read_metadata
+from fsdp_presets.plan.check import RULES, CheckContext, check_file, model_facts
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "accelerate_configs"
@@ -313,7 +313,7 @@ def test_did_you_mean_only_for_unknown_keys_and_near_misses(tmp_path):
 
 
 def test_fsdp1_strategy_fix_is_one_accelerate_accepts(tmp_path):
-    from fsdp_presets.lint import accelerate_view
+    from fsdp_presets.plan.check import accelerate_view
 
     config = mutate(fsdp={**FSDP1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"},
                     drop_fsdp=("fsdp_sharding_strategy",))(copy.deepcopy(GOOD))

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fsdp_presets import cli
-from fsdp_presets.lint import CheckContext, check_file, model_facts
-from fsdp_presets.testing import run_launch
+from fsdp_presets.plan.check import CheckContext, check_file, model_facts
+from fsdp_harness.launch import run_launch
 from recipe_helpers import CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, tiny_bert
 
 HAND_WRITTEN_FSDP2 = """\

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.checkpoint import (MANIFEST, CheckpointManager, Manifest, committed_checkpoints,
+from fsdp_presets.checkpoint.manager import (MANIFEST, CheckpointManager, Manifest, committed_checkpoints,
                                      verify_checkpoint)
-from fsdp_presets.digest import sha256_file
+from fsdp_presets.fileio import sha256_file
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import FAULT_ENV
-from fsdp_presets.metrics import MetricsLog, read_metrics, train_losses
+from fsdp_presets.train.metrics import MetricsLog, read_metrics, train_losses
 
 DISTRIBUTED = {"world_size": 1, "data_parallel_size": 1, "precision": "no", "distributed_type": "NO", "fsdp": None}
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from fsdp_presets.clean_exit import CLEAN_EXIT
-from fsdp_presets.testing import run_launch
+from fsdp_harness.launch import run_launch
 
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 from recipe_helpers import CAUSAL_LM, SFT_TRAIN

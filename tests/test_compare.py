@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets import compare, compare_report
+from fsdp_presets import compare
 from fsdp_presets.cli import main
 from fsdp_presets.errors import UsageError
 
@@ -427,23 +427,23 @@ def test_describe_names_the_layout(tmp_path):
         "activation_checkpointing": True, "hsdp_mesh": mesh}))
     assert record.describe()["fsdp"] == ("FSDP2, reshard_after_forward=False, activation_checkpointing=True, "
                                          "HSDP 2 x 2 (replicate x shard)")
-    assert compare_report.short_label(record) == record.describe()["fsdp"] + ", fp32, 4 processes"
+    assert compare.short_label(record) == record.describe()["fsdp"] + ", fp32, 4 processes"
 
 
 def test_plot_marks_the_resume_point(tmp_path):
     checkpoint = tmp_path / "cand" / "checkpoints" / "step-00000010"
     checkpoint.mkdir(parents=True)
     comparison = compared(tmp_path, losses=perturbed(reference_losses(), 12, 1e-3), resumed_from=str(checkpoint))
-    compare_report.write_plot(comparison, tmp_path / "resumed.png")
+    compare.write_plot(comparison, tmp_path / "resumed.png")
     assert (tmp_path / "resumed.png").stat().st_size > 10_000
-    assert "| resumed_from | - | " + str(checkpoint) + " |" in compare_report.render_report(comparison)
+    assert "| resumed_from | - | " + str(checkpoint) + " |" in compare.render_report(comparison)
 
 
 def test_plot_of_identical_runs(tmp_path):
     base = write_run(tmp_path / "a")
     plot = tmp_path / "identical.png"
     comparison = compare.compare_runs(compare.load_run(base), compare.load_run(base))
-    compare_report.write_plot(comparison, plot)
+    compare.write_plot(comparison, plot)
     assert plot.stat().st_size > 10_000
 
 

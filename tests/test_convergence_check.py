@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_presets import compare, compare_report
+from fsdp_presets import compare
 from fsdp_presets.cpu_fsdp import FSDP1_OPTIMIZER_RESUME
-from fsdp_presets.tiny_model import write_tiny_model
+from fsdp_presets.errors import UsageError
+from fsdp_harness.tiny_model import write_tiny_model
 
 from conftest import GLOO_EXIT_ABORT, REPO, accelerate_config
 
@@ -69,7 +70,7 @@ def test_ddp_baseline_keeps_processes_and_precision_and_drops_sharding(tmp_path)
 def test_no_derived_baseline_when_ddp_cannot_match(tmp_path, change, words):
     config = check_script.load_config(accelerate_config(tmp_path, "fsdp"))
     config.update(change)
-    with pytest.raises(compare.UsageError, match=words):
+    with pytest.raises(UsageError, match=words):
         check_script.ddp_baseline_config(config, "x.yaml")
 
 
@@ -227,7 +228,7 @@ def test_resumed_run_agrees_with_uninterrupted_baseline(workdir, tiny_model, fsd
     assert json.loads((resumed / "run.json").read_text())["fsdp"]["state_dict_type"] == "SHARDED_STATE_DICT"
     # Exact resume: the resumed FSDP2 run equals the uninterrupted FSDP2 run, bit for bit.
     uninterrupted = compare.compare_runs(compare.load_run(fsdp2_check / "candidate"), compare.load_run(resumed))
-    assert uninterrupted.verdict == "identical", compare_report.summary_lines(uninterrupted)
+    assert uninterrupted.verdict == "identical", compare.summary_lines(uninterrupted)
     part1 = (workdir / "fsdp2-resumed" / "candidate-part1.log").read_text()
     assert f"[fault] kill at during-save, step {2 * RESUME_AT}" in part1
 

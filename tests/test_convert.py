@@ -21,10 +21,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdp_presets import cli, compare, compare_report, convert
-from fsdp_presets.checkpoint_files import DcpReader
+from fsdp_presets import cli, compare
+
+from fsdp_presets.checkpoint import convert
+from fsdp_presets.checkpoint.files import DcpReader
 from fsdp_presets.errors import UsageError
-from fsdp_presets.resume import load_imported
+from fsdp_presets.checkpoint.resume import load_imported
 
 import checkpoint_runs as runs
 from conftest import accelerate_config
@@ -156,7 +158,7 @@ def test_round_trip_export_import_resume_trains_like_the_trained_weights(referen
     run = json.loads((from_import / "run.json").read_text())
     assert run["fsdp"]["version"] == 1 and run["fsdp"]["state_dict_type"] == "FULL_STATE_DICT"
     comparison = compare.compare_runs(compare.load_run(from_final), compare.load_run(from_import))
-    assert comparison.agrees, "\n".join(compare_report.summary_lines(comparison))
+    assert comparison.agrees, "\n".join(compare.summary_lines(comparison))
     assert comparison.metric("loss").steps == list(range(1, ROUND_TRIP_STEPS + 1))
     assert comparison.metric("loss").max_deviation <= LOSS_TOLERANCE
     # the imported weights were used: the untrained model (the reference's step 1) had another loss

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsdp_presets.testing import read_rank_results, run_launch
+from fsdp_harness.launch import read_rank_results, run_launch
 
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 

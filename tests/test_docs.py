@@ -193,14 +193,14 @@ def scratch_copy(tmp_path: Path) -> Path:
 
 
 def _tiny_llama(work: Path, destination: str) -> None:
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     write_tiny_model(work / destination, kind="llama-tied", text=(REPO / "data/kjv_sft/train.jsonl").read_text())
 
 
 def _tiny_checkpoint(work: Path, destination: str) -> None:
     """A real DCP checkpoint with manifest (``fsdp-presets import`` of a tiny Llama)."""
-    from fsdp_presets import convert
+    from fsdp_presets.checkpoint import convert
 
     model = f"runs/.fixtures/{destination.replace('/', '_')}"
     _tiny_llama(work, model)
@@ -333,7 +333,7 @@ def run_accelerate(words: list[str], work: Path, where: str) -> tuple[int, str, 
 def static_accelerate(words: list[str], work: Path, where: str) -> None:
     from accelerate.commands.launch import launch_command_parser
 
-    from fsdp_presets.lint import CheckContext, check_file
+    from fsdp_presets.plan.check import CheckContext, check_file
 
     assert words[1:2] == ["launch"], f"{where}: only `accelerate launch` is known here, not {words[:2]}"
     with contextlib.redirect_stderr(io.StringIO()) as errors:
@@ -547,9 +547,9 @@ def test_measurements_quoted_in_the_prose_are_in_the_outputs_shown():
 
 def generated_keys() -> set[str]:
     """Every key `fsdp-presets generate` writes, over the layouts it decides between."""
-    from fsdp_presets.emit import accelerate_config, ddp_config
-    from fsdp_presets.presets import PresetRequest, decide
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.emit import accelerate_config, ddp_config
+    from fsdp_presets.plan.presets import PresetRequest, decide
+    from fsdp_presets.plan.profile import profile_model
 
     profile = profile_model("llama")
     keys: set[str] = set()
@@ -629,7 +629,7 @@ def test_troubleshooting_covers_the_reported_failures():
 def test_troubleshooting_cites_real_rules_each_planted_in_test_check():
     from test_check import BAD_CONFIGS
 
-    from fsdp_presets.lint import RULES
+    from fsdp_presets.plan.check import RULES
 
     from test_check_probe import PLANTED_BY_THE_PROBE
 
@@ -651,7 +651,7 @@ _FACTS: dict = {}
 
 
 def _facts(source: str | None):
-    from fsdp_presets.lint import model_facts
+    from fsdp_presets.plan.check import model_facts
 
     if source is None:
         return None
@@ -672,7 +672,7 @@ def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
     makes `fsdp-presets check` report the rule the guide names (and the clean one does not)."""
     from test_check import GOOD
 
-    from fsdp_presets.lint import CheckContext, check_file
+    from fsdp_presets.plan.check import CheckContext, check_file
 
     block = next(block for block in plant_blocks() if block.line == line)
     assert block.language == "yaml", f"{block.where}: plant blocks are yaml"

@@ -26,7 +26,7 @@ import yaml
 
 from conftest import REPO, accelerate_config
 from fsdp_presets import cli, compare
-from fsdp_presets.emit import read_metadata
+from fsdp_presets.plan.emit import read_metadata
 from test_compare import reference_losses, write_run
 from test_multinode import fake_tools, recorded
 
@@ -72,7 +72,7 @@ NASTY = [HOSTILE_MODEL, HOSTILE_DATA, "it's", "a\rb", "tab\there", "\\'\"", "Ã©æ
 
 
 def test_shell_words_read_back_by_bash_as_exactly_the_value_on_one_line(tmp_path):
-    from fsdp_presets.quoting import comment_text, is_one_line, shell_word
+    from fsdp_presets.plan.quoting import comment_text, is_one_line, shell_word
 
     for value in NASTY:
         word = shell_word(value)
@@ -436,7 +436,7 @@ def test_equal_overflowing_gradient_norms_still_agree(tmp_path):
 
 def test_recipes_refuse_a_model_that_needs_its_own_code_in_one_line(tmp_path):
     """A model folder whose config names its own code: one UsageError, nothing of the folder runs."""
-    from fsdp_presets import training
+    from fsdp_presets.train import loop
     from fsdp_presets.errors import UsageError
 
     marker = tmp_path / "RAN"
@@ -444,5 +444,5 @@ def test_recipes_refuse_a_model_that_needs_its_own_code_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "not_in_transformers",
                                                       "auto_map": {"AutoConfig": "configuration_x.XConfig"}}))
     with pytest.raises(UsageError, match="never run code from a model folder"):
-        training.load_model_config(str(tmp_path))
+        loop.load_model_config(str(tmp_path))
     assert not marker.exists()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.testing import run_launch
+from fsdp_harness.launch import run_launch
 
 from conftest import GLOO_EXIT_ABORT, accelerate_config
 from recipe_helpers import CAUSAL_LM, REPO, SFT_TRAIN, causal_lm_args
@@ -55,7 +55,7 @@ def _assert_close(expected: dict[int, float], got: dict[int, float], steps) -> N
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
-    from fsdp_presets.tiny_model import write_tiny_model
+    from fsdp_harness.tiny_model import write_tiny_model
 
     folder = tmp_path_factory.mktemp("lora")
     write_tiny_model(folder / "tiny-qwen2", kind="qwen2", text=SFT_TRAIN.read_text(), max_positions=128)
@@ -104,8 +104,8 @@ def test_compare_reads_lora_runs_unchanged(lora_runs, tmp_path):
 
 @pytest.mark.slow
 def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
-    from fsdp_presets.checkpoint import Manifest, verify_checkpoint
-    from fsdp_presets.checkpoint_files import DcpReader
+    from fsdp_presets.checkpoint.manager import Manifest, verify_checkpoint
+    from fsdp_presets.checkpoint.files import DcpReader
 
     for name, run_dir in lora_runs.items():
         record = json.loads((run_dir / "run.json").read_text())
@@ -148,7 +148,7 @@ def test_lora_under_bf16_keeps_the_frozen_base_in_bf16(root, lora_runs):
 
 def _checkpoint_adapter(checkpoint: Path) -> dict:
     """The trained adapter read back from a checkpoint (safe DCP reader), under PEFT key names."""
-    from fsdp_presets.checkpoint_files import DcpReader
+    from fsdp_presets.checkpoint.files import DcpReader
 
     keys = json.loads((checkpoint / "model_config" / "adapter_keys.json").read_text())["keys"]
     reader = DcpReader(checkpoint / "adapter_model_0")
@@ -221,7 +221,7 @@ def lora_killed_and_resumed(root, lora_runs) -> Path:
     killed = _launch(configs["fsdp2"], causal_lm_args(model, run_dir, *LORA), env=KILL_WHILE_SAVING_STEP_12, ok=False)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr, killed.stderr[-2000:]
     assert sorted(path.name for path in (run_dir / "checkpoints").glob("step-*")) == ["step-00000004", "step-00000008"]
-    # One process: gradient accumulation doubles to keep the global batch (see fsdp_presets.resume).
+    # One process: gradient accumulation doubles to keep the global batch (see fsdp_presets.checkpoint.resume).
     _launch(configs["fsdp2"], causal_lm_args(model, run_dir, *LORA, "--resume", "auto"), processes=1)
     return run_dir
 
@@ -293,7 +293,7 @@ def test_qlora_exports_adapter_and_merges_into_the_dequantized_base(qlora_runs, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from fsdp_presets.lora import keep_4bit_layout, quantization_config
+    from fsdp_presets.train.lora import keep_4bit_layout, quantization_config
 
     run_dir = qlora_runs["fsdp2"]
     batch = _batch()

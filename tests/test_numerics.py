@@ -1,6 +1,6 @@
 """Numerics and bookkeeping across layouts, with real gloo processes.
 
-- gradient clipping keeps FSDP2 bitwise equal to DDP (fsdp_presets.training.clip_grad_norm),
+- gradient clipping keeps FSDP2 bitwise equal to DDP (fsdp_presets.train.loop.clip_grad_norm),
   where accelerate's own clip_grad_norm_ does not (tiny worker, 10 steps, every step clipped);
 - the recipe with clipping on: DDP, FSDP2 and FSDP1 (FULL_SHARD, SHARD_GRAD_OP) runs log the same
   losses, gradient norms and learning rates, bit for bit, and export the same tied model;
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets import compare
-from fsdp_presets.metrics import read_metrics
-from fsdp_presets.testing import read_rank_results, run_launch
+from fsdp_presets.train.metrics import read_metrics
+from fsdp_harness.launch import read_rank_results, run_launch
 
 import checkpoint_runs as runs
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config

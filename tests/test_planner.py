@@ -9,7 +9,7 @@ import pytest
 
 from fsdp_presets.cli import main
 from fsdp_presets.errors import UsageError
-from fsdp_presets.planner import (
+from fsdp_presets.plan.planner import (
     GiB,
     Hardware,
     TrainingShape,
@@ -22,7 +22,7 @@ from fsdp_presets.planner import (
     shard_numel,
     zero_model_state_bytes,
 )
-from fsdp_presets.profile import ModelDims, ModelProfile, Unit
+from fsdp_presets.plan.profile import ModelDims, ModelProfile, Unit
 
 GB = 1e9  # the ZeRO paper's figures are in decimal gigabytes
 
@@ -152,7 +152,7 @@ def test_activations_use_the_measured_block_constants():
     largest measured figures."""
     import math
 
-    from fsdp_presets.planner import BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, block_activations
+    from fsdp_presets.plan.planner import BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, block_activations
 
     profile = make_profile(blocks=24, block_params=1, root_params=0, hidden=2048, heads=16, vocab=1000)
     family = block_activations(profile)
@@ -173,7 +173,7 @@ def test_activations_use_the_measured_block_constants():
 
 
 def test_every_measured_family_says_what_measured_it():
-    from fsdp_presets.planner import BLOCK_ACTIVATIONS
+    from fsdp_presets.plan.planner import BLOCK_ACTIVATIONS
 
     for model_type, entry in BLOCK_ACTIVATIONS.items():
         assert "fsdp-presets rehearse" in entry.measured, model_type
@@ -370,7 +370,7 @@ def test_fused_experts_are_sharded_by_expert_rows():
     """FSDP2 shards each parameter on dim 0; Mixtral's fused expert tensors have 8 rows, so over
     32 ranks rank 0 still holds one whole expert of each: a rehearsal at 32 GPUs measured 21.2 GiB
     of fp32 parameters on rank 0, not the 5.4 GiB an even split gives."""
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.profile import profile_model
 
     profile = profile_model("model_configs/mixtral-8x7b")
     at = {n: plan(profile, Hardware(gpus=n, gpu_memory_bytes=80 * GiB), TrainingShape(seq_len=4096)).get("FULL_SHARD", 2)

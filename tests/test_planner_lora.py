@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.planner import (GiB, Hardware, LoraShape, TrainingShape, adapter_params, base_storage_bytes,
+from fsdp_presets.plan.planner import (GiB, Hardware, LoraShape, TrainingShape, adapter_params, base_storage_bytes,
                                   plan)
-from fsdp_presets.profile import profile_model
+from fsdp_presets.plan.profile import profile_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ def test_hand_calculation_70b_qlora(llama70b):
     assert row.model_state.grads == -(-adapters // 2) * 4
     # activations with checkpointing: 2 bytes x s x h per block + logits 12 x s x vocab + outside
     activations = layers * 2 * 2048 * h + 12 * 2048 * 128256 + 8.13 * 2048 * h
-    from fsdp_presets.planner import lora_activation_bytes
+    from fsdp_presets.plan.planner import lora_activation_bytes
 
     assert abs(lora_activation_bytes(llama70b, shape, 1) - activations) / activations < 0.10
 
@@ -108,8 +108,8 @@ def _generate(tmp_path, *words):
 def test_generate_qlora_records_what_accelerate_yaml_cannot(tmp_path):
     import yaml
 
-    from fsdp_presets.emit import read_metadata
-    from fsdp_presets.lint import CheckContext, check_file
+    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.plan.check import CheckContext, check_file
 
     done = _generate(tmp_path, "--gpus", "2", "--gpu-memory", "24", "--method", "qlora", "--lora-r", "8",
                      "--lora-target-modules", "q_proj,v_proj", "--baseline", "ddp", "-o", "q.yaml")
@@ -141,7 +141,7 @@ def test_generate_lora_fsdp1_keeps_original_parameters(tmp_path):
 
 
 def test_generate_full_header_has_no_method_fields(tmp_path):
-    from fsdp_presets.emit import read_metadata
+    from fsdp_presets.plan.emit import read_metadata
 
     assert _generate(tmp_path, "--gpus", "2", "-o", "f.yaml").returncode == 0
     request = read_metadata((tmp_path / "f.yaml").read_text())["request"]

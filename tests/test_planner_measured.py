@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.planner import GiB, Hardware, TrainingShape, fsdp2_shard_numel, plan
-from fsdp_presets.profile import profile_model
-from fsdp_presets.testing import read_rank_results, run_launch
+from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, fsdp2_shard_numel, plan
+from fsdp_presets.plan.profile import profile_model
+from fsdp_harness.launch import read_rank_results, run_launch
 
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 

@@ -12,11 +12,11 @@ import pytest
 import yaml
 
 from fsdp_presets import cli
-from fsdp_presets.emit import read_metadata, render_preset
+from fsdp_presets.plan.emit import read_metadata, render_preset
 from fsdp_presets.errors import UsageError
-from fsdp_presets.presets import PresetRequest, decide, parse_global_batch
-from fsdp_presets.profile import profile_model
-from fsdp_presets.testing import free_port, read_rank_results, run_launch
+from fsdp_presets.plan.presets import PresetRequest, decide, parse_global_batch
+from fsdp_presets.plan.profile import profile_model
+from fsdp_harness.launch import free_port, read_rank_results, run_launch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -198,7 +198,7 @@ def _expected(metadata: dict) -> dict:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_file_loads_in_accelerate_with_the_intended_settings(name):
-    from fsdp_presets.lint import accelerate_view
+    from fsdp_presets.plan.check import accelerate_view
 
     path = CONFIGS / name
     metadata = read_metadata(path.read_text())
@@ -232,7 +232,7 @@ def test_shipped_file_loads_in_accelerate_with_the_intended_settings(name):
 
 
 def test_fsdp1_preset_loads_as_fsdp1_with_its_extras(tmp_path):
-    from fsdp_presets.lint import accelerate_view
+    from fsdp_presets.plan.check import accelerate_view
 
     assert cli.main(["generate", "qwen2", "--device", "cpu", "--gpus", "2", "--fsdp-version", "1", "--strategy",
                      "grad-op", "--seq-len", "16", "--global-batch", "8", "-o", str(tmp_path / "f1.yaml")]) == 0

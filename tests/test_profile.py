@@ -19,9 +19,9 @@ import transformers
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from fsdp_presets import families
+from fsdp_presets.plan import families
 from fsdp_presets.errors import UsageError
-from fsdp_presets.profile import (
+from fsdp_presets.plan.profile import (
     ModelDims,
     ModelProfile,
     Unit,

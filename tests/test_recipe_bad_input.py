@@ -28,11 +28,11 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.checkpoint import checkpoint_verdict, committed_checkpoints
-from fsdp_presets.data import fit_head
+from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
+from fsdp_presets.train.data import fit_head
 from fsdp_presets.errors import UsageError, disk_full_cause
-from fsdp_presets.metrics import read_metrics
-from fsdp_presets.testing import launch_command, launch_env, run_launch
+from fsdp_presets.train.metrics import read_metrics
+from fsdp_harness.launch import launch_command, launch_env, run_launch
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
                             causal_lm_args, offline_env, tiny_bert, tiny_llama, tree_digest)
 
@@ -84,8 +84,8 @@ def test_a_rank_that_never_reaches_the_start_up_check_is_named_after_the_timeout
     import torch.distributed as dist
 
     from fsdp_presets.errors import Finding
-    from fsdp_presets.recipe_checks import exchange
-    from fsdp_presets.testing import free_port
+    from fsdp_presets.train.startup import exchange
+    from fsdp_harness.launch import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)
@@ -99,7 +99,7 @@ def test_a_rank_that_never_reaches_the_start_up_check_is_named_after_the_timeout
 # ---- one process: bad flags and data, each a call of the recipe's main ----
 DRIVER = """
 import json, runpy, sys
-from fsdp_presets.training import run_recipe
+from fsdp_presets.train.loop import run_recipe
 script, cases = sys.argv[1], json.loads(sys.argv[2])
 main = runpy.run_path(script, run_name="recipe")["main"]
 codes = []

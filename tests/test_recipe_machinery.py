@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from fsdp_presets import training
-from fsdp_presets.data import IGNORE_INDEX, causal_lm_splits, classification_splits
+from fsdp_presets.train import loop
+from fsdp_presets.train.data import IGNORE_INDEX, causal_lm_splits, classification_splits
 from fsdp_presets.errors import UsageError
-from fsdp_presets.run_folder import check_output_dir, write_run_json
+from fsdp_presets.checkpoint.run_folder import check_output_dir, write_run_json
 from recipe_helpers import tiny_bert, tiny_llama
 
 
@@ -18,7 +18,7 @@ def global_order(stream, *, steps, micro, accumulation, dp, start=0):
     order, consumed = [], start
     for _ in range(steps):
         step = []
-        per_rank = [training.rank_micro_batches(stream, samples_consumed=consumed, micro_batch_size=micro,
+        per_rank = [loop.rank_micro_batches(stream, samples_consumed=consumed, micro_batch_size=micro,
                                                 accumulation_steps=accumulation, rank=rank,
                                                 data_parallel_size=dp) for rank in range(dp)]
         for micro_step in range(accumulation):
@@ -30,7 +30,7 @@ def global_order(stream, *, steps, micro, accumulation, dp, start=0):
 
 
 def test_data_position_is_the_same_for_every_split_of_the_global_batch():
-    stream = training.SampleStream(37, seed=5)
+    stream = loop.SampleStream(37, seed=5)
     one_rank = global_order(stream, steps=12, micro=8, accumulation=1, dp=1)
     for micro, accumulation, dp in ((4, 1, 2), (2, 2, 2), (1, 2, 4), (2, 4, 1)):
         assert global_order(stream, steps=12, micro=micro, accumulation=accumulation, dp=dp) == one_rank
@@ -41,12 +41,12 @@ def test_data_position_is_the_same_for_every_split_of_the_global_batch():
     # resuming at a sample count continues the same stream, whatever the new split
     resumed = global_order(stream, steps=6, micro=2, accumulation=1, dp=4, start=6 * 8)
     assert resumed == one_rank[6:]
-    assert training.SampleStream(37, seed=6).indices(0, 37) != stream.indices(0, 37)
+    assert loop.SampleStream(37, seed=6).indices(0, 37) != stream.indices(0, 37)
 
 
 def test_eval_batches_cover_each_sample_once_with_equal_batches_on_every_rank():
     for samples, micro, dp in ((10, 2, 2), (7, 3, 2), (1, 4, 3)):
-        per_rank = [training.eval_micro_batches(samples, micro_batch_size=micro, rank=rank, data_parallel_size=dp)
+        per_rank = [loop.eval_micro_batches(samples, micro_batch_size=micro, rank=rank, data_parallel_size=dp)
                     for rank in range(dp)]
         assert len({len(batches) for batches in per_rank}) == 1
         assert all(len(batch) == micro for batches in per_rank for batch in batches)
@@ -58,7 +58,7 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "llama", tied=True))
-    decay, plain = training.param_groups(model, 0.1)
+    decay, plain = loop.param_groups(model, 0.1)
     names = {id(param): name for name, param in model.named_parameters()}
     plain_names = {names[id(param)] for param in plain["params"]}
     decay_names = {names[id(param)] for param in decay["params"]}
@@ -69,7 +69,7 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tmp_path):
     assert all(name.endswith(".weight") and "norm" not in name for name in decay_names)
     assert "model.layers.0.self_attn.q_proj.weight" in decay_names
     bert = AutoModelForSequenceClassification.from_pretrained(tiny_bert(tmp_path / "bert"))
-    decay, plain = training.param_groups(bert, 0.1)
+    decay, plain = loop.param_groups(bert, 0.1)
     names = {id(param): name for name, param in bert.named_parameters()}
     plain_names = {names[id(param)] for param in plain["params"]}
     assert {"bert.embeddings.word_embeddings.weight", "bert.embeddings.LayerNorm.weight",

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.metrics import read_metrics
-from fsdp_presets.testing import launch_command, launch_env, run_launch
+from fsdp_presets.train.metrics import read_metrics
+from fsdp_harness.launch import launch_command, launch_env, run_launch
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, DDP_CONFIG, FSDP2_CONFIG, GENRES_EVAL, GENRES_TRAIN,
                             REPO, SFT_EVAL, SFT_TRAIN, causal_lm_args, offline_env, rank_pid, tiny_llama, tree_digest)
 
@@ -213,7 +213,7 @@ def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
 
 BAD_INPUT_DRIVER = """
 import json, runpy, sys
-from fsdp_presets.training import run_recipe
+from fsdp_presets.train.loop import run_recipe
 main = runpy.run_path(sys.argv[1], run_name="recipe")["main"]
 codes = []
 for argv in json.loads(sys.argv[2]):

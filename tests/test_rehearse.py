@@ -96,10 +96,10 @@ def test_bad_input_exits_2_with_the_fix(argv, message, capsys):
 
 
 def test_every_shipped_gpu_preset_has_a_current_rehearsal_that_fits():
-    """Each shipped GPU preset's header states its rehearsed peak (fsdp_presets.rehearsed_presets),
+    """Each shipped GPU preset's header states its rehearsed peak (fsdp_presets.plan.rehearsed_presets),
     below its GPU memory, and the planner agrees with it within 10%."""
-    from fsdp_presets.emit import read_metadata
-    from fsdp_presets.rehearsed_presets import NOT_REHEARSED, recorded_rehearsal
+    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.plan.rehearsed_presets import NOT_REHEARSED, recorded_rehearsal
 
     checked = 0
     for path in sorted((REPO / "accelerate_configs").glob("*.yaml")):
@@ -136,7 +136,7 @@ def test_each_family_agrees_with_the_planner():
     """Every family with measured constants, truncated to 4 blocks (the constants are per block;
     the embedding, head and logits stay full size), and Llama under checkpointing and no_sync
     accumulation."""
-    from fsdp_presets.planner import BLOCK_ACTIVATIONS
+    from fsdp_presets.plan.planner import BLOCK_ACTIVATIONS
 
     folders = {"llama": "llama-3.1-8b", "mistral": "mistral-7b-v0.3", "qwen2": "qwen2.5-7b", "phi3": "phi-3-mini-4k",
                "gemma2": "gemma-2-9b", "mixtral": "mixtral-8x7b"}
@@ -153,7 +153,7 @@ def test_each_family_agrees_with_the_planner():
 
 @pytest.mark.slow
 def test_shipped_8b_preset_rehearses_as_recorded():
-    from fsdp_presets.rehearsed_presets import REHEARSED
+    from fsdp_presets.plan.rehearsed_presets import REHEARSED
 
     code, document, stderr = rehearse_cli("accelerate_configs/llama-3.1-8b_1x8.yaml")
     assert code == 0 and document is not None, stderr[-3000:]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets import cli, compare, compare_report
+from fsdp_presets import cli, compare
 from fsdp_presets.errors import UsageError
-from fsdp_presets.resume import accumulation_for, keep_global_batch
-from fsdp_presets.training import SampleStream, rank_micro_batches
+from fsdp_presets.checkpoint.resume import accumulation_for, keep_global_batch
+from fsdp_presets.train.loop import SampleStream, rank_micro_batches
 
 import checkpoint_runs as runs
 from recipe_helpers import causal_lm_args
@@ -67,7 +67,7 @@ def chain(request, root, reference) -> dict:
 @pytest.mark.slow
 def test_every_world_size_change_continues_like_the_uninterrupted_run(reference, chain):
     comparison = compare.compare_runs(compare.load_run(reference), compare.load_run(chain["run_dir"]))
-    assert comparison.agrees, "\n".join(compare_report.summary_lines(comparison))
+    assert comparison.agrees, "\n".join(compare.summary_lines(comparison))
     assert comparison.metric("loss").steps == list(range(3, runs.REFERENCE_STEPS + 1))
     assert comparison.metric("loss").max_deviation <= LOSS_TOLERANCE
     reference_metrics = _train_lines(reference)

@@ -31,11 +31,11 @@ from conftest import accelerate_config
 from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, offline_env, tree_digest
 from test_checkpoint import manager
 from fsdp_presets import cli
-from fsdp_presets.checkpoint import MANIFEST, checkpoint_verdict
-from fsdp_presets.checkpoint_files import DCP_METADATA, DCP_MODEL, DCP_OPTIMIZER
+from fsdp_presets.checkpoint.manager import MANIFEST, checkpoint_verdict
+from fsdp_presets.checkpoint.files import DCP_METADATA, DCP_MODEL, DCP_OPTIMIZER
 from fsdp_presets.errors import UsageError
-from fsdp_presets.safe_unpickle import UnsafeCheckpointError, read_dcp_metadata, safe_dcp_loading
-from fsdp_presets.testing import run_launch
+from fsdp_presets.checkpoint.safe_unpickle import UnsafeCheckpointError, read_dcp_metadata, safe_dcp_loading
+from fsdp_harness.launch import run_launch
 
 STEPS = runs.REFERENCE_STEPS
 
@@ -325,7 +325,7 @@ def test_a_finished_model_without_checkpoints_is_not_retrained(tmp_path):
 
 # ---- the run lock ----
 def test_the_lock_rule(tmp_path):
-    from fsdp_presets.run_folder import _lock_problem, _process_start
+    from fsdp_presets.checkpoint.run_folder import _lock_problem, _process_start
 
     lock = tmp_path / "run.lock"
     lock.write_text("{}")
@@ -445,7 +445,7 @@ def test_resume_auto_refuses_trapped_checkpoints_and_overwrites_nothing(referenc
 
 DRIVER = """
 import json, runpy, sys
-from fsdp_presets.training import run_recipe
+from fsdp_presets.train.loop import run_recipe
 main = runpy.run_path(sys.argv[1], run_name="recipe")["main"]
 codes = []
 for argv in json.loads(sys.argv[2]):
@@ -529,7 +529,7 @@ def test_a_relaunch_while_orphaned_ranks_still_train_is_refused(reference, model
     import signal
     import time
 
-    from fsdp_presets.testing import launch_command, launch_env
+    from fsdp_harness.launch import launch_command, launch_env
 
     run_dir = tmp_path / "run"
     args = causal_lm_args(model, run_dir, "--max-steps", 100000, "--save-every", 50, "--keep-last", 1)

@@ -6,4 +6,4 @@ heavy imports (torch, transformers) happen inside ``run``.
 """
 
 # Order here is the order in `fsdp-presets --help`. Adding a command is adding its module name.
-COMMANDS: tuple[str, ...] = ("inspect", "plan", "generate", "check", "rehearse", "compare", "launcher", "export_hf", "import_hf", "inspect_checkpoint")
+COMMANDS: tuple[str, ...] = ("inspect", "plan", "generate", "check", "rehearse", "compare", "launcher", "export", "import_", "inspect_checkpoint")

@@ -8,8 +8,8 @@ before a launch wastes cluster time.
 The file is loaded the way ``accelerate launch`` loads it (and the FSDP plugin built from it), then
 checked against accelerate's own key lists, the model and the planner. With a model, accelerate's
 own FSDP preparation of it runs under a fake process group (a few seconds, no weights, no GPU:
-:mod:`fsdp_presets.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
-launch. Each finding has a stable rule id (:data:`fsdp_presets.lint.RULES`). Exit status: 0 no errors
+:mod:`fsdp_presets.plan.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
+launch. Each finding has a stable rule id (:data:`fsdp_presets.plan.check.RULES`). Exit status: 0 no errors
 (warnings and notes do not fail), 1 errors, 2 bad input.
 """
 
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seq-len", type=int, help="sequence length for the planner rules (default: the preset's, else 2048)")
     add("--gpus", type=int, metavar="N", help="processes of the whole job for a file without num_processes (what "
         "`accelerate launch --num_processes` will pass); without it such a file gets no GPU count or memory verdict")
-    from fsdp_presets.method_flags import add_method_arguments
+    from fsdp_presets.plan.methods import add_method_arguments
 
     add_method_arguments(parser, method_default=None, method_help="the training method, for the memory and LoRA "
                          "rules: full, lora or qlora (default: a generated preset's; otherwise unknown, and "
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.errors import UsageError
 
     if args.list_rules:
-        from fsdp_presets.lint import RULES
+        from fsdp_presets.plan.check import RULES
 
         for rule, (severity, what) in RULES.items():
             print(f"{rule:34} {severity:8} {what}")
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     missing = [path for path in args.configs if not Path(path).is_file()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")
-    from fsdp_presets.method_flags import lora_from_args
+    from fsdp_presets.plan.methods import lora_from_args
 
     try:
         lora = lora_from_args(args)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise UsageError("; ".join(problems))
 
-    from fsdp_presets.lint import CheckContext, check_file, model_facts
+    from fsdp_presets.plan.check import CheckContext, check_file, model_facts
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.trust_remote_code:
@@ -123,7 +123,7 @@ def _model_from_header(path, cache: dict, model_facts):
     """The model a generated preset names in its metadata line, when it can be profiled here."""
     from pathlib import Path
 
-    from fsdp_presets.emit import read_metadata
+    from fsdp_presets.plan.emit import read_metadata
     from fsdp_presets.errors import UsageError
 
     try:

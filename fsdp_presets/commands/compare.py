@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from fsdp_presets import compare, compare_report
+    from fsdp_presets import compare
     from fsdp_presets.errors import UsageError
 
     tolerance = compare.parse_tolerance(args.tolerance)
@@ -37,15 +37,15 @@ def run(args: argparse.Namespace) -> int:
     candidate = compare.load_run(args.candidate)
     comparison = compare.compare_runs(baseline, candidate, tolerance)
     if args.plot:
-        compare_report.write_plot(comparison, args.plot)
+        compare.write_plot(comparison, args.plot)
     if args.report:
-        compare_report.write_report(comparison, args.report, plot_path=args.plot)
+        compare.write_report(comparison, args.report, plot_path=args.plot)
     if args.json:
         result = comparison.to_json()
         result["plot"], result["report"] = args.plot, args.report
         print(json.dumps(result, indent=2))
     else:
-        print("\n".join(compare_report.summary_lines(comparison)))
+        print("\n".join(compare.summary_lines(comparison)))
         for label, path in (("plot", args.plot), ("report", args.report)):
             if path:
                 print(f"{label}: {path}")

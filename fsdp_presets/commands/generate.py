@@ -7,7 +7,7 @@ on this cluster, with a header saying why, and optionally its DDP baseline.
     fsdp-presets generate --from accelerate_configs/llama_2x8.yaml --gpus 8 -o llama_1x8.yaml   # rescale
     fsdp-presets generate llama --device cpu --gpus 2 --seq-len 64 -o cpu.yaml                  # CPU host
 
-Every ``auto`` choice comes from the planner (see :mod:`fsdp_presets.presets`). Rescaling
+Every ``auto`` choice comes from the planner (see :mod:`fsdp_presets.plan.presets`). Rescaling
 (``--from``) re-decides for the new GPU count keeping the global batch and prints what changed.
 Files are written only after everything is decided and the text has been loaded back through
 accelerate's own config loader; each is written to a temporary file and moved into place, so an
@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--launch-data", metavar="FILE", help="data file the header's launch command names (default DATA.jsonl)")
     add("--trust-remote-code", action="store_true",
         help="allow a config that names its own Python code (auto_map) to run that code")
-    from fsdp_presets.method_flags import add_method_arguments
+    from fsdp_presets.plan.methods import add_method_arguments
 
     add_method_arguments(parser, method_default=None, method_help=(
         "full fine-tuning (default), lora or qlora: the planner counts a frozen (4-bit) base and fp32 adapters, "
@@ -79,9 +79,9 @@ _REQUEST_FLAGS = {
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fsdp_presets.emit import LaunchHints, command_text, default_baseline_path, launch_words, read_metadata
+    from fsdp_presets.plan.emit import LaunchHints, command_text, default_baseline_path, launch_words, read_metadata
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.presets import PresetRequest, describe_changes, rescale_request
+    from fsdp_presets.plan.presets import PresetRequest, describe_changes, rescale_request
 
     given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
     problems = []
@@ -154,12 +154,12 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from fsdp_presets.commands.launcher import job_from_args, launcher_path, write_from_args
-    from fsdp_presets.launchers import check_launcher_output
+    from fsdp_presets.plan.launchers import check_launcher_output
 
     launch_command = launch_words(preset, config_file=output, launch=launch)
     job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
                         default_command=launch_command, config=yaml.safe_load(files[output]))
-    from fsdp_presets.launchers import carries_token
+    from fsdp_presets.plan.launchers import carries_token
 
     if any(carries_token(text) for text in files.values()):
         raise UsageError("the generated config would carry a value that looks like an access token (hf_..., sk-...; "
@@ -199,7 +199,7 @@ def load_profile(source: str, *, trust_remote_code: bool = False):
     """The model's profile, with transformers' advisory warnings silenced."""
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.profile import profile_model
 
     hf_logging.set_verbosity_error()
     return profile_model(source, trust_remote_code=trust_remote_code)
@@ -209,7 +209,7 @@ def check_generated_output(path, *, force: bool = False) -> None:
     """Refuse to replace an existing file that ``generate`` did not write (its header has no
     ``# fsdp-presets:`` line), unless ``force``: regenerating a generated file is what its header
     says to do, overwriting a hand-written one is not. Nothing is written."""
-    from fsdp_presets.emit import METADATA_PREFIX, read_metadata
+    from fsdp_presets.plan.emit import METADATA_PREFIX, read_metadata
     from fsdp_presets.errors import UsageError
 
     if force or not (path.exists() or path.is_symlink()):
@@ -229,9 +229,9 @@ def render_files(profile, request, *, output: str, baseline_output: str | None, 
     the config rules first: a generated file that fails them is a bug, never written."""
     import yaml
 
-    from fsdp_presets.emit import render_ddp_baseline, render_preset
-    from fsdp_presets.lint import CheckContext, lint_config
-    from fsdp_presets.presets import decide
+    from fsdp_presets.plan.emit import render_ddp_baseline, render_preset
+    from fsdp_presets.plan.check import CheckContext, lint_config
+    from fsdp_presets.plan.presets import decide
 
     preset = decide(profile, request)
     files = {output: render_preset(preset, output=output, baseline_output=baseline_output, launch=launch)}
@@ -264,7 +264,7 @@ def write_files(files: dict) -> None:
     import os
     import tempfile
 
-    from fsdp_presets.lint import AccelerateRejected, accelerate_view
+    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
 
     staged = []
     try:

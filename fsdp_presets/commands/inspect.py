@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give a MODEL: a family name, a model folder or a config.json path "
                          "(`fsdp-presets inspect --list` lists the families)")
 
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.profile import profile_model
 
     # transformers' advisory warnings (token ids, deprecated keys) are noise for an inspection.
     # The variable is read when transformers is first imported, which bad input never reaches.
@@ -90,7 +90,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[s
 
 
 def format_profile(profile, *, source: str = "") -> str:
-    """The readable form of a :class:`~fsdp_presets.profile.ModelProfile`."""
+    """The readable form of a :class:`~fsdp_presets.plan.profile.ModelProfile`."""
     dims = profile.dims
     structure = profile.structure
     total = profile.total_params or 1
@@ -162,7 +162,7 @@ def format_profile(profile, *, source: str = "") -> str:
 
 
 def _families_table() -> str:
-    from fsdp_presets.families import FAMILIES
+    from fsdp_presets.plan.families import FAMILIES
 
     rows = [[family.name, family.model_type, family.kind, family.note] for family in FAMILIES]
     return "\n".join(_table(["family", "model_type", "kind", "covers"], rows, right=set()))

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from fsdp_presets import checkpoint_inspect
+    from fsdp_presets.checkpoint import inspect as checkpoint_inspect
 
     summary = checkpoint_inspect.summarize_checkpoint(args.checkpoint, args.gpus)
     if args.json:

@@ -9,7 +9,7 @@ Per GPU at the step's peak (the start of backward, as a rehearsal measures it: `
 rehearse``): parameters, gradients, optimizer state, activations and transient buffers for DDP,
 NO_SHARD, SHARD_GRAD_OP, FULL_SHARD and (with --nodes > 1) HYBRID_SHARD, FSDP1 and FSDP2;
 whether each fits, the largest micro-batch that does, and the bytes each GPU sends per step.
-Formulas and their sources: :mod:`fsdp_presets.planner`.
+Formulas and their sources: :mod:`fsdp_presets.plan.planner`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FSDP CPU offload of parameters, gradients and optimizer state (default off; with "
                         "--method lora|qlora auto: on only when nothing fits without it, after activation "
                         "checkpointing)")
-    from fsdp_presets.method_flags import add_method_arguments
+    from fsdp_presets.plan.methods import add_method_arguments
 
     add_method_arguments(parser)
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.planner import GiB, Hardware, TrainingShape, plan
+    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
 
     # Validate every flag before touching the model, and report all problems at once.
     problems = []
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     lora_default = "auto" if args.method in ("lora", "qlora") else "off"
     checkpointing = args.activation_checkpointing or lora_default
     offload = args.offload or lora_default
-    from fsdp_presets.method_flags import lora_from_args
+    from fsdp_presets.plan.methods import lora_from_args
 
     try:
         lora_from_args(args)  # the flags alone; target names are checked against the model below
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.profile import profile_model
+    from fsdp_presets.plan.profile import profile_model
 
     hf_logging.set_verbosity_error()
     profile = profile_model(args.model, trust_remote_code=args.trust_remote_code)
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
                                                  offload=offload)
 
     if args.diagram:
-        from fsdp_presets.plan_diagram import draw_plan
+        from fsdp_presets.plan.diagram import draw_plan
 
         Path(args.diagram).parent.mkdir(parents=True, exist_ok=True)
         draw_plan(memory_plan, profile, args.diagram)
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                              "total_params": profile.total_params}
         document["settings_chosen"] = chosen
         if shape.lora is not None:
-            from fsdp_presets.planner import adapter_params, base_storage_bytes, default_target_modules
+            from fsdp_presets.plan.planner import adapter_params, base_storage_bytes, default_target_modules
 
             document["lora"] = {**shape.lora.to_json(), "trainable_params": adapter_params(profile, memory_plan.shape),
                                 "base_storage_bytes": base_storage_bytes(profile, memory_plan.shape),
@@ -151,7 +151,7 @@ def _plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offl
     """``(plan, chosen)``: the plan as asked, or, where a saver is ``auto`` and nothing fits, with the
     cheapest savers that make something fit (activation checkpointing first, then offload too).
     ``chosen`` names the savers turned on; when none makes anything fit, the plan as asked."""
-    from fsdp_presets.planner import plan
+    from fsdp_presets.plan.planner import plan
 
     first = plan(profile, hardware, shape)
     if first.recommended is not None:
@@ -201,7 +201,7 @@ def _fit_seq_len(shape, profile, *, given: int | None):
 def format_plan(memory_plan, profile, *, source: str) -> str:
     """The table, the recommendation and its reason (or the suggestions when nothing fits)."""
     from fsdp_presets.commands.inspect import _table, human_count
-    from fsdp_presets.planner import GiB
+    from fsdp_presets.plan.planner import GiB
 
     hardware, shape = memory_plan.hardware, memory_plan.shape
     nodes = f" on {hardware.nodes} nodes" if hardware.nodes > 1 else ""

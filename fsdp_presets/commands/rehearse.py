@@ -10,7 +10,7 @@ The step is the causal-LM recipe's (forward, ``logits[:, :-1].float()`` summed c
 backward under ``no_sync`` accumulation, clipping, AdamW), on the model's real architecture,
 prepared by accelerate's own FSDP2 code, as rank 0 of a fake process group of N ranks with fake
 tensors: no weights, no GPUs, a few hundred MiB of host RAM. How, and what it cannot see:
-:mod:`fsdp_presets.rehearsal`. FSDP1 and DDP are not rehearsed (torch's memory tracker follows
+:mod:`fsdp_presets.plan.rehearsal`. FSDP1 and DDP are not rehearsed (torch's memory tracker follows
 FSDP2 only); CPU offload is rehearsed without it and the offloaded states subtracted.
 
 Exit status: 0 when the rehearsed peak fits the GPU memory, 1 when it does not, 2 on bad input.
@@ -27,7 +27,7 @@ NOT_REHEARSED = ("FSDP1 and DDP are not rehearsed (torch's FSDP memory tracker f
 """Said by every rehearsal, text and JSON."""
 CPU_BLIND_SPOTS = ("not seen on a CPU: the CUDA allocator's rounding and fragmentation, the CUDA context, "
                    "NCCL/cuBLAS workspaces and CUDA-only kernels; the planner reserves memory for them")
-"""What a rehearsal on CPU kernels leaves out (see fsdp_presets.rehearsal)."""
+"""What a rehearsal on CPU kernels leaves out (see fsdp_presets.plan.rehearsal)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--gpu-memory", type=float, default=None, metavar="GiB",
         help="memory of one GPU in GiB, for the fit verdict and the planner (default 80, or the preset's)")
     add("--json", action="store_true", help="print the result as JSON")
-    from fsdp_presets.method_flags import add_method_arguments
+    from fsdp_presets.plan.methods import add_method_arguments
 
     add_method_arguments(parser, method_help="the training method: only full is rehearsed (a LoRA/QLoRA plan is "
                          "checked against a hand calculation, docs/sharding.md)")
@@ -61,10 +61,10 @@ def _from_preset(args) -> tuple:
     """(PresetRequest, batch settings, env) of a generated preset file; flags may not change it."""
     from pathlib import Path
 
-    from fsdp_presets.emit import read_metadata
+    from fsdp_presets.plan.emit import read_metadata
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.lint import AccelerateRejected, accelerate_view
-    from fsdp_presets.presets import PresetRequest
+    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
+    from fsdp_presets.plan.presets import PresetRequest
 
     path = Path(args.model)
     overriding = [flag for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes),
@@ -103,7 +103,7 @@ _NOT_REHEARSED = ("--method {method} from {where}: only full fine-tuning is rehe
 
 def _request_from_flags(args):
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.presets import PresetRequest
+    from fsdp_presets.plan.presets import PresetRequest
 
     if args.gpus is None:
         raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
@@ -129,8 +129,8 @@ def _config_env(preset) -> dict[str, str]:
     import os
     import tempfile
 
-    from fsdp_presets.emit import accelerate_config, config_yaml
-    from fsdp_presets.lint import accelerate_view
+    from fsdp_presets.plan.emit import accelerate_config, config_yaml
+    from fsdp_presets.plan.check import accelerate_view
 
     handle, path = tempfile.mkstemp(suffix=".yaml", prefix="rehearse-")
     try:
@@ -146,8 +146,8 @@ def _decide_unchecked(profile, request):
     fits: decided on GPUs large enough for anything, then re-planned on the asked memory."""
     import dataclasses
 
-    from fsdp_presets.planner import GiB, Hardware, plan
-    from fsdp_presets.presets import DEFAULT_GPU_MEMORY_GIB, decide
+    from fsdp_presets.plan.planner import GiB, Hardware, plan
+    from fsdp_presets.plan.presets import DEFAULT_GPU_MEMORY_GIB, decide
 
     roomy = dataclasses.replace(request, gpu_memory_gib=4096.0, host_memory_gib=65536.0)  # the largest accepted
     preset = decide(profile, roomy)
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--gpu-memory must be a positive number of GiB, got {args.gpu_memory}")
     if args.method != "full":
         raise UsageError(_NOT_REHEARSED.format(method=args.method, where="the command line"))
-    from fsdp_presets.method_flags import lora_from_args
+    from fsdp_presets.plan.methods import lora_from_args
 
     lora_from_args(args)  # LoRA flags without --method lora|qlora are refused
     from_preset = args.model.endswith((".yaml", ".yml")) and Path(args.model).is_file()
@@ -181,9 +181,9 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.planner import plan
-    from fsdp_presets.presets import decide
-    from fsdp_presets.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.plan.planner import plan
+    from fsdp_presets.plan.presets import decide
+    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
 
     hf_logging.set_verbosity_error()
     if from_preset:
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.model}: {preset.row.label}: {NOT_REHEARSED}")
     shape, hardware = memory_plan.shape, memory_plan.hardware
 
-    from fsdp_presets.rehearsal import rehearse
+    from fsdp_presets.plan.rehearsal import rehearse
 
     result = rehearse(config, env, world_size=hardware.gpus, seq_len=shape.seq_len, micro_batch=micro,
                       grad_accum=accumulation, reduce_every_micro_batch=shape.reduce_every_micro_batch,

@@ -17,7 +17,7 @@ import torch
 from accelerate import Accelerator
 
 import fsdp_presets
-from fsdp_presets import families
+from fsdp_presets.plan import families
 
 
 def parse_args():

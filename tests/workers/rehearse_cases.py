@@ -5,7 +5,7 @@ planner's total (one JSON line each), for tests/test_rehearse.py::
         "seq_len": 4096, "micro_batch": 1, "grad_accum": 1, "ac": false, "layers": 4}' ...
 
 ``layers`` (optional) truncates the model to its first N blocks: the per-family constants of
-``fsdp_presets.planner.BLOCK_ACTIVATIONS`` are checked at a fraction of a full model's cost.
+``fsdp_presets.plan.planner.BLOCK_ACTIVATIONS`` are checked at a fraction of a full model's cost.
 """
 
 import json
@@ -17,9 +17,9 @@ def main() -> int:
     warnings.simplefilter("ignore")
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.planner import GiB, Hardware, TrainingShape, plan
-    from fsdp_presets.profile import build_meta_model, load_config, profile_module
-    from fsdp_presets.rehearsal import rehearse
+    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.plan.rehearsal import rehearse
 
     hf_logging.set_verbosity_error()
     for text in sys.argv[1:]:

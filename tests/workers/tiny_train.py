@@ -21,7 +21,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 
 import fsdp_presets
-from fsdp_presets import training
+from fsdp_presets.train import loop
 
 TINY_CONFIGS = {
     "llama": dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -54,7 +54,7 @@ def parse_args():
     parser.add_argument("--guard", action="store_true", help="call check_launch() after Accelerator()")
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="clip gradients to this norm (0: off)")
     parser.add_argument("--clip-with", choices=("package", "accelerate"), default="package",
-                        help="fsdp_presets.training.clip_grad_norm or accelerate's clip_grad_norm_")
+                        help="fsdp_presets.train.loop.clip_grad_norm or accelerate's clip_grad_norm_")
     parser.add_argument("--seed-per-rank", action="store_true",
                         help="initialise each rank differently (only rank 0 matches the usual init)")
     return parser.parse_args()
@@ -122,9 +122,9 @@ def main():
         loss = model(input_ids=input_ids, labels=input_ids).loss
         accelerator.backward(loss)
         if args.max_grad_norm and args.clip_with == "accelerate":
-            grad_norms[step] = training.scalar(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            grad_norms[step] = loop.scalar(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         elif args.max_grad_norm:
-            grad_norms[step] = training.clip_grad_norm(accelerator, model, args.max_grad_norm)
+            grad_norms[step] = loop.clip_grad_norm(accelerator, model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses[step] = accelerator.reduce(loss.detach(), reduction="mean").item()

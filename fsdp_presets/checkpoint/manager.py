@@ -1,0 +1,538 @@
+"""Sharded checkpoints that are committed atomically, verified before use, and pruned.
+
+A save is ``accelerator.save_state`` (DCP shards under FSDP, so every rank writes its own part)
+into ``checkpoints/.tmp-step-NNNNNNNN``, then ``manifest.json`` (step, samples consumed, world
+size, how the model was sharded, model-config digest, SHA-256 and size of every file), then one
+``os.rename`` to ``checkpoints/step-NNNNNNNN``. A folder without a manifest is therefore a save
+that did not finish, and a committed folder whose files do not match their checksums is damaged:
+:meth:`CheckpointManager.latest_valid` skips both, saying so, and never resumes from them.
+
+A checkpoint may come from elsewhere, and whoever made it controls every byte, manifest included.
+:func:`checkpoint_verdict` is the one answer the recipes, ``inspect-checkpoint`` and ``export``
+give: a well-formed manifest, a closed folder (no symbolic link, no path out of it, no file it
+does not list), sizes and SHA-256, every saving rank's random state, and every pickle readable
+as data only (:mod:`fsdp_presets.checkpoint.safe_unpickle`); :meth:`CheckpointManager.load` then reads
+through the safe DCP reader and planner.
+
+Only the main process writes shared files (manifest, renames, pruning); every rank hashes a share
+of the files (so a large checkpoint is not hashed by one process alone) and all ranks wait at the
+same points. Kill-during-save drills: see :mod:`fsdp_presets.faults` (point ``during-save``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable
+
+from fsdp_presets.fileio import sha256_file, write_json_atomic
+from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
+                                 raise_on_every_rank)
+from fsdp_presets.faults import fault_point
+from fsdp_presets.checkpoint.resume import IMPORTED_KIND
+from fsdp_presets.checkpoint.run_folder import FINAL
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+STEP_PATTERN = re.compile(r"^step-(\d{8})$")
+TEMPORARY_PREFIX = ".tmp-step-"
+DELETING_PREFIX = ".deleting-"
+
+
+def step_folder_name(step: int) -> str:
+    """``step-00000012``: eight digits so that names sort like steps."""
+    return f"step-{step:08d}"
+
+
+@dataclass(kw_only=True)
+class Manifest:
+    """What a committed checkpoint holds and how to check it."""
+
+    step: int
+    """Optimizer steps completed when the state was saved."""
+    samples_consumed: int
+    """Training samples consumed by all ranks together: the data position to resume from."""
+    world_size: int
+    """Processes that wrote the checkpoint."""
+    distributed_type: str
+    """accelerate's distributed type (FSDP, MULTI_CPU, MULTI_GPU, NO)."""
+    fsdp: dict[str, Any] | None
+    """FSDP version, resharding, state-dict type, activation checkpointing, HSDP mesh (or None)."""
+    config_digest: str
+    """SHA-256 of the model config (see :func:`fsdp_presets.fileio.config_digest`)."""
+    files: dict[str, dict[str, Any]]
+    """Relative path -> {"sha256", "bytes"} of every file in the checkpoint except the manifest."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """torch / accelerate / transformers versions that wrote it."""
+    created_unix: float = 0.0
+    """When it was committed (seconds since the epoch)."""
+    format: int = MANIFEST_FORMAT
+    """Manifest format version."""
+    training: dict[str, Any] | None = None
+    """LoRA/QLoRA runs: the method and LoRA shape (:func:`fsdp_presets.train.lora.settings`); None: full."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name, least in (("step", 0), ("samples_consumed", 0), ("world_size", 1)):
+            value = getattr(self, name)
+            if type(value) is not int:
+                problems.append(f"{name} {value!r} is not an integer")
+            elif value < least:
+                problems.append(f"{name} {value} < {least}")
+        if not isinstance(self.distributed_type, str):
+            problems.append(f"distributed_type {self.distributed_type!r} is not a string")
+        if self.fsdp is not None and not isinstance(self.fsdp, dict):
+            problems.append(f"fsdp {self.fsdp!r} is not an object")
+        if self.training is not None and not isinstance(self.training, dict):
+            problems.append(f"training {self.training!r} is not an object")
+        if not isinstance(self.config_digest, str):
+            problems.append(f"config_digest {self.config_digest!r} is not a string")
+        if not isinstance(self.files, dict):
+            problems.append("files is not an object of path -> {sha256, bytes}")
+        else:
+            for relative, entry in self.files.items():
+                problem = _file_entry_problem(relative, entry)
+                if problem:
+                    problems.append(problem)
+                    break
+        if problems:
+            raise ValueError("invalid manifest: " + "; ".join(problems))
+
+    @classmethod
+    def from_json(cls, payload: Any) -> "Manifest":
+        """A manifest from the parsed ``manifest.json`` (``ValueError`` naming every missing or
+        malformed field)."""
+        if not isinstance(payload, dict):
+            raise ValueError("invalid manifest: not a JSON object")
+        known = {name for name in cls.__dataclass_fields__}
+        required = [name for name, spec in cls.__dataclass_fields__.items()
+                    if spec.default is MISSING and spec.default_factory is MISSING]
+        missing = [name for name in required if name not in payload]
+        if missing:
+            raise ValueError(f"invalid manifest: no {', '.join(missing)}")
+        return cls(**{key: value for key, value in payload.items() if key in known})
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike) -> "Manifest":
+        """Load ``folder/manifest.json`` (raises ``ValueError``/``OSError`` when missing or bad)."""
+        return cls.from_json(json.loads((Path(folder) / MANIFEST).read_text()))
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+RNG_STATE_FILE = "random_states_{rank}.pkl"
+"""accelerate's per-rank random state (``RNG_STATE_NAME`` + ``_<rank>.pkl``)."""
+
+
+def _file_entry_problem(relative: Any, entry: Any) -> str | None:
+    """What is wrong with one ``files`` entry of a manifest, or None."""
+    if not isinstance(relative, str) or not relative:
+        return f"file name {relative!r} is not a path"
+    if not isinstance(entry, dict):
+        return f"file {relative!r}: entry is not an object with sha256 and bytes"
+    digest, size = entry.get("sha256"), entry.get("bytes")
+    if not isinstance(digest, str) or not _SHA256.match(digest):
+        return f"file {relative!r}: sha256 {digest!r} is not 64 hex digits"
+    if type(size) is not int or size < 0:
+        return f"file {relative!r}: bytes {size!r} is not a size"
+    return None
+
+
+def inside_path_problem(relative: str) -> str | None:
+    """Why a manifest path would leave the checkpoint folder (absolute, ``..``, a drive or a
+    backslash), or None: a checkpoint is a closed folder."""
+    pure = PurePosixPath(relative)
+    if pure.is_absolute() or "\\" in relative or ":" in relative or any(part in ("..", ".", "") for part in
+                                                                     relative.split("/")):
+        return f"manifest.json lists {relative!r}, a path outside the checkpoint folder (paths must be plain " \
+               "relative names inside it)"
+    return None
+
+
+def _walk_problem(folder: Path, listed: set[str] | None) -> str | None:
+    """A symbolic link anywhere in the folder, or (with ``listed``) a file the manifest does not list."""
+    for directory, subdirectories, files in os.walk(folder, followlinks=False):
+        for name in sorted(subdirectories + files):
+            path = Path(directory) / name
+            relative = str(path.relative_to(folder))
+            if path.is_symlink():
+                return (f"{relative} is a symbolic link (to {os.readlink(path)}); a checkpoint holds only its own "
+                        "files and links in it are never followed: replace the link with the file")
+            if listed is not None and name in files and relative != MANIFEST and relative not in listed:
+                return f"file {relative} is not listed in manifest.json (a checkpoint holds only what it lists)"
+    return None
+
+
+@dataclass(kw_only=True)
+class Verdict:
+    """Whether a checkpoint folder may be used: the one answer the recipes, ``inspect-checkpoint``
+    and ``export`` all give."""
+
+    manifest: Manifest | None
+    """The parsed manifest (also when a later check failed), or None."""
+    problem: str | None
+    """What is wrong, or None when the checkpoint is complete, untampered and holds only data."""
+    unsafe: bool = False
+    """True when a file of it was refused as a pickle that could run code."""
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True) -> Verdict:
+    """Check a checkpoint folder: a manifest whose every field is well-formed, a closed folder (no
+    symbolic links, no path outside it, no file it does not list), every file with its recorded
+    size and SHA-256, every rank's random state present, and every pickle readable as data only
+    (:func:`fsdp_presets.checkpoint.safe_unpickle.vet_checkpoint_pickles`)."""
+    from fsdp_presets.checkpoint.safe_unpickle import UnsafeCheckpointError, vet_checkpoint_pickles
+
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if manifest_path.is_symlink():
+        return Verdict(manifest=None, problem=f"{MANIFEST} is a symbolic link; a checkpoint holds only its own files")
+    if not manifest_path.is_file():
+        return Verdict(manifest=None, problem="no manifest.json (the save did not finish)")
+    try:
+        manifest = Manifest.read(folder)
+    except (ValueError, TypeError, OSError) as error:
+        return Verdict(manifest=None, problem=f"unreadable manifest.json ({str(error)[:300]})")
+    for relative in sorted(manifest.files):
+        problem = inside_path_problem(relative)
+        if problem:
+            return Verdict(manifest=manifest, problem=problem)
+    problem = _walk_problem(folder, set(manifest.files))
+    if problem:
+        return Verdict(manifest=manifest, problem=problem)
+    for relative, expected in sorted(manifest.files.items()):
+        path = folder / relative
+        if not path.is_file():
+            return Verdict(manifest=manifest, problem=f"missing file {relative}")
+        if path.stat().st_size != expected["bytes"]:
+            return Verdict(manifest=manifest, problem=f"file {relative} has {path.stat().st_size} bytes, manifest says "
+                                                      f"{expected['bytes']}")
+        if sha256_file(path) != expected["sha256"]:
+            return Verdict(manifest=manifest, problem=f"file {relative} does not match its SHA-256 in the manifest")
+    if _raw_kind(folder) != IMPORTED_KIND:
+        missing = [RNG_STATE_FILE.format(rank=rank) for rank in range(manifest.world_size)
+                   if RNG_STATE_FILE.format(rank=rank) not in manifest.files]
+        if missing:
+            return Verdict(manifest=manifest, problem=f"{', '.join(missing[:4])} missing: the random state of "
+                                                      f"{len(missing)} of the {manifest.world_size} ranks that saved it")
+    if check_pickles:
+        try:
+            vet_checkpoint_pickles(folder)
+        except UnsafeCheckpointError as error:
+            return Verdict(manifest=manifest, problem=str(error), unsafe=True)
+        except UsageError as error:
+            return Verdict(manifest=manifest, problem=str(error))
+    return Verdict(manifest=manifest, problem=None)
+
+
+def folder_verdict(folder: str | os.PathLike) -> Verdict:
+    """The checks of :func:`checkpoint_verdict` that need no manifest, for a folder without one:
+    no symbolic link in it, every pickle data only (``manifest`` is None either way)."""
+    from fsdp_presets.checkpoint.safe_unpickle import UnsafeCheckpointError, vet_checkpoint_pickles
+
+    problem = _walk_problem(Path(folder), None)
+    if problem:
+        return Verdict(manifest=None, problem=problem)
+    try:
+        vet_checkpoint_pickles(Path(folder))
+    except UnsafeCheckpointError as error:
+        return Verdict(manifest=None, problem=str(error), unsafe=True)
+    except UsageError as error:
+        return Verdict(manifest=None, problem=str(error))
+    return Verdict(manifest=None, problem=None)
+
+
+def _short(problem: str) -> str:
+    """The first sentence of a problem, without the folder it is about (for a list of them)."""
+    text = problem.split(". ")[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _raw_kind(folder: Path) -> Any:
+    try:
+        payload = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return payload.get("kind") if isinstance(payload, dict) else None
+
+
+def verify_checkpoint(folder: str | os.PathLike) -> tuple[Manifest | None, str | None]:
+    """``(manifest, None)`` when the folder is a complete, untampered checkpoint that holds only
+    data, else ``(None, what is wrong)`` (see :func:`checkpoint_verdict`)."""
+    verdict = checkpoint_verdict(folder)
+    return (verdict.manifest, None) if verdict.ok else (None, verdict.problem)
+
+
+def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``[(step, folder)]`` of the committed-looking ``step-*`` folders, oldest first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(match.group(1)), entry) for entry in directory.iterdir()
+             if entry.is_dir() and (match := STEP_PATTERN.match(entry.name))]
+    return sorted(found)
+
+
+def _library_versions() -> dict[str, str]:
+    import accelerate
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "accelerate": accelerate.__version__,
+            "transformers": transformers.__version__}
+
+
+def _remove_tree(path: Path) -> None:
+    """Rename first (atomic), then delete: a kill mid-delete leaves a dot-folder that is ignored,
+    never a committed-looking folder with files missing."""
+    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{time.time_ns()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+@dataclass(kw_only=True)
+class CheckpointManager:
+    """Saves, finds and loads the checkpoints of one run folder (one instance per process)."""
+
+    accelerator: Any
+    """The run's ``accelerate.Accelerator``."""
+    directory: Path
+    """OUTPUT_DIR/checkpoints."""
+    keep_last: int
+    """How many committed checkpoints to keep (older ones are deleted after each commit)."""
+    config_digest: str
+    """Digest of the model config, recorded in each manifest."""
+    distributed: dict[str, Any]
+    """:func:`fsdp_presets.checkpoint.run_folder.distributed_settings` of this run."""
+    log: Callable[[str], None] = print
+    """Where messages go (the main process prints them)."""
+    state: Any = None
+    """What to save and load instead of ``accelerator.save_state``/``load_state`` (an object with
+    ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.train.lora.TrainableState`), or None."""
+    training: dict[str, Any] | None = None
+    """Recorded in each manifest (:attr:`Manifest.training`)."""
+
+    def __post_init__(self) -> None:
+        if self.keep_last < 1:
+            raise UsageError(f"--keep-last {self.keep_last}: keep at least 1 checkpoint")
+        self.directory = Path(self.directory)
+
+    # ---- save ----
+    def save(self, *, step: int, samples_consumed: int,
+             write_extra: Callable[[Path], None] | None = None) -> Path:
+        """Save the accelerate state of every prepared object, commit it as ``step-NNNNNNNN``
+        and prune. ``write_extra(folder)`` runs on the main process before hashing (e.g. to add
+        the model config and tokenizer, so a checkpoint is self-describing). Collective."""
+        accelerator = self.accelerator
+        temporary = self.directory / f"{TEMPORARY_PREFIX}{step:08d}"
+        committed = self.directory / step_folder_name(step)
+        if accelerator.is_main_process:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            if temporary.exists():
+                _remove_tree(temporary)
+        accelerator.wait_for_everyone()
+        fault_point("save", step=step, rank=accelerator.process_index, folder=temporary)
+        try:
+            if self.state is not None:
+                self.state.save(temporary)
+            else:
+                accelerator.save_state(str(temporary))
+            if accelerator.is_main_process and write_extra is not None:
+                write_extra(temporary)
+        except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
+            self._stop_if_disk_full(error, step=step, temporary=temporary)
+            raise
+        accelerator.wait_for_everyone()
+        fault_point("during-save", step=step, rank=accelerator.process_index)
+
+        # Every rank hashes every world_size-th file; the main process gathers the results.
+        from accelerate.utils import gather_object
+
+        relative_paths = sorted(str(path.relative_to(temporary)) for path in temporary.rglob("*")
+                                if path.is_file())
+        mine = relative_paths[accelerator.process_index::accelerator.num_processes]
+        hashed = [(relative, sha256_file(temporary / relative), (temporary / relative).stat().st_size)
+                  for relative in mine]
+        hashed = gather_object(hashed) if accelerator.num_processes > 1 else hashed
+        if accelerator.is_main_process:
+            manifest = Manifest(
+                step=step, samples_consumed=samples_consumed,
+                world_size=self.distributed["world_size"],
+                distributed_type=self.distributed["distributed_type"], fsdp=self.distributed["fsdp"],
+                config_digest=self.config_digest,
+                files={relative: {"sha256": digest, "bytes": size} for relative, digest, size in sorted(hashed)},
+                versions=_library_versions(), created_unix=time.time(), training=self.training,
+            )
+            try:
+                write_json_atomic(temporary / MANIFEST, asdict(manifest))
+            except OSError as error:
+                self._stop_if_disk_full(error, step=step, temporary=temporary)
+                raise
+            if committed.exists():  # the same step saved again after resuming from an older one
+                _remove_tree(committed)
+            os.rename(temporary, committed)  # the commit: atomic on one file system
+            self._fsync_directory()
+            self._prune()
+        accelerator.wait_for_everyone()
+        return committed
+
+    def _stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
+        """A full disk during a save: remove the unfinished folder (the space it took is freed, and
+        the last committed checkpoint is untouched) and raise one :class:`Finding` naming both. DCP
+        raises on every rank (the main process prints it); another write fails on its rank alone."""
+        cause = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else disk_full_cause(error, temporary)
+        if cause is None:
+            return
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = committed_checkpoints(self.directory)
+        kept = (f"The last complete checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
+                if previous else "No earlier checkpoint exists in this run.")
+        finding = Finding(disk_full_message(cause, f"saving the checkpoint of step {step}",
+                                            self.directory, kept=kept))
+        if not type(error).__name__ == "CheckpointException":
+            rank = self.accelerator.process_index
+            finding = rank_local(Finding(f"rank {rank}: {finding}" if rank else str(finding)), print_here=True)
+        raise finding from None
+
+    def _fsync_directory(self) -> None:
+        descriptor = os.open(self.directory, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+    def _prune(self) -> None:
+        for _, folder in committed_checkpoints(self.directory)[:-self.keep_last]:
+            _remove_tree(folder)
+
+    # ---- find ----
+    def latest_valid(self) -> Path | None:
+        """The newest committed checkpoint that verifies, or None when the run has none yet.
+        Interrupted saves are removed; damaged or refused checkpoints are reported and skipped.
+        When there are checkpoints but none is usable, or a finished model but no checkpoint, it
+        stops (:class:`UsageError` with the list) rather than train over the run from step 0.
+        Collective: the main process decides and every rank gets the same answer."""
+        accelerator = self.accelerator
+        choice = error = None
+        if accelerator.is_main_process and self.directory.is_dir():
+            for leftover in sorted(self.directory.glob(f"{TEMPORARY_PREFIX}*")):
+                self.log(f"checkpoint: ignoring {leftover}: a save that did not finish (no manifest); "
+                         "removing it")
+                _remove_tree(leftover)
+            skipped = []
+            for step, folder in reversed(committed_checkpoints(self.directory)):
+                problem = ("a symbolic link, not a checkpoint this run wrote" if folder.is_symlink()
+                           else checkpoint_verdict(folder).problem)
+                if problem is None:
+                    choice = str(folder)
+                    break
+                self.log(f"checkpoint: skipping {folder}: {problem}")
+                skipped.append(f"{folder.name}: {_short(problem)}")
+            if choice is None and skipped:
+                error = (f"--resume auto: no checkpoint in {self.directory} can be used ({' | '.join(skipped)}); "
+                         "nothing was trained or overwritten. Restore a checkpoint (e.g. from a copy), give one "
+                         "with --resume PATH, or start over in a new --output-dir")
+        final = self.directory.parent / FINAL
+        if accelerator.is_main_process and choice is None and error is None and final.exists():
+            error = (f"--resume auto: {self.directory.parent} holds a finished model ({final}) but no checkpoint "
+                     "to continue from; nothing was trained or overwritten. Choose a new --output-dir to train "
+                     "again, or give a checkpoint with --resume PATH")
+        choice, error = self._broadcast((choice, error))
+        raise_on_every_rank(accelerator, error)
+        return Path(choice) if choice else None
+
+    def resolve(self, resume: str, *, max_steps: int | None = None) -> Path | None:
+        """The checkpoint that ``--resume auto|PATH|none`` names (collective). With ``max_steps``,
+        a checkpoint already past it is refused: the run would end at once with the later model
+        while run.json recorded the smaller number."""
+        if resume == "none":
+            return None
+        if resume == "auto":
+            folder = self.latest_valid()
+        else:
+            problem = None
+            if self.accelerator.is_main_process:
+                problem = checkpoint_verdict(resume).problem if Path(resume).is_dir() else "no such folder"
+            problem = self._broadcast(problem)
+            raise_on_every_rank(self.accelerator, problem and (
+                f"--resume {resume}: {problem}; give a committed checkpoint folder (checkpoints/step-NNNNNNNN) "
+                "or --resume auto"))
+            folder = Path(resume)
+        if folder is not None and max_steps is not None:
+            step = Manifest.read(folder).step
+            raise_on_every_rank(self.accelerator, step > max_steps and (
+                f"--max-steps {max_steps}: the checkpoint to resume ({folder}) is already at step {step}; give "
+                f"--max-steps {step} or more to continue that run, or choose a new --output-dir (nothing was "
+                "trained or overwritten)"))
+        return folder
+
+    # ---- load ----
+    def load(self, folder: str | os.PathLike) -> Manifest:
+        """Restore model, optimizer, scheduler and RNG state from ``folder`` (checked by
+        :meth:`resolve`); returns its manifest. DCP is read through the safe reader and planner
+        (:func:`fsdp_presets.checkpoint.safe_unpickle.safe_dcp_loading`); every other file accelerate reads
+        it loads with ``weights_only=True``."""
+        from fsdp_presets.checkpoint.safe_unpickle import safe_dcp_loading
+
+        manifest = Manifest.read(folder)
+        if manifest.config_digest != self.config_digest:
+            raise UsageError(f"--resume {folder}: the checkpoint is of another model (config digest "
+                             "differs); give a checkpoint of this --model")
+        if self.state is not None:
+            self.state.load(folder)  # a LoRA checkpoint: DCP of the trainable weights, any strategy reads it
+        else:
+            check_layout_fits(folder, manifest, self.distributed)
+            with safe_dcp_loading():
+                self.accelerator.load_state(str(folder))
+        if self.accelerator.num_processes > manifest.world_size and self.accelerator.is_main_process:
+            # accelerate skips a rank without its random_states_<rank>.pkl without a word.
+            self.log(f"checkpoint: ranks {manifest.world_size}-{self.accelerator.num_processes - 1} have no saved "
+                     f"random state ({folder} was saved by {manifest.world_size} processes): they keep their "
+                     "seeded one (only dropout, if any, draws differently)")
+        return manifest
+
+    def _broadcast(self, value):
+        if self.accelerator.num_processes == 1:
+            return value
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([value], from_process=0)[0]
+
+
+def check_layout_fits(folder: str | os.PathLike, manifest: Manifest, distributed: dict[str, Any]) -> None:
+    """:class:`UsageError` when this run cannot read the checkpoint's layout: accelerate's
+    ``load_state`` reads DCP only under FSDP with ``SHARDED_STATE_DICT``, a full
+    ``pytorch_model_fsdp.bin`` only under FSDP with ``FULL_STATE_DICT``, and ``model.safetensors``
+    only without FSDP; anything else ends in a traceback deep inside it."""
+    from fsdp_presets.checkpoint.files import find_checkpoint_files
+
+    layout = find_checkpoint_files(folder).layout
+    if layout == "adapter":
+        raise UsageError(f"--resume {folder}: it is a LoRA checkpoint (trainable weights only) and this run trains "
+                         "every weight; resume it with the LoRA flags it was saved with (its manifest's training "
+                         "entry names them), or export the adapter: fsdp-presets export CHECKPOINT --output DIR")
+    fsdp = distributed.get("fsdp") or None
+    now_type = (fsdp or {}).get("state_dict_type")
+    needs = {"dcp": "FSDP with SHARDED_STATE_DICT", "full": "FSDP with FULL_STATE_DICT", "ddp": "DDP or one process"}
+    fits = {"dcp": fsdp is not None and now_type == "SHARDED_STATE_DICT",
+            "full": fsdp is not None and now_type == "FULL_STATE_DICT",
+            "ddp": fsdp is None}[layout]
+    if fits:
+        return
+    now = (f"FSDP{fsdp.get('version')} with {now_type}" if fsdp else
+           {"NO": "one process without FSDP"}.get(distributed.get("distributed_type"),
+                                                  f"DDP ({distributed.get('distributed_type')})"))
+    saved = (f"FSDP{manifest.fsdp.get('version')} with {manifest.fsdp.get('state_dict_type')}"
+             if manifest.fsdp else manifest.distributed_type)
+    raise UsageError(f"--resume {folder}: it was saved by {saved} ({layout} layout) and this run is {now}, which "
+                     f"cannot read it; launch with an accelerate config of {needs[layout]} (the run's run.json names "
+                     "the config that wrote it), or turn it into weights any run loads: fsdp-presets export "
+                     "CHECKPOINT --output HF_DIR, then fsdp-presets import HF_DIR --output START and --resume START")

@@ -1,0 +1,133 @@
+"""Resuming a recipe checkpoint on another number of processes, and starting from an imported one.
+
+**Another GPU count.** A recipe checkpoint keeps the data position as one number (samples
+consumed by all ranks together, see :mod:`fsdp_presets.train.loop`), and under FSDP with
+``SHARDED_STATE_DICT`` its model and optimizer are DCP checkpoints: ``accelerator.load_state``
+hands each rank a template of *its* shards and DCP reads the matching pieces from whichever files
+hold them, so 2 -> 1, 1 -> 2, 2 -> 4 and 4 -> 2 processes all load the same tensors. What does not
+follow by itself is the global batch, ``micro_batch_size x gradient_accumulation_steps x data
+parallel size``: :func:`keep_global_batch` recomputes the accumulation for the new process count
+so that every optimizer step takes the same samples as before (the set of samples of a step does
+not depend on how it is split over ranks and micro-steps).
+
+**An imported checkpoint** (written by ``fsdp-presets import``) holds model weights only, as the
+same DCP folder accelerate writes (``pytorch_model_fsdp_0``), and a manifest with ``"kind":
+"imported"``, step 0 and 0 samples: :func:`load_imported` loads the weights into the prepared
+model (FSDP2, FSDP1, DDP or one process; DCP reshards them) and the run starts at step 0 with a
+fresh optimizer and schedule.
+
+RNG state: accelerate restores ``random_states_<rank>.pkl`` per rank and silently skips ranks that
+have no file (more processes than were saved); :meth:`~fsdp_presets.checkpoint.manager.CheckpointManager.load`
+says which ranks those are, and a checkpoint missing the file of a rank that saved it is damaged. The recipes' models train without dropout by
+default, so this does not change the training; with dropout, the new ranks draw other masks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from fsdp_presets.errors import UsageError
+
+IMPORTED_KIND = "imported"
+"""manifest.json ``kind`` of a checkpoint written by ``fsdp-presets import``."""
+MODEL_DCP_FOLDER = "pytorch_model_fsdp_0"
+"""accelerate's folder for the first model's DCP shards (``FSDP_MODEL_NAME`` + ``_0``)."""
+RUN_JSON = "run.json"
+
+
+def read_manifest_json(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The raw ``manifest.json`` of a checkpoint folder (every key, also those the
+    :class:`~fsdp_presets.checkpoint.manager.Manifest` dataclass does not know), or None."""
+    path = Path(folder) / "manifest.json"
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def is_imported(folder: str | os.PathLike) -> bool:
+    """True for a checkpoint written by ``fsdp-presets import`` (model weights only)."""
+    manifest = read_manifest_json(folder)
+    return manifest is not None and manifest.get("kind") == IMPORTED_KIND
+
+
+def recorded_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed: int) -> int | None:
+    """Samples per optimizer step of the run that wrote the checkpoint in ``folder``.
+
+    The run folder's ``run.json`` (``OUTPUT_DIR/run.json`` for ``OUTPUT_DIR/checkpoints/step-N``)
+    is used when it agrees with the checkpoint (``step x global batch == samples consumed``);
+    otherwise ``samples_consumed / step`` when that divides exactly; None at step 0 (nothing to
+    keep) or when neither is known.
+    """
+    if step <= 0:
+        return None
+    run_json = Path(folder).resolve().parent.parent / RUN_JSON
+    try:
+        recorded = int(json.loads(run_json.read_text()).get("global_batch_samples") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        recorded = 0
+    if recorded > 0 and recorded * step == samples_consumed:
+        return recorded
+    if samples_consumed % step == 0 and samples_consumed > 0:
+        return samples_consumed // step
+    return None
+
+
+def accumulation_for(global_batch: int, *, micro_batch_size: int, data_parallel_size: int) -> int | None:
+    """Gradient accumulation steps that make ``micro x accumulation x dp == global_batch``, or
+    None when the global batch does not split that way."""
+    per_micro_step = micro_batch_size * data_parallel_size
+    if global_batch % per_micro_step:
+        return None
+    return global_batch // per_micro_step
+
+
+def keep_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed: int, micro_batch_size: int,
+                      gradient_accumulation_steps: int, data_parallel_size: int) -> tuple[int, str | None]:
+    """``(gradient_accumulation_steps, note)`` for resuming the checkpoint in ``folder`` with
+    ``data_parallel_size`` ranks so that the global batch stays what it was. ``note`` says what
+    changed (None when nothing did). Raises :class:`UsageError` when the global batch cannot be
+    kept with this micro-batch size and process count."""
+    recorded = recorded_global_batch(folder, step=step, samples_consumed=samples_consumed)
+    requested = micro_batch_size * gradient_accumulation_steps * data_parallel_size
+    if recorded is None or recorded == requested:
+        return gradient_accumulation_steps, None
+    accumulation = accumulation_for(recorded, micro_batch_size=micro_batch_size,
+                                    data_parallel_size=data_parallel_size)
+    if accumulation is None:
+        raise UsageError(
+            f"--resume {folder}: the run trained with a global batch of {recorded} samples, which does not "
+            f"split into --micro-batch-size {micro_batch_size} x {data_parallel_size} data-parallel ranks; "
+            f"choose a micro-batch size and process count whose product divides {recorded}")
+    note = (f"global batch kept at {recorded} samples: gradient accumulation {gradient_accumulation_steps} -> "
+            f"{accumulation} for {data_parallel_size} data-parallel ranks x micro-batch {micro_batch_size}")
+    return accumulation, note
+
+
+def load_imported(model, folder: str | os.PathLike, *, config_digest: str):
+    """Load the weights of an imported checkpoint into a prepared model (collective under FSDP/DDP:
+    every rank calls it). Returns the checkpoint's :class:`~fsdp_presets.checkpoint.manager.Manifest`.
+
+    ``get_model_state_dict`` gives the template of this rank's shards (FSDP2 DTensors, FSDP1
+    sharded tensors, or full tensors for DDP and one process); DCP fills it from the checkpoint
+    whatever process count wrote it, and ``set_model_state_dict`` puts it back.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from fsdp_presets.checkpoint.manager import Manifest
+    from fsdp_presets.checkpoint.safe_unpickle import safe_dcp_load
+
+    manifest = Manifest.read(folder)
+    if manifest.config_digest != config_digest:
+        raise UsageError(f"--resume {folder}: the imported checkpoint is of another model (config digest "
+                         "differs); give a checkpoint of this --model or import this model")
+    state = get_model_state_dict(model)
+    distributed = dist.is_available() and dist.is_initialized()
+    safe_dcp_load({"model": state}, Path(folder) / MODEL_DCP_FOLDER, no_dist=not distributed)
+    set_model_state_dict(model, state)
+    return manifest

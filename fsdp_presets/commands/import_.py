@@ -1,0 +1,56 @@
+"""``fsdp-presets import HF_DIR --output CHECKPOINT``: a Hugging Face model as a sharded checkpoint.
+
+    fsdp-presets import runs/models/smollm2-135m-instruct --output runs/start/step-00000000 --verify
+    accelerate launch --config_file CONFIG.yaml recipes/causal_lm.py --model runs/models/smollm2-135m-instruct \\
+        --resume runs/start/step-00000000 ...
+
+Writes the model weights (fp32) as DCP, which loads at any process count, plus the config and
+tokenizer and a manifest: step 0, no optimizer state (a resumed run starts with a fresh optimizer).
+Legacy ``pytorch_model.bin`` is loaded with ``weights_only=True``. Exit 0 written, 1 ``--verify``
+found a difference (nothing written), 2 bad input (nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "import"
+HELP = "turn a Hugging Face model folder into a sharded (DCP) checkpoint a recipe resumes at any GPU count"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model folder (safetensors or pytorch_model.bin)")
+    parser.add_argument("--output", required=True, metavar="CHECKPOINT", help="new checkpoint folder to write")
+    parser.add_argument("--verify", action="store_true",
+                        help="load both sides, compare logits on a fixed batch; exit 1 beyond fp32 round-off")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --output that import wrote before (never any other folder)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import json
+
+    from fsdp_presets.checkpoint import convert
+
+    say = (lambda message: None) if args.json else print
+    report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force, log=say)
+    verification = report.verification
+    failed = verification is not None and not verification.passed
+    if args.json:
+        payload = {key: (str(value) if key == "output" else value) for key, value in vars(report).items()
+                   if key != "verification"}
+        payload["verification"] = verification.to_json() if verification else None
+        payload["written"] = not failed
+        print(json.dumps(payload, indent=2))
+    else:
+        if not failed:
+            print(f"wrote {report.output}: {report.tensors} tensors, {report.bytes / 2**20:.1f} MiB fp32 as DCP"
+                  + ("" if report.tokenizer else "; no tokenizer found in the source folder"))
+            for note in report.notes:
+                print(f"  {note}")
+        if verification is not None:
+            print(verification.summary())
+        if failed:
+            print(f"nothing written to {report.output}: the checkpoint does not match the folder")
+    return 1 if failed else 0

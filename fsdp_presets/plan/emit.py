@@ -1,0 +1,485 @@
+"""A :class:`~fsdp_presets.plan.presets.Preset` said to accelerate: its config dict, in accelerate's own
+schema (what ``accelerate config`` writes), and the YAML text with a self-describing header::
+
+    text = render_preset(preset, output="accelerate_configs/llama_1x8.yaml")
+    ddp_text = render_ddp_baseline(preset, output=..., baseline_output="accelerate_configs/llama_1x8.ddp.yaml")
+
+The header says what the file is, the exact command that generated it, the exact command that
+launches it, the planner's numbers behind its choices and the reasons. Accelerate refuses unknown
+top-level keys (``ClusterConfig.from_yaml_file``), so the one machine-readable line that
+rescaling reads back (``# fsdp-presets: {...}``) is a comment. Pure: text in, text out.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+import yaml
+
+from fsdp_presets.plan.planner import GiB
+from fsdp_presets.plan.presets import (
+    DEFAULT_GPU_MEMORY_GIB,
+    DEFAULT_HOST_MEMORY_GIB,
+    Preset,
+    PresetRequest,
+    bytes_text,
+    count_text,
+)
+from fsdp_presets.plan.quoting import comment_text, is_one_line, shell_join, shell_word
+
+METADATA_PREFIX = "# fsdp-presets: "
+"""Start of the comment line holding the request (JSON) that generated a file."""
+METADATA_FORMAT = 1
+"""Version of that line's content; bumped when its meaning changes."""
+RECIPE = "recipes/causal_lm.py"
+"""The recipe the launch command runs for causal language models."""
+_WIDTH = 100
+# The variables the multi-node launch command reads (the names of launchers.py's scripts): the
+# only words of a command that are not quoted.
+_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT = "$NODE_RANK", "$MAIN_PROCESS_IP", "$MAIN_PROCESS_PORT"
+_SHELL_VARIABLES = frozenset((_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchHints:
+    """What the header's launch command names besides the config (not decisions: just text)."""
+
+    model: str | None = None
+    """Model folder with weights and tokenizer that the recipe loads (default ``MODEL_DIR``)."""
+    data: str | None = None
+    """Training data file (default ``DATA.jsonl``)."""
+
+    def to_json(self) -> dict:
+        return {key: value for key, value in (("model", self.model), ("data", self.data)) if value is not None}
+
+
+# --------------------------------------------------------------------------- config dicts
+
+
+def accelerate_config(preset: Preset) -> dict:
+    """The accelerate config of ``preset`` (FSDP), keys in the order ``accelerate config`` writes."""
+    parallelism = preset.parallelism
+    config = _machine_keys(preset, "FSDP")
+    fsdp: dict = {
+        "fsdp_version": parallelism.fsdp_version,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": ",".join(preset.wrap.classes),
+    }
+    if parallelism.fsdp_version == 2:
+        fsdp["fsdp_reshard_after_forward"] = parallelism.reshard_after_forward
+    else:
+        fsdp.update({
+            "fsdp_sharding_strategy": parallelism.strategy,
+            # Prefetch the next unit's all-gather during the current unit's backward (torch's
+            # default, BACKWARD_PRE): overlaps communication with compute.
+            "fsdp_backward_prefetch": "BACKWARD_PRE",
+            "fsdp_forward_prefetch": False,
+            # Original parameters stay visible: per-parameter optimizer groups (no weight decay on
+            # norms, biases, embeddings) and torch.compile need them.
+            "fsdp_use_orig_params": True,
+            # Broadcast rank 0's weights at wrap time; RAM-efficient loading depends on it.
+            "fsdp_sync_module_states": True,
+        })
+    fsdp.update({
+        "fsdp_state_dict_type": preset.state_dict.state_dict_type,
+        "fsdp_cpu_ram_efficient_loading": preset.state_dict.cpu_ram_efficient_loading,
+        "fsdp_offload_params": preset.savers.offload,
+        "fsdp_activation_checkpointing": preset.savers.activation_checkpointing,
+    })
+    config["fsdp_config"] = fsdp
+    if parallelism.hsdp and parallelism.fsdp_version == 2:
+        config["parallelism_config"] = {
+            "parallelism_config_dp_replicate_size": parallelism.replicate_size,
+            "parallelism_config_dp_shard_size": parallelism.shard_size,
+        }
+    return config
+
+
+def ddp_config(preset: Preset) -> dict:
+    """The matching DDP baseline: same processes, machines and mixed precision, no sharding."""
+    return _machine_keys(preset, "MULTI_GPU")
+
+
+def _machine_keys(preset: Preset, distributed_type: str) -> dict:
+    # NOTE: `use_cpu: false` also for --device cpu presets: `use_cpu: true` makes accelerate launch
+    # plain MULTI_CPU processes without FSDP. fsdp_presets.enable_cpu_fsdp() runs the same config
+    # as real FSDP over gloo on a CPU-only host.
+    return {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": distributed_type,
+        "num_processes": preset.parallelism.num_processes,
+        "num_machines": preset.parallelism.num_machines,
+        "machine_rank": 0,
+        "mixed_precision": preset.precision.mixed_precision,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
+
+
+def config_yaml(config: dict) -> str:
+    return yaml.safe_dump(config, sort_keys=False, default_flow_style=False)
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def generate_command(request: PresetRequest, *, output: str, baseline_output: str | None = None,
+                     launch: LaunchHints = LaunchHints()) -> str:
+    """The ``fsdp-presets generate`` command that makes these files again (non-default flags only),
+    as one line of shell (:func:`~fsdp_presets.plan.quoting.shell_word` each word)."""
+    return shell_join(generate_words(request, output=output, baseline_output=baseline_output, launch=launch))
+
+
+def generate_words(request: PresetRequest, *, output: str, baseline_output: str | None = None,
+                   launch: LaunchHints = LaunchHints()) -> list[str]:
+    """The words of :func:`generate_command`."""
+    words = ["fsdp-presets", "generate", request.model, "--gpus", str(request.gpus)]
+    optional = [
+        ("--nodes", request.nodes, 1),
+        ("--device", request.device, "gpu"),
+        ("--gpu-memory", request.gpu_memory_gib, None),
+        ("--host-memory", request.host_memory_gib, None),
+        ("--precision", request.precision, "auto"),
+        ("--strategy", request.strategy, "auto"),
+        ("--fsdp-version", request.fsdp_version, 2),
+        ("--state-dict", request.state_dict, "sharded"),
+        ("--activation-checkpointing", request.activation_checkpointing, "auto"),
+        ("--offload", request.offload, "auto"),
+        ("--seq-len", request.seq_len, None),
+        ("--global-batch", request.global_batch, None),
+        ("--micro-batch", request.micro_batch, None),
+        ("--method", request.method, "full"),
+        ("--lora-r", request.lora_r, None),
+        ("--lora-alpha", request.lora_alpha, None),
+        ("--lora-dropout", request.lora_dropout, None),
+        ("--lora-target-modules", request.lora_target_modules, None),
+        ("--launch-model", launch.model, None),
+        ("--launch-data", launch.data, None),
+    ]
+    for flag, value, default in optional:
+        if value != default:
+            words += [flag, _number(value)]
+    if baseline_output is not None:
+        words += ["--baseline", "ddp"]
+        if baseline_output != default_baseline_path(output):
+            words += ["--baseline-output", baseline_output]
+    words += ["-o", output]
+    return words
+
+
+def default_baseline_path(output: str) -> str:
+    """``x.yaml`` -> ``x.ddp.yaml`` (next to it)."""
+    path = PurePosixPath(output)
+    return str(path.with_name(f"{path.stem}.ddp{path.suffix or '.yaml'}"))
+
+
+def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> list[str]:
+    """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch-size M ...``"""
+    model = launch.model or "MODEL_DIR"
+    script = RECIPE if preset.profile.architecture.endswith("ForCausalLM") else "YOUR_TRAINING_SCRIPT.py"
+    run_name = PurePosixPath(config_file).name.removesuffix(".yaml").replace(".", "_")
+    words = ["accelerate", "launch", "--config_file", config_file]
+    if preset.parallelism.num_machines > 1:
+        # The same variable names as the scripts `generate --launcher` writes (launchers.py).
+        words += ["--machine_rank", _NODE_RANK, "--main_process_ip", _MAIN_PROCESS_IP,
+                  "--main_process_port", _MAIN_PROCESS_PORT]
+    return words + [
+        script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
+        "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
+        "--gradient-accumulation-steps", str(preset.batch.accumulation),
+    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else []) + lora_recipe_words(preset)
+
+
+def lora_recipe_words(preset: Preset) -> list[str]:
+    """The recipe flags of the preset's LoRA/QLoRA (the settings accelerate YAML cannot hold)."""
+    lora = preset.request.lora_shape
+    if lora is None:
+        return []
+    words = ["--lora-r", str(lora.r), "--lora-alpha", _number(lora.lora_alpha)]
+    if lora.dropout:
+        words += ["--lora-dropout", _number(lora.dropout)]
+    if lora.target_modules is not None:
+        words += ["--lora-target-modules", ",".join(lora.target_modules)]
+    return words + (["--load-in-4bit"] if lora.method == "qlora" else [])
+
+
+def _method_lines(preset: Preset) -> list[str]:
+    """Header lines for LoRA/QLoRA: the method, the adapter and the base's storage, none of which
+    accelerate YAML holds (the recipe flags of the launch command carry them)."""
+    lora = preset.request.lora_shape
+    if lora is None:
+        return []
+    from fsdp_presets.plan.planner import adapter_params, base_storage_bytes, default_target_modules
+
+    shape = preset.memory_plan.shape
+    targets = ",".join(lora.target_modules) if lora.target_modules else ",".join(
+        default_target_modules(preset.profile))
+    base = ("bitsandbytes 4-bit nf4 (transformers BitsAndBytesConfig load_in_4bit, bnb_4bit_quant_type nf4, "
+            "bnb_4bit_quant_storage bfloat16 so that FSDP shards it, no double quantization)"
+            if lora.method == "qlora" else "frozen in its storage dtype")
+    text = (f"method: {lora.method}, r {lora.r}, alpha {_number(lora.lora_alpha)}, dropout {_number(lora.dropout)}, "
+            f"target modules {targets}: {count_text(adapter_params(preset.profile, shape))} trainable parameters "
+            f"(fp32 with fp32 gradients and AdamW state); base {base}, "
+            f"{bytes_text(base_storage_bytes(preset.profile, shape))} stored. FSDP"
+            f"{preset.parallelism.fsdp_version}: " + (
+                "TRANSFORMER_BASED_WRAP on the decoder layer (accelerate's FSDP2 ignores peft's wrap policy); "
+                "model and optimizer prepared together" if preset.parallelism.fsdp_version == 2 else
+                "fsdp_use_orig_params true, and the recipe sets peft's fsdp_auto_wrap_policy on the plugin and "
+                "builds the optimizer after preparing the model") +
+            ". Checkpoints hold the adapter and its optimizer state only (the base is reloaded from --model).")
+    return ["#"] + _wrapped(text, first="# ", rest="#   ")
+
+
+def command_text(words: list[str]) -> str:
+    """A command of :func:`launch_words` or :func:`generate_words` as one line of shell: every
+    word quoted except the launch variables (``$NODE_RANK``...)."""
+    return " ".join(word if word in _SHELL_VARIABLES else shell_word(word) for word in words)
+
+
+def _number(value) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _shell_lines(words: list[str], indent: str = "#   ") -> list[str]:
+    """A long command wrapped with backslashes, each line a comment. Every word is quoted for
+    the shell on one line (``$NAME`` words are the script's variables, left for the shell)."""
+    lines, current = [], indent
+    for word in (word if word in _SHELL_VARIABLES else shell_word(word) for word in words):
+        if len(current) + len(word) + 1 > _WIDTH - 2 and current.strip("# "):
+            lines.append(current + " \\")
+            current = "#       "
+        current += ("" if current.endswith(" ") else " ") + word
+    lines.append(current)
+    return lines
+
+
+def _wrapped(text: str, *, first: str = "#   - ", rest: str = "#     ") -> list[str]:
+    return textwrap.wrap(comment_text(text), width=_WIDTH, initial_indent=first, subsequent_indent=rest,
+                         break_on_hyphens=False, break_long_words=False)
+
+
+# --------------------------------------------------------------------------- headers
+
+
+def _what_it_is(preset: Preset) -> str:
+    request, parallelism, profile = preset.request, preset.parallelism, preset.profile
+    unit = "CPU processes" if request.device == "cpu" else "GPUs"
+    layout = (f"{parallelism.num_machines} nodes x {request.gpus_per_node} {unit}" if parallelism.num_machines > 1
+              else f"{parallelism.num_processes} {unit}")
+    return (f"Accelerate FSDP{parallelism.fsdp_version} config: {profile.architecture} "
+            f"({count_text(profile.total_params)} parameters, from {comment_text(request.model)}) on {layout}")
+
+
+def _settings_line(preset: Preset) -> str:
+    precision = {"no": "fp32"}.get(preset.precision.mixed_precision, preset.precision.mixed_precision)
+    return (f"{preset.parallelism.label}, {precision}, activation checkpointing "
+            f"{'on' if preset.savers.activation_checkpointing else 'off'}, offload "
+            f"{'on' if preset.savers.offload else 'off'}, {preset.state_dict.state_dict_type}, micro-batch "
+            f"{preset.batch.micro_batch} x {preset.batch.accumulation} accumulation")
+
+
+def _hardware_line(preset: Preset) -> str:
+    hardware, shape = preset.memory_plan.hardware, preset.memory_plan.shape
+    request = preset.request
+    if request.device == "cpu":
+        memory = (f"{(request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB['cpu']):g} GiB host RAM per node shared by "
+                  f"{request.gpus_per_node} processes ({bytes_text(hardware.usable_bytes)} usable each)")
+    else:
+        memory = (f"{(request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB):g} GiB GPUs "
+                  f"({bytes_text(hardware.usable_bytes)} usable: {bytes_text(hardware.reserved_bytes)} reserved for "
+                  f"the CUDA context and libraries), {(request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB['gpu']):g} "
+                  "GiB host RAM per node")
+    return (f"{memory}; sequence {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.precision}, "
+            f"{shape.optimizer}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}, "
+            f"offload {'on' if shape.offload else 'off'}")
+
+
+def _device_word(preset: Preset) -> str:
+    return "process" if preset.request.device == "cpu" else "GPU"
+
+
+def _table_unit(preset: Preset) -> tuple[str, int]:
+    """GiB for real models, MiB or KiB for tiny debug ones (so the table never reads 0.00)."""
+    largest = max(row.per_gpu.total for row in preset.memory_plan.strategies)
+    for name, size in (("GiB", GiB), ("MiB", 2**20)):
+        if largest >= size:
+            return name, size
+    return "KiB", 2**10
+
+
+def _planner_table(preset: Preset, *, mark: tuple[str, int | None]) -> list[str]:
+    headers = ["strategy", "states", "activ", "buffers", "total", "fits", "max mb", "comm", "inter-node"]
+    _, size = _table_unit(preset)
+
+    def _gib(count: int) -> str:
+        return f"{count / size:.2f}"
+
+    rows = []
+    for row in preset.memory_plan.strategies:
+        chosen = (row.name, row.fsdp_version) == mark
+        states = row.per_gpu.params + row.per_gpu.grads + row.per_gpu.optimizer
+        rows.append([
+            ("* " if chosen else "  ") + row.label, _gib(states), _gib(row.per_gpu.activations),
+            _gib(row.per_gpu.buffers), _gib(row.per_gpu.total), "yes" if row.fits else "no",
+            str(row.max_micro_batch), _gib(row.comm.total), _gib(row.comm.inter_node),
+        ])
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "#   " + "  ".join(cell.ljust(width) if index == 0 else cell.rjust(width)
+                                   for index, (cell, width) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(headers)] + [line(row) for row in rows]
+
+
+def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | None, launch: LaunchHints) -> str:
+    document = {
+        "format": METADATA_FORMAT,
+        "kind": kind,
+        "request": preset.request.to_json(),
+        "launch": launch.to_json(),
+        "outputs": {"config": output, "baseline": baseline_output},
+        "summary": preset.summary(),
+    }
+    return METADATA_PREFIX + json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def render_preset(preset: Preset, *, output: str, baseline_output: str | None = None,
+                  launch: LaunchHints = LaunchHints()) -> str:
+    """The FSDP config file: header, then accelerate's keys."""
+    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
+    lines = [
+        f"# {_what_it_is(preset)}",
+        f"# {_settings_line(preset)}",
+        "#",
+        "# Generated; regenerate rather than edit (the same command rewrites this file):",
+        *_shell_lines(command),
+        "#",
+        "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_PROCESS_IP the address of node 0;"
+                      " `--launcher slurm|torchrun|accelerate` writes this as a script)"
+                      if preset.parallelism.num_machines > 1 else "") + ":",
+        *_shell_lines(launch_words(preset, config_file=output, launch=launch)),
+        *_method_lines(preset),
+    ]
+    if baseline_output:
+        lines.append(f"# DDP baseline for the convergence check: {comment_text(baseline_output)}")
+    lines += [
+        "#",
+        f"# Planner, per {_device_word(preset)} in {_table_unit(preset)[0]}; comm = {_table_unit(preset)[0]} each "
+        f"{_device_word(preset)} sends per optimizer step; * = this preset:",
+        *_wrapped(_hardware_line(preset), first="#   ", rest="#   "),
+        *_planner_table(preset, mark=(preset.row.name, preset.row.fsdp_version)),
+        *_rehearsed_lines(preset, output),
+        "#",
+        "# Decisions:",
+    ]
+    for topic, reason in preset.decisions():
+        lines += _wrapped(f"{topic}: {reason}")
+    lines += ["#", "# Embeddings, norms, output head:"]
+    for part in preset.wrap.model_parts:
+        lines += _wrapped(part)
+    if preset.notes:
+        lines += ["#", "# Notes:"]
+        for note in preset.notes:
+            lines += _wrapped(note)
+    lines += ["#", _metadata(preset, kind="fsdp", output=output, baseline_output=baseline_output, launch=launch)]
+    return _assemble(lines, accelerate_config(preset))
+
+
+def _rehearsed_lines(preset: Preset, output: str) -> list[str]:
+    """What a rehearsal of this very preset measured (shipped presets: fsdp_presets.plan.rehearsed_presets)."""
+    from fsdp_presets.plan.rehearsed_presets import missing_rehearsal, recorded_rehearsal
+
+    record = recorded_rehearsal(output, preset.summary())
+    if record is None:
+        why = missing_rehearsal(output)
+        return ["#"] + _wrapped(f"not rehearsed: {why}", first="# ", rest="#   ") if why else []
+    gib = 1024**3
+    gpu_gib = preset.memory_plan.hardware.gpu_memory_bytes / gib
+    text = (f"rehearsed peak per GPU: {record['peak_bytes'] / gib:.1f} GiB of {gpu_gib:g} GiB ({record['where']}; "
+            f"the planner says {record['planner_bytes'] / gib:.1f} GiB): {record['command']}")
+    if record.get("same_as"):
+        text += f" (the same per-GPU step as {record['same_as']})"
+    lines = ["#"] + _wrapped(text, first="# ", rest="#   ")
+    if record.get("change"):
+        lines += _wrapped(f"changed: {record['change']}", first="# ", rest="#   ")
+    return lines
+
+
+def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
+                        launch: LaunchHints = LaunchHints()) -> str:
+    """The DDP baseline file matching ``preset`` (same processes, machines, precision, batch)."""
+    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
+    ddp = preset.memory_plan.get("DDP")
+    fit = (f"fits: {bytes_text(ddp.per_gpu.total)} per GPU, up to micro-batch {ddp.max_micro_batch}" if ddp.fits
+           else f"does not fit here: {bytes_text(ddp.per_gpu.total)} per GPU of "
+                f"{bytes_text(preset.memory_plan.hardware.usable_bytes)} usable; run the comparison at a scale where "
+                "it does (fewer layers, a smaller sibling model, or --device cpu)")
+    nodes = preset.parallelism.num_machines
+    lines = [
+        *_wrapped(f"DDP baseline of {output}: {preset.parallelism.num_processes} processes on {nodes} "
+                  f"node{'s' if nodes > 1 else ''}, mixed precision {preset.precision.mixed_precision}, the same "
+                  "global batch. Every process holds a full replica and all-reduces full gradients (no "
+                  "sharding): the reference that FSDP must match step by step (scripts/convergence_check.py, "
+                  "fsdp-presets compare).", first="# ", rest="# "),
+        "#",
+        "# Generated with its FSDP config by:",
+        *_shell_lines(command),
+        "#",
+        "# Launch with the FSDP config's recipe flags (the same samples in the same order):",
+        *_shell_lines(launch_words(preset, config_file=baseline_output, launch=launch)),
+        *_method_lines(preset),
+        "#",
+        *_wrapped(f"Planner: DDP at micro-batch {preset.batch.micro_batch} {fit}.", first="# ", rest="# "),
+        "#",
+        _metadata(preset, kind="ddp-baseline", output=output, baseline_output=baseline_output, launch=launch),
+    ]
+    return _assemble(lines, ddp_config(preset))
+
+
+def _assemble(header: list[str], config: dict) -> str:
+    """Header comment lines, then the config through the YAML emitter. Refuses (a bug, never a
+    file) a header line that is not one comment line, or a text that does not load back as
+    exactly ``config``: no value can add a key or end a comment."""
+    broken = [line for line in header if not (line.startswith("#") and is_one_line(line))]
+    text = "\n".join(header) + "\n" + config_yaml(config)
+    if broken or yaml.safe_load(text) != config:
+        raise RuntimeError(f"generated header is not plain comment lines (a bug in fsdp-presets): {broken[:1]}")
+    return text
+
+
+def read_metadata(text: str) -> dict | None:
+    """The ``# fsdp-presets: {...}`` document of a generated file, None when there is none."""
+    for line in text.splitlines():
+        if line.startswith(METADATA_PREFIX):
+            try:
+                document = json.loads(line[len(METADATA_PREFIX):])
+            except json.JSONDecodeError:
+                return None
+            return document if isinstance(document, dict) else None
+        if line and not line.startswith("#"):
+            break  # the header is over
+    return None
+
+
+__all__ = [
+    "LaunchHints",
+    "METADATA_PREFIX",
+    "accelerate_config",
+    "config_yaml",
+    "ddp_config",
+    "default_baseline_path",
+    "command_text",
+    "generate_command",
+    "generate_words",
+    "launch_words",
+    "read_metadata",
+    "render_ddp_baseline",
+    "render_preset",
+]

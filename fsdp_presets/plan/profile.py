@@ -1,0 +1,856 @@
+"""What a Hugging Face model is made of, as FSDP sees it (a ``ModelProfile``).
+
+The model is built on the meta device from its config: no weights, no RAM, so a 70B config
+profiles in about a second. Everything is read off the built model, not typed in by hand:
+
+* blocks (FSDP units) are the model-defined modules held in ``nn.ModuleList``/``nn.Sequential``
+  containers that no other block contains, cross-checked against ``_no_split_modules``;
+* parameters are counted over ``model.parameters()``, which yields a shared (tied) parameter once;
+* tied embeddings mean the input embedding and the output head hold the same parameter.
+
+The types below are the contract the planner, preset generator and checker read::
+
+    profile = profile_model("llama")                    # a registry family (tiny debug config)
+    profile = profile_model("path/to/model_folder")     # or a folder with config.json
+    profile = profile_model("path/to/config.json")      # or the config file itself
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fsdp_presets.errors import UsageError, closest_names, unknown_name_message
+
+if TYPE_CHECKING:  # heavy imports stay out of module import time (the CLI imports us lazily)
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """The shape numbers the planner's activation and communication formulas need."""
+
+    hidden_size: int
+    """Width of the residual stream (d_model)."""
+    num_layers: int
+    """Number of repeated transformer blocks (encoder + decoder for encoder-decoders)."""
+    num_attention_heads: int
+    """Query heads per attention layer."""
+    num_key_value_heads: int
+    """Key/value heads (== num_attention_heads without grouped-query attention)."""
+    intermediate_size: int
+    """Width of the MLP hidden layer (per expert for mixture-of-experts)."""
+    vocab_size: int
+    """Rows of the input embedding / columns of the output head (0 for a vision model)."""
+    max_position_embeddings: int | None = None
+    """Longest sequence the model's positions allow, when the config says (for a vision
+    transformer: patches per image plus the class token)."""
+    num_experts: int = 0
+    """Experts per MoE layer (0 for dense models)."""
+    num_experts_per_token: int = 0
+    """Experts each token is routed to (0 for dense models)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size", "num_experts", "num_experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name} must be a non-negative int, got {value!r}")
+        if not problems:
+            if self.num_key_value_heads > self.num_attention_heads:
+                problems.append(
+                    f"num_key_value_heads {self.num_key_value_heads} > num_attention_heads "
+                    f"{self.num_attention_heads}"
+                )
+            if self.num_experts_per_token > self.num_experts:
+                problems.append(
+                    f"num_experts_per_token {self.num_experts_per_token} > num_experts {self.num_experts}"
+                )
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            problems.append(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+        if problems:
+            raise ValueError("invalid ModelDims: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """A group of identical repeated blocks: one FSDP unit each."""
+
+    cls: str
+    """Class name of the block, e.g. ``LlamaDecoderLayer`` (``"class"`` in JSON)."""
+    count: int
+    """How many of these blocks the model holds."""
+    params_each: int
+    """Parameters in one block."""
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.params_each < 0:
+            raise ValueError(f"invalid Unit {self.cls}: count {self.count} must be >= 1 and "
+                             f"params_each {self.params_each} >= 0")
+
+    def to_json(self) -> dict:
+        return {"class": self.cls, "count": self.count, "params_each": self.params_each}
+
+
+@dataclass(kw_only=True)
+class ModelProfile:
+    """The FSDP anatomy of one model."""
+
+    model_type: str
+    """The Hugging Face ``model_type`` (``llama``, ``t5``, ...)."""
+    architecture: str
+    """The model class that was built (``LlamaForCausalLM``)."""
+    total_params: int
+    """Exact parameter count, tied weights counted once."""
+    units: list[Unit]
+    """Repeated blocks, each an FSDP unit; the rest of the parameters live in the root unit.
+    Blocks of one class but different sizes (T5's first block holds the relative position bias,
+    DeepSeek-V3 keeps its first layers dense) are separate entries of the same class."""
+    wrap_classes: list[str]
+    """Class names to give ``fsdp_transformer_layer_cls_to_wrap``."""
+    embeddings: list[dict]
+    """Input/position embeddings: ``{"name", "class", "params", "role"}`` each, ``role`` one of
+    ``input``, ``position``, ``token_type``, ``other``."""
+    norm_classes: list[str]
+    """Class names of normalisation layers found in the model."""
+    output_head: str | None
+    """Module path of the output head (``lm_head``), None when the model has none."""
+    tied_embeddings: bool
+    """Whether the input embedding and the output head share storage."""
+    dims: ModelDims
+    """Shape numbers for the planner."""
+    structure: dict = field(default_factory=dict)
+    """Extra facts: ``is_encoder_decoder``, ``moe``, ``no_split_modules``, ``missing_no_split``,
+    ``stacks`` (where the blocks live), ``warnings`` (see :func:`profile_module`)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.total_params < 0:
+            problems.append(f"total_params {self.total_params} < 0")
+        if self.unit_params > self.total_params:
+            problems.append(f"blocks hold {self.unit_params} parameters, more than the total "
+                            f"{self.total_params}")
+        if problems:
+            raise ValueError(f"invalid ModelProfile for {self.architecture}: " + "; ".join(problems))
+
+    @property
+    def unit_params(self) -> int:
+        """Parameters inside the repeated blocks."""
+        return sum(unit.count * unit.params_each for unit in self.units)
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside every block (embeddings, final norm, untied head): the root unit."""
+        return self.total_params - self.unit_params
+
+    @property
+    def largest_unit_params(self) -> int:
+        """The largest FSDP unit, the root unit included (it is all-gathered whole too)."""
+        return max([unit.params_each for unit in self.units] + [self.root_params])
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks (FSDP units besides the root) the model holds."""
+        return sum(unit.count for unit in self.units)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(self.structure.get("is_encoder_decoder", False))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.dims.num_experts > 0
+
+    @property
+    def missing_no_split(self) -> list[str]:
+        """Names in the model's ``_no_split_modules`` that it does not contain."""
+        return list(self.structure.get("missing_no_split", []))
+
+    def to_json(self) -> dict:
+        """The ``inspect --json`` contract."""
+        return {
+            "model_type": self.model_type,
+            "architecture": self.architecture,
+            "total_params": self.total_params,
+            "wrap_classes": list(self.wrap_classes),
+            "units": [unit.to_json() for unit in self.units],
+            "embeddings": list(self.embeddings),
+            "norm_classes": list(self.norm_classes),
+            "output_head": self.output_head,
+            "tied_embeddings": self.tied_embeddings,
+            "largest_unit_params": self.largest_unit_params,
+            "root_params": self.root_params,
+            "dims": asdict(self.dims),
+            "structure": dict(self.structure),
+        }
+
+
+# --------------------------------------------------------------------------- loading a config
+
+def _looks_like_path(source: str) -> bool:
+    return (
+        os.sep in source
+        or "/" in source
+        or source.endswith(".json")
+        or source.startswith(("~", "."))
+    )
+
+
+def _read_config_json(path: Path) -> dict:
+    """The parsed config.json, or a UsageError naming what is wrong with it."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {path}: {error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UsageError(
+            f"{path} is not valid JSON: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} must hold a JSON object (a model config), not {type(data).__name__}")
+    return data
+
+
+MAX_LAYERS = 1000
+"""Most blocks a config may declare: the deepest published transformers have about 100-130 (GPT-3
+96, Llama-3.1-405B 126). The profile builds every block on the meta device, a few milliseconds
+each, so a typo like 10^7 layers would otherwise run for hours."""
+# Keys of a config.json that count blocks, and keys that give a size; neither can be negative.
+_LAYER_KEYS = frozenset(("num_hidden_layers", "num_layers", "n_layer", "n_layers", "num_decoder_layers",
+                         "num_encoder_layers", "encoder_layers", "decoder_layers"))
+_SIZE_KEYS = frozenset(("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
+                        "num_key_value_heads", "max_position_embeddings", "head_dim", "n_embd", "n_head",
+                        "n_positions", "n_ctx", "n_inner", "d_model", "d_ff", "d_kv", "ffn_dim", "num_heads",
+                        "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+                        "moe_intermediate_size", "encoder_attention_heads", "decoder_attention_heads",
+                        "encoder_ffn_dim", "decoder_ffn_dim"))
+
+
+def _config_number_problems(data: dict, where: str = "") -> list[str]:
+    """Layer counts and sizes of a parsed config.json (and of its nested configs: ``text_config``...)
+    that no model can have: negative, not whole numbers, or more than :data:`MAX_LAYERS` blocks."""
+    problems = []
+    for key, value in data.items():
+        name = f"{where}{key}"
+        if isinstance(value, dict):
+            problems += _config_number_problems(value, f"{name}.")
+            continue
+        if key not in _LAYER_KEYS and key not in _SIZE_KEYS or value is None or isinstance(value, list):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            if key in _LAYER_KEYS or not isinstance(value, float) or not value.is_integer():
+                problems.append(f"{name} is {json.dumps(value)}, not a whole number")
+                continue
+            value = int(value)
+        if value < 0:
+            problems.append(f"{name} is {value}, a negative {'number of blocks' if key in _LAYER_KEYS else 'size'}")
+        elif key in _LAYER_KEYS and value > MAX_LAYERS:
+            problems.append(f"{name} is {value}, more blocks than any real model (at most {MAX_LAYERS} are profiled)")
+    return problems
+
+
+def _known_model_types() -> list[str]:
+    from transformers import CONFIG_MAPPING
+
+    return list(CONFIG_MAPPING.keys())
+
+
+def _config_from_file(path: Path, *, trust_remote_code: bool) -> "PretrainedConfig":
+    data = _read_config_json(path)  # before importing transformers: bad files fail fast
+    problems = _config_number_problems(data)
+    if problems:
+        raise UsageError(f"{path}: " + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5
+                                                                  else "")
+                         + "; fix these numbers in config.json (the model's published config has the real ones)")
+
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
+
+    model_type = data.get("model_type")
+    remote = isinstance(data.get("auto_map"), dict) and "AutoConfig" in data["auto_map"]
+    if remote and trust_remote_code:
+        # The model's own code: transformers imports it from the folder that holds config.json.
+        try:
+            return AutoConfig.from_pretrained(
+                str(path.parent), trust_remote_code=True, local_files_only=True
+            )
+        except Exception as error:  # noqa: BLE001 - remote code can raise anything
+            raise UsageError(f"{path}: its own config code failed: {_one_line(error)}") from None
+    if not isinstance(model_type, str) or not model_type:
+        raise UsageError(
+            f"{path} has no 'model_type' key; a Hugging Face config.json names its model_type "
+            "(e.g. \"llama\")"
+        )
+    if model_type not in CONFIG_MAPPING:
+        if remote:
+            raise UsageError(
+                f"{path}: model_type {model_type!r} needs the model's own code (auto_map in "
+                "config.json); pass --trust-remote-code if you trust that code"
+            )
+        guesses = closest_names(model_type, _known_model_types())
+        hint = f"; did you mean {' or '.join(repr(g) for g in guesses)}?" if guesses else ""
+        raise UsageError(
+            f"{path}: model_type {model_type!r} is not known to transformers "
+            f"{transformers.__version__}{hint} (a newer model may need a newer transformers)"
+        )
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(data)
+    except Exception as error:  # noqa: BLE001 - config classes validate with several error types
+        raise UsageError(f"{path}: transformers rejects this {model_type} config: "
+                         f"{_one_line(error)}") from None
+
+
+def load_config(source: str, *, trust_remote_code: bool = False) -> "PretrainedConfig":
+    """The transformers config of ``source``: a registry family name (its tiny debug config), a
+    local model folder (holding ``config.json``) or a ``config.json`` path. An existing path wins
+    over a family of the same name. Nothing is downloaded.
+
+    Raises UsageError, with the fix, for anything that is not one of those.
+    """
+    from fsdp_presets.plan import families
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise UsageError(
+                f"folder {source} has no config.json; pass a Hugging Face model folder or the "
+                "config.json itself"
+            )
+        return _config_from_file(config_path, trust_remote_code=trust_remote_code)
+    if path.is_file():
+        return _config_from_file(path, trust_remote_code=trust_remote_code)
+    if source in families.FAMILY_NAMES:
+        return families.tiny_config(source)
+    if _looks_like_path(source):
+        hub_hint = ""
+        if source.count("/") == 1 and not source.startswith((".", "/", "~")):
+            hub_hint = (
+                " (nothing is downloaded: fetch the Hub model's config.json, e.g. "
+                f"`hf download {source} config.json --local-dir DIR`, and pass DIR)"
+            )
+        raise UsageError(f"no such file or folder: {source}{hub_hint}")
+    raise UsageError(
+        unknown_name_message("family", source, families.FAMILY_NAMES)
+        + " (or pass a model folder or config.json path)"
+    )
+
+
+def _one_line(error: BaseException) -> str:
+    """The root cause of ``error`` on one line (validators wrap the useful message)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = " ".join(line.strip() for line in str(error).strip().splitlines())
+    if len(text) > 300:  # install hints of optional dependencies run to a paragraph
+        text = text[:297] + "..."
+    return f"{type(error).__name__}: {text}".rstrip(": ")
+
+
+# --------------------------------------------------------------------------- building on meta
+
+# Auto classes in order of preference when the config does not name its model class. MaskedLM
+# comes before CausalLM because every model type in both mappings (bert, roberta, electra, ...)
+# is an encoder whose causal-LM head is a side use.
+_AUTO_CLASS_ORDER = (
+    "AutoModelForSeq2SeqLM",  # encoder-decoders only (T5, BART)
+    "AutoModelForSpeechSeq2Seq",  # encoder-decoders only (Whisper)
+    "AutoModelForMaskedLM",
+    "AutoModelForCausalLM",
+    "AutoModelForImageTextToText",  # vision-language models (LLaVA) keep their LM head
+    "AutoModelForImageClassification",
+    "AutoModel",
+)
+_ENCODER_DECODER_ONLY = ("AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq")
+
+
+def _model_class_from_architectures(config: "PretrainedConfig"):
+    """The class ``config.architectures`` names, when transformers has it for this config."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        try:
+            cls = getattr(transformers, name)
+        except Exception:  # noqa: BLE001 - lazy module raises AttributeError or import errors
+            continue
+        config_class = getattr(cls, "config_class", None)
+        if isinstance(cls, type) and config_class is not None and isinstance(config, config_class):
+            return cls
+    return None
+
+
+def _model_class_by_name(config: "PretrainedConfig"):
+    """``XModel`` for an ``XConfig`` that no auto class maps: the towers of composite models
+    (``Blip2VisionConfig`` builds ``Blip2VisionModel``)."""
+    import transformers
+
+    name = type(config).__name__
+    if not name.endswith("Config"):
+        return None
+    try:
+        cls = getattr(transformers, name.removesuffix("Config") + "Model")
+    except Exception:  # noqa: BLE001 - lazy module raises AttributeError or import errors
+        return None
+    config_class = getattr(cls, "config_class", None)
+    return cls if config_class is not None and isinstance(config, config_class) else None
+
+
+def _auto_class_for(config: "PretrainedConfig", *, trust_remote_code: bool):
+    """The first auto class that can build ``config`` (see ``_AUTO_CLASS_ORDER``)."""
+    import transformers
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    for auto_name in _AUTO_CLASS_ORDER:
+        if auto_name in _ENCODER_DECODER_ONLY and not getattr(config, "is_encoder_decoder", False):
+            continue
+        auto_cls = getattr(transformers, auto_name, None)
+        if auto_cls is None:  # an older transformers without this auto class
+            continue
+        if trust_remote_code and auto_name in auto_map:
+            return auto_cls
+        if type(config) in auto_cls._model_mapping:
+            return auto_cls
+    return None
+
+
+def build_meta_model(config: "PretrainedConfig", *, trust_remote_code: bool = False) -> "PreTrainedModel":
+    """The model of ``config`` with every tensor on the meta device (shapes only, no memory).
+
+    The class is the one ``config.architectures`` names when transformers has it, otherwise the
+    first auto class of ``_AUTO_CLASS_ORDER`` (seq2seq LM for encoder-decoders, masked LM,
+    causal LM, image-text-to-text, image classification, base model) that supports the config,
+    otherwise ``XModel`` for an ``XConfig``. With ``trust_remote_code`` the config's own
+    ``auto_map`` classes are used.
+    """
+    import torch
+
+    model_cls = None if trust_remote_code else _model_class_from_architectures(config)
+    auto_cls = None if model_cls is not None else _auto_class_for(config, trust_remote_code=trust_remote_code)
+    if model_cls is None and auto_cls is None and not trust_remote_code:
+        model_cls = _model_class_by_name(config)
+    if model_cls is None and auto_cls is None:
+        raise UsageError(
+            f"transformers has no model class for model_type {config.model_type!r} "
+            f"({type(config).__name__})"
+        )
+
+    def build():
+        if model_cls is not None:
+            return model_cls._from_config(config)
+        return auto_cls.from_config(config, trust_remote_code=trust_remote_code)
+
+    try:
+        with torch.device("meta"):
+            return build()
+    except UsageError:
+        raise
+    except Exception as first_error:  # noqa: BLE001
+        # A few models compute with their buffers in __init__, which meta tensors cannot do:
+        # accelerate's init_empty_weights keeps buffers real (they are small) and parameters meta.
+        from accelerate import init_empty_weights
+
+        try:
+            with init_empty_weights(include_buffers=False):
+                return build()
+        except Exception:  # noqa: BLE001
+            raise UsageError(
+                f"cannot build {config.model_type!r} from its config: {_one_line(first_error)}"
+            ) from None
+
+
+# --------------------------------------------------------------------------- reading the model
+
+# Normalisation layers torch ships; model-defined ones (LlamaRMSNorm, T5LayerNorm) are found by
+# name because they subclass nn.Module directly.
+def _is_norm(module: "nn.Module") -> bool:
+    from torch import nn
+
+    if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.modules.batchnorm._BatchNorm)):
+        return True
+    name = type(module).__name__
+    return "Norm" in name and "Normaliz" not in name
+
+
+def _is_model_defined(module: "nn.Module") -> bool:
+    """A block is a class the model defines, not a torch building block such as ``nn.Linear``."""
+    return not type(module).__module__.startswith("torch.")
+
+
+def _inside(path: str, roots: set[str]) -> bool:
+    """Whether module ``path`` is one of ``roots`` or lies below one (a walk up its prefixes)."""
+    while path:
+        if path in roots:
+            return True
+        path = path.rpartition(".")[0]
+    return False
+
+
+def _has_params(module: "nn.Module") -> bool:
+    return any(True for _ in module.parameters())
+
+
+@dataclass(kw_only=True)
+class _Blocks:
+    """The model's blocks: where they live and how they group into units."""
+
+    units: list[Unit]
+    paths: set[str]
+    stacks: list[dict]
+
+
+def _group_units(blocks: list[tuple[str, "nn.Module"]]) -> list[Unit]:
+    """Blocks grouped by (class, size) in the order met. A parameter shared between blocks is
+    counted in the first block that holds it, so the units never count it twice."""
+    seen: set[int] = set()
+    counts: dict[tuple[str, int], int] = {}
+    for _, block in blocks:
+        size = 0
+        for param in block.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                size += param.numel()
+        key = (type(block).__name__, size)
+        counts[key] = counts.get(key, 0) + 1
+    return [Unit(cls=cls, count=count, params_each=size) for (cls, size), count in counts.items()]
+
+
+def _find_blocks(model: "nn.Module", declared: list[str]) -> _Blocks:
+    """The FSDP units of ``model``.
+
+    A block is a child of an ``nn.ModuleList`` (or of an ``nn.Sequential`` holding two or more)
+    whose class the model defines and which holds parameters; containers inside a block already
+    found (T5Block.layer, MoE expert lists) belong to that block. A model that keeps its blocks in
+    no container falls back to the outermost instances of its ``_no_split_modules`` classes.
+    """
+    from torch import nn
+
+    blocks: list[tuple[str, nn.Module]] = []
+    stacks: list[dict] = []
+    paths: set[str] = set()
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or _inside(path, paths):
+            continue
+        children = [
+            (f"{path}.{name}" if path else name, child)
+            for name, child in module.named_children()
+            if _is_model_defined(child) and _has_params(child)
+        ]
+        if not children or (isinstance(module, nn.Sequential) and len(children) < 2):
+            continue
+        classes = list(dict.fromkeys(type(child).__name__ for _, child in children))
+        stacks.append({"path": path, "class": ", ".join(classes), "count": len(children)})
+        blocks += children
+        paths.update(child_path for child_path, _ in children)
+    if not blocks and declared:
+        for path, module in model.named_modules():
+            if type(module).__name__ in declared and _has_params(module) and not _inside(path, paths):
+                blocks.append((path, module))
+                paths.add(path)
+                stacks.append({"path": path, "class": type(module).__name__, "count": 1})
+    return _Blocks(units=_group_units(blocks), paths=paths, stacks=stacks)
+
+
+def _module_paths(model: "nn.Module") -> dict[int, str]:
+    return {id(module): path for path, module in model.named_modules()}
+
+
+def _config_int(config: Any, names: tuple[str, ...]) -> int | None:
+    """The first of ``names`` that ``config`` sets, as an int.
+
+    Per-stage values (Swin's ``num_heads = [3, 6, 12, 24]``) give their largest entry; a config
+    that refuses a global value (per-layer attributes raise on access) counts as unset.
+    """
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # noqa: BLE001 - e.g. AmbiguousGlobalPerLayerAttributeError
+            continue
+        if isinstance(value, (list, tuple)):
+            numbers = [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+            value = max(numbers) if numbers else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        return int(value)
+    return None
+
+
+def _dims(config: "PretrainedConfig", num_layers: int) -> ModelDims:
+    """Shape numbers, from the text config of a multimodal model."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    hidden = _config_int(text, ("hidden_size", "d_model", "n_embd", "dim", "embed_dim")) or 0
+    heads = _config_int(text, ("num_attention_heads", "n_head", "num_heads",
+                               "encoder_attention_heads", "decoder_attention_heads")) or 0
+    kv_heads = _config_int(text, ("num_key_value_heads", "num_kv_heads", "n_head_kv")) or heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1  # multi-query attention (Falcon-7B, StarCoder 1): one shared K/V head
+    num_experts = _config_int(text, ("num_local_experts", "num_experts", "n_routed_experts",
+                                     "moe_num_experts")) or 0
+    per_token = _config_int(text, ("num_experts_per_tok", "num_experts_per_token", "moe_topk",
+                                   "top_k")) or 0
+    intermediate = None
+    if num_experts:
+        intermediate = _config_int(text, ("moe_intermediate_size", "expert_intermediate_size"))
+    if intermediate is None:
+        intermediate = _config_int(text, ("intermediate_size", "ffn_dim", "n_inner", "d_ff",
+                                          "encoder_ffn_dim", "ffn_hidden_size"))
+    if intermediate is None:
+        intermediate = 4 * hidden  # GPT-2, BLOOM, GPT-J: the MLP is 4x wide when unset
+    positions = _config_int(text, ("max_position_embeddings", "n_positions", "n_ctx",
+                                   "max_target_positions", "max_sequence_length"))
+    image, patch = getattr(text, "image_size", None), getattr(text, "patch_size", None)
+    if positions is None and image and patch:
+        height, width = (image, image) if isinstance(image, int) else tuple(image)[:2]
+        patch_h, patch_w = (patch, patch) if isinstance(patch, int) else tuple(patch)[:2]
+        positions = (height // patch_h) * (width // patch_w) + 1  # patches + class token (ViT)
+    return ModelDims(
+        hidden_size=max(hidden, 0),
+        num_layers=num_layers,
+        num_attention_heads=max(heads, 0),
+        num_key_value_heads=max(min(kv_heads, heads) if heads else kv_heads, 0),
+        intermediate_size=max(intermediate, 0),
+        vocab_size=max(_config_int(text, ("vocab_size",)) or 0, 0),
+        max_position_embeddings=positions if positions and positions > 0 else None,
+        num_experts=max(num_experts, 0),
+        num_experts_per_token=min(max(per_token, 0), num_experts) if num_experts else 0,
+    )
+
+
+def _embedding_role(name: str, module: Any, input_module: Any) -> str:
+    if module is input_module:
+        return "input"
+    lowered = name.lower()
+    if "token_type" in lowered:
+        return "token_type"
+    if any(key in lowered for key in ("position", "pos_emb", "wpe", "rel_embeddings", "relative")):
+        return "position"
+    return "other"
+
+
+def _call(model: "nn.Module", method_name: str):
+    """``model.get_input_embeddings()`` and friends, None where the model has no such thing."""
+    method = getattr(model, method_name, None)
+    try:
+        return method() if method is not None else None
+    except (NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def _embedding_entries(model: "nn.Module", input_module: Any, block_paths: set[str]) -> list[dict]:
+    """Embeddings outside the blocks, each weight listed once (T5's ``shared``,
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens`` are one table)."""
+    from torch import nn
+
+    paths = _module_paths(model)
+    candidates = [(paths[id(input_module)], input_module)] if id(input_module) in paths else []
+    candidates += [(path, module) for path, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    entries: list[dict] = []
+    listed: set[int] = set()
+    for path, module in candidates:
+        weight = getattr(module, "weight", None)
+        key = id(weight) if weight is not None else id(module)
+        if key in listed or _inside(path, block_paths):
+            continue
+        listed.add(key)
+        entries.append({
+            "name": path,
+            "class": type(module).__name__,
+            "params": sum(param.numel() for param in module.parameters()),
+            "role": _embedding_role(path, module, input_module),
+        })
+    # Learned positions kept as a bare parameter (ViT's position_embeddings).
+    for path, module in model.named_modules():
+        if _inside(path, block_paths):
+            continue
+        for name, param in module.named_parameters(recurse=False):
+            if "position" in name and id(param) not in listed:
+                listed.add(id(param))
+                entries.append({"name": f"{path}.{name}" if path else name, "class": "Parameter",
+                                "params": param.numel(), "role": "position"})
+    return entries
+
+
+def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -> ModelProfile:
+    """The profile of an already built model, on the meta device or with real weights."""
+    from torch import nn
+
+    config = getattr(model, "config", None)
+    model_type = model_type or getattr(config, "model_type", None) or type(model).__name__
+
+    # Blocks, cross-checked with _no_split_modules (a set on transformers 5, a list before).
+    present = {type(module).__name__ for module in model.modules()}
+    no_split = sorted(getattr(model, "_no_split_modules", None) or [])
+    blocks = _find_blocks(model, [name for name in no_split if name in present])
+    units = blocks.units
+    wrap_classes = list(dict.fromkeys(unit.cls for unit in units))
+    missing_no_split = [name for name in no_split if name not in present]
+    warnings: list[str] = []
+    if missing_no_split:
+        warnings.append(
+            f"_no_split_modules names {', '.join(missing_no_split)}, which this model does not "
+            "contain: never copy those names into fsdp_transformer_layer_cls_to_wrap (accelerate "
+            "raises 'Could not find the transformer layer class')"
+        )
+    undeclared = [name for name in wrap_classes if no_split and name not in no_split]
+    if undeclared:
+        warnings.append(f"blocks {', '.join(undeclared)} are not in _no_split_modules")
+    if not units:
+        warnings.append("no repeated blocks found: FSDP would shard the whole model as one unit")
+
+    total_params = sum(param.numel() for param in model.parameters())  # a shared param once
+
+    # Tied embeddings: the head holds the input embedding's own parameter (on meta tensors there
+    # is no storage to compare, so identity is the test; real tensors may also share storage).
+    input_module = _call(model, "get_input_embeddings")
+    output_module = _call(model, "get_output_embeddings")
+    input_weight = getattr(input_module, "weight", None)
+    output_weight = getattr(output_module, "weight", None)
+    tied = input_weight is not None and output_weight is not None and (
+        input_weight is output_weight or _same_storage(input_weight, output_weight)
+    )
+    output_head = _module_paths(model).get(id(output_module)) if output_module is not None else None
+
+    dims = _dims(config, num_layers=sum(unit.count for unit in units)) if config is not None else \
+        ModelDims(hidden_size=0, num_layers=sum(unit.count for unit in units), num_attention_heads=0,
+                  num_key_value_heads=0, intermediate_size=0, vocab_size=0)
+    if not units and config is not None:
+        layers = _config_int(config, ("num_hidden_layers", "num_layers", "n_layer")) or 0
+        dims = ModelDims(**{**asdict(dims), "num_layers": layers})
+    if isinstance(input_module, nn.Embedding) and not (dims.hidden_size and dims.vocab_size):
+        # A config with its own key names (remote code): the token embedding's shape tells.
+        dims = ModelDims(**{
+            **asdict(dims),
+            "hidden_size": dims.hidden_size or input_module.embedding_dim,
+            "vocab_size": dims.vocab_size or input_module.num_embeddings,
+        })
+
+    is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    structure: dict[str, Any] = {
+        "is_encoder_decoder": is_encoder_decoder,
+        "stacks": blocks.stacks,
+        "no_split_modules": no_split,
+        "missing_no_split": missing_no_split,
+        "no_split_not_blocks": [name for name in no_split if name in present and name not in wrap_classes],
+        "moe": _moe(model, dims, total_params, num_blocks=sum(unit.count for unit in units)),
+        "config_dtype": _config_dtype(config),
+        "block_linears": _block_linears(model, wrap_classes),
+        "warnings": warnings,
+    }
+    if is_encoder_decoder:
+        for side in ("encoder", "decoder"):
+            structure[f"{side}_layers"] = sum(
+                stack["count"] for stack in blocks.stacks if side in stack["path"].split(".")
+            )
+    return ModelProfile(
+        model_type=model_type,
+        architecture=type(model).__name__,
+        total_params=total_params,
+        units=units,
+        wrap_classes=wrap_classes,
+        embeddings=_embedding_entries(model, input_module, blocks.paths),
+        norm_classes=list(dict.fromkeys(type(m).__name__ for m in model.modules() if _is_norm(m))),
+        output_head=output_head or _classifier_head(model),
+        tied_embeddings=bool(tied),
+        dims=dims,
+        structure=structure,
+    )
+
+
+def _block_linears(model: "nn.Module", wrap_classes: list[str]) -> dict[str, list[list]]:
+    """Per block class, the ``nn.Linear`` layers of its first block: ``[name, in_features,
+    out_features, has_bias]`` each, ``name`` the module's last path component (``q_proj``), as
+    LoRA target names and the 4-bit quantization of QLoRA see them (the planner's LoRA terms)."""
+    from torch import nn
+
+    found: dict[str, list[list]] = {}
+    for module in model.modules():
+        name = type(module).__name__
+        if name not in wrap_classes or name in found:
+            continue
+        found[name] = [[path.rsplit(".", 1)[-1], child.in_features, child.out_features, child.bias is not None]
+                       for path, child in module.named_modules() if isinstance(child, nn.Linear)]
+    return found
+
+
+def _same_storage(a, b) -> bool:
+    """Real tensors sharing memory (meta tensors have no storage to compare)."""
+    if a.is_meta or b.is_meta:
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.shape == b.shape
+
+
+def _classifier_head(model: "nn.Module") -> str | None:
+    """The head of a model with no output embedding: its last parameterised top-level child
+    other than the base model (``classifier`` of ViTForImageClassification)."""
+    base = getattr(model, "base_model", model)
+    if base is model:
+        return None
+    head = None
+    for name, child in model.named_children():
+        if child is not base and any(True for _ in child.parameters()):
+            head = name
+    return head
+
+
+def _moe(model: "nn.Module", dims: ModelDims, total_params: int, *, num_blocks: int) -> dict | None:
+    """Mixture-of-experts structure: routed expert modules found inside blocks."""
+    if not dims.num_experts:
+        return None
+    expert_modules = [
+        (path, module) for path, module in model.named_modules()
+        if path.rsplit(".", 1)[-1] == "experts" or type(module).__name__.endswith("Experts")
+    ]
+    # Keep the outermost expert container of each block (an Experts class inside "experts").
+    outer = [
+        (path, module) for path, module in expert_modules
+        if not any(path.startswith(other + ".") for other, _ in expert_modules)
+    ]
+    expert_params = sum(sum(p.numel() for p in module.parameters()) for _, module in outer)
+    # Each token runs k of E routed experts: the rest of the expert weights sit idle for it.
+    active = total_params - expert_params + expert_params * dims.num_experts_per_token // dims.num_experts
+    shared = [path for path, _ in model.named_modules() if path.rsplit(".", 1)[-1] in
+              ("shared_expert", "shared_experts", "shared_mlp")]
+    return {
+        "num_experts": dims.num_experts,
+        "experts_per_token": dims.num_experts_per_token,
+        "moe_layers": len(outer),
+        "dense_layers": max(num_blocks - len(outer), 0),
+        "shared_experts": bool(shared),
+        "routed_expert_params": expert_params,
+        "active_params": active,
+    }
+
+
+def _config_dtype(config: Any) -> str | None:
+    # ``dtype`` (``torch_dtype`` before transformers 4.56, which still maps it to ``dtype``).
+    dtype = getattr(config, "dtype", None)
+    if dtype is None:
+        return None
+    return str(dtype).removeprefix("torch.")
+
+
+def profile_model(source: str, *, trust_remote_code: bool = False) -> ModelProfile:
+    """The profile of ``source`` (family name, model folder or config.json), built on meta."""
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    model = build_meta_model(config, trust_remote_code=trust_remote_code)
+    try:
+        return profile_module(model)
+    except ValueError as error:  # ModelDims, Unit, ModelProfile checks: numbers the config gave
+        raise UsageError(f"{source}: the model built from this config has impossible numbers ({error}); "
+                         "check its sizes and layer counts against the model's published config.json") from None
+
+
+__all__ = [
+    "ModelDims",
+    "ModelProfile",
+    "Unit",
+    "build_meta_model",
+    "load_config",
+    "profile_model",
+    "profile_module",
+]

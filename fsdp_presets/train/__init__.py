@@ -1,0 +1,6 @@
+"""What a recipe launched by ``accelerate launch`` uses: the shared loop pieces (``loop``), data,
+metrics and plots, start-up agreement of the ranks (``startup``), Ctrl-C (``interrupts``),
+LoRA/QLoRA (``lora``) and the final Hugging Face folder (``final_model``).
+
+Checkpoints are :mod:`fsdp_presets.checkpoint`'s; this package uses it, never the reverse.
+"""

@@ -1,0 +1,338 @@
+"""Small helpers shared by the recipes: common flags, the data position, weight-decay groups,
+gradient synchronisation during accumulation, and the exit path for bad input.
+
+The data position is one number, the count of training samples consumed by all ranks together.
+Global sample ``p`` is sample ``permutation(epoch = p // N)[p % N]`` of a dataset of ``N``
+samples, where each epoch's permutation is seeded by ``(seed, epoch)``. An optimizer step takes
+the next ``micro_batch_size * gradient_accumulation_steps * data_parallel_size`` samples; rank
+``r`` takes its slice of each micro-step. Resuming is arithmetic on that number, so it survives a
+change of GPU count, and RNG state (dropout) is restored by ``accelerator.load_state``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from fsdp_presets.errors import UsageError
+
+
+# ---- flags ----
+def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every recipe shares, Hugging Face style."""
+    parser = argparse.ArgumentParser(description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--model", required=True, help="local model folder (config.json, weights, tokenizer)")
+    add("--data", required=True, help="training data: JSONL/JSON, CSV, Parquet or plain text")
+    add("--eval-data", help="evaluation data in the same format (default: hold out --eval-fraction)")
+    add("--eval-fraction", type=float, default=0.05, help="share of --data held out when no --eval-data")
+    add("--max-eval-samples", type=int, default=0, help="evaluate on the first N evaluation records (0: all)")
+    add("--output-dir", required=True, help="run folder: metrics.jsonl, checkpoints/, final/, plots/")
+    add("--max-steps", type=int, default=100, help="optimizer steps to train in total")
+    add("--micro-batch-size", type=int, default=2, help="samples per forward pass per rank")
+    add("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
+    add("--reduce-every-micro-batch", action="store_true",
+        help="reduce gradients after every micro-batch instead of accumulating them unsharded under no_sync "
+        "(FSDP then never holds a whole model's unsharded gradients; more communication)")
+    add("--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
+    add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
+    add("--warmup-steps", type=int, default=0, help="linear warm-up steps")
+    add("--lr-scheduler", default="cosine", choices=("cosine", "linear", "constant_with_warmup"),
+        help="learning-rate schedule after warm-up")
+    add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off, norm still logged)")
+    add("--seq-len", type=int, default=128, help="tokens per sample")
+    add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
+    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    add("--keep-last", type=int, default=2, help="committed checkpoints to keep")
+    add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
+        "PATH (a checkpoints/step-NNNNNNNN folder) or none")
+    add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")
+    return parser
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Range checks of the shared flags and the input paths; all problems raised at once."""
+    problems = []
+    for name, value in sorted(vars(args).items()):  # NaN passes every comparison, inf most of them
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"--{name.replace('_', '-')} {value} is not a finite number; give a number such as "
+                            f"{_EXAMPLE_VALUES.get(name, '1.0')}")
+    if problems:
+        raise UsageError("; ".join(problems))
+    for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "seq_len"):
+        if getattr(args, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("max_eval_samples", "warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
+        if getattr(args, name) < 0:
+            problems.append(f"--{name.replace('_', '-')} must be >= 0")
+    if args.keep_last < 1:
+        problems.append("--keep-last must be >= 1")
+    if args.learning_rate <= 0:
+        problems.append("--learning-rate must be > 0")
+    if not 0 <= args.seed < 2**32:  # numpy's and torch's seeding accept 0 .. 2**32 - 1
+        problems.append(f"--seed {args.seed} is out of range; give a whole number from 0 to {2**32 - 1}")
+    if not 0 < args.eval_fraction < 1:
+        problems.append("--eval-fraction must be between 0 and 1")
+    model = Path(args.model)
+    if not model.is_dir():
+        problems.append(f"--model {model}: no such folder (give a local model folder with config.json)")
+    elif not (model / "config.json").is_file():
+        problems.append(f"--model {model}: no config.json in it (is this a Hugging Face model folder?)")
+    for flag, value in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if value is not None and not Path(value).is_file():
+            problems.append(f"{flag} {value}: no such file")
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+_EXAMPLE_VALUES = {"learning_rate": "5e-5", "eval_fraction": "0.05", "max_grad_norm": "1.0", "weight_decay": "0.0"}
+
+
+def load_model_config(model: str) -> Any:
+    """The model's transformers config, read without running code from the model folder. A folder
+    whose config names its own code (``auto_map``, a ``model_type`` transformers does not know) is
+    refused in one line: the recipes never pass ``trust_remote_code=True``."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except ValueError as error:
+        if "trust_remote_code" not in str(error) and "model_type" not in str(error):
+            raise
+        raise UsageError(f"--model {model}: its config needs code from the model folder or an architecture this "
+                         "transformers does not know, and the recipes never run code from a model folder. Use a "
+                         "model of an architecture transformers ships (see `fsdp-presets inspect`), or adapt a "
+                         "copy of the recipe to your reviewed model code") from None
+
+
+def check_seq_len(seq_len: int, config: Any) -> None:
+    """``--seq-len`` must fit the model's position table."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if limit is not None and seq_len > limit:
+        raise UsageError(f"--seq-len {seq_len} is beyond the model's {limit} positions "
+                         f"(max_position_embeddings); use --seq-len {limit} or less")
+
+
+# ---- data position ----
+class SampleStream:
+    """The endless, seeded, epoch-by-epoch shuffled order of a dataset's sample indices."""
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        if num_samples < 1:
+            raise UsageError("the training data holds no sample")
+        self.num_samples = num_samples
+        self.seed = seed
+        self._permutations: dict[int, list[int]] = {}
+
+    def _permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._permutations:
+            import torch
+
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._permutations = {epoch: torch.randperm(self.num_samples, generator=generator).tolist()}
+        return self._permutations[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Dataset indices of global samples ``start .. start + count - 1``."""
+        return [self._permutation(p // self.num_samples)[p % self.num_samples] for p in range(start, start + count)]
+
+
+def rank_micro_batches(stream: SampleStream, *, samples_consumed: int, micro_batch_size: int,
+                       accumulation_steps: int, rank: int, data_parallel_size: int) -> list[list[int]]:
+    """This rank's micro-batches (dataset indices) for the optimizer step that starts at global
+    sample ``samples_consumed``: micro-step ``m`` covers the next ``micro * dp`` samples, rank ``r``
+    takes the ``r``-th slice of them."""
+    per_micro_step = micro_batch_size * data_parallel_size
+    batches = []
+    for micro_step in range(accumulation_steps):
+        start = samples_consumed + micro_step * per_micro_step + rank * micro_batch_size
+        batches.append(stream.indices(start, micro_batch_size))
+    return batches
+
+
+def eval_micro_batches(num_samples: int, *, micro_batch_size: int, rank: int,
+                       data_parallel_size: int) -> list[list[tuple[int, bool]]]:
+    """This rank's evaluation micro-batches as ``(index, counts)`` pairs. Every rank gets the same
+    number of batches of the same size (FSDP ranks must run the same collectives); a slot past the
+    end repeats sample 0 with ``counts=False`` and is left out of the metrics."""
+    per_round = micro_batch_size * data_parallel_size
+    rounds = -(-num_samples // per_round)
+    batches = []
+    for round_index in range(rounds):
+        start = round_index * per_round + rank * micro_batch_size
+        batches.append([(position, True) if position < num_samples else (0, False)
+                        for position in range(start, start + micro_batch_size)])
+    return batches
+
+
+def collate(dataset, indices: list[int], columns: tuple[str, ...]) -> dict:
+    """Rows ``indices`` of a tokenized ``datasets.Dataset`` as a dict of tensors."""
+    import torch
+
+    rows = dataset[indices]
+    return {column: torch.tensor(rows[column]) for column in columns}
+
+
+# ---- optimizer ----
+def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on weight matrices, none on norms, biases and embeddings (decaying them
+    pulls scales and token vectors towards zero for no regularisation benefit; the usual practice
+    of GPT-2/nanoGPT, torchtune and the Hugging Face Trainer)."""
+    import torch
+
+    no_decay: set[int] = set()
+    for module in model.modules():
+        is_norm = "norm" in type(module).__name__.lower()
+        if isinstance(module, torch.nn.Embedding) or is_norm:
+            no_decay.update(id(param) for param in module.parameters(recurse=False))
+    for name, param in model.named_parameters():
+        if name.endswith("bias"):
+            no_decay.add(id(param))
+    decay, plain, seen = [], [], set()
+    for param in model.parameters():  # a tied weight appears once
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        (plain if id(param) in no_decay else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+
+
+def scalar(value) -> float:
+    """A tensor, DTensor (FSDP2's gradient norm) or number as a plain float."""
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def clip_grad_norm(accelerator, model, max_norm: float) -> float:
+    """Clip the gradients of a prepared model to ``max_norm`` (0: only measure) and return their
+    global L2 norm, the same number, bit for bit, under DDP, FSDP1 and FSDP2.
+
+    accelerate's ``clip_grad_norm_`` sums the squares in fp32 in an order that depends on the
+    sharding (FSDP: per shard, then across ranks; DDP: per whole tensor), so the norms differ in
+    the last bits, the clip coefficients too, and a clipped FSDP run drifts away from its DDP twin.
+    Here every local gradient (a shard or a whole tensor) is squared and summed in float64 (a
+    float32 square is exact in float64), the sums are all-reduced over the ranks that hold the
+    other shards, and the root is rounded to float32: the float64 totals of two layouts differ by
+    ~1e-16 relative, far below float32's 6e-8 step, so the float32 norm, the coefficient
+    ``max_norm / (norm + 1e-6)`` (torch's formula) and the clipped gradients are equal everywhere.
+    Other distributed types (DeepSpeed, XLA) fall back to accelerate's own clipping.
+    """
+    import math
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    kind = accelerator.distributed_type.value
+    if kind not in ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"):
+        return scalar(accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf")))
+    accelerator.unscale_gradients()  # fp16: the loss scale comes off before measuring (accelerate does too)
+    fsdp1_groups: list = []
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    if isinstance(model, FullyShardedDataParallel) and model.sharding_strategy != ShardingStrategy.NO_SHARD:
+        fsdp1_groups = [model.process_group]  # flat parameters are sharded over this group
+    # key: (mesh or None, sharded mesh dims) -> [float64 sum of squares, process groups to reduce over]
+    sums: dict = {("fsdp1",): [torch.zeros((), dtype=torch.float64), fsdp1_groups]} if fsdp1_groups else {}
+    gradients = []
+    for param in model.parameters():  # a tied weight appears once
+        grad = param.grad
+        if grad is None:
+            continue
+        gradients.append(grad)
+        if isinstance(grad, DTensor):
+            shard_dims = tuple(dim for dim, placement in enumerate(grad.placements) if placement.is_shard())
+            key = (id(grad.device_mesh), shard_dims)
+            groups = [grad.device_mesh.get_group(dim) for dim in shard_dims]
+            local = grad.to_local()
+        else:
+            key, groups, local = (("fsdp1",), fsdp1_groups, grad) if fsdp1_groups else ((None,), [], grad)
+        entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
+        entry[0] += local.detach().to(torch.float64).square().sum().cpu()
+    total = 0.0
+    for squares, groups in sums.values():
+        for group in groups:
+            if dist.get_world_size(group) > 1:
+                reduced = squares.to(accelerator.device)
+                dist.all_reduce(reduced, group=group)
+                squares = reduced.cpu()
+        total += squares.item()
+    norm = float(torch.tensor(math.sqrt(total), dtype=torch.float32))
+    if max_norm and math.isfinite(max_norm):
+        coefficient = max_norm / (norm + 1e-6)
+        if coefficient < 1.0 or not math.isfinite(norm):
+            for grad in gradients:
+                grad.mul_(coefficient)
+    return norm
+
+
+def gradient_sync(accelerator, model, *, last_micro_batch: bool, reduce_every_micro_batch: bool = False):
+    """Reduce gradients only on the last micro-batch of an optimizer step (accelerate's
+    ``no_sync``: DDP skips its all-reduce, FSDP2 its reduce-scatter, until then), or on every
+    micro-batch with ``reduce_every_micro_batch``: under ``no_sync`` FSDP keeps an unsharded
+    gradient of every parameter between micro-batches (a whole model's worth per GPU), which a
+    large model cannot afford; reducing each time keeps only the shards, for more traffic."""
+    if last_micro_batch or reduce_every_micro_batch:
+        return contextlib.nullcontext()
+    return accelerator.no_sync(model)
+
+
+# ---- process ----
+def main_process_print(accelerator) -> Callable[[str], None]:
+    """``print`` on the main process, flushed; nothing elsewhere."""
+    def emit(message: str) -> None:
+        if accelerator.is_main_process:
+            print(message, flush=True)
+
+    return emit
+
+
+def finish(accelerator) -> None:
+    """End the run cleanly: collect garbage before the process group is destroyed (gloo can abort
+    at exit with "terminate called without an active exception" when the group goes while tensors
+    it references live). The caller deletes its model and optimizer first."""
+    gc.collect()
+    accelerator.end_training()
+
+
+def run_recipe(main: Callable[[], None]) -> int:
+    """Run a recipe's ``main`` and turn the ways it stops into one line on stderr and an exit
+    status: bad input 2 (:class:`UsageError`), a finding about the run 1 (:class:`Finding`: it
+    diverged, the disk is full), Ctrl-C 130. The main process prints what every rank shares; an
+    error marked :func:`fsdp_presets.errors.rank_local` is printed by the rank it concerns."""
+    from fsdp_presets.train import interrupts
+    from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message
+
+    interrupts.install()
+    try:
+        main()
+        return 0
+    except UsageError as error:
+        return _report(error, 2)
+    except Finding as error:
+        return _report(error, 1)
+    except interrupts.Interrupted as error:
+        return _report(error, 130)
+    except KeyboardInterrupt:
+        return _report(interrupts.Interrupted("interrupted (Ctrl-C) before training started: nothing was trained "
+                                              "or half-written; run the same command again to start"), 130)
+    except OSError as error:  # a full disk anywhere else (metrics, run.json, plots): no traceback either
+        cause = disk_full_cause(error)
+        if cause is None:
+            raise
+        return _report(Finding(disk_full_message(cause, "writing the run's files", "the run folder")), 1)
+
+
+def _report(error: BaseException, status: int) -> int:
+    printed_here = getattr(error, "print_on_this_rank", None)
+    if printed_here if printed_here is not None else int(os.environ.get("RANK", "0")) == 0:
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+    return status

@@ -1,0 +1,61 @@
+"""Loss and throughput plots of run folders (PNG, matplotlib's Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_presets.train.metrics import read_metrics
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def plot_runs(runs: dict[str, str | os.PathLike], output_dir: str | os.PathLike) -> list[Path]:
+    """``loss.png`` (train loss per step, evaluation loss as markers) and ``throughput.png``
+    (tokens per second per step) of one or more runs, labelled by the dict keys."""
+    pyplot = _pyplot()
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    records = {label: read_metrics(Path(run) / "metrics.jsonl") for label, run in runs.items()}
+
+    figure, axes = pyplot.subplots(figsize=(7, 4.2))
+    for label, lines in records.items():
+        train = [line for line in lines if line.get("kind") == "train"]
+        evals = [line for line in lines if line.get("kind") == "eval"]
+        drawn = axes.plot([line["step"] for line in train], [line["loss"] for line in train],
+                          label=f"{label} train", linewidth=1.4)
+        if evals:
+            axes.plot([line["step"] for line in evals], [line["eval_loss"] for line in evals], "o--",
+                      color=drawn[0].get_color() if drawn else None, label=f"{label} eval", markersize=5)
+    axes.set(xlabel="optimizer step", ylabel="loss (cross-entropy)", title="Loss")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    loss_png = output_dir / "loss.png"
+    figure.savefig(loss_png, dpi=110)
+    pyplot.close(figure)
+
+    figure, axes = pyplot.subplots(figsize=(7, 4.2))
+    for label, lines in records.items():
+        train = [line for line in lines if line.get("kind") == "train"]
+        axes.plot([line["step"] for line in train], [line["tokens_per_s"] for line in train], label=label)
+    axes.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="Throughput")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    throughput_png = output_dir / "throughput.png"
+    figure.savefig(throughput_png, dpi=110)
+    pyplot.close(figure)
+    return [loss_png, throughput_png]
+
+
+def plot_run(run_dir: str | os.PathLike) -> list[Path]:
+    """The plots of one run, into ``RUN/plots/``."""
+    return plot_runs({Path(run_dir).name: run_dir}, Path(run_dir) / "plots")
