@@ -36,11 +36,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from fsdp_presets import compare
+from fsdp_presets.errors import UsageError
 
-from fsdp_presets import compare  # noqa: E402
-from fsdp_presets.errors import UsageError  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_RECIPE = REPO / "recipes" / "causal_lm.py"
 

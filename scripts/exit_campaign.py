@@ -22,19 +22,17 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+from fsdp_harness import doc_sections
+from fsdp_harness.launch import launch_command, launch_env
+from fsdp_presets.clean_exit import CLEAN_EXIT
 
-from fsdp_harness import doc_sections  # noqa: E402
-from fsdp_presets.clean_exit import CLEAN_EXIT  # noqa: E402
-from fsdp_harness.launch import launch_command, launch_env  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 WORKER = REPO / "tests" / "workers" / "no_end_training.py"
 DOC = REPO / "docs" / "benchmarks.md"

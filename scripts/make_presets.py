@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 CONFIG_FOLDER = "accelerate_configs"
 """Where the files live, as the headers name them (relative to the repository root)."""

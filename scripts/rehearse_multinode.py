@@ -41,11 +41,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from fsdp_harness.launch import free_port, launch_env
+from fsdp_presets.train.metrics import train_losses
 
-from fsdp_presets.train.metrics import train_losses  # noqa: E402
-from fsdp_harness.launch import free_port, launch_env  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
 FSDP_PRESETS = (sys.executable, "-m", "fsdp_presets.cli")

@@ -11,18 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_harness import doc_sections
+from fsdp_harness import bench, doc_sections, gpu_report
+from fsdp_harness import campaign as fault_campaign
 from fsdp_harness.drill import DrillResult, KillPlan
 from fsdp_harness.measure import ring_bytes, sent_bytes, state_deviations
 from fsdp_presets.plan.planner import ModelStateBytes
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import bench  # noqa: E402
-import fault_campaign  # noqa: E402
-import gpu_bench  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -163,15 +159,15 @@ def test_gpu_bench_dry_run_checks_and_plans_without_a_gpu(tmp_path):
 
 
 def test_gpu_peak_table_and_report_arithmetic():
-    assert gpu_bench.peak_tflops_for("NVIDIA H100 80GB HBM3") == 989.0
-    assert gpu_bench.peak_tflops_for("NVIDIA H100 PCIe") == 756.0
-    assert gpu_bench.peak_tflops_for("NVIDIA H200 NVL") == 835.0
-    assert gpu_bench.peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312.0
-    assert gpu_bench.peak_tflops_for("Some Other GPU") is None
+    assert gpu_report.peak_tflops_for("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_report.peak_tflops_for("NVIDIA H100 PCIe") == 756.0
+    assert gpu_report.peak_tflops_for("NVIDIA H200 NVL") == 835.0
+    assert gpu_report.peak_tflops_for("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_report.peak_tflops_for("Some Other GPU") is None
     settings = {"warmup_steps": 1, "gpu": {"peak_bf16_tflops": 1000.0}}
     metrics = [{"kind": "train", "step": step, "tokens_per_s": 1e4 if step > 1 else 10.0, "step_time_s": 1.0}
                for step in range(1, 6)]
-    figures = gpu_bench.summarise(settings, {"params": 1e9, "single_process_total": 11 * 2**30}, {
+    figures = gpu_report.summarise(settings, {"params": 1e9, "single_process_total": 11 * 2**30}, {
         "max_memory_allocated": 10 * 2**30, "max_memory_reserved": 12 * 2**30}, metrics)
     assert figures["tokens_per_s"] == 1e4 and figures["mfu"] == pytest.approx(6e13 / 1e15)
     assert figures["planner_error"] == pytest.approx(0.1)

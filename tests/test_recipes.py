@@ -186,8 +186,7 @@ fsdp_config:
 
 @pytest.mark.slow
 def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
-    sys.path.insert(0, str(REPO / "scripts"))
-    from prepare_models import prepare_minilm
+    from fsdp_harness.pretrained import prepare_minilm
 
     minilm = prepare_minilm(tmp_path / "models")
     config = tmp_path / "minilm_fsdp2.yaml"

