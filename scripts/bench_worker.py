@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import fsdp_presets
 from fsdp_harness import measure
+from fsdp_presets.checkpoint.layout import RNG_STATE_PREFIX
 from fsdp_presets.checkpoint.manager import CheckpointManager
 from fsdp_presets.fileio import config_digest
 from fsdp_presets.checkpoint.run_folder import distributed_settings
@@ -46,7 +47,7 @@ from fsdp_presets.checkpoint.run_folder import distributed_settings
 STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
 # Files accelerate writes per rank: DCP shards (__RANK_0.distcp) and RNG states; the rest (full
 # state dicts, scheduler, manifest) comes from the main process.
-RANK_FILE = re.compile(r"(?:__(\d+)_\d+\.distcp|random_states_(\d+)\.pkl)$")
+RANK_FILE = re.compile(rf"(?:__(\d+)_\d+\.distcp|{RNG_STATE_PREFIX}(\d+)\.pkl)$")
 
 
 def parse_args():

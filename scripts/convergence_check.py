@@ -256,7 +256,8 @@ def check(args: argparse.Namespace) -> int:
 def interrupted_and_resumed(args: argparse.Namespace, config: Path, run_dir: Path, extra: list[str],
                             output: Path) -> None:
     """Train the candidate to step K's checkpoint, kill it in its next save, resume from step K."""
-    from fsdp_presets.checkpoint.manager import step_folder_name, verify_checkpoint
+    from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
+    from fsdp_presets.checkpoint.manager import verify_checkpoint
     from fsdp_presets.faults import FAULT_ENV
 
     resume_at = args.resume_at
@@ -269,7 +270,7 @@ def interrupted_and_resumed(args: argparse.Namespace, config: Path, run_dir: Pat
     launch(config, args.recipe, recipe_args, output / "candidate-part1.log", args.timeout,
            f"candidate, killed during the save of step {kill_step}",
            extra_env={FAULT_ENV: f"kill-during-save:step={kill_step}"}, expect_kill=True)
-    checkpoint = run_dir / "checkpoints" / step_folder_name(resume_at)
+    checkpoint = step_folder(run_dir / CHECKPOINTS, resume_at)
     _, problem = verify_checkpoint(checkpoint)
     if problem is not None:
         raise UsageError(f"the interrupted candidate left no usable checkpoint of step {resume_at} "

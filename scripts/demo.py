@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from fsdp_harness.launch import launch_command, launch_env
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, FINAL, MANIFEST, MERGED, METRICS, PLOTS
 from fsdp_presets.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -115,7 +116,7 @@ def train(label: str, config: Path, model: Path, run_dir: Path, max_steps: int, 
 
 
 def records(run_dir: Path, kind: str) -> list[dict]:
-    return [record for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == kind]
+    return [record for record in read_metrics(run_dir / METRICS) if record["kind"] == kind]
 
 
 def loss_table(runs: dict[str, Path]) -> list[str]:
@@ -209,11 +210,11 @@ def main() -> int:
     banner("5/5 compare, evaluate, reload the export")
     from fsdp_presets.train.plots import plot_runs
 
-    plots = plot_runs(runs, output_dir / "plots")
+    plots = plot_runs(runs, output_dir / PLOTS)
     verdict, compare_report = compare(runs["DDP"], runs["FSDP2"], output_dir)
     table, evaluation = loss_table(runs), eval_lines(runs)
     print("\n".join(table + [""] + evaluation), flush=True)
-    exported = runs["FSDP2"] / ("merged" if args.lora else "final")  # LoRA: the adapter merged into the base
+    exported = runs["FSDP2"] / (MERGED if args.lora else FINAL)  # LoRA: the adapter merged into the base
     answers, right_before, right_after = held_out_answers(model, exported)
     print(f"\nthe exported FSDP2 model, loaded with plain transformers, answers {right_after}/{len(answers) - 2} "
           f"held-out questions right (the pretrained model: {right_before}):")
@@ -236,13 +237,13 @@ def main() -> int:
         print(f"comparison report: {compare_report}")
     print(f"plots:   {', '.join(map(str, plots))}")
     print(f"configs: {fsdp2_config}, {ddp_config}")
-    print(f"         {runs['FSDP2'] / 'plots'}/ and {runs['DDP'] / 'plots'}/ (per run)")
+    print(f"         {runs['FSDP2'] / PLOTS}/ and {runs['DDP'] / PLOTS}/ (per run)")
     if args.lora:
-        print(f"adapter: {runs['FSDP2'] / 'final'}  (PEFT folder: PeftModel.from_pretrained loads it)")
+        print(f"adapter: {runs['FSDP2'] / FINAL}  (PEFT folder: PeftModel.from_pretrained loads it)")
         print(f"model:   {exported}  (the adapter merged: from_pretrained loads it)")
     else:
-        print(f"model:   {runs['FSDP2'] / 'final'}  (Hugging Face folder: from_pretrained loads it)")
-    print(f"checkpoints: {runs['FSDP2'] / 'checkpoints'}  (sharded, with manifest.json)")
+        print(f"model:   {runs['FSDP2'] / FINAL}  (Hugging Face folder: from_pretrained loads it)")
+    print(f"checkpoints: {runs['FSDP2'] / CHECKPOINTS}  (sharded, with {MANIFEST})")
     return 0
 
 

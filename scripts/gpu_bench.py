@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from fsdp_harness import doc_sections
+from fsdp_presets.checkpoint.layout import METRICS
 from fsdp_harness.gpu_report import SECTION, UsageProblem, peak_tflops_for, summarise, to_markdown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -201,7 +202,7 @@ def report(args: argparse.Namespace) -> int:
     if peak["recipe_exit_status"] != 0:
         print(f"gpu_bench: the recipe failed (exit status {peak['recipe_exit_status']})", file=sys.stderr)
         return 1
-    figures = summarise(settings, plan_figures, peak, read_metrics(work_dir / "run" / "metrics.jsonl"))
+    figures = summarise(settings, plan_figures, peak, read_metrics(work_dir / "run" / METRICS))
     (work_dir / "gpu_bench.json").write_text(json.dumps({"settings": settings, "plan": plan_figures,
                                                          "figures": figures}, indent=1))
     doc_sections.replace_in_file(args.doc, SECTION, to_markdown(settings, plan_figures, figures))

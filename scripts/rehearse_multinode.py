@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from fsdp_harness.launch import free_port, launch_env
+from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.train.metrics import train_losses
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,7 +189,7 @@ def lost_node(args, work: Path, model: Path, hsdp: Path, script: Path, one_node:
         if code != 0:
             print(f"FAILED: the baseline exited with {code}:\n{tail(work / 'logs' / 'baseline.log')}")
             return 1
-        summary["baseline"] = train_losses(work / "baseline" / "metrics.jsonl")
+        summary["baseline"] = train_losses(work / "baseline" / METRICS)
 
     print(f"[2/3] two nodes x 2 processes on 127.0.0.1; node 1 dies during the save of step {args.lose_node_at}",
           flush=True)
@@ -199,12 +200,12 @@ def lost_node(args, work: Path, model: Path, hsdp: Path, script: Path, one_node:
                         extra_env=fault)]
     codes = wait_all(nodes, 900)
     summary["two_nodes_exit_codes"] = codes
-    summary["two_nodes"] = train_losses(run / "metrics.jsonl")
+    summary["two_nodes"] = train_losses(run / METRICS)
     if "[fault] kill" not in (work / "logs" / "node-1.log").read_text(errors="replace") or 0 in codes:
         print(f"FAILED: node 1 was not lost as planned (exit codes {codes}):\n{tail(work / 'logs' / 'node-1.log')}")
         return 1
     resumable = args.lose_node_at - 2
-    manifest = json.loads((run / "checkpoints" / f"step-{resumable:08d}" / "manifest.json").read_text())
+    manifest = json.loads((RunFolder(root=run).step(resumable) / MANIFEST).read_text())
     summary["checkpoint_mesh"] = {"world_size": manifest["world_size"], "hsdp_mesh": manifest["fsdp"]["hsdp_mesh"]}
 
     print(f"[3/3] one node left: 2 processes, the rescaled preset, --resume auto (last committed checkpoint: "
@@ -213,7 +214,7 @@ def lost_node(args, work: Path, model: Path, hsdp: Path, script: Path, one_node:
     code = single_node(one_node, recipe_command(model, run, args, micro_batch=4), 2, work / "logs" / "resume.log")
     resume_log = (work / "logs" / "resume.log").read_text(errors="replace")
     summary["resume_exit_code"] = code
-    summary["resumed"] = train_losses(run / "metrics.jsonl")
+    summary["resumed"] = train_losses(run / METRICS)
     summary["resume_message"] = next((line for line in resume_log.splitlines() if line.startswith("resumed from")), None)
     summary["elapsed_s"] = round(time.monotonic() - started, 1)
     (work / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -47,12 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
 
-from fsdp_presets.checkpoint.files import (DCP_MODEL, CheckpointFiles, DcpReader, TensorInfo, WeightReader,
+from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, DCP_MODEL, GENERATION_CONFIG,
+                                            HF_CONFIG, MANIFEST, MODEL_CONFIG, SAFETENSORS_INDEX, SAFETENSORS_SHARDS,
+                                            WEIGHTS_SUFFIX, run_json_of)
+from fsdp_presets.checkpoint.files import (CheckpointFiles, DcpReader, TensorInfo, WeightReader,
                                            find_checkpoint_files, hf_weight_files, model_reader)
 from fsdp_presets.errors import UsageError, disk_full_cause, disk_full_message
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-MODEL_CONFIG = "model_config"  # the recipes' copy of config + tokenizer inside each checkpoint
 
 # Largest max|logits_a - logits_b| / max|logits_a| that --verify accepts, by written dtype. Both
 # sides run in fp32 on the same CPU, so the only difference is each weight rounded to the written
@@ -87,7 +89,7 @@ def find_model_files(checkpoint: Path, model: str | None) -> ModelFiles:
         candidates.append((Path(model), "--model"))
     else:
         candidates.append((checkpoint / MODEL_CONFIG, f"{MODEL_CONFIG}/ inside the checkpoint"))
-        run_json = checkpoint.resolve().parent.parent / "run.json"
+        run_json = run_json_of(checkpoint)
         try:
             recorded = json.loads(run_json.read_text()).get("model")
         except (OSError, ValueError, AttributeError):
@@ -95,11 +97,11 @@ def find_model_files(checkpoint: Path, model: str | None) -> ModelFiles:
         if recorded:
             candidates.append((Path(recorded), f"model in {run_json}"))
     for folder, origin in candidates:
-        if (folder / "config.json").is_file():
+        if (folder / HF_CONFIG).is_file():
             try:
                 config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             except Exception as error:
-                raise UsageError(f"{folder / 'config.json'}: cannot be read as a model config ({error})") from None
+                raise UsageError(f"{folder / HF_CONFIG}: cannot be read as a model config ({error})") from None
             return ModelFiles(folder=folder, origin=origin, config=config)
         if origin == "--model":
             raise UsageError(f"--model {folder}: no config.json there (give the model folder the run trained)")
@@ -174,15 +176,15 @@ def _made_by(output: Path, kind: OutputKind) -> bool:
     """True when ``output`` looks like what ``kind`` writes, so ``--force`` may replace it: an
     export is a flat Hugging Face folder with config.json and safetensors weights; an import is a
     checkpoint whose manifest says ``"kind": "imported"``."""
-    from fsdp_presets.checkpoint.resume import is_imported
+    from fsdp_presets.checkpoint.manifest import is_imported
 
     if not output.is_dir() or output.is_symlink():
         return False
     if kind == "import":
         return is_imported(output)
     entries = list(output.iterdir())
-    return (((output / "config.json").is_file() or (output / "adapter_config.json").is_file())  # HF or PEFT folder
-            and any(entry.suffix == ".safetensors" for entry in entries)
+    return (((output / HF_CONFIG).is_file() or (output / ADAPTER_CONFIG).is_file())  # HF or PEFT folder
+            and any(entry.suffix == WEIGHTS_SUFFIX for entry in entries)
             and not any(entry.is_dir() or entry.is_symlink() for entry in entries))
 
 
@@ -281,9 +283,9 @@ class _ExportPlan:
 
 def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _ExportPlan:
     """Every check of an export, before anything is written."""
-    from fsdp_presets.checkpoint.manager import MANIFEST, checkpoint_verdict, folder_verdict
+    from fsdp_presets.checkpoint.manager import checkpoint_verdict, folder_verdict
     from fsdp_presets.fileio import config_digest
-    from fsdp_presets.checkpoint.resume import read_manifest_json
+    from fsdp_presets.checkpoint.manifest import read_manifest_json
 
     checkpoint = Path(checkpoint)
     files = find_checkpoint_files(checkpoint)
@@ -300,8 +302,8 @@ def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _
     model_files = find_model_files(checkpoint, model)
     recorded = (manifest or {}).get("config_digest")
     if recorded and recorded != config_digest(model_files.config):
-        raise UsageError(f"{checkpoint} is a checkpoint of another model: the config digest in its manifest.json "
-                         f"differs from {model_files.folder / 'config.json'} ({model_files.origin}); give --model "
+        raise UsageError(f"{checkpoint} is a checkpoint of another model: the config digest in its {MANIFEST} "
+                         f"differs from {model_files.folder / HF_CONFIG} ({model_files.origin}); give --model "
                          "the model folder the run trained")
     reader = model_reader(files)
     expected = expected_tensors(model_files.config)
@@ -322,7 +324,7 @@ def _tokenizer_and_generation_config(model_files: ModelFiles, *, required: bool)
             raise UsageError(f"{model_files.folder} ({model_files.origin}): no tokenizer can be loaded from it "
                              f"({type(error).__name__}); pass --model with the folder that has the tokenizer") from None
     generation_config = None
-    if (model_files.folder / "generation_config.json").is_file():
+    if (model_files.folder / GENERATION_CONFIG).is_file():
         generation_config = GenerationConfig.from_pretrained(model_files.folder)
     elif model_class(model_files.config).can_generate():
         generation_config = GenerationConfig.from_model_config(model_files.config)
@@ -387,7 +389,7 @@ def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool,
     log(f"export: {checkpoint / lora.ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
     with staged_folder(output, kind="export", force=force) as staging:
         tensors, total = lora.export_checkpoint_adapter(checkpoint, staging, dtype=dtype)
-    return ExportReport(output=output, layout="adapter", dtype=dtype, shards=["adapter_model.safetensors"],
+    return ExportReport(output=output, layout="adapter", dtype=dtype, shards=[ADAPTER_WEIGHTS],
                         tensors=tensors, bytes=total, tied=[], streamed=False, largest_shard_bytes=total,
                         model_files=f"{checkpoint / MODEL_CONFIG} (adapter_config.json)")
 
@@ -435,7 +437,7 @@ def _export_streamed(plan: _ExportPlan, staging: Path, target, max_shard_size: s
 
     layout = {name: torch.empty(entries[name].shape, dtype=written_dtype(entries[name]), device="meta")
               for name in plan.expected.written}
-    split = split_torch_state_dict_into_shards(layout, filename_pattern="model{suffix}.safetensors",
+    split = split_torch_state_dict_into_shards(layout, filename_pattern=SAFETENSORS_SHARDS,
                                                max_shard_size=max_shard_size)
     total = largest = 0
     for filename, names in split.filename_to_tensors.items():
@@ -449,7 +451,7 @@ def _export_streamed(plan: _ExportPlan, staging: Path, target, max_shard_size: s
     if split.is_sharded:
         parameters = sum(entries[name].numel for name in plan.expected.written)
         index = {"metadata": {"total_parameters": parameters, **split.metadata}, "weight_map": split.tensor_to_filename}
-        (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return list(split.filename_to_tensors), total, largest
 
 
@@ -457,7 +459,7 @@ def _export_whole(plan: _ExportPlan, staging: Path, target, max_shard_size: str)
     model = _load_model(plan.model.config, plan.reader, plan.expected, plan.files.model)
     model.to(target)
     model.save_pretrained(staging, safe_serialization=True, max_shard_size=max_shard_size)
-    shards = sorted(path.name for path in staging.glob("*.safetensors"))
+    shards = sorted(path.name for path in staging.glob(f"*{WEIGHTS_SUFFIX}"))
     total = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     return shards, total, total
 
@@ -619,18 +621,17 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.checkpoint.manager import Manifest
     from fsdp_presets.checkpoint.files import SafetensorsReader, TorchFileReader
+    from fsdp_presets.checkpoint.manifest import IMPORTED_KIND, Manifest
     from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic
-    from fsdp_presets.checkpoint.resume import IMPORTED_KIND
 
     hf_dir, output = Path(hf_dir), Path(output)
-    if not (hf_dir / "config.json").is_file():
-        raise UsageError(f"{hf_dir}: no config.json (give a Hugging Face model folder)")
+    if not (hf_dir / HF_CONFIG).is_file():
+        raise UsageError(f"{hf_dir}: no {HF_CONFIG} (give a Hugging Face model folder)")
     check_output(output, kind="import", force=force, source=hf_dir)
     weight_files = hf_weight_files(hf_dir)
     for file in weight_files:  # open each file before anything else: a damaged one is named here
-        SafetensorsReader([file]) if file.suffix == ".safetensors" else TorchFileReader(file)
+        SafetensorsReader([file]) if file.suffix == WEIGHTS_SUFFIX else TorchFileReader(file)
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     model_files = ModelFiles(folder=hf_dir, origin="the imported folder", config=config)
     tokenizer, generation_config = _tokenizer_and_generation_config(model_files, required=False)
@@ -662,11 +663,11 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
                  for path in sorted(staging.rglob("*")) if path.is_file()}
         manifest = Manifest(step=0, samples_consumed=0, world_size=1, distributed_type="NO", fsdp=None,
                             config_digest=config_digest(config), files=files,
-                            versions={"torch": torch.__version__}, created_unix=time.time())
-        write_json_atomic(staging / "manifest.json", {
-            **asdict(manifest), "kind": IMPORTED_KIND, "source": str(hf_dir.resolve()),
-            "contents": "model weights only (fp32): no optimizer, scheduler or RNG state; a run resumed from it "
-                        "starts at step 0 with a fresh optimizer"})
+                            versions={"torch": torch.__version__}, created_unix=time.time(), kind=IMPORTED_KIND,
+                            source=str(hf_dir.resolve()),
+                            contents="model weights only (fp32): no optimizer, scheduler or RNG state; a run resumed "
+                                     "from it starts at step 0 with a fresh optimizer")
+        write_json_atomic(staging / MANIFEST, asdict(manifest))
         report = ImportReport(output=output, source_files=[file.name for file in weight_files], tensors=len(state),
                               bytes=sum(tensor.numel() * tensor.element_size() for tensor in state.values()),
                               tokenizer=tokenizer is not None,

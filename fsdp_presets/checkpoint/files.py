@@ -38,18 +38,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fsdp_presets.checkpoint.layout import (ADAPTER_MODEL, ADAPTER_OPTIMIZER, DCP_METADATA, DCP_MODEL,  # noqa: F401
+                                            DCP_OPTIMIZER, DCP_RANK_FILE, DDP_MODEL, FULL_MODEL, OPTIMIZER_BIN,
+                                            HF_WEIGHT_FILES, RNG_STATE_GLOB, WEIGHTS_SUFFIX, rng_state_rank)
 from fsdp_presets.errors import UsageError
 
 Layout = Literal["dcp", "full", "ddp", "adapter"]
-DCP_MODEL = "pytorch_model_fsdp_0"
-DCP_OPTIMIZER = "optimizer_0"
-FULL_MODEL = "pytorch_model_fsdp.bin"
-DDP_MODEL = "model.safetensors"
-OPTIMIZER_BIN = "optimizer.bin"
-DCP_METADATA = ".metadata"
-ADAPTER_MODEL = "adapter_model_0"  # fsdp_presets.train.lora: trainable weights only, the base reloads from --model
-ADAPTER_OPTIMIZER = "adapter_optimizer_0"
-_RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_RANK_FILE = DCP_RANK_FILE
 # safetensors dtype names (https://github.com/huggingface/safetensors, format spec) -> torch names
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                        "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
@@ -330,10 +325,8 @@ def rank_files(files: CheckpointFiles) -> list[RankFile]:
         else:
             found.append(RankFile(path=str(part.relative_to(files.folder)), rank=None,
                                   tensors=_tensor_count(part), bytes=part.stat().st_size))
-    for path in sorted(files.folder.glob("random_states_*.pkl")):
-        rank = path.stem.rsplit("_", 1)[-1]
-        found.append(RankFile(path=path.name, rank=int(rank) if rank.isdigit() else None, tensors=0,
-                              bytes=path.stat().st_size))
+    for path in sorted(files.folder.glob(RNG_STATE_GLOB)):
+        found.append(RankFile(path=path.name, rank=rng_state_rank(path.name), tensors=0, bytes=path.stat().st_size))
     return found
 
 
@@ -342,7 +335,7 @@ def _tensor_count(path: Path) -> int:
     import torch
 
     try:
-        if path.suffix == ".safetensors":
+        if path.suffix == WEIGHTS_SUFFIX:
             return len(SafetensorsReader([path]).entries())
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception:
@@ -362,8 +355,7 @@ def _tensor_count(path: Path) -> int:
 def hf_weight_files(folder: Path) -> list[Path]:
     """The weight files of a Hugging Face folder, by transformers' names: sharded or single
     safetensors first, then legacy ``pytorch_model.bin`` (sharded or single)."""
-    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
-                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+    for index_name, single in HF_WEIGHT_FILES:
         index = folder / index_name
         if index.is_file():
             try:

@@ -157,8 +157,9 @@ def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> C
     """Read a checkpoint's manifest, files and DCP metadata (no tensor data) and give the verdict
     the recipes give (:func:`fsdp_presets.checkpoint.manager.checkpoint_verdict`): checksums, a closed
     folder, and every pickle read as data only. Nothing of the folder is run or followed."""
-    from fsdp_presets.checkpoint.manager import MANIFEST, checkpoint_verdict, folder_verdict
-    from fsdp_presets.checkpoint.resume import IMPORTED_KIND, read_manifest_json, recorded_global_batch
+    from fsdp_presets.checkpoint.layout import MANIFEST, run_json_of
+    from fsdp_presets.checkpoint.manager import checkpoint_verdict, folder_verdict
+    from fsdp_presets.checkpoint.resume import recorded_global_batch
 
     folder = Path(folder)
     has_manifest = (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink()
@@ -182,12 +183,11 @@ def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> C
     batch = recorded_global_batch(folder, step=step, samples_consumed=samples) if step else None
     micro = None
     try:
-        micro = int(json.loads((folder.resolve().parent.parent / "run.json").read_text())["micro_batch_size"])
+        micro = int(json.loads(run_json_of(folder).read_text())["micro_batch_size"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    raw = (read_manifest_json(folder) or {}) if manifest else {}
     summary = CheckpointSummary(
-        checkpoint=str(folder), kind="imported" if raw.get("kind") == IMPORTED_KIND else "training",
+        checkpoint=str(folder), kind=manifest.kind if manifest else "training",
         layout=files.layout, step=step, samples_consumed=samples, global_batch_samples=batch, micro_batch_size=micro,
         world_size=manifest.world_size if manifest else None,
         strategy=strategy_words(manifest.distributed_type if manifest else None, manifest.fsdp if manifest else None,

@@ -21,136 +21,24 @@ same points. Kill-during-save drills: see :mod:`fsdp_presets.faults` (point ``du
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import time
-from dataclasses import MISSING, asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.fileio import sha256_file, write_json_atomic
+from fsdp_presets.checkpoint.layout import (DELETING_PREFIX, FINAL, MANIFEST, STEP_PATTERN,  # noqa: F401
+                                            TEMPORARY_STEP_PREFIX, deleting_name, rng_state_file, step_folder_name,
+                                            step_of, temporary_step_folder)
+from fsdp_presets.checkpoint.manifest import (ADAPTER_KIND, IMPORTED_KIND, MANIFEST_FORMAT,  # noqa: F401
+                                              TRAINING_KIND, Manifest, inside_path_problem, manifest_kind)
 from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
                                  raise_on_every_rank)
 from fsdp_presets.faults import fault_point
-from fsdp_presets.checkpoint.resume import IMPORTED_KIND
-from fsdp_presets.checkpoint.run_folder import FINAL
+from fsdp_presets.fileio import sha256_file, write_json_atomic
 
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-STEP_PATTERN = re.compile(r"^step-(\d{8})$")
-TEMPORARY_PREFIX = ".tmp-step-"
-DELETING_PREFIX = ".deleting-"
-
-
-def step_folder_name(step: int) -> str:
-    """``step-00000012``: eight digits so that names sort like steps."""
-    return f"step-{step:08d}"
-
-
-@dataclass(kw_only=True)
-class Manifest:
-    """What a committed checkpoint holds and how to check it."""
-
-    step: int
-    """Optimizer steps completed when the state was saved."""
-    samples_consumed: int
-    """Training samples consumed by all ranks together: the data position to resume from."""
-    world_size: int
-    """Processes that wrote the checkpoint."""
-    distributed_type: str
-    """accelerate's distributed type (FSDP, MULTI_CPU, MULTI_GPU, NO)."""
-    fsdp: dict[str, Any] | None
-    """FSDP version, resharding, state-dict type, activation checkpointing, HSDP mesh (or None)."""
-    config_digest: str
-    """SHA-256 of the model config (see :func:`fsdp_presets.fileio.config_digest`)."""
-    files: dict[str, dict[str, Any]]
-    """Relative path -> {"sha256", "bytes"} of every file in the checkpoint except the manifest."""
-    versions: dict[str, str] = field(default_factory=dict)
-    """torch / accelerate / transformers versions that wrote it."""
-    created_unix: float = 0.0
-    """When it was committed (seconds since the epoch)."""
-    format: int = MANIFEST_FORMAT
-    """Manifest format version."""
-    training: dict[str, Any] | None = None
-    """LoRA/QLoRA runs: the method and LoRA shape (:func:`fsdp_presets.train.lora.settings`); None: full."""
-
-    def __post_init__(self) -> None:
-        problems = []
-        for name, least in (("step", 0), ("samples_consumed", 0), ("world_size", 1)):
-            value = getattr(self, name)
-            if type(value) is not int:
-                problems.append(f"{name} {value!r} is not an integer")
-            elif value < least:
-                problems.append(f"{name} {value} < {least}")
-        if not isinstance(self.distributed_type, str):
-            problems.append(f"distributed_type {self.distributed_type!r} is not a string")
-        if self.fsdp is not None and not isinstance(self.fsdp, dict):
-            problems.append(f"fsdp {self.fsdp!r} is not an object")
-        if self.training is not None and not isinstance(self.training, dict):
-            problems.append(f"training {self.training!r} is not an object")
-        if not isinstance(self.config_digest, str):
-            problems.append(f"config_digest {self.config_digest!r} is not a string")
-        if not isinstance(self.files, dict):
-            problems.append("files is not an object of path -> {sha256, bytes}")
-        else:
-            for relative, entry in self.files.items():
-                problem = _file_entry_problem(relative, entry)
-                if problem:
-                    problems.append(problem)
-                    break
-        if problems:
-            raise ValueError("invalid manifest: " + "; ".join(problems))
-
-    @classmethod
-    def from_json(cls, payload: Any) -> "Manifest":
-        """A manifest from the parsed ``manifest.json`` (``ValueError`` naming every missing or
-        malformed field)."""
-        if not isinstance(payload, dict):
-            raise ValueError("invalid manifest: not a JSON object")
-        known = {name for name in cls.__dataclass_fields__}
-        required = [name for name, spec in cls.__dataclass_fields__.items()
-                    if spec.default is MISSING and spec.default_factory is MISSING]
-        missing = [name for name in required if name not in payload]
-        if missing:
-            raise ValueError(f"invalid manifest: no {', '.join(missing)}")
-        return cls(**{key: value for key, value in payload.items() if key in known})
-
-    @classmethod
-    def read(cls, folder: str | os.PathLike) -> "Manifest":
-        """Load ``folder/manifest.json`` (raises ``ValueError``/``OSError`` when missing or bad)."""
-        return cls.from_json(json.loads((Path(folder) / MANIFEST).read_text()))
-
-
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-RNG_STATE_FILE = "random_states_{rank}.pkl"
-"""accelerate's per-rank random state (``RNG_STATE_NAME`` + ``_<rank>.pkl``)."""
-
-
-def _file_entry_problem(relative: Any, entry: Any) -> str | None:
-    """What is wrong with one ``files`` entry of a manifest, or None."""
-    if not isinstance(relative, str) or not relative:
-        return f"file name {relative!r} is not a path"
-    if not isinstance(entry, dict):
-        return f"file {relative!r}: entry is not an object with sha256 and bytes"
-    digest, size = entry.get("sha256"), entry.get("bytes")
-    if not isinstance(digest, str) or not _SHA256.match(digest):
-        return f"file {relative!r}: sha256 {digest!r} is not 64 hex digits"
-    if type(size) is not int or size < 0:
-        return f"file {relative!r}: bytes {size!r} is not a size"
-    return None
-
-
-def inside_path_problem(relative: str) -> str | None:
-    """Why a manifest path would leave the checkpoint folder (absolute, ``..``, a drive or a
-    backslash), or None: a checkpoint is a closed folder."""
-    pure = PurePosixPath(relative)
-    if pure.is_absolute() or "\\" in relative or ":" in relative or any(part in ("..", ".", "") for part in
-                                                                     relative.split("/")):
-        return f"manifest.json lists {relative!r}, a path outside the checkpoint folder (paths must be plain " \
-               "relative names inside it)"
-    return None
+TEMPORARY_PREFIX = TEMPORARY_STEP_PREFIX  # the name this module gave it first
 
 
 def _walk_problem(folder: Path, listed: set[str] | None) -> str | None:
@@ -163,7 +51,7 @@ def _walk_problem(folder: Path, listed: set[str] | None) -> str | None:
                 return (f"{relative} is a symbolic link (to {os.readlink(path)}); a checkpoint holds only its own "
                         "files and links in it are never followed: replace the link with the file")
             if listed is not None and name in files and relative != MANIFEST and relative not in listed:
-                return f"file {relative} is not listed in manifest.json (a checkpoint holds only what it lists)"
+                return f"file {relative} is not listed in {MANIFEST} (a checkpoint holds only what it lists)"
     return None
 
 
@@ -196,11 +84,11 @@ def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True)
     if manifest_path.is_symlink():
         return Verdict(manifest=None, problem=f"{MANIFEST} is a symbolic link; a checkpoint holds only its own files")
     if not manifest_path.is_file():
-        return Verdict(manifest=None, problem="no manifest.json (the save did not finish)")
+        return Verdict(manifest=None, problem=f"no {MANIFEST} (the save did not finish)")
     try:
         manifest = Manifest.read(folder)
     except (ValueError, TypeError, OSError) as error:
-        return Verdict(manifest=None, problem=f"unreadable manifest.json ({str(error)[:300]})")
+        return Verdict(manifest=None, problem=f"unreadable {MANIFEST} ({str(error)[:300]})")
     for relative in sorted(manifest.files):
         problem = inside_path_problem(relative)
         if problem:
@@ -217,9 +105,9 @@ def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True)
                                                       f"{expected['bytes']}")
         if sha256_file(path) != expected["sha256"]:
             return Verdict(manifest=manifest, problem=f"file {relative} does not match its SHA-256 in the manifest")
-    if _raw_kind(folder) != IMPORTED_KIND:
-        missing = [RNG_STATE_FILE.format(rank=rank) for rank in range(manifest.world_size)
-                   if RNG_STATE_FILE.format(rank=rank) not in manifest.files]
+    if manifest.kind != IMPORTED_KIND:
+        missing = [rng_state_file(rank) for rank in range(manifest.world_size)
+                   if rng_state_file(rank) not in manifest.files]
         if missing:
             return Verdict(manifest=manifest, problem=f"{', '.join(missing[:4])} missing: the random state of "
                                                       f"{len(missing)} of the {manifest.world_size} ranks that saved it")
@@ -256,14 +144,6 @@ def _short(problem: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _raw_kind(folder: Path) -> Any:
-    try:
-        payload = json.loads((folder / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return payload.get("kind") if isinstance(payload, dict) else None
-
-
 def verify_checkpoint(folder: str | os.PathLike) -> tuple[Manifest | None, str | None]:
     """``(manifest, None)`` when the folder is a complete, untampered checkpoint that holds only
     data, else ``(None, what is wrong)`` (see :func:`checkpoint_verdict`)."""
@@ -276,8 +156,8 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(match.group(1)), entry) for entry in directory.iterdir()
-             if entry.is_dir() and (match := STEP_PATTERN.match(entry.name))]
+    found = [(step, entry) for entry in directory.iterdir()
+             if entry.is_dir() and (step := step_of(entry.name)) is not None]
     return sorted(found)
 
 
@@ -293,7 +173,7 @@ def _library_versions() -> dict[str, str]:
 def _remove_tree(path: Path) -> None:
     """Rename first (atomic), then delete: a kill mid-delete leaves a dot-folder that is ignored,
     never a committed-looking folder with files missing."""
-    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{time.time_ns()}")
+    doomed = deleting_name(path)
     os.rename(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
@@ -332,7 +212,7 @@ class CheckpointManager:
         and prune. ``write_extra(folder)`` runs on the main process before hashing (e.g. to add
         the model config and tokenizer, so a checkpoint is self-describing). Collective."""
         accelerator = self.accelerator
-        temporary = self.directory / f"{TEMPORARY_PREFIX}{step:08d}"
+        temporary = temporary_step_folder(self.directory, step)
         committed = self.directory / step_folder_name(step)
         if accelerator.is_main_process:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -370,6 +250,7 @@ class CheckpointManager:
                 config_digest=self.config_digest,
                 files={relative: {"sha256": digest, "bytes": size} for relative, digest, size in sorted(hashed)},
                 versions=_library_versions(), created_unix=time.time(), training=self.training,
+                kind=ADAPTER_KIND if self.training else TRAINING_KIND,
             )
             try:
                 write_json_atomic(temporary / MANIFEST, asdict(manifest))
@@ -423,7 +304,7 @@ class CheckpointManager:
         accelerator = self.accelerator
         choice = error = None
         if accelerator.is_main_process and self.directory.is_dir():
-            for leftover in sorted(self.directory.glob(f"{TEMPORARY_PREFIX}*")):
+            for leftover in sorted(self.directory.glob(f"{TEMPORARY_STEP_PREFIX}*")):
                 self.log(f"checkpoint: ignoring {leftover}: a save that did not finish (no manifest); "
                          "removing it")
                 _remove_tree(leftover)

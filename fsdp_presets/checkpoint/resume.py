@@ -29,30 +29,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fsdp_presets.checkpoint.layout import DCP_MODEL, run_json_of
+from fsdp_presets.checkpoint.manifest import IMPORTED_KIND, is_imported, read_manifest_json  # noqa: F401
 from fsdp_presets.errors import UsageError
 
-IMPORTED_KIND = "imported"
-"""manifest.json ``kind`` of a checkpoint written by ``fsdp-presets import``."""
-MODEL_DCP_FOLDER = "pytorch_model_fsdp_0"
-"""accelerate's folder for the first model's DCP shards (``FSDP_MODEL_NAME`` + ``_0``)."""
-RUN_JSON = "run.json"
-
-
-def read_manifest_json(folder: str | os.PathLike) -> dict[str, Any] | None:
-    """The raw ``manifest.json`` of a checkpoint folder (every key, also those the
-    :class:`~fsdp_presets.checkpoint.manager.Manifest` dataclass does not know), or None."""
-    path = Path(folder) / "manifest.json"
-    try:
-        payload = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return payload if isinstance(payload, dict) else None
-
-
-def is_imported(folder: str | os.PathLike) -> bool:
-    """True for a checkpoint written by ``fsdp-presets import`` (model weights only)."""
-    manifest = read_manifest_json(folder)
-    return manifest is not None and manifest.get("kind") == IMPORTED_KIND
+MODEL_DCP_FOLDER = DCP_MODEL  # the name this module gave it first
 
 
 def recorded_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed: int) -> int | None:
@@ -65,7 +46,7 @@ def recorded_global_batch(folder: str | os.PathLike, *, step: int, samples_consu
     """
     if step <= 0:
         return None
-    run_json = Path(folder).resolve().parent.parent / RUN_JSON
+    run_json = run_json_of(folder)
     try:
         recorded = int(json.loads(run_json.read_text()).get("global_batch_samples") or 0)
     except (OSError, ValueError, TypeError, AttributeError):
@@ -128,6 +109,6 @@ def load_imported(model, folder: str | os.PathLike, *, config_digest: str):
                          "differs); give a checkpoint of this --model or import this model")
     state = get_model_state_dict(model)
     distributed = dist.is_available() and dist.is_initialized()
-    safe_dcp_load({"model": state}, Path(folder) / MODEL_DCP_FOLDER, no_dist=not distributed)
+    safe_dcp_load({"model": state}, Path(folder) / DCP_MODEL, no_dist=not distributed)
     set_model_state_dict(model, state)
     return manifest

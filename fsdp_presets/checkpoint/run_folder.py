@@ -1,11 +1,4 @@
-"""The run folder a recipe writes (see the run-folder contract in docs):
-
-    OUTPUT_DIR/run.json          what was run, by whom, on what (written atomically at start)
-    OUTPUT_DIR/metrics.jsonl     one line per optimizer step, plus evaluation lines
-    OUTPUT_DIR/checkpoints/step-NNNNNNNN/   committed checkpoints, each with manifest.json
-    OUTPUT_DIR/final/            Hugging Face folder of the trained model
-    OUTPUT_DIR/plots/            loss.png, throughput.png
-    OUTPUT_DIR/run.lock          who is writing the folder now (host, PIDs), while a job runs
+"""The run folder a recipe writes (its names and paths: :mod:`fsdp_presets.checkpoint.layout`).
 
 :func:`check_output_dir` runs before anything is written: a folder that holds another run (other
 recipe, model, data, seed or sequence length), or any other files, is refused so that nothing of
@@ -28,20 +21,15 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fsdp_presets.fileio import write_json_atomic
+from fsdp_presets.checkpoint.layout import (CHECKPOINTS, FINAL, METRICS, PLOTS, RUN_JSON, RUN_LOCK,  # noqa: F401
+                                            STALE_LOCK_GLOB, RunFolder, stale_lock_name)
 from fsdp_presets.errors import UsageError, raise_on_every_rank
+from fsdp_presets.fileio import write_json_atomic
 
 RUN_FORMAT = 1
-RUN_JSON = "run.json"
-METRICS = "metrics.jsonl"
-CHECKPOINTS = "checkpoints"
-FINAL = "final"
-PLOTS = "plots"
-LOCK = "run.lock"
 
 # run.json keys that must agree for `--resume` to continue a run in the same folder. The number of
 # processes and the batch split may change (resume on another GPU count); these may not.
@@ -55,38 +43,6 @@ SETTING_KEYS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay",
 def training_settings(args) -> dict[str, Any]:
     """The :data:`SETTING_KEYS` of a recipe's parsed arguments."""
     return {key: getattr(args, key) for key in SETTING_KEYS if hasattr(args, key)}
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunFolder:
-    """Paths of one run folder."""
-
-    root: Path
-    """OUTPUT_DIR as given on the command line."""
-
-    @property
-    def run_json(self) -> Path:
-        return self.root / RUN_JSON
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / METRICS
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / CHECKPOINTS
-
-    @property
-    def final(self) -> Path:
-        return self.root / FINAL
-
-    @property
-    def plots(self) -> Path:
-        return self.root / PLOTS
-
-    @property
-    def lock(self) -> Path:
-        return self.root / LOCK
 
 
 def distributed_settings(accelerator) -> dict[str, Any]:
@@ -176,7 +132,7 @@ def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: 
     folder = RunFolder(root=Path(root))
     if folder.root.exists() and not folder.root.is_dir():
         raise UsageError(f"--output-dir {folder.root} is a file; give a folder")
-    contents = [entry for entry in folder.root.iterdir() if entry.name != LOCK] if folder.root.is_dir() else []
+    contents = [entry for entry in folder.root.iterdir() if entry.name != RUN_LOCK] if folder.root.is_dir() else []
     if not contents:
         return folder
     recorded = read_run_json(folder.root)
@@ -289,7 +245,7 @@ def _try_lock(lock: Path, record: dict[str, Any]) -> tuple[bool, str | None, str
         if refusal:
             return False, refusal, None
         try:  # only one of several jobs that found it stale can move it away
-            os.rename(lock, lock.with_name(f".{LOCK}.stale-{os.getpid()}-{time.time_ns()}"))
+            os.rename(lock, stale_lock_name(lock))
         except FileNotFoundError:
             pass
         return False, None, note
@@ -319,7 +275,7 @@ def acquire_run_lock(folder: RunFolder, accelerator, *, log=print) -> Path:
                 taken, refusal, note = _try_lock(lock, record)
                 if note:
                     log(note)
-                for stale in lock.parent.glob(f".{LOCK}.stale-*"):
+                for stale in lock.parent.glob(STALE_LOCK_GLOB):
                     stale.unlink(missing_ok=True)
                 if taken or refusal:
                     break

@@ -45,6 +45,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from fsdp_presets.checkpoint.layout import DCP_METADATA
 from fsdp_presets.errors import UsageError
 
 # A DCP shard file name as torch writes it (``__<rank>_<n>.distcp``); the index may name no other.
@@ -174,8 +175,6 @@ def _check_metadata_structure(metadata, path: Path) -> None:
 
 def read_dcp_metadata(folder: Path):
     """The ``Metadata`` of a DCP folder, read through the allow-list (see :func:`loads_metadata`)."""
-    from fsdp_presets.checkpoint.files import DCP_METADATA
-
     path = Path(folder) / DCP_METADATA
     if not path.is_file():
         raise UsageError(f"{path}: missing; the DCP folder has no index of its shards")
@@ -213,7 +212,7 @@ def vet_dcp_folder(folder: Path):
         except OSError as error:
             raise UsageError(f"{path}: cannot be read ({error})") from None
         if len(data) != info.length:
-            raise UsageError(f"{path}: truncated ({folder / '.metadata'} lists bytes beyond its end)")
+            raise UsageError(f"{path}: truncated ({folder / DCP_METADATA} lists bytes beyond its end)")
         try:
             load_torch_bytes(data, f"{path}: item {index.fqn}")
         except UnsafeCheckpointError:
@@ -251,8 +250,6 @@ def vet_checkpoint_pickles(folder: Path) -> None:
     """Every pickle of a checkpoint folder read the safe way (see the module docstring); raises
     :class:`UnsafeCheckpointError` naming the first refused file, :class:`UsageError` for a
     damaged one. DCP folders are the folders that hold a ``.metadata``."""
-    from fsdp_presets.checkpoint.files import DCP_METADATA
-
     folder = Path(folder)
     for custom in sorted(folder.rglob("custom_checkpoint_*.pkl")):
         raise _refusal(custom, "accelerate loads a registered object's custom state with "

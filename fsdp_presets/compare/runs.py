@@ -31,15 +31,15 @@ import dataclasses
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RUN_JSON, step_in_path
 from fsdp_presets.errors import UsageError
 
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
+METRICS_FILE = METRICS
+RUN_FILE = RUN_JSON
 
 # Compared series, in the order that breaks ties at the same step: the data decides what the
 # forward sees, the forward comes before the backward, the backward before the update.
@@ -181,15 +181,14 @@ class RunRecord:
 
 def checkpoint_step(path: str) -> int | None:
     """The optimizer step of a checkpoint: its manifest's ``step``, else the ``step-NNNNNNNN`` name."""
-    manifest = Path(path) / "manifest.json"
+    manifest = Path(path) / MANIFEST
     try:
         step = json.loads(manifest.read_text()).get("step")
         if isinstance(step, int) and not isinstance(step, bool):
             return step
     except (OSError, ValueError, AttributeError):
         pass
-    match = re.search(r"step-(\d+)", Path(path).name) or re.search(r"step-(\d+)", str(path))
-    return int(match.group(1)) if match else None
+    return step_in_path(path)
 
 
 def _is_number(value: object) -> bool:

@@ -42,11 +42,9 @@ from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
 
-from fsdp_presets.checkpoint.files import ADAPTER_MODEL, ADAPTER_OPTIMIZER  # noqa: E402
-ADAPTER_KEYS = "adapter_keys.json"
-"""In a checkpoint's model_config/: checkpoint tensor name -> key in a PEFT adapter_model.safetensors."""
-ADAPTER_CONFIG = "adapter_config.json"
-MERGED = "merged"
+from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL,  # noqa: F401
+                                            ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS, DCP_METADATA, GENERATION_CONFIG,
+                                            HF_CONFIG, MERGED, MODEL_CONFIG)
 _KEY = re.compile(r"^[A-Za-z0-9_.]{1,500}$")
 
 
@@ -306,7 +304,7 @@ class TrainableState:
 
         folder = Path(folder)
         for name in (ADAPTER_MODEL, ADAPTER_OPTIMIZER):
-            if not (folder / name / ".metadata").is_file():
+            if not (folder / name / DCP_METADATA).is_file():
                 raise UsageError(f"--resume {folder}: no {name}/ in it, so it is not a LoRA checkpoint; give a "
                                  "checkpoint of a LoRA run with the same --lora-* flags, or train without them")
         model_state, optimizer_state = _trainable_state(self.model, self.optimizer)
@@ -338,7 +336,7 @@ def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
 def write_checkpoint_extra(folder: Path, lora: dict[str, Any], key_map: dict[str, str], adapter_config) -> None:
     """Into a checkpoint's model_config/ (main process): adapter_config.json and the key map, so
     ``fsdp-presets export`` writes a PEFT folder from the checkpoint alone."""
-    target = Path(folder) / "model_config"
+    target = Path(folder) / MODEL_CONFIG
     target.mkdir(parents=True, exist_ok=True)
     adapter_config.save_pretrained(str(target))
     (target / ADAPTER_KEYS).write_text(json.dumps({"lora": lora, "keys": key_map}, indent=1, sort_keys=True))
@@ -377,7 +375,7 @@ def write_adapter_folder(folder: Path, state: dict[str, Any], key_map: dict[str,
     if missing:
         raise RuntimeError(f"trainable weights without a PEFT name: {missing[:3]}")
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({key_map[name]: tensor for name, tensor in state.items()}, str(folder / "adapter_model.safetensors"),
+    save_file({key_map[name]: tensor for name, tensor in state.items()}, str(folder / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
     config = copy.deepcopy(adapter_config)
     config.inference_mode = True
@@ -456,7 +454,7 @@ def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str) ->
 
     from fsdp_presets.checkpoint.files import DcpReader
 
-    config_dir = checkpoint / "model_config"
+    config_dir = checkpoint / MODEL_CONFIG
     try:
         record = json.loads((config_dir / ADAPTER_KEYS).read_text())
         keys = record["keys"]
@@ -464,22 +462,22 @@ def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str) ->
         if not isinstance(keys, dict) or not isinstance(adapter_config, dict):
             raise ValueError("not an object")
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"{checkpoint}: model_config/{ADAPTER_KEYS} or {ADAPTER_CONFIG} missing or unreadable "
+        raise UsageError(f"{checkpoint}: {MODEL_CONFIG}/{ADAPTER_KEYS} or {ADAPTER_CONFIG} missing or unreadable "
                          f"({error}); the checkpoint was not written by a LoRA run of the recipes") from None
     for name, key in keys.items():
         if not (isinstance(name, str) and isinstance(key, str) and _KEY.match(name) and _KEY.match(key)):
-            raise UsageError(f"{checkpoint}: model_config/{ADAPTER_KEYS} holds a key that is not a tensor name")
+            raise UsageError(f"{checkpoint}: {MODEL_CONFIG}/{ADAPTER_KEYS} holds a key that is not a tensor name")
     reader = DcpReader(checkpoint / ADAPTER_MODEL)
     entries = reader.entries()
     unknown = sorted(set(entries) - set(keys))
     if unknown:
-        raise UsageError(f"{checkpoint}: tensors {unknown[:3]} have no PEFT name in model_config/{ADAPTER_KEYS}")
+        raise UsageError(f"{checkpoint}: tensors {unknown[:3]} have no PEFT name in {MODEL_CONFIG}/{ADAPTER_KEYS}")
     target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     tensors = {keys[name]: tensor.to(target).contiguous() for name, tensor in reader.read(sorted(entries)).items()}
     staging.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
     for path in config_dir.iterdir():  # the tokenizer files
-        if path.is_file() and path.name not in (ADAPTER_KEYS, ADAPTER_CONFIG, "config.json", "generation_config.json"):
+        if path.is_file() and path.name not in (ADAPTER_KEYS, ADAPTER_CONFIG, HF_CONFIG, GENERATION_CONFIG):
             shutil.copyfile(path, staging / path.name)
     return len(tensors), sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from fsdp_presets.checkpoint.layout import LOSS_PLOT, METRICS, PLOTS, THROUGHPUT_PLOT
 from fsdp_presets.train.metrics import read_metrics
 
 
@@ -23,7 +24,7 @@ def plot_runs(runs: dict[str, str | os.PathLike], output_dir: str | os.PathLike)
     pyplot = _pyplot()
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    records = {label: read_metrics(Path(run) / "metrics.jsonl") for label, run in runs.items()}
+    records = {label: read_metrics(Path(run) / METRICS) for label, run in runs.items()}
 
     figure, axes = pyplot.subplots(figsize=(7, 4.2))
     for label, lines in records.items():
@@ -38,7 +39,7 @@ def plot_runs(runs: dict[str, str | os.PathLike], output_dir: str | os.PathLike)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    loss_png = output_dir / "loss.png"
+    loss_png = output_dir / LOSS_PLOT
     figure.savefig(loss_png, dpi=110)
     pyplot.close(figure)
 
@@ -50,7 +51,7 @@ def plot_runs(runs: dict[str, str | os.PathLike], output_dir: str | os.PathLike)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    throughput_png = output_dir / "throughput.png"
+    throughput_png = output_dir / THROUGHPUT_PLOT
     figure.savefig(throughput_png, dpi=110)
     pyplot.close(figure)
     return [loss_png, throughput_png]
@@ -58,4 +59,4 @@ def plot_runs(runs: dict[str, str | os.PathLike], output_dir: str | os.PathLike)
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     """The plots of one run, into ``RUN/plots/``."""
-    return plot_runs({Path(run_dir).name: run_dir}, Path(run_dir) / "plots")
+    return plot_runs({Path(run_dir).name: run_dir}, Path(run_dir) / PLOTS)
