@@ -54,6 +54,12 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
         "PATH (a checkpoints/step-NNNNNNNN folder) or none")
     add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")
+    add("--fsdp-reduce-dtype", choices=("fp32", "bf16"),
+        help="dtype FSDP reduces gradients in (default: accelerate's, which follows "
+        "mixed_precision; no accelerate config key sets it)")
+    from fsdp_presets.train import lora
+
+    lora.add_arguments(parser)  # LoRA/QLoRA: --lora-r/-alpha/-dropout/-target-modules, --load-in-4bit, --export-merged
     return parser
 
 
@@ -118,6 +124,24 @@ def check_seq_len(seq_len: int, config: Any) -> None:
     if limit is not None and seq_len > limit:
         raise UsageError(f"--seq-len {seq_len} is beyond the model's {limit} positions "
                          f"(max_position_embeddings); use --seq-len {limit} or less")
+
+
+def set_fsdp_reduce_dtype(accelerator, name: str) -> None:
+    """``--fsdp-reduce-dtype``: keep the FSDP mixed-precision policy, change only the dtype
+    gradients are reduced in."""
+    import dataclasses
+
+    import torch
+
+    plugin = accelerator.state.fsdp_plugin
+    if accelerator.distributed_type.value != "FSDP" or plugin is None:
+        raise UsageError("--fsdp-reduce-dtype needs an FSDP accelerate config")
+    if plugin.fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+    else:
+        from torch.distributed.fsdp import MixedPrecision as Policy
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+    plugin.mixed_precision_policy = dataclasses.replace(plugin.mixed_precision_policy or Policy(), reduce_dtype=dtype)
 
 
 # ---- data position ----
