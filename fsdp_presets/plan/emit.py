@@ -13,6 +13,7 @@ rescaling reads back (``# fsdp-presets: {...}``) is a comment. Pure: text in, te
 from __future__ import annotations
 
 import json
+import operator
 import textwrap
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -29,6 +30,19 @@ from fsdp_presets.plan.presets import (
     count_text,
 )
 from fsdp_presets.plan.quoting import comment_text, is_one_line, shell_join, shell_word
+from fsdp_presets.plan.schema import (
+    FSDP_CONFIG,
+    FSDP_KEYS,
+    PARALLELISM_CONFIG,
+    PARALLELISM_KEYS,
+    PARALLELISM_PREFIX,
+    PEFT_WRAP_POLICY,
+    SHARDING_SECTIONS,
+    TOP_LEVEL_KEYS,
+    ConfigKey,
+    K,
+    fsdp_key,
+)
 
 METADATA_PREFIX = "# fsdp-presets: "
 """Start of the comment line holding the request (JSON) that generated a file."""
@@ -60,42 +74,24 @@ class LaunchHints:
 
 
 def accelerate_config(preset: Preset) -> dict:
-    """The accelerate config of ``preset`` (FSDP), keys in the order ``accelerate config`` writes."""
+    """The accelerate config of ``preset`` (FSDP), keys in the order ``accelerate config`` writes:
+    every key of :data:`~fsdp_presets.plan.schema.FSDP_KEYS` written for its FSDP version, with the
+    Preset field or the constant (and the reason) the table names."""
     parallelism = preset.parallelism
     config = _machine_keys(preset, "FSDP")
-    fsdp: dict = {
-        "fsdp_version": parallelism.fsdp_version,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": ",".join(preset.wrap.classes),
-    }
-    if parallelism.fsdp_version == 2:
-        fsdp["fsdp_reshard_after_forward"] = parallelism.reshard_after_forward
-    else:
-        fsdp.update({
-            "fsdp_sharding_strategy": parallelism.strategy,
-            # Prefetch the next unit's all-gather during the current unit's backward (torch's
-            # default, BACKWARD_PRE): overlaps communication with compute.
-            "fsdp_backward_prefetch": "BACKWARD_PRE",
-            "fsdp_forward_prefetch": False,
-            # Original parameters stay visible: per-parameter optimizer groups (no weight decay on
-            # norms, biases, embeddings) and torch.compile need them.
-            "fsdp_use_orig_params": True,
-            # Broadcast rank 0's weights at wrap time; RAM-efficient loading depends on it.
-            "fsdp_sync_module_states": True,
-        })
-    fsdp.update({
-        "fsdp_state_dict_type": preset.state_dict.state_dict_type,
-        "fsdp_cpu_ram_efficient_loading": preset.state_dict.cpu_ram_efficient_loading,
-        "fsdp_offload_params": preset.savers.offload,
-        "fsdp_activation_checkpointing": preset.savers.activation_checkpointing,
-    })
-    config["fsdp_config"] = fsdp
+    config[FSDP_CONFIG] = {key.name: _emitted_value(key, preset) for key in FSDP_KEYS
+                           if parallelism.fsdp_version in key.emitted_for}
     if parallelism.hsdp and parallelism.fsdp_version == 2:
-        config["parallelism_config"] = {
-            "parallelism_config_dp_replicate_size": parallelism.replicate_size,
-            "parallelism_config_dp_shard_size": parallelism.shard_size,
-        }
+        config[PARALLELISM_CONFIG] = {key.name: _emitted_value(key, preset) for key in PARALLELISM_KEYS
+                                      if key.preset}
     return config
+
+
+def _emitted_value(key: ConfigKey, preset: Preset):
+    if key.preset is None:
+        return key.emitted
+    value = operator.attrgetter(key.preset)(preset)
+    return ",".join(value) if isinstance(value, (tuple, list)) else value
 
 
 def ddp_config(preset: Preset) -> dict:
@@ -103,21 +99,53 @@ def ddp_config(preset: Preset) -> dict:
     return _machine_keys(preset, "MULTI_GPU")
 
 
+def ddp_baseline_of(config: dict) -> dict:
+    """The DDP baseline of any accelerate config: its machine and precision keys, no sharding
+    section (:data:`~fsdp_presets.plan.schema.SHARDING_SECTIONS`), ``distributed_type: MULTI_GPU``."""
+    baseline = {key: value for key, value in config.items() if key not in SHARDING_SECTIONS}
+    baseline["distributed_type"] = "MULTI_GPU"  # DDP; on a CPU-only host it runs as MULTI_CPU over gloo
+    return baseline
+
+
 def _machine_keys(preset: Preset, distributed_type: str) -> dict:
-    # NOTE: `use_cpu: false` also for --device cpu presets: `use_cpu: true` makes accelerate launch
-    # plain MULTI_CPU processes without FSDP. fsdp_presets.enable_cpu_fsdp() runs the same config
-    # as real FSDP over gloo on a CPU-only host.
-    return {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": distributed_type,
-        "num_processes": preset.parallelism.num_processes,
-        "num_machines": preset.parallelism.num_machines,
-        "machine_rank": 0,
-        "mixed_precision": preset.precision.mixed_precision,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": False,
-    }
+    return machine_keys(distributed_type=distributed_type, num_processes=preset.parallelism.num_processes,
+                        num_machines=preset.parallelism.num_machines,
+                        mixed_precision=preset.precision.mixed_precision)
+
+
+def machine_keys(*, distributed_type: str, num_processes: int, num_machines: int = 1,
+                 mixed_precision: str = "no") -> dict:
+    """The top-level keys every written config holds, in the order ``accelerate config`` writes them."""
+    # NOTE: `use_cpu: false` also for --device cpu presets (the table's reason for use_cpu).
+    given = {"distributed_type": distributed_type, "num_processes": num_processes, "num_machines": num_machines,
+             "mixed_precision": mixed_precision}
+    return {key.name: given.get(key.name, key.emitted) for key in TOP_LEVEL_KEYS if key.emitted_for}
+
+
+def written_config(*, distributed_type: str = "FSDP", num_processes: int, num_machines: int = 1,
+                   mixed_precision: str = "no", fsdp: dict | None = None, parallelism: dict | None = None) -> dict:
+    """An accelerate config from settings (the tests' and scripts' writer): ``fsdp`` and
+    ``parallelism`` entries by short name (``version``, ``dp_shard_size``) or full name, written in the
+    table's order; an unknown name raises ValueError (a typo must not write a key accelerate ignores)."""
+    config = machine_keys(distributed_type=distributed_type, num_processes=num_processes,
+                          num_machines=num_machines, mixed_precision=mixed_precision)
+    if distributed_type == "FSDP" and fsdp is not None:
+        named = {fsdp_key(name).name: value for name, value in fsdp.items()}
+        config[FSDP_CONFIG] = {key.name: named[key.name] for key in FSDP_KEYS if key.name in named}
+    if parallelism:
+        known = {key.short: key.name for key in PARALLELISM_KEYS}
+        unknown = [name for name in parallelism if name.removeprefix(PARALLELISM_PREFIX) not in known]
+        if unknown:
+            raise ValueError(f"unknown {PARALLELISM_CONFIG} keys {unknown}; known: {', '.join(known)}")
+        config[PARALLELISM_CONFIG] = {known[name.removeprefix(PARALLELISM_PREFIX)]: value
+                                      for name, value in parallelism.items()}
+    return config
+
+
+def emitted_constants(version: int) -> dict:
+    """The constant ``fsdp_config`` settings the emitter writes for FSDP``version`` (short names)."""
+    return {key.short: key.emitted for key in FSDP_KEYS
+            if key.preset is None and version in key.emitted_for}
 
 
 def config_yaml(config: dict) -> str:
@@ -228,7 +256,7 @@ def _method_lines(preset: Preset) -> list[str]:
             f"{preset.parallelism.fsdp_version}: " + (
                 "TRANSFORMER_BASED_WRAP on the decoder layer (accelerate's FSDP2 ignores peft's wrap policy); "
                 "model and optimizer prepared together" if preset.parallelism.fsdp_version == 2 else
-                "fsdp_use_orig_params true, and the recipe sets peft's fsdp_auto_wrap_policy on the plugin and "
+                f"{K.use_orig_params} true, and the recipe sets peft's {PEFT_WRAP_POLICY} on the plugin and "
                 "builds the optimizer after preparing the model") +
             ". Checkpoints hold the adapter and its optimizer state only (the base is reloaded from --model).")
     return ["#"] + _wrapped(text, first="# ", rest="#   ")
@@ -473,13 +501,17 @@ __all__ = [
     "METADATA_PREFIX",
     "accelerate_config",
     "config_yaml",
+    "ddp_baseline_of",
     "ddp_config",
+    "emitted_constants",
     "default_baseline_path",
     "command_text",
     "generate_command",
     "generate_words",
     "launch_words",
+    "machine_keys",
     "read_metadata",
     "render_ddp_baseline",
     "render_preset",
+    "written_config",
 ]

@@ -1,0 +1,218 @@
+"""What ``fsdp-presets check`` reports and what its rules read: the rule table (:data:`RULES`), a
+:class:`Finding`, the :class:`CheckContext` besides the file, and a file's :class:`CheckReport`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from fsdp_presets.plan.presets import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB
+from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.plan.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K
+
+
+Severity = Literal["error", "warning", "note"]
+
+RULES = MappingProxyType({
+    # rule id: (severity, what it catches)
+    "yaml-invalid": ("error", "the file is not YAML, or not a mapping of accelerate settings"),
+    "accelerate-rejects": ("error", "accelerate's own loader, launcher or FSDP plugin raises on the file"),
+    "unknown-key": ("error", "a top-level key accelerate does not know (accelerate refuses the whole file)"),
+    "unknown-fsdp-key": ("error", f"an {FSDP_CONFIG} key accelerate does not know (silently ignored)"),
+    "unknown-parallelism-key": ("error", f"a {PARALLELISM_CONFIG} key accelerate does not know (silently ignored)"),
+    "invalid-value": ("error", "a value accelerate does not accept (enumerations, booleans, counts)"),
+    "fsdp-version-missing": ("note", f"no {K.version}: accelerate launch runs FSDP1 (its default)"),
+    "fsdp1-key-under-fsdp2": ("error", "an FSDP1-only key in an FSDP2 config: ignored (or refused)"),
+    "fsdp2-key-under-fsdp1": ("error", "an FSDP2-only key in an FSDP1 config: ignored (or refused)"),
+    "hsdp-needs-fsdp2": ("error", f"{PARALLELISM_CONFIG} with FSDP1: accelerate requires FSDP2 for it"),
+    "hsdp-size-mismatch": ("error", "HSDP replicate x shard sizes do not multiply to num_processes"),
+    "hsdp-shard-spans-nodes": ("error", "the HSDP shard size does not fit the GPUs of one node"),
+    "machines-do-not-divide": ("error", "num_processes is not a multiple of num_machines"),
+    "no-wrap-policy": ("warning", "FSDP without an auto-wrap policy: the whole model is one unit"),
+    "wrap-classes-unset": ("note", "TRANSFORMER_BASED_WRAP without classes: accelerate wraps the model's "
+                                   "_no_split_modules"),
+    "no-split-modules-missing": ("error", "classes left to _no_split_modules include some the model lacks"),
+    "wrap-class-format": ("error", f"{K.transformer_layer_cls_to_wrap} is not a comma-separated string of names"),
+    "wrap-class-not-in-model": ("error", "a wrap class that does not exist in the model (--model)"),
+    "wrap-class-not-a-block": ("warning", "a wrap class that is in the model but is not one of its blocks"),
+    "ignored-modules": ("error", f"{K.ignored_modules} set: those parameters are not gradient-synchronised"),
+    "ram-efficient-loading-needs-sync": ("error", f"RAM-efficient loading with {K.sync_module_states} false "
+                                                  "(accelerate launch refuses it)"),
+    "ram-efficient-loading-off": ("error", "every process loads the full model: more than the node's host RAM"),
+    "full-state-dict-host-memory": ("error", "FULL_STATE_DICT gathers more than rank 0's host RAM"),
+    "offload-host-memory": ("error", "the offloaded model states of a node exceed its host RAM"),
+    "offload-on-cpu": ("error", "CPU offload in a config for a CPU-only host"),
+    "fp32-does-not-fit": ("warning", "fp32 does not fit the GPUs (bf16 would)"),
+    "does-not-fit": ("warning", "the planner finds the config does not fit the GPUs at micro-batch 1"),
+    "fp16-on-bf16-model": ("warning", "fp16 mixed precision on a model trained in bf16"),
+    "fsdp-config-ignored": ("warning", f"{FSDP_CONFIG} in a config whose distributed_type is not FSDP"),
+    "ignored-default": ("note", "a key accelerate accepts but does not apply, set to what applies anyway"),
+    "key-not-applied": ("warning", "a real FSDP option accelerate launch does not pass on from a config file"),
+    "num-processes-unset": ("note", "no num_processes: the launch command gives it (no GPU count or memory verdict)"),
+    "fp8-needs-backend": ("note", "fp8 needs torchao or Transformer Engine installed on the training nodes"),
+    "memory-assumes-full-finetune": ("warning", "memory verdicts that hold for full fine-tuning; the method is "
+                                                "not known (pass --method full)"),
+    "prepare-crashes": ("error", "accelerate's FSDP preparation of the model (--model) raises"),
+    "params-outside-units": ("error", "parameters of the model that no FSDP unit shards"),
+    "num-processes-vs-header": ("error", "num_processes or num_machines edited away from the generated "
+                                         "header's batch arithmetic"),
+    "fsdp-single-process": ("warning", "FSDP on one process: nothing is sharded"),
+    "fixed-main-process-ip": ("warning", "a fixed private main_process_ip in a multi-machine config"),
+    "full-shard-across-nodes": ("warning", "sharding across nodes without a hybrid layout (HSDP keeps "
+                                           "all-gathers inside a node)"),
+    "lora-fsdp1-flat-params": ("warning", f"LoRA under FSDP1 with {K.use_orig_params} false: flat parameters mix "
+                                          "frozen and trainable weights"),
+    "qlora-fsdp1": ("warning", "QLoRA under FSDP1: the 4-bit base is flattened (only bf16 quant storage and peft's "
+                               "wrap policy work)"),
+    "qlora-full-state-dict": ("warning", "QLoRA with FULL_STATE_DICT: accelerate's load_state fails on the 4-bit "
+                                         "quantization-state keys"),
+})
+"""Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    """One problem in a config."""
+
+    rule: str
+    """Stable rule id, a key of :data:`RULES`."""
+    severity: Severity
+    """``error`` fails the check; ``warning`` does not; ``note``: accelerate's own default applies (the
+    command prints all notes of a file on one line)."""
+    message: str
+    """What is wrong, with the values involved."""
+    fix: str
+    """What to change."""
+    key: str | None = None
+    """Where: ``fsdp_config.fsdp_version``, ``num_processes``; None for the whole file."""
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"unknown rule id {self.rule!r}")
+        if self.severity not in ("error", "warning", "note"):
+            raise ValueError(f"severity must be error, warning or note, got {self.severity!r}")
+
+    def to_json(self) -> dict:
+        return {"rule": self.rule, "severity": self.severity, "key": self.key, "message": self.message,
+                "fix": self.fix}
+
+
+def finding(rule: str, message: str, fix: str, key: str | None = None) -> Finding:
+    """A finding with the rule's own severity."""
+    return Finding(rule=rule, severity=RULES[rule][0], message=message, fix=fix, key=key)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the checker knows about the model the config will train (``--model``)."""
+
+    source: str
+    """What the user named (family, folder, config.json)."""
+    profile: ModelProfile
+    """The model's FSDP anatomy."""
+    module_classes: frozenset[str]
+    """Class names of every module in the built model (for "did you mean")."""
+    trust_remote_code: bool = False
+    """The model was built with its own code (``auto_map``); the wrap probe builds it the same way."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckContext:
+    """Everything besides the file that the rules read."""
+
+    model: ModelFacts | None = None
+    """The model, when ``--model`` was given (enables the class and memory rules)."""
+    device: Literal["gpu", "cpu"] | None = None
+    """``cpu`` for a CPU-only host; None: the file's fsdp-presets metadata, else ``gpu``."""
+    gpu_memory_gib: float | None = None
+    """Memory of one GPU, for the planner rules; None: the file's metadata, else 80."""
+    host_memory_gib: float | None = None
+    """Host RAM of one node (rank 0's node), for the state-dict, loading and offload rules; None:
+    the file's metadata, else 1024 (8-GPU nodes carry 1-2 TiB)."""
+    seq_len: int | None = None
+    """Sequence length for the planner rules; None: the file's metadata, else 2048."""
+    metadata: dict | None = None
+    """The file's ``# fsdp-presets:`` document, when it has one."""
+    gpus: int | None = None
+    """Processes in the whole job when the file has no ``num_processes`` (``accelerate launch
+    --num_processes``); None: no GPU count or memory verdict for such a file."""
+    method: Literal["full", "lora", "qlora"] | None = None
+    """The training method: ``full`` makes the memory rules (which count gradients and AdamW state for
+    every parameter) errors, ``lora``/``qlora`` plan them for an adapter over a frozen (4-bit) base and
+    add the LoRA rules; None: the file's metadata says, else unknown (one warning instead)."""
+    lora: Any = None
+    """The adapter's :class:`~fsdp_presets.plan.planner.LoraShape` for ``lora``/``qlora`` (default: the
+    file's metadata, else r 16 on every projection of the block)."""
+
+    def __post_init__(self) -> None:
+        if self.device not in (None, "gpu", "cpu"):
+            raise ValueError(f"device must be gpu or cpu, got {self.device!r}")
+        if any(value is not None and not value > 0 for value in (self.gpu_memory_gib, self.host_memory_gib)):
+            raise ValueError("memory sizes must be positive")
+        if self.gpus is not None and self.gpus < 1:
+            raise ValueError("gpus must be >= 1")
+        if self.method not in (None, "full", "lora", "qlora"):
+            raise ValueError(f"method must be full, lora, qlora or None, got {self.method!r}")
+
+    def _from_request(self, name: str):
+        return ((self.metadata or {}).get("request") or {}).get(name)
+
+    @property
+    def gpu_gib(self) -> float:
+        return self.gpu_memory_gib or self._from_request("gpu_memory_gib") or DEFAULT_GPU_MEMORY_GIB
+
+    @property
+    def training_method(self) -> str | None:
+        """``full``, ``lora`` or ``qlora`` when known (``--method`` or a generated preset's header), else None."""
+        if self.method:
+            return self.method
+        if self.metadata and self.metadata.get("kind") == "fsdp":
+            return (self.metadata.get("request") or {}).get("method") or "full"
+        return None
+
+    @property
+    def host_gib(self) -> float:
+        device = self.device or self._from_request("device") or "gpu"
+        return self.host_memory_gib or self._from_request("host_memory_gib") or DEFAULT_HOST_MEMORY_GIB[device]
+
+
+@dataclass(kw_only=True)
+class CheckReport:
+    """The findings of one file."""
+
+    path: str
+    """The file checked."""
+    findings: list[Finding] = field(default_factory=list)
+    """Every problem found, errors first."""
+
+    @property
+    def errors(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "warning"]
+
+    @property
+    def notes(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "note"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def rules(self) -> set[str]:
+        return {item.rule for item in self.findings}
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "ok": self.ok, "errors": len(self.errors), "warnings": len(self.warnings),
+                "notes": len(self.notes), "findings": [item.to_json() for item in self.findings]}
+
+
+FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "fp32-does-not-fit",
+                                 "does-not-fit"})
+"""Memory rules that count gradients and optimizer state for every parameter."""
+
+
+def _sorted(findings: list[Finding]) -> list[Finding]:
+    return sorted(findings, key=lambda item: ("error", "warning", "note").index(item.severity))

@@ -1,0 +1,272 @@
+"""The checker's rules on the process layout, LoRA/QLoRA, the device and memory (the planner's
+view of the file on the GPUs and host RAM it is meant for)."""
+
+from __future__ import annotations
+
+from fsdp_presets.plan.check_accelerate import _boolean, _strategy_name, _whole
+from fsdp_presets.plan.check_findings import CheckContext, Finding, finding
+from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+from fsdp_presets.plan.presets import full_state_dict_host_bytes
+from fsdp_presets.plan.schema import PARALLELISM_CONFIG, PEFT_WRAP_POLICY, K, P, fsdp_where
+
+
+def lora_shape(context: CheckContext):
+    """The :class:`~fsdp_presets.plan.planner.LoraShape` the memory rules plan with, None for full."""
+    from fsdp_presets.plan.planner import LoraShape
+
+    method = context.training_method
+    if method not in ("lora", "qlora"):
+        return None
+    if context.lora is not None:
+        return context.lora
+    recorded = (context.metadata or {}).get("request") or {}
+    if recorded.get("method") != method:  # --method given for a file whose header says otherwise
+        return LoraShape(method=method)
+    try:
+        targets = recorded.get("lora_target_modules")
+        return LoraShape(method=method, r=int(recorded.get("lora_r") or 16), alpha=recorded.get("lora_alpha"),
+                         dropout=float(recorded.get("lora_dropout") or 0.0),
+                         target_modules=tuple(name.strip() for name in targets.split(",")) if targets else None)
+    except Exception:  # noqa: BLE001 - a header edited by hand: plan the default adapter
+        return LoraShape(method=method)
+
+
+def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
+    """The LoRA/QLoRA failures a config file and the method reveal (docs/troubleshooting.md)."""
+    method = context.training_method
+    if method not in ("lora", "qlora"):
+        return []
+    findings = []
+    if version == 1 and _boolean(fsdp.get(K.use_orig_params, True)) is False:
+        findings.append(finding(
+            "lora-fsdp1-flat-params", f"{method} under FSDP1 with {K.use_orig_params}: false: each flat parameter "
+            "must hold weights of one requires_grad, so with the layer wrapping of this file FSDP1 raises 'Must "
+            "flatten tensors with uniform requires_grad' unless the training script replaces the wrap policy with "
+            f"peft's {PEFT_WRAP_POLICY} (transformers' Trainer and trl do; a plain accelerate script does not)",
+            f"set {K.version}: 2 (fsdp-presets generate --method " + method + f"), or {K.use_orig_params}: true "
+            f"and peft's {PEFT_WRAP_POLICY}(model) on the plugin before prepare, with the optimizer built after "
+            "preparing the model", fsdp_where(K.use_orig_params)))
+    if method == "qlora" and version == 1:
+        findings.append(finding(
+            "qlora-fsdp1", "QLoRA under FSDP1: FSDP1 flattens each unit into one tensor of one dtype, which works "
+            "only when the whole unit shares it: bnb_4bit_quant_storage=bfloat16 with norms and adapters in bf16 "
+            "too and peft's wrap policy (fp32 norms or adapters: 'Must flatten tensors with uniform dtype'; uint8 "
+            "storage: 'Cannot flatten integer dtype tensors'; torchao NF4: 'aten.view(NF4Tensor)' not implemented; "
+            "this project's recipes refuse --load-in-4bit under FSDP1); the adapter export under FSDP1 needs the "
+            "trainable weights gathered with torch's get_model_state_dict (peft's own save writes zero tensors)",
+            f"set {K.version}: 2 with TRANSFORMER_BASED_WRAP on the decoder layer (fsdp-presets generate --method "
+            "qlora); keep bnb_4bit_quant_storage=bfloat16", fsdp_where(K.version)))
+    state_dict = str(fsdp.get(K.state_dict_type, "SHARDED_STATE_DICT" if version == 2 else
+                              "FULL_STATE_DICT")).upper()
+    if method == "qlora" and state_dict == "FULL_STATE_DICT":
+        findings.append(finding(
+            "qlora-full-state-dict", "QLoRA with FULL_STATE_DICT" + (" (accelerate's FSDP1 default)" if
+            K.state_dict_type not in fsdp else "") + ": accelerate's save_state gathers the frozen 4-bit base "
+            "onto rank 0 at every save, and load_state fails on its quantization-state keys (absmax, quant_map), so "
+            "the run cannot resume from it", f"set {K.state_dict_type}: SHARDED_STATE_DICT and resume from "
+            "trainable-only (adapter + optimizer) checkpoints, as the recipes' --lora-r/--load-in-4bit do",
+            fsdp_where(K.state_dict_type)))
+    return findings
+
+
+_PRIVATE_PREFIXES = ("10.", "192.168.", "127.", "169.254.") + tuple(f"172.{n}." for n in range(16, 32))
+
+
+def _layout(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
+    """Rules on the process layout: one process, nodes, rendezvous address, the header's arithmetic."""
+    findings = []
+    if processes == 1 and machines == 1:
+        findings.append(finding(
+            "fsdp-single-process", "distributed_type FSDP with num_processes 1: one process shards nothing (every "
+            "unit holds the whole model) and pays FSDP's gathers for it",
+            "set num_processes to the number of GPUs; for one GPU use distributed_type: 'NO'", "num_processes"))
+    if machines and machines > 1:
+        address = str(config.get("main_process_ip") or "")
+        if address.startswith(_PRIVATE_PREFIXES) or address == "localhost":
+            findings.append(finding(
+                "fixed-main-process-ip", f"main_process_ip {address} is fixed in a config for {machines} machines: "
+                "it is the address of one node of one cluster (private or loopback), so on other machines every node "
+                "waits at rendezvous for a host that is not there", "remove main_process_ip from the file and pass "
+                "--main_process_ip $MASTER_ADDR (the first node of the job) on each node's accelerate launch command",
+                "main_process_ip"))
+        replicate = _whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
+        strategy = _strategy_name(fsdp.get(K.sharding_strategy, "FULL_SHARD")) if version == 1 else None
+        # (FSDP1 with a replicate size asks for HSDP too: hsdp-needs-fsdp2 reports that one)
+        hybrid = replicate > 1 if version in (1, 2) and parallelism else strategy in ("HYBRID_SHARD",
+                                                                                   "HYBRID_SHARD_ZERO2")
+        hybrid = hybrid or strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+        # A deliberate choice when HSDP does not fit one node's GPUs (the planner says so with a model).
+        if version in (1, 2) and not hybrid and strategy != "NO_SHARD" and processes and \
+                _hybrid_fits(config, fsdp, context, processes, machines) is not False:
+            per_node = processes // machines
+            fix = (f"shard inside a node, replicate across nodes (HSDP): {PARALLELISM_CONFIG}: "
+                   f"{P.dp_replicate_size}: {machines}, {P.dp_shard_size}: {per_node}"
+                   if version == 2 else f"{K.sharding_strategy}: HYBRID_SHARD (ZeRO-3 inside a node, replicas "
+                   "across nodes)")
+            findings.append(finding(
+                "full-shard-across-nodes", f"FSDP shards over all {processes} processes of {machines} nodes: every "
+                "unit's all-gather and reduce-scatter crosses the network each step (usually several times slower "
+                "than inside a node)", fix + "; keep full sharding only when the model does not fit one node's GPUs",
+                PARALLELISM_CONFIG if version == 2 else fsdp_where(K.sharding_strategy)))
+    summary = (context.metadata or {}).get("summary") or {}
+    header_processes, header_machines = summary.get("processes"), summary.get("machines")
+    if context.metadata and context.metadata.get("kind") == "fsdp" and header_processes and "num_processes" in config:
+        file_processes, file_machines = _whole(config.get("num_processes")), _whole(config.get("num_machines", 1))
+        if (file_processes, file_machines) != (header_processes, header_machines or 1) and file_processes:
+            dp = summary.get("data_parallel_size") or header_processes
+            micro, accumulation = summary.get("micro_batch"), summary.get("gradient_accumulation")
+            new_dp = file_processes * dp // header_processes
+            arithmetic = (f"global batch {summary.get('global_batch')} = micro-batch {micro} x {accumulation} "
+                          f"accumulation x {dp} data-parallel processes" if micro and accumulation else
+                          f"{header_processes} processes")
+            effect = (f"; with num_processes {file_processes} one optimizer step takes {micro * accumulation * new_dp} "
+                      "sequences, and the header's plan (memory, learning-rate schedule) no longer describes this file"
+                      if micro and accumulation else "")
+            command = "the header's `fsdp-presets generate` command with --gpus " + str(file_processes) + (
+                f" --nodes {file_machines}" if file_machines and file_machines > 1 else "")
+            findings.append(finding(
+                "num-processes-vs-header", f"num_processes {file_processes} / num_machines {file_machines} were edited "
+                f"away from the generated header ({header_processes} processes on {header_machines or 1} node(s): "
+                f"{arithmetic}){effect}", f"regenerate for the new GPU count ({command}), or set num_processes back "
+                f"to {header_processes}", "num_processes"))
+    return findings
+
+
+def _device(config: dict, context: CheckContext) -> str:
+    if context.device:
+        return context.device
+    request = (context.metadata or {}).get("request") or {}
+    return "cpu" if request.get("device") == "cpu" else "gpu"
+
+
+def _device_and_memory(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
+    findings = []
+    device = _device(config, context)
+    offload = _boolean(fsdp.get(K.offload_params, False))
+    if device == "cpu" and offload:
+        findings.append(finding("offload-on-cpu", f"{K.offload_params}: true in a config for a CPU-only host: "
+                                "parameters already live in host memory and torch fails ('Cannot access accelerator "
+                                "device')", f"set {K.offload_params}: false", fsdp_where(K.offload_params)))
+    model = context.model
+    if model is None or processes is None or not machines or processes % machines:
+        return findings
+    profile = model.profile
+    host = context.host_gib * GiB
+    per_node = processes // machines
+    # accelerate's default: FULL_STATE_DICT for FSDP1, SHARDED_STATE_DICT for FSDP2
+    state_dict = str(fsdp.get(K.state_dict_type, "SHARDED_STATE_DICT" if version == 2 else
+                              "FULL_STATE_DICT")).upper()
+    full_bytes = full_state_dict_host_bytes(profile)
+    lora = lora_shape(context)
+    if lora is not None:
+        from fsdp_presets.plan.planner import adapter_params, base_storage_bytes
+
+        lora_training = _training_shape(config, fsdp, context)
+        full_bytes = base_storage_bytes(profile, lora_training) + 12 * adapter_params(profile, lora_training)
+    if state_dict == "FULL_STATE_DICT" and full_bytes > host:
+        findings.append(finding(
+            "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
+            f"at every save: about {full_bytes / GiB:.0f} GiB for "
+            f"{profile.total_params / 1e9:.2f}B parameters (fp32 weights + Adam moments), more than "
+            f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
+                                                                 "missing)" if K.state_dict_type not in fsdp
+                                                                 else ""),
+            f"set {K.state_dict_type}: SHARDED_STATE_DICT (export full weights afterwards with accelerate "
+            "merge-weights)", fsdp_where(K.state_dict_type)))
+    if device == "gpu" and _boolean(fsdp.get(K.cpu_ram_efficient_loading, True)) is False:
+        weight_bytes = 4 if profile.structure.get("config_dtype") in (None, "float32") else 2
+        need = per_node * profile.total_params * weight_bytes
+        if need > host:
+            findings.append(finding(
+                "ram-efficient-loading-off", f"{K.cpu_ram_efficient_loading}: false makes each of a node's {per_node} "
+                f"processes load the full pretrained model into host RAM: about {need / GiB:.0f} GiB, more than "
+                f"--host-memory {context.host_gib:g} GiB", f"set {K.cpu_ram_efficient_loading}: true (only "
+                "rank 0 reads the weights)", fsdp_where(K.cpu_ram_efficient_loading)))
+    if device != "gpu":
+        return findings
+
+    # The planner's view of this config on GPUs of --gpu-memory.
+    strategy, hardware = _planner_strategy(fsdp, parallelism, version, processes, machines, context)
+    if strategy is None:
+        return findings
+    shape = _training_shape(config, fsdp, context)
+    seq_len, precision = shape.seq_len, shape.precision
+    name, fsdp_version = strategy
+    row = plan(profile, hardware, shape).get(name, fsdp_version)
+    if offload and row.model_state.total * per_node > host:
+        findings.append(finding(
+            "offload-host-memory", f"{K.offload_params}: true keeps {row.model_state.total / GiB:.1f} GiB of model "
+            f"states per rank in host RAM, {row.model_state.total * per_node / GiB:.0f} GiB for a node's {per_node} "
+            f"processes: more than --host-memory {context.host_gib:g} GiB",
+            "shard over more GPUs (more nodes), or use nodes with more RAM", fsdp_where(K.offload_params)))
+    if not row.fits:
+        where = f"{row.label} on {processes} GPUs of {context.gpu_gib:g} GiB, sequence {seq_len}"
+        lower = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
+        if precision == "fp32" and lower.fits:
+            findings.append(finding(
+                "fp32-does-not-fit", f"mixed_precision 'no' (fp32): {where} needs {row.per_gpu.total / GiB:.1f} GiB "
+                f"per GPU of {hardware.usable_bytes / GiB:.1f} usable at micro-batch 1; bf16 needs "
+                f"{lower.per_gpu.total / GiB:.1f}", "set mixed_precision: bf16", "mixed_precision"))
+        else:
+            findings.append(finding(
+                "does-not-fit", f"{where} needs {row.per_gpu.total / GiB:.1f} GiB per GPU of "
+                f"{hardware.usable_bytes / GiB:.1f} usable at micro-batch 1",
+                "`fsdp-presets plan` / `fsdp-presets generate` for what fits (activation checkpointing, offload, "
+                "more GPUs)", None))
+    if precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
+        findings.append(finding(
+            "fp16-on-bf16-model", f"mixed_precision fp16 on {profile.architecture}, trained in bf16: bf16 weights and "
+            "activations can exceed fp16's range (max 65504) and overflow", "set mixed_precision: bf16",
+            "mixed_precision"))
+    return findings
+
+
+def _training_shape(config, fsdp, context) -> TrainingShape:
+    """Micro-batch 1 at the sequence length and precision of the file (header, --seq-len)."""
+    profile = context.model.profile
+    metadata_request = (context.metadata or {}).get("request") or {}
+    summary = (context.metadata or {}).get("summary") or {}
+    seq_len = context.seq_len or summary.get("seq_len") or metadata_request.get("seq_len") or 2048
+    if profile.dims.max_position_embeddings:
+        seq_len = min(seq_len, profile.dims.max_position_embeddings)
+    precision = {"no": "fp32", "fp8": "bf16"}.get(str(config.get("mixed_precision", "no")).lower(),
+                                                  str(config.get("mixed_precision", "no")).lower())
+    if precision not in ("bf16", "fp16", "fp32"):
+        precision = "fp32"
+    return TrainingShape(seq_len=seq_len, micro_batch=1, precision=precision,
+                         activation_checkpointing=bool(_boolean(fsdp.get(K.activation_checkpointing, False))),
+                         offload=bool(_boolean(fsdp.get(K.offload_params, False))), lora=lora_shape(context))
+
+
+def _hybrid_fits(config, fsdp, context, processes, machines) -> bool | None:
+    """Whether the planner finds HSDP (shard inside a node) fits; None without a model."""
+    if context.model is None:
+        return None
+    try:
+        hardware = Hardware(gpus=processes, nodes=machines, gpu_memory_bytes=int(context.gpu_gib * GiB))
+        return plan(context.model.profile, hardware, _training_shape(config, fsdp, context)).get(
+            "HYBRID_SHARD", 2).fits
+    except Exception:  # noqa: BLE001 - a layout the other rules report
+        return None
+
+
+def _planner_strategy(fsdp, parallelism, version, processes, machines, context):
+    """(strategy name, fsdp version) and Hardware for the planner, or (None, None)."""
+    if version not in (1, 2):
+        return None, None
+    try:
+        hardware = Hardware(gpus=processes, nodes=machines, gpu_memory_bytes=int(context.gpu_gib * GiB))
+    except Exception:  # noqa: BLE001 - a layout the other rules already report
+        return None, None
+    if version == 2:
+        replicate = _whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
+        if replicate > 1 and machines > 1:
+            return ("HYBRID_SHARD", 2), hardware
+        reshard = _boolean(fsdp.get(K.reshard_after_forward, True))
+        return (("FULL_SHARD" if reshard is not False else "SHARD_GRAD_OP"), 2), hardware
+    strategy = str(fsdp.get(K.sharding_strategy, "FULL_SHARD")).upper()
+    if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"):
+        return (("HYBRID_SHARD", 1), hardware) if machines > 1 else (("FULL_SHARD", 1), hardware)
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        return (strategy, 1), hardware
+    return None, None
