@@ -100,27 +100,30 @@ def read_rank_results(directory: str | os.PathLike) -> dict[int, dict]:
 
 
 def write_accelerate_config(path: Path, *, num_processes: int, distributed_type: str = "FSDP",
-                            fsdp: dict | None = None, parallelism: dict | None = None) -> Path:
-    """An accelerate config in accelerate's own schema (what ``accelerate config`` writes): FSDP2
-    FULL_SHARD per ``LlamaDecoderLayer``, sharded state dicts, fp32, unless ``fsdp`` (keys without
-    the ``fsdp_`` prefix) says otherwise; ``distributed_type: MULTI_GPU`` is DDP."""
-    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": distributed_type,
-              "num_processes": num_processes, "num_machines": 1, "machine_rank": 0, "mixed_precision": "no",
-              "rdzv_backend": "static", "same_network": True, "use_cpu": False}
+                            fsdp: dict | None = None, parallelism: dict | None = None,
+                            mixed_precision: str = "no") -> Path:
+    """An accelerate config in accelerate's own schema (what ``accelerate config`` writes), built by
+    the emitter's writer (:func:`fsdp_presets.plan.emit.written_config`): FSDP2 FULL_SHARD per
+    ``LlamaDecoderLayer``, sharded state dicts, fp32, unless ``fsdp`` (short names such as
+    ``version``, or full key names) says otherwise; FSDP1 gets the settings the emitter writes for
+    FSDP1 presets; ``distributed_type: MULTI_GPU`` is DDP."""
+    from fsdp_presets.plan.emit import emitted_constants, written_config
+    from fsdp_presets.plan.schema import fsdp_key
+
+    settings = {}
     if distributed_type == "FSDP":
         settings = {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
                     "transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "reshard_after_forward": True,
                     "state_dict_type": "SHARDED_STATE_DICT", "cpu_ram_efficient_loading": False,
                     "offload_params": False, "activation_checkpointing": False}
-        settings.update(fsdp or {})
+        settings.update({fsdp_key(name).short: value for name, value in (fsdp or {}).items()})
         if settings["version"] == 1:
-            settings.pop("reshard_after_forward")
-            settings.setdefault("sharding_strategy", "FULL_SHARD")
-            settings.setdefault("use_orig_params", True)
-            settings.setdefault("backward_prefetch", "BACKWARD_PRE")
-        config["fsdp_config"] = {f"fsdp_{key}": value for key, value in settings.items()}
-    if parallelism:
-        config["parallelism_config"] = {f"parallelism_config_{key}": value for key, value in parallelism.items()}
+            settings.pop("reshard_after_forward", None)
+            settings.setdefault("sharding_strategy", fsdp_key("sharding_strategy").fsdp1_default)
+            for name, value in emitted_constants(1).items():
+                settings.setdefault(name, value)
+    config = written_config(distributed_type=distributed_type, num_processes=num_processes,
+                            mixed_precision=mixed_precision, fsdp=settings or None, parallelism=parallelism)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

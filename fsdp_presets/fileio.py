@@ -1,13 +1,32 @@
-"""SHA-256 digests of files and model configs: what run.json and checkpoint manifests record so that
-a checkpoint of another model, other data or a tampered file is recognised."""
+"""Files written so that a crash never leaves half of one, byte counts as people read them, and the
+SHA-256 digests that run.json and checkpoint manifests record.
+
+- **Atomic writes** (:func:`write_text_atomic`, :func:`write_bytes_atomic`, :func:`write_json_atomic`,
+  :func:`atomic_path`): the content goes to a temporary sibling (``tempfile.mkstemp`` in the same
+  folder, so two writers never share one), is flushed to disk, and ``os.replace`` puts it in place
+  (atomic on POSIX file systems): a reader sees the old file or the new one.
+- **Staged folders** (:func:`staged_folder`, :func:`replace_folder`): a folder is written under a
+  hidden sibling name and renamed into place when complete; a folder it replaces is renamed away
+  first and deleted after. The sibling names are the caller's (a run folder's and a checkpoint's
+  come from :mod:`fsdp_presets.checkpoint.layout`).
+- **Units** (:func:`format_bytes`, :data:`GiB`, :data:`MiB`): binary units, as the planner counts.
+- **Digests** (:func:`sha256_file`, :func:`sha256_files`, :func:`config_digest`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
+
+GiB = 1024**3
+MiB = 1024**2
+KiB = 1024
 
 _CHUNK_BYTES = 1 << 20  # 1 MiB reads: large enough for disk throughput, small enough for RAM
 
@@ -44,14 +63,105 @@ def config_digest(config: Any) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
-    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half of one:
-    write a sibling, flush it to disk, then ``os.replace`` (atomic on POSIX file systems)."""
+def file_mode(path: str | os.PathLike) -> int:
+    """The mode a rewritten file keeps: the existing file's, else what the umask gives a new file
+    (``mkstemp`` alone would make it 0600)."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "w") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=False)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    if path.exists():
+        return path.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def temporary_sibling(path: str | os.PathLike, *, suffix: str = ".tmp") -> Path:
+    """A new, empty, hidden file next to ``path`` (``.NAME.XXXXXXXX.tmp``) with the mode ``path``
+    will have: write it, then ``os.replace`` it onto ``path`` (the caller removes it on failure)."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(handle)
+    os.chmod(temporary, file_mode(path))
+    return Path(temporary)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, *, mode: int | None = None, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary sibling of ``path`` to write (by any means: ``savefig``, a writer that takes a
+    path); when the block ends without an error it is flushed to disk and renamed onto ``path``,
+    otherwise removed. ``mode``: the file's permissions (default: those of the file it replaces, or
+    the umask's); ``suffix``: the temporary name's (a writer that infers the format from it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temporary_sibling(path, suffix=suffix)
+    try:
+        yield temporary
+        if mode is not None:
+            os.chmod(temporary, mode)
+        with open(temporary, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the new one, never half of one."""
+    with atomic_path(path, mode=mode) as temporary:
+        temporary.write_bytes(data)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, mode: int | None = None) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`write_bytes_atomic`)."""
+    write_bytes_atomic(path, text.encode("utf-8"), mode=mode)
+
+
+def write_json_atomic(path: str | os.PathLike, payload: Any) -> None:
+    """Write JSON (indented, a final newline) to ``path`` atomically."""
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=False) + "\n")
+
+
+def replace_folder(staging: Path, output: Path, *, retired: Path) -> None:
+    """Put the complete folder ``staging`` in place of ``output``: an existing non-empty ``output`` is
+    renamed to ``retired`` first and deleted after (an empty one is removed), so ``output`` is at
+    every moment the old folder, absent, or the new one."""
+    staging, output = Path(staging), Path(output)
+    old = None
+    if output.exists():
+        if output.is_dir() and not output.is_symlink() and not any(output.iterdir()):
+            output.rmdir()
+        else:
+            os.rename(output, retired)
+            old = retired
+    os.rename(staging, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(output: str | os.PathLike, *, staging: Path, retired: Callable[[], Path]) -> Iterator[Path]:
+    """Yield the empty folder ``staging`` (a leftover of it is removed first) to write into; when
+    the block ends without an error it replaces ``output`` (:func:`replace_folder`, with the name
+    ``retired()`` gives for the old folder), otherwise it is deleted and the error goes on."""
+    output, staging = Path(output), Path(staging)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+        replace_folder(staging, output, retired=retired())
+    except BaseException:  # DCP's CheckpointException is a BaseException
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def format_bytes(count: float, *, binary: bool = True, digits: int | None = None) -> str:
+    """``count`` bytes in the largest unit that keeps it at least 1: ``80.0 GiB``, ``864.4 KiB``
+    (memory: binary units, 1 decimal), ``41.24 GB`` (``binary=False``, traffic: decimal units, 2
+    decimals), ``512 B``."""
+    units = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)) if binary else (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
+    digits = (1 if binary else 2) if digits is None else digits
+    for name, size in units:
+        if abs(count) >= size:
+            return f"{count / size:.{digits}f} {name}"
+    return f"{count:.0f} B"

@@ -38,14 +38,12 @@ from pathlib import Path
 
 from fsdp_presets import compare
 from fsdp_presets.errors import UsageError
+from fsdp_presets.plan.emit import ddp_baseline_of
+from fsdp_presets.plan.schema import PARALLELISM_CONFIG, P
 
 REPO = Path(__file__).resolve().parent.parent
 
 DEFAULT_RECIPE = REPO / "recipes" / "causal_lm.py"
-
-# Keys of an accelerate config that describe the machines and the precision: the baseline keeps
-# them. Everything FSDP- or mesh-specific is dropped.
-SHARDING_KEYS = ("fsdp_config", "parallelism_config", "deepspeed_config", "megatron_lm_config")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -102,10 +100,10 @@ def ddp_baseline_config(candidate: dict, source: str) -> tuple[dict, str]:
     Returns (config, header). Raises UsageError when no DDP run can have the candidate's global
     batch (tensor or context parallelism shrink the data-parallel size).
     """
-    parallelism = candidate.get("parallelism_config") or {}
+    parallelism = candidate.get(PARALLELISM_CONFIG) or {}
     model_parallel = {
         key: value for key, value in parallelism.items()
-        if any(part in key for part in ("tp_size", "cp_size", "sp_size")) and int(value or 1) > 1
+        if key in (P.tp_size, P.cp_size, P.sp_size) and int(value or 1) > 1
     }
     if model_parallel:
         raise UsageError(
@@ -118,8 +116,8 @@ def ddp_baseline_config(candidate: dict, source: str) -> tuple[dict, str]:
             "launcher, once with this config and once with its DDP baseline, then compare the two run "
             "folders with `fsdp-presets compare`"
         )
-    baseline = {key: value for key, value in candidate.items() if key not in SHARDING_KEYS}
-    baseline["distributed_type"] = "MULTI_GPU"  # DDP; on a CPU-only host it runs as MULTI_CPU over gloo
+    # The machine and precision keys stay; every FSDP- or mesh-specific section goes.
+    baseline = ddp_baseline_of(candidate)
     header = (
         f"# DDP baseline of {source}, written by scripts/convergence_check.py: same processes,\n"
         "# machines and mixed precision, no FSDP. Launch: accelerate launch --config_file THIS_FILE RECIPE ...\n"

@@ -26,10 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 from fsdp_harness import doc_sections
-from fsdp_harness.launch import launch_command, launch_env
+from fsdp_harness.launch import launch_command, launch_env, write_accelerate_config
 from fsdp_presets.clean_exit import CLEAN_EXIT
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,19 +39,8 @@ GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 def write_config(directory: Path, processes: int) -> Path:
-    """An FSDP2 accelerate config as `accelerate config` writes it."""
-    config = {
-        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": processes,
-        "num_machines": 1, "machine_rank": 0, "mixed_precision": "no", "rdzv_backend": "static",
-        "same_network": True, "use_cpu": False,
-        "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-                        "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                        "fsdp_cpu_ram_efficient_loading": False, "fsdp_offload_params": False},
-    }
-    path = directory / "fsdp2.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    """An FSDP2 accelerate config as `accelerate config` writes it (the harness's writer)."""
+    return write_accelerate_config(directory / "fsdp2.yaml", num_processes=processes)
 
 
 def one_launch(config: Path, processes: int, fix_off: bool) -> dict:

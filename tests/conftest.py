@@ -6,7 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
+
+from fsdp_harness.launch import write_accelerate_config
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
@@ -22,44 +23,13 @@ def accelerate_config(directory: Path, name: str, *, distributed_type: str = "FS
                       mixed_precision: str = "no") -> Path:
     """Write an accelerate config YAML (the schema `accelerate config` writes) and return its path.
 
-    ``fsdp`` entries are given without the ``fsdp_`` prefix and override an FSDP2 full-shard,
-    sharded-state-dict default for a tiny Llama.
+    ``fsdp`` entries (short names such as ``version``, or full key names) override an FSDP2
+    full-shard, sharded-state-dict default for a tiny Llama; the emitter's writer spells the keys
+    (:func:`fsdp_harness.launch.write_accelerate_config`).
     """
-    config = {
-        "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": distributed_type,
-        "num_processes": num_processes,
-        "num_machines": 1,
-        "machine_rank": 0,
-        "mixed_precision": mixed_precision,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": False,
-    }
-    if distributed_type == "FSDP":
-        settings = {
-            "version": 2,
-            "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-            "reshard_after_forward": True,
-            "state_dict_type": "SHARDED_STATE_DICT",
-            "cpu_ram_efficient_loading": False,
-            "offload_params": False,
-            "activation_checkpointing": False,
-        }
-        settings.update(fsdp or {})
-        if settings["version"] == 1:
-            settings.pop("reshard_after_forward", None)
-            settings.setdefault("sharding_strategy", "FULL_SHARD")
-            settings.setdefault("sync_module_states", True)
-            settings.setdefault("use_orig_params", True)
-            settings.setdefault("backward_prefetch", "BACKWARD_PRE")
-        config["fsdp_config"] = {f"fsdp_{key}": value for key, value in settings.items()}
-    if parallelism:
-        config["parallelism_config"] = {f"parallelism_config_{key}": value for key, value in parallelism.items()}
-    path = Path(directory) / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+    return write_accelerate_config(Path(directory) / f"{name}.yaml", num_processes=num_processes,
+                                   distributed_type=distributed_type, fsdp=fsdp, parallelism=parallelism,
+                                   mixed_precision=mixed_precision)
 
 
 @pytest.fixture

@@ -4,17 +4,23 @@ accelerator (the real accelerate/DCP paths run in tests/test_recipes.py)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
-from fsdp_presets.checkpoint.manager import (MANIFEST, CheckpointManager, Manifest, committed_checkpoints,
-                                     verify_checkpoint)
+from fsdp_presets.checkpoint.layout import MANIFEST, step_folder
+from fsdp_presets.checkpoint.manager import (CheckpointManager, Manifest, checkpoint_verdict, committed_checkpoints,
+                                             verify_checkpoint)
+from fsdp_presets.checkpoint.manifest import MANIFEST_FORMAT
 from fsdp_presets.fileio import sha256_file
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import MetricsLog, read_metrics, train_losses
 
+# Checkpoints committed by the manager before manifests recorded their kind (format 1), kept as
+# written: a training checkpoint, a LoRA (trainable-only) one, and the manifest of an import.
+FORMAT1 = Path(__file__).resolve().parent / "data" / "checkpoint_format1"
 DISTRIBUTED = {"world_size": 1, "data_parallel_size": 1, "precision": "no", "distributed_type": "NO", "fsdp": None}
 
 
@@ -65,6 +71,7 @@ def test_save_commits_a_verified_checkpoint_with_its_manifest(tmp_path):
                                       "random_states_0.pkl"}
     assert manifest["files"]["model.safetensors"]["sha256"] == sha256_file(folder / "model.safetensors")
     assert verify_checkpoint(folder) == (Manifest.read(folder), None)
+    assert (manifest["kind"], manifest["format"]) == ("training", MANIFEST_FORMAT)
 
 
 def test_keep_last_prunes_the_oldest(tmp_path):
@@ -172,3 +179,52 @@ def test_metrics_log_on_other_ranks_writes_nothing(tmp_path):
     log = MetricsLog(tmp_path / "metrics.jsonl", enabled=False, keep_through_step=0)
     log.log_eval(step=0, eval_loss=1.0)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+class RecordingState:
+    """A LoRA run's ``state`` for CheckpointManager: records the folders it is asked to load."""
+
+    def __init__(self):
+        self.loaded = []
+
+    def load(self, folder):
+        self.loaded.append(str(folder))
+
+
+@pytest.mark.parametrize("name, kind, step, samples", [("training-step-00000004", "training", 4, 32),
+                                                       ("adapter-step-00000002", "adapter", 2, 8)],
+                         ids=["training", "adapter"])
+def test_a_format1_checkpoint_loads_verifies_and_resumes(tmp_path, name, kind, step, samples):
+    folder = step_folder(tmp_path / "checkpoints", step)
+    shutil.copytree(FORMAT1 / name, folder)
+    raw = json.loads((folder / MANIFEST).read_text())
+    assert raw["format"] == 1 and "kind" not in raw  # the copy is of the old format, untouched
+    manifest = Manifest.read(folder)
+    assert (manifest.kind, manifest.format, manifest.step, manifest.samples_consumed) == (kind, 1, step, samples)
+    assert checkpoint_verdict(folder).ok, checkpoint_verdict(folder).problem
+    checkpoints = manager(tmp_path)
+    if kind == "adapter":
+        checkpoints.state, checkpoints.training = RecordingState(), raw["training"]
+    assert checkpoints.resolve("auto") == folder
+    assert checkpoints.load(folder) == manifest
+    assert (checkpoints.state or checkpoints.accelerator).loaded == [str(folder)]
+    assert (folder / MANIFEST).read_text() == (FORMAT1 / name / MANIFEST).read_text()  # reading changed nothing
+
+
+def test_a_format1_import_manifest_reads_as_imported():
+    payload = json.loads((FORMAT1 / "imported-manifest.json").read_text())
+    assert payload["format"] == 1 and payload["kind"] == "imported"  # format 1 wrote it beside the fields
+    manifest = Manifest.from_json(payload)
+    assert (manifest.kind, manifest.step, manifest.world_size) == ("imported", 0, 1)
+    assert manifest.source and "weights only" in manifest.contents
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"format": 2}, "no kind"),
+    ({"format": MANIFEST_FORMAT + 1, "kind": "training"}, f"format {MANIFEST_FORMAT + 1} is newer"),
+    ({"format": 2, "kind": "optimizer"}, "kind 'optimizer' is not one of training, adapter, imported"),
+], ids=["format2-without-kind", "newer-format", "unknown-kind"])
+def test_a_manifest_of_another_format_is_refused_by_name(change, expected):
+    payload = {**json.loads((FORMAT1 / "training-step-00000004" / MANIFEST).read_text()), **change}
+    with pytest.raises(ValueError, match=expected):
+        Manifest.from_json(payload)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, run_json_of
 from fsdp_presets.checkpoint.manifest import IMPORTED_KIND, is_imported, read_manifest_json  # noqa: F401

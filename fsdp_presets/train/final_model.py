@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
+from typing import Callable
 
+from fsdp_presets.checkpoint.layout import retired_sibling, staging_sibling
 from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message
 from fsdp_presets.faults import fault_point
+from fsdp_presets.fileio import replace_folder
 
 
 def tied_duplicates(module) -> list[str]:
@@ -33,6 +35,24 @@ def tied_duplicates(module) -> list[str]:
     return duplicates
 
 
+def write_model_folder(output_dir: Path, write: Callable[[Path], None], *, tokenizer=None) -> None:
+    """Write a model folder (Hugging Face or PEFT; main process) completely or not at all:
+    ``write(staging)`` fills a hidden sibling of ``output_dir``, the tokenizer is added, and the
+    folder replaces ``output_dir`` in one rename (:func:`fsdp_presets.fileio.replace_folder`). A
+    failure removes the sibling and raises; a kill leaves it, and the next export removes it."""
+    output_dir = Path(output_dir)
+    staging = staging_sibling(output_dir, unique=False)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        write(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(staging))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    replace_folder(staging, output_dir, retired=retired_sibling(output_dir))
+
+
 def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *,
                  max_shard_size: str = "5GB") -> Path:
     """Write ``output_dir`` from a prepared (possibly sharded) model. Collective: every rank
@@ -41,14 +61,15 @@ def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *
     state_dict = accelerator.get_state_dict(model)
     problem = None
     if accelerator.is_main_process:
-        staging = output_dir.with_name(f".tmp-{output_dir.name}")
         try:
-            _write(accelerator, model, tokenizer, state_dict, output_dir, staging, max_shard_size)
+            fault_point("export", step=None, rank=accelerator.process_index,
+                        folder=staging_sibling(output_dir, unique=False))
+            write_model_folder(output_dir, lambda staging: _write(accelerator, model, state_dict, staging,
+                                                                  max_shard_size), tokenizer=tokenizer)
         except Exception as error:
             cause = disk_full_cause(error)
             if cause is None:
                 raise
-            shutil.rmtree(staging, ignore_errors=True)
             kept = (f"{output_dir} keeps the model it held." if output_dir.exists() else "") + \
                 " The checkpoints are intact: the same command exports again from the last one."
             problem = disk_full_message(cause, "exporting the trained model", output_dir.parent, kept=kept.strip())
@@ -63,11 +84,8 @@ def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *
     return output_dir
 
 
-def _write(accelerator, model, tokenizer, state_dict, output_dir: Path, staging: Path, max_shard_size: str) -> None:
-    """The main process's part: the folder written as ``staging``, then renamed into place."""
-    if staging.exists():
-        shutil.rmtree(staging)
-    fault_point("export", step=None, rank=accelerator.process_index, folder=staging)
+def _write(accelerator, model, state_dict, staging: Path, max_shard_size: str) -> None:
+    """The main process's part: the gathered weights written into ``staging``."""
     unwrapped = accelerator.unwrap_model(model)
     # Tensors gathered by FSDP2 may share storage with views; save contiguous copies.
     state_dict = {name: tensor.detach().contiguous() for name, tensor in state_dict.items()}
@@ -75,12 +93,3 @@ def _write(accelerator, model, tokenizer, state_dict, output_dir: Path, staging:
         state_dict.pop(name, None)
     unwrapped.save_pretrained(staging, state_dict=state_dict, safe_serialization=True,
                               max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(staging)
-    if output_dir.exists():
-        retired = output_dir.with_name(f".old-{output_dir.name}-{time.time_ns()}")
-        os.rename(output_dir, retired)
-        os.rename(staging, output_dir)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.rename(staging, output_dir)

@@ -36,7 +36,6 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -353,16 +352,6 @@ def gather_trainable(accelerator, model) -> dict[str, Any]:
     return {name: value.detach().cpu().contiguous() for name, value in state.items() if name in keep}
 
 
-def _replace(staging: Path, output: Path) -> None:
-    if output.exists():
-        retired = output.with_name(f".old-{output.name}-{time.time_ns()}")
-        os.rename(output, retired)
-        os.rename(staging, output)
-        shutil.rmtree(retired, ignore_errors=True)
-    else:
-        os.rename(staging, output)
-
-
 def write_adapter_folder(folder: Path, state: dict[str, Any], key_map: dict[str, str], adapter_config) -> None:
     """adapter_model.safetensors under peft's key names (from :func:`adapter_key_map`, taken on the
     unwrapped model: peft's own ``save_pretrained`` on an FSDP1-wrapped model writes nothing or
@@ -392,13 +381,12 @@ def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, key_map: 
     state = gather_trainable(accelerator, model)
     problem = None
     if accelerator.is_main_process:
+        from fsdp_presets.train.final_model import write_model_folder
+
         output_dir = Path(output_dir)
-        staging = output_dir.with_name(f".tmp-{output_dir.name}")
-        shutil.rmtree(staging, ignore_errors=True)
-        write_adapter_folder(staging, state, key_map, accelerator.unwrap_model(model).peft_config["default"])
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(staging))
-        _replace(staging, output_dir)
+        adapter_config = accelerator.unwrap_model(model).peft_config["default"]
+        write_model_folder(output_dir, lambda staging: write_adapter_folder(staging, state, key_map, adapter_config),
+                           tokenizer=tokenizer)
         if merged_dir is not None:
             try:
                 export_merged(output_dir, Path(merged_dir), model_class=model_class, base_path=base_path,
@@ -432,13 +420,11 @@ def export_merged(adapter_dir: Path, merged_dir: Path, *, model_class, base_path
         for attribute in ("quantization_config", "_pre_quantization_dtype"):
             if hasattr(base.config, attribute):
                 delattr(base.config, attribute)
+    from fsdp_presets.train.final_model import write_model_folder
+
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    staging = merged_dir.with_name(f".tmp-{merged_dir.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    merged.save_pretrained(str(staging), safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(staging))
-    _replace(staging, merged_dir)
+    write_model_folder(merged_dir, lambda staging: merged.save_pretrained(str(staging), safe_serialization=True),
+                       tokenizer=tokenizer)
 
 
 # ---- `fsdp-presets export` of a LoRA checkpoint ----

@@ -1,0 +1,72 @@
+"""Output folders of ``export`` and ``import``: refused when they hold anything this command did not
+write, written under a hidden sibling name and renamed into place only when complete."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, Literal
+
+from fsdp_presets.checkpoint.layout import ADAPTER_CONFIG, HF_CONFIG, WEIGHTS_SUFFIX, retired_sibling, staging_sibling
+from fsdp_presets.errors import UsageError, disk_full_cause, disk_full_message
+from fsdp_presets.fileio import staged_folder as _staged_folder
+
+OutputKind = Literal["export", "import"]
+
+
+def _made_by(output: Path, kind: OutputKind) -> bool:
+    """True when ``output`` looks like what ``kind`` writes, so ``--force`` may replace it: an
+    export is a flat Hugging Face folder with config.json and safetensors weights; an import is a
+    checkpoint whose manifest says ``"kind": "imported"``."""
+    from fsdp_presets.checkpoint.manifest import is_imported
+
+    if not output.is_dir() or output.is_symlink():
+        return False
+    if kind == "import":
+        return is_imported(output)
+    entries = list(output.iterdir())
+    return (((output / HF_CONFIG).is_file() or (output / ADAPTER_CONFIG).is_file())  # HF or PEFT folder
+            and any(entry.suffix == WEIGHTS_SUFFIX for entry in entries)
+            and not any(entry.is_dir() or entry.is_symlink() for entry in entries))
+
+
+def check_output(output: Path, *, kind: OutputKind = "export", force: bool = False,
+                 source: Path | None = None) -> None:
+    """Refuse an output that exists and is not empty (``--force`` replaces one this command
+    wrote, never anything else), and an output inside the ``source`` folder it reads."""
+    if source is not None:
+        resolved, origin = output.resolve(), source.resolve()
+        if resolved == origin or origin in resolved.parents:
+            raise UsageError(f"--output {output} is inside {source}, the folder it is made from; choose a folder "
+                             "outside it (nothing was written)")
+    if output.is_symlink():
+        raise UsageError(f"--output {output} is a symbolic link; give a real folder (nothing was written)")
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return
+    made = _made_by(output, kind)
+    if force and made:
+        return
+    what = "an export" if kind == "export" else "an imported checkpoint"
+    if made:
+        raise UsageError(f"--output {output} already holds {what}; pass --force to replace it, or choose a new "
+                         "folder (nothing was written)")
+    raise UsageError(f"--output {output} exists, is not empty and is not {what} this command wrote; choose a new "
+                     f"folder (nothing was written{', and --force replaces only such a folder' if force else ''})")
+
+
+@contextlib.contextmanager
+def staged_folder(output: Path, *, kind: OutputKind = "export", force: bool = False) -> Iterator[Path]:
+    """Yield a hidden sibling of ``output`` to write into; put it in place of ``output`` on
+    success (the replaced folder, with ``force``, is renamed away first and deleted after), delete
+    it on any failure; a full disk is one :class:`UsageError` naming the folder."""
+    check_output(output, kind=kind, force=force)
+    try:
+        with _staged_folder(output, staging=staging_sibling(output),
+                            retired=lambda: retired_sibling(output)) as staging:
+            yield staging
+    except BaseException as error:  # DCP's CheckpointException is a BaseException
+        cause = disk_full_cause(error)
+        if cause is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise UsageError(disk_full_message(cause, f"writing {output}", output.parent,
+                                           kept="Nothing was written (the partial folder was removed).")) from None
