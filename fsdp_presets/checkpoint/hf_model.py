@@ -4,6 +4,7 @@ tokenizer), the tensors a model of that config has, loading weights into its cla
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any

@@ -32,7 +32,7 @@ from fsdp_presets.checkpoint.layout import (DELETING_PREFIX, FINAL, MANIFEST, ST
                                             TEMPORARY_STEP_PREFIX, deleting_name, rng_state_file, step_folder_name,
                                             step_of, temporary_step_folder)
 from fsdp_presets.checkpoint.manifest import (ADAPTER_KIND, IMPORTED_KIND, MANIFEST_FORMAT,  # noqa: F401
-                                              TRAINING_KIND, Manifest, inside_path_problem, manifest_kind)
+                                              TRAINING_KIND, Manifest, inside_path_problem)
 from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
                                  raise_on_every_rank)
 from fsdp_presets.faults import fault_point
