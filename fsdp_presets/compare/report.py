@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from fsdp_presets.compare.runs import Comparison, RunRecord
+from fsdp_presets.fileio import atomic_path
 
 VERDICT_WORDS = {
     "identical": "IDENTICAL: every compared value is bitwise equal",
@@ -108,23 +108,11 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value).replace("|", "\\|")
 
 
-def _write_atomically(path: Path, write) -> None:
-    """Write through a temporary file in the same folder, then rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix)
-    os.close(handle)
-    try:
-        write(Path(temporary))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def write_report(comparison: Comparison, report_path: str | os.PathLike,
                  plot_path: str | os.PathLike | None = None) -> None:
     text = render_report(comparison, plot_path=plot_path, report_path=report_path)
-    _write_atomically(Path(report_path), lambda temporary: temporary.write_text(text))
+    with atomic_path(report_path, suffix=Path(report_path).suffix) as temporary:
+        temporary.write_text(text)
 
 
 def write_plot(comparison: Comparison, plot_path: str | os.PathLike) -> None:
@@ -179,6 +167,7 @@ def write_plot(comparison: Comparison, plot_path: str | os.PathLike) -> None:
         bottom.legend(fontsize=7, loc="upper left")
     figure.tight_layout()
     try:
-        _write_atomically(Path(plot_path), lambda temporary: figure.savefig(temporary, dpi=110, format="png"))
+        with atomic_path(plot_path, suffix=Path(plot_path).suffix) as temporary:
+            figure.savefig(temporary, dpi=110, format="png")
     finally:
         plt.close(figure)

@@ -469,7 +469,7 @@ def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: s
     """Render the ``kind`` launcher of ``job`` and write it (executable) to ``output``, by default
     next to the config. Returns the path written. An existing file is replaced only when this
     module wrote it, or with ``force`` (:func:`check_launcher_output`); the write is atomic."""
-    import tempfile
+    from fsdp_presets.fileio import write_text_atomic
 
     if kind not in LAUNCHER_KINDS:
         raise UsageError(unknown_name_message("launcher", kind, LAUNCHER_KINDS))
@@ -487,14 +487,5 @@ def write_launcher(kind: LauncherKind, job: Job, *, generated_by: str, output: s
         raise UsageError(f"the launch script {path} would carry a value that looks like an access token (hf_..., "
                          "sk-...; not shown); pass secrets through the environment (export HF_TOKEN=... before "
                          "launching), never on the command line that writes a file (nothing was written)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.chmod(temporary, 0o755)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    write_text_atomic(path, text, mode=0o755)
     return path

@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fsdp_presets.fileio import write_text_atomic
+
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All complete lines of a metrics file (a last line cut short by a kill is skipped)."""
@@ -49,13 +51,7 @@ class MetricsLog:
             return
         kept = [record for record in read_metrics(self.path)
                 if keep_through_step > 0 and record["step"] <= keep_through_step]
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.tmp")
-        with open(temporary, "w") as handle:
-            handle.writelines(json.dumps(record) + "\n" for record in kept)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(record) + "\n" for record in kept))
 
     def _append(self, record: dict[str, Any]) -> None:
         if not self.enabled:
