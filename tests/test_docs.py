@@ -48,7 +48,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
-sys.path.insert(0, str(REPO / "tests"))  # test_check's clean config (also when run as a script)
 
 # Folders a scratch copy holds (the commands read and write only these; runs/ starts empty).
 COPIED = ("README.md", "docs", "accelerate_configs", "model_configs", "data", "recipes", "scripts")

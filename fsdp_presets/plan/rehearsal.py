@@ -110,13 +110,13 @@ class FakeAccelerate:
         """``(prepared model, AdamW)`` through ``Accelerator.prepare``, as the recipes call it."""
         import torch
 
-        from fsdp_presets.train import loop
+        from fsdp_presets.numerics import param_groups
 
         model = self.build_model(config, trust_remote_code=trust_remote_code)
         with self.fake_mode:
             # foreach=True: what torch.optim picks by default for CUDA tensors (and so in the recipes
             # on GPUs), with its per-group temporaries; on CPU tensors the default is a per-tensor loop.
-            optimizer = torch.optim.AdamW(loop.param_groups(model, weight_decay), lr=learning_rate,
+            optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=learning_rate,
                                           betas=(0.9, 0.95), foreach=True)
             model, optimizer = self.accelerator.prepare(model, optimizer)
         return model, optimizer
@@ -322,23 +322,19 @@ def causal_lm_summed_loss(model, input_ids, labels):
 
 
 def _clip_like_training(model, max_norm: float) -> None:
-    """:func:`fsdp_presets.train.loop.clip_grad_norm`'s tensors (float64 squares of every local
-    gradient, one coefficient applied in place) without its ``.item()``, which fake tensors
-    cannot answer: the memory is the same, the value is not needed."""
+    """:func:`fsdp_presets.numerics.clip_grad_norm`'s tensors (its float64 squares of every local
+    gradient, one coefficient applied in place) without the all-reduce and the ``.item()``, which
+    fake tensors cannot answer: the memory is the same, the value is not needed."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    total = torch.zeros((), dtype=torch.float64)
-    gradients = []
-    for param in model.parameters():
-        if param.grad is None:
-            continue
-        local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        gradients.append(local)
-        total = total + local.detach().to(torch.float64).square().sum()
+    from fsdp_presets.numerics import local_square_sums
+
+    sums, gradients = local_square_sums(model)
+    total = sum((squares for squares, _ in sums), torch.zeros((), dtype=torch.float64))
     coefficient = (max_norm / (total.sqrt() + 1e-6)).clamp(max=1.0).to(torch.float32)
-    for local in gradients:
-        local.mul_(coefficient)
+    for grad in gradients:
+        (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(coefficient)
 
 
 REHEARSED_MICRO_BATCHES = 2
@@ -358,7 +354,7 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
     import torch
     from torch.distributed.fsdp import FSDPModule
 
-    from fsdp_presets.train import loop
+    from fsdp_presets.numerics import gradient_sync
 
     started = time.perf_counter()
     micro_batches = min(grad_accum, REHEARSED_MICRO_BATCHES)
@@ -384,7 +380,7 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
                     count = micro_batches if iteration == iterations - 1 else 1
                     for index in range(count):
                         last = index == count - 1 or reduce_every_micro_batch
-                        with loop.gradient_sync(accelerator, model, last_micro_batch=last):
+                        with gradient_sync(accelerator, model, last_micro_batch=last):
                             loss = causal_lm_summed_loss(model, input_ids, labels)
                             accelerator.backward(loss / (micro_batch * seq_len * grad_accum))
                         del loss

@@ -12,7 +12,6 @@ change of GPU count, and RNG state (dropout) is restored by ``accelerator.load_s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import math
 import os
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
+# The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
+from fsdp_presets.numerics import clip_grad_norm, gradient_sync, param_groups, scalar  # noqa: F401
 
 
 # ---- flags ----
@@ -202,111 +203,6 @@ def collate(dataset, indices: list[int], columns: tuple[str, ...]) -> dict:
 
     rows = dataset[indices]
     return {column: torch.tensor(rows[column]) for column in columns}
-
-
-# ---- optimizer ----
-def param_groups(model, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: decay on weight matrices, none on norms, biases and embeddings (decaying them
-    pulls scales and token vectors towards zero for no regularisation benefit; the usual practice
-    of GPT-2/nanoGPT, torchtune and the Hugging Face Trainer)."""
-    import torch
-
-    no_decay: set[int] = set()
-    for module in model.modules():
-        is_norm = "norm" in type(module).__name__.lower()
-        if isinstance(module, torch.nn.Embedding) or is_norm:
-            no_decay.update(id(param) for param in module.parameters(recurse=False))
-    for name, param in model.named_parameters():
-        if name.endswith("bias"):
-            no_decay.add(id(param))
-    decay, plain, seen = [], [], set()
-    for param in model.parameters():  # a tied weight appears once
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))
-        (plain if id(param) in no_decay else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
-
-
-def scalar(value) -> float:
-    """A tensor, DTensor (FSDP2's gradient norm) or number as a plain float."""
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value.item() if hasattr(value, "item") else value)
-
-
-def clip_grad_norm(accelerator, model, max_norm: float) -> float:
-    """Clip the gradients of a prepared model to ``max_norm`` (0: only measure) and return their
-    global L2 norm, the same number, bit for bit, under DDP, FSDP1 and FSDP2.
-
-    accelerate's ``clip_grad_norm_`` sums the squares in fp32 in an order that depends on the
-    sharding (FSDP: per shard, then across ranks; DDP: per whole tensor), so the norms differ in
-    the last bits, the clip coefficients too, and a clipped FSDP run drifts away from its DDP twin.
-    Here every local gradient (a shard or a whole tensor) is squared and summed in float64 (a
-    float32 square is exact in float64), the sums are all-reduced over the ranks that hold the
-    other shards, and the root is rounded to float32: the float64 totals of two layouts differ by
-    ~1e-16 relative, far below float32's 6e-8 step, so the float32 norm, the coefficient
-    ``max_norm / (norm + 1e-6)`` (torch's formula) and the clipped gradients are equal everywhere.
-    Other distributed types (DeepSpeed, XLA) fall back to accelerate's own clipping.
-    """
-    import math
-
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    kind = accelerator.distributed_type.value
-    if kind not in ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"):
-        return scalar(accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf")))
-    accelerator.unscale_gradients()  # fp16: the loss scale comes off before measuring (accelerate does too)
-    fsdp1_groups: list = []
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-
-    if isinstance(model, FullyShardedDataParallel) and model.sharding_strategy != ShardingStrategy.NO_SHARD:
-        fsdp1_groups = [model.process_group]  # flat parameters are sharded over this group
-    # key: (mesh or None, sharded mesh dims) -> [float64 sum of squares, process groups to reduce over]
-    sums: dict = {("fsdp1",): [torch.zeros((), dtype=torch.float64), fsdp1_groups]} if fsdp1_groups else {}
-    gradients = []
-    for param in model.parameters():  # a tied weight appears once
-        grad = param.grad
-        if grad is None:
-            continue
-        gradients.append(grad)
-        if isinstance(grad, DTensor):
-            shard_dims = tuple(dim for dim, placement in enumerate(grad.placements) if placement.is_shard())
-            key = (id(grad.device_mesh), shard_dims)
-            groups = [grad.device_mesh.get_group(dim) for dim in shard_dims]
-            local = grad.to_local()
-        else:
-            key, groups, local = (("fsdp1",), fsdp1_groups, grad) if fsdp1_groups else ((None,), [], grad)
-        entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
-        entry[0] += local.detach().to(torch.float64).square().sum().cpu()
-    total = 0.0
-    for squares, groups in sums.values():
-        for group in groups:
-            if dist.get_world_size(group) > 1:
-                reduced = squares.to(accelerator.device)
-                dist.all_reduce(reduced, group=group)
-                squares = reduced.cpu()
-        total += squares.item()
-    norm = float(torch.tensor(math.sqrt(total), dtype=torch.float32))
-    if max_norm and math.isfinite(max_norm):
-        coefficient = max_norm / (norm + 1e-6)
-        if coefficient < 1.0 or not math.isfinite(norm):
-            for grad in gradients:
-                grad.mul_(coefficient)
-    return norm
-
-
-def gradient_sync(accelerator, model, *, last_micro_batch: bool, reduce_every_micro_batch: bool = False):
-    """Reduce gradients only on the last micro-batch of an optimizer step (accelerate's
-    ``no_sync``: DDP skips its all-reduce, FSDP2 its reduce-scatter, until then), or on every
-    micro-batch with ``reduce_every_micro_batch``: under ``no_sync`` FSDP keeps an unsharded
-    gradient of every parameter between micro-batches (a whole model's worth per GPU), which a
-    large model cannot afford; reducing each time keeps only the shards, for more traffic."""
-    if last_micro_batch or reduce_every_micro_batch:
-        return contextlib.nullcontext()
-    return accelerator.no_sync(model)
 
 
 # ---- process ----

@@ -1,0 +1,107 @@
+"""The package's import direction, read off the source with ``ast`` (imports inside functions
+count too, so a lazy import cannot slip past):
+
+- nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``);
+- ``fsdp_presets.plan`` imports neither ``fsdp_presets.train`` nor ``fsdp_presets.checkpoint``;
+- ``fsdp_presets.checkpoint`` never imports ``fsdp_presets.plan``;
+- tests and scripts import the installed package: no ``sys.path`` edits.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "fsdp_presets"
+
+
+def module_name(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
+    """``(line, module)`` for every import in the file, relative imports resolved; ``from X import
+    Y`` yields ``X`` and ``X.Y`` (Y may be a submodule: ``from fsdp_presets import train``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = module_name(path, root)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(folder: Path, forbidden: tuple[str, ...], root: Path = REPO) -> list[str]:
+    """``file:line imports module`` for each import under ``folder`` of a forbidden module or its children."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for line, module in imported_modules(path, root):
+            if any(module == name or module.startswith(name + ".") for name in forbidden):
+                found.append(f"{path.relative_to(root)}:{line} imports {module}")
+    return found
+
+
+def test_the_scan_sees_lazy_and_relative_imports(tmp_path):
+    """The checker itself can fail: a lazy import inside a function and a relative one are found."""
+    folder = tmp_path / "fsdp_presets" / "plan"
+    folder.mkdir(parents=True)
+    (folder / "x.py").write_text("def f():\n    from ..train import loop\n    import fsdp_harness.launch\n"
+                                 "    from fsdp_presets import checkpoint\n")
+    imports = {module for _, module in imported_modules(folder / "x.py", root=tmp_path)}
+    assert {"fsdp_presets.train.loop", "fsdp_harness.launch", "fsdp_presets.checkpoint"} <= imports
+
+
+def test_runtime_package_never_imports_the_harness():
+    assert violations(PACKAGE, ("fsdp_harness",)) == []
+
+
+def test_plan_never_imports_train_or_checkpoint():
+    assert violations(PACKAGE / "plan", ("fsdp_presets.train", "fsdp_presets.checkpoint")) == []
+
+
+def test_checkpoint_never_imports_plan():
+    assert violations(PACKAGE / "checkpoint", ("fsdp_presets.plan",)) == []
+
+
+def sys_path_edits(path: Path, root: Path = REPO) -> list[str]:
+    """Lines of ``path`` that change ``sys.path`` (insert, append, assignment, ``+=``, ...)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            target = node.func.value  # sys.path.insert(...), sys.path.append(...)
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            target = next((t.value if isinstance(t, ast.Subscript) else t for t in targets
+                           if isinstance(t.value if isinstance(t, ast.Subscript) else t, ast.Attribute)), None)
+        if (isinstance(target, ast.Attribute) and target.attr == "path" and isinstance(target.value, ast.Name)
+                and target.value.id == "sys"):
+            found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+@pytest.mark.parametrize("folder", ["tests", "scripts"])
+def test_no_sys_path_edits(folder):
+    """Tests and scripts import the package as installed (``pip install -e .``: scripts/setup.sh)."""
+    edits = [edit for path in sorted((REPO / folder).rglob("*.py")) for edit in sys_path_edits(path)]
+    assert edits == []
+
+
+def test_the_sys_path_scan_finds_an_edit(tmp_path):
+    script = tmp_path / "x.py"
+    script.write_text("import sys\nsys.path.insert(0, 'a')\nsys.path += ['b']\nsys.path[:0] = ['c']\nsys.path.append('d')\n")
+    assert sorted(sys_path_edits(script, root=tmp_path)) == ["x.py:2", "x.py:3", "x.py:4", "x.py:5"]
