@@ -170,8 +170,10 @@ def _human(report, view, facts, model_note) -> list[str]:
 
 
 def _note(item) -> str:
+    from fsdp_presets.plan.schema import K
+
     short = {
-        "fsdp-version-missing": "no fsdp_version (FSDP1, accelerate's default)",
+        "fsdp-version-missing": f"no {K.version} (FSDP1, accelerate's default)",
         "wrap-classes-unset": "wrap classes from the model's _no_split_modules",
         "num-processes-unset": "num_processes comes from the launch command (--gpus N here for the GPU count and "
                                "memory rules)",

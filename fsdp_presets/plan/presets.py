@@ -30,6 +30,7 @@ from typing import Literal
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.plan.planner import GiB, Hardware, MemoryPlan, StrategyPlan, TrainingShape, plan
 from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.plan.schema import K
 
 Device = Literal["gpu", "cpu"]
 DEVICES: tuple[str, ...] = ("gpu", "cpu")
@@ -844,9 +845,9 @@ def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
                      "FSDP mixed precision their weights are gathered in the compute dtype like every parameter and "
                      f"the fp32 master copy is what the optimizer updates{upcast}")
     parts.append("weight decay: recipes/causal_lm.py excludes norms, biases and embeddings (fsdp_presets.train.loop."
-                 "param_groups)" + ("; FSDP1 needs fsdp_use_orig_params: true for such per-parameter groups (set)"
+                 "param_groups)" + (f"; FSDP1 needs {K.use_orig_params}: true for such per-parameter groups (set)"
                                     if request.fsdp_version == 1 else ""))
-    parts.append("no ignored modules (fsdp_ignored_modules unset): FSDP leaves ignored parameters out of gradient "
+    parts.append(f"no ignored modules ({K.ignored_modules} unset): FSDP leaves ignored parameters out of gradient "
                  "synchronisation, so they would drift apart between ranks")
     return parts
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_presets.errors import UsageError, closest_names, unknown_name_message
+from fsdp_presets.plan.schema import K
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time (the CLI imports us lazily)
     from torch import nn
@@ -693,7 +694,7 @@ def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -
     if missing_no_split:
         warnings.append(
             f"_no_split_modules names {', '.join(missing_no_split)}, which this model does not "
-            "contain: never copy those names into fsdp_transformer_layer_cls_to_wrap (accelerate "
+            f"contain: never copy those names into {K.transformer_layer_cls_to_wrap} (accelerate "
             "raises 'Could not find the transformer layer class')"
         )
     undeclared = [name for name in wrap_classes if no_split and name not in no_split]

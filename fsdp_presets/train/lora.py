@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
+from fsdp_presets.plan.schema import K
 
 from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL,  # noqa: F401
                                             ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS, DCP_METADATA, GENERATION_CONFIG,
@@ -196,15 +197,15 @@ def prepare(accelerator, model, build_optimizer: Callable[[Any], tuple[Any, Any]
     Without ``lora`` (full fine-tuning): built first, prepared together, as always."""
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
     if lora is not None and lora["method"] == "qlora" and plugin is not None and plugin.fsdp_version == 1:
-        raise UsageError("--load-in-4bit needs FSDP2 (fsdp_version: 2 in the accelerate config): FSDP1 flattens each "
+        raise UsageError(f"--load-in-4bit needs FSDP2 ({K.version}: 2 in the accelerate config): FSDP1 flattens each "
                          "unit into one tensor of one dtype, and the 4-bit base (stored as bfloat16) shares its units "
                          "with fp32 norms and adapters (\"Must flatten tensors with uniform dtype\"); or train LoRA "
                          "without --load-in-4bit under FSDP1")
     if lora is not None and plugin is not None and plugin.fsdp_version == 1:
         if not plugin.use_orig_params:
-            raise UsageError("LoRA under FSDP1 needs fsdp_use_orig_params: true in the accelerate config (else FSDP "
+            raise UsageError(f"LoRA under FSDP1 needs {K.use_orig_params}: true in the accelerate config (else FSDP "
                              "fails with \"Must flatten tensors with uniform requires_grad\"); set it, or use "
-                             "fsdp_version: 2")
+                             f"{K.version}: 2")
         from peft.utils.other import fsdp_auto_wrap_policy
 
         plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
