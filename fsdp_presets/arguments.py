@@ -1,8 +1,18 @@
-"""The numbers of the command line, each checked in one place: argparse ``type=`` functions that
-every command uses for the same flag, so that ``--gpus`` or ``--gpu-memory`` mean and refuse the
-same thing in ``plan``, ``generate`` and ``launcher``.
+"""The flags the commands share, each defined in one place: one spelling, one default, one
+validation, so that ``--gpus``, ``--gpu-memory`` or ``--precision`` mean and refuse the same thing
+in ``plan``, ``generate``, ``rehearse``, ``check`` and ``launcher``.
 
-    parser.add_argument("--gpus", type=arguments.gpu_count, ...)
+    arguments.add_gpus(parser, required=True)          # in a command's add_arguments
+    arguments.add_gpu_memory(parser)
+    parser.add_argument("--port", type=arguments.tcp_port, ...)   # a number one command has
+
+The ``add_*`` functions add a shared flag with its type, choices and default; a command may only
+add to the help what the default means for it (``default_help``, ``default_text``). Where a default depends on
+something a command reads later (a preset's header, the device), the flag's default is None and
+the command fills in the value below (:data:`DEFAULT_SEQ_LEN`, :data:`DEFAULT_GPU_MEMORY_GIB`).
+The training-method flags (``--method``, ``--lora-*``) are defined the same way in
+:mod:`fsdp_presets.plan.methods`. tests/test_arguments.py parses every command's parser and fails
+when a shared flag drifts.
 
 A bad value raises :class:`~fsdp_presets.errors.UsageError`, which argparse does not catch:
 ``fsdp_presets.cli.main`` prints it as the command's one-line error and exits with status 2,
@@ -14,9 +24,29 @@ instant).
 
 from __future__ import annotations
 
+import argparse
 import math
 
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, unknown_name_message
+
+DEFAULT_SEQ_LEN = 2048
+"""Tokens per sequence that ``plan``, ``generate``, ``rehearse`` and ``check`` plan for when
+``--seq-len`` is not given (capped by the model's positions)."""
+RECIPE_SEQ_LEN = 128
+"""Tokens per sample the recipes train on when ``--seq-len`` is not given: the CPU demo's length
+(accelerate_configs/cpu_fsdp2_demo.yaml is planned for it)."""
+DEFAULT_GPU_MEMORY_GIB = 80.0
+"""Memory of one GPU when ``--gpu-memory`` is not given: A100 80GB / H100 SXM, the common training GPU."""
+PRECISIONS: tuple[str, ...] = ("bf16", "fp16", "fp32")
+"""Accelerate's ``mixed_precision`` values: bf16/fp16 compute with fp32 master weights, or fp32."""
+PRECISION_CHOICES: tuple[str, ...] = ("auto",) + PRECISIONS
+"""``--precision``: ``auto`` is bf16 on GPUs (fp32 on a CPU host for ``generate --device cpu``)."""
+SWITCH_CHOICES: tuple[str, ...] = ("auto", "on", "off")
+"""``--activation-checkpointing`` and ``--offload``: ``auto`` turns a saver on only when needed to fit."""
+STRATEGY_CHOICES: tuple[str, ...] = ("auto", "full", "grad-op", "hybrid", "no-shard")
+"""``--strategy``: FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD (HSDP, several nodes), NO_SHARD (FSDP1)."""
+DEVICES: tuple[str, ...] = ("gpu", "cpu")
+"""``--device``: GPUs, or a CPU-only host (demos, CI) where FSDP runs over gloo."""
 
 MAX_GPUS = 2**20
 """GPUs (processes) in one job: the largest training clusters hold about 10^5 GPUs."""
@@ -30,6 +60,8 @@ MAX_SEQ_LEN = 2**24
 """Tokens per sequence: 16M, beyond the longest contexts models are trained on (about 10M)."""
 MAX_MICRO_BATCH = 2**16
 """Sequences per GPU per forward pass."""
+MAX_GRAD_ACCUM = 2**16
+"""Micro-batches per optimizer step."""
 MAX_GLOBAL_BATCH = {"samples": 2**24, "tokens": 2**36}
 """Per optimizer step (``--global-batch``): 16M sequences or 64G tokens; the largest published runs
 use about 60M tokens (Llama 3 405B: 16M tokens)."""
@@ -97,6 +129,36 @@ def micro_batch(text: str) -> int:
     return _whole(text, flag="--micro-batch", low=1, high=MAX_MICRO_BATCH, example="2")
 
 
+def grad_accum(text: str) -> int:
+    """``--grad-accum``: micro-batches per optimizer step, 1 .. :data:`MAX_GRAD_ACCUM`."""
+    return _whole(text, flag="--grad-accum", low=1, high=MAX_GRAD_ACCUM, example="4")
+
+
+def _one_of(flag: str, known: tuple[str, ...]):
+    """An argparse ``type=`` that accepts one of ``known`` and refuses anything else in one line
+    (``unknown --precision value 'bf61'; did you mean 'bf16'? known: ...``), as the numbers do."""
+
+    def check(text: str) -> str:
+        if text not in known:
+            raise UsageError(unknown_name_message(f"{flag} value", text, known))
+        return text
+
+    check.__name__ = flag.lstrip("-").replace("-", "_")
+    return check
+
+
+precision = _one_of("--precision", PRECISION_CHOICES)
+"""``--precision``: one of :data:`PRECISION_CHOICES`."""
+activation_checkpointing = _one_of("--activation-checkpointing", SWITCH_CHOICES)
+"""``--activation-checkpointing``: one of :data:`SWITCH_CHOICES`."""
+offload = _one_of("--offload", SWITCH_CHOICES)
+"""``--offload``: one of :data:`SWITCH_CHOICES`."""
+strategy = _one_of("--strategy", STRATEGY_CHOICES)
+"""``--strategy``: one of :data:`STRATEGY_CHOICES`."""
+device = _one_of("--device", DEVICES)
+"""``--device``: one of :data:`DEVICES`."""
+
+
 def tcp_port(text: str) -> int:
     """``--port``: a TCP port."""
     return _whole(text, flag="--port", low=1, high=65535, example="29500")
@@ -110,3 +172,90 @@ def join_timeout_s(text: str) -> int:
 def cpus_per_task(text: str) -> int:
     """``--cpus-per-task``: SLURM CPUs for one node's task."""
     return _whole(text, flag="--cpus-per-task", low=1, high=MAX_CPUS_PER_TASK, example="32")
+
+
+# --------------------------------------------------------------------------- the shared flags
+
+
+def add_model(parser: argparse.ArgumentParser, *, optional: bool = False, metavar: str = "MODEL",
+              extra_help: str = "") -> None:
+    """The positional MODEL: a registry family, a local model folder or a config.json path."""
+    parser.add_argument("model", metavar=metavar, nargs="?" if optional else None,
+                        help="a family name (see `fsdp-presets inspect --list`), a local model folder, or a "
+                        "config.json path" + extra_help)
+
+
+def add_gpus(parser: argparse.ArgumentParser, *, required: bool = False, help_text: str = "GPUs in the whole job",
+             metavar: str | None = None) -> None:
+    """``--gpus``: GPUs (processes) of the whole job."""
+    parser.add_argument("--gpus", type=gpu_count, required=required, metavar=metavar, help=help_text)
+
+
+def add_nodes(parser: argparse.ArgumentParser) -> None:
+    """``--nodes``: machines the GPUs are spread over (None: 1, or what a preset says)."""
+    parser.add_argument("--nodes", type=node_count, help="machines the GPUs are spread over, the same number "
+                        "on each (default 1)")
+
+
+def add_gpu_memory(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
+    """``--gpu-memory``: GiB of one GPU (None: :data:`DEFAULT_GPU_MEMORY_GIB`, or a preset's)."""
+    parser.add_argument("--gpu-memory", type=gpu_memory_gib, metavar="GiB", help="memory of one GPU in GiB "
+                        f"(default {DEFAULT_GPU_MEMORY_GIB:g}{default_help})")
+
+
+def add_host_memory(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
+    """``--host-memory``: GiB of host RAM of one node (None: the command's default)."""
+    parser.add_argument("--host-memory", type=host_memory_gib, metavar="GiB",
+                        help="host RAM of one node in GiB (default 1024: 8-GPU nodes carry 1-2 TiB" + default_help + ")")
+
+
+def add_precision(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
+    """``--precision``: one of :data:`PRECISION_CHOICES` (None: auto)."""
+    parser.add_argument("--precision", type=precision, metavar="|".join(PRECISION_CHOICES), help="mixed precision, accelerate's "
+                        "mixed_precision (default auto: bf16 on GPUs" + default_help + ")")
+
+
+def add_seq_len(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
+    """``--seq-len``: tokens per sequence (None: :data:`DEFAULT_SEQ_LEN`, or a preset's)."""
+    parser.add_argument("--seq-len", type=seq_len, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped "
+                        "by the model's positions" + default_help + ")")
+
+
+def add_micro_batch(parser: argparse.ArgumentParser, *, default_help: str = "1") -> None:
+    """``--micro-batch``: sequences per GPU per forward/backward (None: the command's default)."""
+    parser.add_argument("--micro-batch", type=micro_batch, help=f"sequences per GPU per step (default {default_help})")
+
+
+def add_grad_accum(parser: argparse.ArgumentParser, *, extra_help: str = "") -> None:
+    """``--grad-accum``: micro-batches per optimizer step (None: 1)."""
+    parser.add_argument("--grad-accum", type=grad_accum, help="micro-batches accumulated per optimizer step "
+                        "(default 1)" + extra_help)
+
+
+def add_savers(parser: argparse.ArgumentParser, *, with_offload: bool = True,
+               default_text: str = "auto: only when needed to fit, activation checkpointing first") -> None:
+    """``--activation-checkpointing`` and ``--offload``: one of :data:`SWITCH_CHOICES` (None: the
+    command's default, which ``default_text`` says)."""
+    parser.add_argument("--activation-checkpointing", type=activation_checkpointing, metavar="|".join(SWITCH_CHOICES), help="recompute block "
+                        f"activations in backward (default {default_text})")
+    if with_offload:
+        parser.add_argument("--offload", type=offload, metavar="|".join(SWITCH_CHOICES), help="FSDP CPU offload of parameters, "
+                            f"gradients and optimizer state (default {default_text})")
+
+
+def add_strategy(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
+    """``--strategy``: one of :data:`STRATEGY_CHOICES` (None: auto)."""
+    parser.add_argument("--strategy", type=strategy, metavar="|".join(STRATEGY_CHOICES), help="sharding (default auto: FULL_SHARD on one "
+                        "node, HYBRID_SHARD across nodes when it fits" + default_help + ")")
+
+
+def add_device(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
+    """``--device``: gpu or cpu (None: gpu, or a preset's)."""
+    parser.add_argument("--device", type=device, metavar="|".join(DEVICES), help="gpu (default" + default_help + ") or cpu: a CPU-only "
+                        "host (demos, CI; fp32, no offload)")
+
+
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    """``--trust-remote-code``: off unless given."""
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow a config that names its own Python code (auto_map) to run that code")

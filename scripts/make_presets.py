@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fsdp_presets.arguments import RECIPE_SEQ_LEN
+
 REPO = Path(__file__).resolve().parent.parent
 
 CONFIG_FOLDER = "accelerate_configs"
@@ -65,10 +67,10 @@ def catalogue() -> list[PresetFile]:
             files.append(PresetFile(name=f"{name}.yaml", model=f"model_configs/{family}", request=request,
                                     baseline=f"{name}.ddp.yaml"))
     # The CPU demo: SmolLM2-135M (a Llama) on 2 processes in fp32, the recipe's default batch
-    # split (micro-batch 2, no accumulation) and sequence length (128).
+    # split (micro-batch 2, no accumulation) and sequence length.
     files.append(PresetFile(
         name="cpu_fsdp2_demo.yaml", model="model_configs/smollm2-135m",
-        request={"gpus": 2, "device": "cpu", "seq_len": 128, "global_batch": "4"},
+        request={"gpus": 2, "device": "cpu", "seq_len": RECIPE_SEQ_LEN, "global_batch": "4"},
         baseline="cpu_ddp_demo.yaml",
         launch={"model": "runs/models/smollm2-135m-instruct", "data": "data/kjv_sft/train.jsonl"},
     ))
@@ -77,14 +79,10 @@ def catalogue() -> list[PresetFile]:
 
 def render_all() -> dict[str, str]:
     """``{file name: text}`` for the whole catalogue (nothing written)."""
-    from transformers.utils import logging as hf_logging
-
-    from fsdp_presets.commands.generate import render_files
     from fsdp_presets.plan.emit import LaunchHints
+    from fsdp_presets.plan.generate import load_profile, render_files
     from fsdp_presets.plan.presets import PresetRequest
-    from fsdp_presets.plan.profile import profile_model
 
-    hf_logging.set_verbosity_error()
     cwd = os.getcwd()
     os.chdir(REPO)  # model sources are relative to the repository root, as in the headers
     try:
@@ -92,7 +90,7 @@ def render_all() -> dict[str, str]:
         texts: dict[str, str] = {}
         for preset_file in catalogue():
             if preset_file.model not in profiles:
-                profiles[preset_file.model] = profile_model(preset_file.model)
+                profiles[preset_file.model] = load_profile(preset_file.model)
             request = PresetRequest(model=preset_file.model, **preset_file.request)
             rendered, _ = render_files(
                 profiles[preset_file.model], request, output=f"{CONFIG_FOLDER}/{preset_file.name}",
@@ -107,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default=str(REPO / CONFIG_FOLDER), help="where to write (default accelerate_configs/)")
     args = parser.parse_args(argv)
-    from fsdp_presets.commands.generate import write_files
+    from fsdp_presets.plan.generate import write_files
 
     output = Path(args.output_dir)
     texts = render_all()

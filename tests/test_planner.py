@@ -353,7 +353,7 @@ def test_plan_that_fits_nowhere_exits_0_with_suggestions(capsys):
     [
         (["--gpus", 0, "--gpu-memory", 80], "--gpus must be at least 1"),
         (["--gpus", 8, "--nodes", 3, "--gpu-memory", 80], "does not divide"),
-        (["--gpus", 8, "--gpu-memory", 80, "--precision", "int3"], "unknown precision 'int3'"),
+        (["--gpus", 8, "--gpu-memory", 80, "--precision", "int3"], "unknown --precision value 'int3'"),
         (["--gpus", 8, "--gpu-memory", 0.25], "too small for anything"),
         (["--gpus", 8, "--gpu-memory", "nan"], "--gpu-memory must be a number"),
         (["--gpus", 8, "--gpu-memory", 80, "--diagram", "plan.txt"], "give a .png"),

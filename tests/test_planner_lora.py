@@ -164,7 +164,7 @@ def test_rehearse_refuses_lora_with_one_message(tmp_path):
 def test_the_sharding_guide_table_is_the_planners():
     import re
 
-    from fsdp_presets.commands.plan import _plan_with_auto_savers
+    from fsdp_presets.plan.planner import plan_with_auto_savers
 
     text = (REPO / "docs" / "sharding.md").read_text()
     rows = re.findall(r"^\| (llama-[\w.-]+) \| (q?lora) \| (\d+) x (\d+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text,
@@ -173,7 +173,7 @@ def test_the_sharding_guide_table_is_the_planners():
     profiles = {}
     for model, method, gpus, memory, label, total, savers in rows:
         profile = profiles.setdefault(model, profile_model(str(REPO / "model_configs" / model)))
-        memory_plan, chosen = _plan_with_auto_savers(
+        memory_plan, chosen = plan_with_auto_savers(
             profile, Hardware(gpus=int(gpus), gpu_memory_bytes=int(memory) * GiB),
             TrainingShape(seq_len=2048, lora=LoraShape(method=method)), checkpointing="auto", offload="auto")
         best = memory_plan.recommended

@@ -26,29 +26,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--model", metavar="MODEL", help="the model the config trains (family, folder or config.json); default: the "
         "model a generated preset names in its header")
     add("--json", action="store_true", help="print the findings as JSON")
-    add("--device", choices=("gpu", "cpu"), help="the host the config is for (default: the preset's header, else gpu)")
-    add("--gpu-memory", type=float, metavar="GiB", help="memory of one GPU for the planner rules (default: the "
-        "preset's, else 80)")
-    add("--host-memory", type=float, metavar="GiB", help="host RAM of one node for the state-dict, loading and "
-        "offload rules (default: the preset's, else 1024: 8-GPU nodes carry 1-2 TiB)")
-    add("--seq-len", type=int, help="sequence length for the planner rules (default: the preset's, else 2048)")
-    add("--gpus", type=int, metavar="N", help="processes of the whole job for a file without num_processes (what "
-        "`accelerate launch --num_processes` will pass); without it such a file gets no GPU count or memory verdict")
+    from fsdp_presets import arguments  # the flags every command shares: one type, default and check each
+
+    arguments.add_device(parser, default_help=": the preset's header, else gpu")
+    arguments.add_gpu_memory(parser, default_help=", or the preset's; for the planner rules")
+    arguments.add_host_memory(parser, default_help=", or the preset's; for the state-dict, loading and offload rules")
+    arguments.add_seq_len(parser, default_help=", or the preset's; for the planner rules")
+    arguments.add_gpus(parser, metavar="N", help_text="processes of the whole job for a file without num_processes "
+                       "(what `accelerate launch --num_processes` will pass); without it such a file gets no GPU "
+                       "count or memory verdict")
     from fsdp_presets.plan.methods import add_method_arguments
 
-    add_method_arguments(parser, method_default=None, method_help="the training method, for the memory and LoRA "
+    add_method_arguments(parser, method_help="the training method, for the memory and LoRA "
                          "rules: full, lora or qlora (default: a generated preset's; otherwise unknown, and "
                          "full-fine-tuning memory verdicts are one warning, not errors)")
     add("--no-probe", action="store_true", help="skip running accelerate's FSDP preparation of the model under a "
         "fake process group")
     add("--list-rules", action="store_true", help="list the rule ids and exit")
-    add("--trust-remote-code", action="store_true",
-        help="allow a model config that names its own Python code (auto_map) to run that code")
+    arguments.add_trust_remote_code(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import math
     import os
     from pathlib import Path
 
@@ -61,14 +60,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{rule:34} {severity:8} {what}")
         return 0
     problems = [] if args.configs else ["give at least one CONFIG.yaml"]
-    for name in ("gpu_memory", "host_memory"):
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            problems.append(f"--{name.replace('_', '-')} must be a positive number of GiB, got {value}")
-    if args.seq_len is not None and args.seq_len < 1:
-        problems.append(f"--seq-len must be >= 1, got {args.seq_len}")
-    if args.gpus is not None and args.gpus < 1:
-        problems.append(f"--gpus must be >= 1, got {args.gpus}")
     missing = [path for path in args.configs if not Path(path).is_file()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")

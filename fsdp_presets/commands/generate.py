@@ -25,39 +25,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments
 
     add = parser.add_argument
-    add("model", metavar="MODEL", nargs="?", help="a family name, a local model folder, or a config.json path")
+    arguments.add_model(parser, optional=True)
     add("-o", "--output", required=True, metavar="FILE.yaml",
         help="the accelerate config to write; an existing file is replaced only when fsdp-presets generate wrote it")
     add("--force", action="store_true",
         help="replace existing output files (config, baseline, launch script) that fsdp-presets did not write")
     add("--from", dest="from_file", metavar="PRESET.yaml",
         help="rescale a generated preset: keep its model, choices and global batch, re-decide for --gpus/--nodes")
-    add("--gpus", type=arguments.gpu_count, help="GPUs in the whole job (with --device cpu: processes)")
-    add("--nodes", type=arguments.node_count, help="machines the GPUs are spread over, the same number on each (default 1)")
-    add("--device", choices=("gpu", "cpu"), help="gpu (default) or cpu: a CPU-only host (demos, CI; fp32, no offload)")
-    add("--gpu-memory", type=arguments.gpu_memory_gib, metavar="GiB", help="memory of one GPU in GiB (default 80)")
-    add("--host-memory", type=arguments.host_memory_gib, metavar="GiB",
-        help="host RAM of one node in GiB (default 1024; --device cpu: 16, shared by the node's processes)")
-    add("--precision", choices=("auto", "bf16", "fp16", "fp32"), help="mixed precision (default auto: bf16 on GPUs)")
-    add("--strategy", choices=("auto", "full", "grad-op", "hybrid", "no-shard"),
-        help="sharding (default auto: FULL_SHARD on one node, HYBRID_SHARD across nodes when it fits)")
+    arguments.add_gpus(parser, help_text="GPUs in the whole job (with --device cpu: processes; required with a MODEL)")
+    arguments.add_nodes(parser)
+    arguments.add_device(parser)
+    arguments.add_gpu_memory(parser)
+    arguments.add_host_memory(parser, default_help="; --device cpu: 16, shared by the node's processes")
+    arguments.add_precision(parser, default_help=", fp32 with --device cpu")
+    arguments.add_strategy(parser)
     add("--fsdp-version", type=int, choices=(1, 2), help="FSDP version (default 2)")
     add("--state-dict", choices=("sharded", "full"), help="checkpoint format (default sharded: DCP)")
-    add("--activation-checkpointing", choices=("auto", "on", "off"), help="default auto: only when needed to fit")
-    add("--offload", choices=("auto", "on", "off"), help="CPU offload (default auto: only when nothing fits otherwise)")
-    add("--seq-len", type=arguments.seq_len, help="tokens per sequence (default 2048, capped by the model's positions)")
+    arguments.add_savers(parser)
+    arguments.add_seq_len(parser)
     add("--global-batch", metavar="SAMPLES|TOKENS",
         help="per optimizer step: sequences (256) or tokens (1M, 512K, 524288tok); default 0.5M tokens")
-    add("--micro-batch", type=arguments.micro_batch, help="sequences per GPU per step (default: the largest that fits and divides)")
+    arguments.add_micro_batch(parser, default_help="the largest that fits and divides")
     add("--baseline", choices=("ddp",), help="also write the matching DDP config (default next to -o: NAME.ddp.yaml)")
     add("--baseline-output", metavar="FILE.yaml", help="where --baseline ddp writes (default NAME.ddp.yaml)")
     add("--launch-model", metavar="DIR", help="model folder the header's launch command names (default MODEL_DIR)")
     add("--launch-data", metavar="FILE", help="data file the header's launch command names (default DATA.jsonl)")
-    add("--trust-remote-code", action="store_true",
-        help="allow a config that names its own Python code (auto_map) to run that code")
+    arguments.add_trust_remote_code(parser)
     from fsdp_presets.plan.methods import add_method_arguments
 
-    add_method_arguments(parser, method_default=None, method_help=(
+    add_method_arguments(parser, method_help=(
         "full fine-tuning (default), lora or qlora: the planner counts a frozen (4-bit) base and fp32 adapters, "
         "the header and launch command carry the adapter and quantization settings"))
     from fsdp_presets.commands.launcher import add_launch_arguments
@@ -79,9 +75,10 @@ _REQUEST_FLAGS = {
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fsdp_presets.plan.emit import LaunchHints, command_text, default_baseline_path, launch_words, read_metadata
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.presets import PresetRequest, describe_changes, rescale_request
+    from fsdp_presets.plan.emit import LaunchHints
+    from fsdp_presets.plan.generate import rescale_source, rescaled_request, stored_launch
+    from fsdp_presets.plan.presets import PresetRequest
 
     given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
     problems = []
@@ -95,17 +92,9 @@ def run(args: argparse.Namespace) -> int:
     if args.from_file:
         if args.model:
             problems.append("give MODEL or --from PRESET.yaml, not both (the preset names its model)")
-        try:
-            old = read_metadata(Path(args.from_file).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as error:
-            problems.append(f"--from {args.from_file}: cannot read it ({error})")
-        else:
-            if old is None or old.get("kind") != "fsdp" or not isinstance(old.get("request"), dict) or \
-                    not isinstance(old.get("summary"), dict) or \
-                    not isinstance(old["summary"].get("global_batch"), int) or old["summary"]["global_batch"] < 1:
-                problems.append(f"--from {args.from_file}: no '# fsdp-presets:' line of an FSDP preset in its header; "
-                                "only files written by `fsdp-presets generate` can be rescaled")
-                old = None
+        old, problem = rescale_source(args.from_file)
+        if problem:
+            problems.append(problem)
     elif not args.model:
         problems.append("give a MODEL (family name, model folder or config.json), or --from PRESET.yaml")
     if not args.from_file and args.gpus is None:
@@ -114,31 +103,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("; ".join(problems))
 
     if old is not None:
-        try:
-            old_request = PresetRequest.from_json(old["request"])
-        except TypeError as error:
-            raise UsageError(f"--from {args.from_file}: its '# fsdp-presets:' line does not hold a request this "
-                             f"version reads ({error}); regenerate it from the command in its header") from None
-        if "gpus" not in given and "nodes" in given:
-            given["gpus"] = old_request.gpus // old_request.nodes * given["nodes"]  # same GPUs per node
-        if "gpus" in given and "nodes" not in given and old_request.nodes > 1 and \
-                given["gpus"] % old_request.gpus_per_node == 0:
-            given["nodes"] = given["gpus"] // old_request.gpus_per_node  # same GPUs per node
-        elif "gpus" in given and "nodes" not in given:
-            given["nodes"] = 1
-        kept = old["summary"]["global_batch"]
-        if "global_batch" not in given and "gpus" in given and kept % given["gpus"]:
-            fitting = [n for n in range(1, 4 * kept + 1) if kept % n == 0 and abs(n - given["gpus"]) <= given["gpus"]]
-            raise UsageError(f"rescaling keeps the global batch of {kept} sequences, which does not divide over "
-                             f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
-                             f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
-        request = rescale_request(old_request, old["summary"], **given)
-        stored = {key: value for key, value in (old.get("launch") if isinstance(old.get("launch"), dict) else {}).items()
-                  if isinstance(value, str)}
+        request = rescaled_request(old, given, source=args.from_file)
+        stored = stored_launch(old)
         launch = LaunchHints(model=args.launch_model or stored.get("model"), data=args.launch_data or stored.get("data"))
     else:
         request = PresetRequest(model=args.model, **given)
         launch = LaunchHints(model=args.launch_model, data=args.launch_data)
+
+    from fsdp_presets.plan.emit import command_text, default_baseline_path, launch_words
+    from fsdp_presets.plan.generate import check_generated_output, load_profile, render_files, write_files
+    from fsdp_presets.plan.presets import describe_changes
 
     output = str(args.output)
     baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None
@@ -193,98 +167,3 @@ def run(args: argparse.Namespace) -> int:
     if script is not None:
         print(f"wrote {script}: {args.launcher} launch script of {output}")
     return 0
-
-
-def load_profile(source: str, *, trust_remote_code: bool = False):
-    """The model's profile, with transformers' advisory warnings silenced."""
-    from transformers.utils import logging as hf_logging
-
-    from fsdp_presets.plan.profile import profile_model
-
-    hf_logging.set_verbosity_error()
-    return profile_model(source, trust_remote_code=trust_remote_code)
-
-
-def check_generated_output(path, *, force: bool = False) -> None:
-    """Refuse to replace an existing file that ``generate`` did not write (its header has no
-    ``# fsdp-presets:`` line), unless ``force``: regenerating a generated file is what its header
-    says to do, overwriting a hand-written one is not. Nothing is written."""
-    from fsdp_presets.plan.emit import METADATA_PREFIX, read_metadata
-    from fsdp_presets.errors import UsageError
-
-    if force or not (path.exists() or path.is_symlink()):
-        return
-    try:
-        ours = path.is_file() and not path.is_symlink() and \
-            read_metadata(path.read_text(encoding="utf-8", errors="replace")) is not None
-    except OSError:
-        ours = False
-    if not ours:
-        raise UsageError(f"{path} exists and was not written by fsdp-presets generate (no '{METADATA_PREFIX.strip()}' "
-                         "line in its header); choose another file, or pass --force to replace it (nothing was written)")
-
-
-def render_files(profile, request, *, output: str, baseline_output: str | None, launch):
-    """``({path: text}, preset)``: decide and render, nothing written. The texts are checked with
-    the config rules first: a generated file that fails them is a bug, never written."""
-    import yaml
-
-    from fsdp_presets.plan.emit import render_ddp_baseline, render_preset
-    from fsdp_presets.plan.check import CheckContext, lint_config
-    from fsdp_presets.plan.presets import decide
-
-    preset = decide(profile, request)
-    files = {output: render_preset(preset, output=output, baseline_output=baseline_output, launch=launch)}
-    if baseline_output is not None:
-        files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
-                                                     launch=launch)
-    for path, text in files.items():
-        errors = [item for item in lint_config(yaml.safe_load(text), context=CheckContext(device=request.device))
-                  if item.severity == "error"]
-        if errors:
-            raise RuntimeError(f"generated {path} fails its own checks (a bug in fsdp-presets): "
-                               + "; ".join(f"{item.rule}: {item.message}" for item in errors))
-    return files, preset
-
-
-def _file_mode(path) -> int:
-    """The existing file's mode, else what the umask gives a new file (mkstemp makes 0600)."""
-    import os
-
-    if path.exists():
-        return path.stat().st_mode & 0o777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def write_files(files: dict) -> None:
-    """Write every file through a temporary file in its folder, each loaded back through
-    accelerate's own loader before it replaces anything (``os.replace`` is atomic)."""
-    import os
-    import tempfile
-
-    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
-
-    staged = []
-    try:
-        for path, text in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-            staged.append((temporary, path))
-            os.chmod(temporary, _file_mode(path))
-            with os.fdopen(handle, "w", encoding="utf-8") as stream:
-                stream.write(text)
-            try:
-                accelerate_view(temporary)
-            except AccelerateRejected as error:
-                raise RuntimeError(f"accelerate rejects the generated {path} (a bug in fsdp-presets): {error}") from None
-        for temporary, path in staged:
-            os.replace(temporary, path)
-        staged = []
-    finally:
-        for temporary, _ in staged:
-            try:
-                os.unlink(temporary)
-            except FileNotFoundError:
-                pass

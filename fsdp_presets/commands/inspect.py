@@ -18,19 +18,11 @@ HELP = "show a model's FSDP anatomy: blocks to wrap, unit sizes, embeddings, tie
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model",
-        metavar="MODEL",
-        help="a family name (see `fsdp-presets inspect --list`), a local model folder, or a "
-        "config.json path",
-        nargs="?",
-    )
+    from fsdp_presets import arguments
+
+    arguments.add_model(parser, optional=True)
     parser.add_argument("--json", action="store_true", help="print the profile as JSON")
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow a config that names its own Python code (auto_map) to run that code",
-    )
+    arguments.add_trust_remote_code(parser)
     parser.add_argument("--list", action="store_true", help="list the registry families and exit")
 
 
@@ -69,28 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- human output
 
-def human_count(count: int) -> str:
-    """``70.55 B``, ``26.8 K``: a parameter count at a glance."""
-    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if abs(count) >= size:
-            return f"{count / size:.2f} {suffix}"
-    return str(count)
-
-
-def _table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(
-            str(cell).rjust(width) if index in right else str(cell).ljust(width)
-            for index, (cell, width) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    return [line(headers)] + [line(row) for row in rows]
-
-
 def format_profile(profile, *, source: str = "") -> str:
     """The readable form of a :class:`~fsdp_presets.plan.profile.ModelProfile`."""
+    from fsdp_presets.plan.tables import human_count, text_table
+
     dims = profile.dims
     structure = profile.structure
     total = profile.total_params or 1
@@ -132,7 +106,7 @@ def format_profile(profile, *, source: str = "") -> str:
     ]
     rows.append(["root (embeddings, norms, head)", "1", f"{profile.root_params:,}",
                  human_count(profile.root_params), f"{100 * profile.root_params / total:.1f}%"])
-    out += _table(["FSDP unit", "count", "params each", "total", "share"], rows, right={1, 2, 3, 4})
+    out += text_table(["FSDP unit", "count", "params each", "total", "share"], rows, right={1, 2, 3, 4})
     largest = max(profile.units, key=lambda unit: unit.params_each, default=None)
     largest_name = (
         "root" if largest is None or profile.root_params >= largest.params_each else largest.cls
@@ -163,6 +137,7 @@ def format_profile(profile, *, source: str = "") -> str:
 
 def _families_table() -> str:
     from fsdp_presets.plan.families import FAMILIES
+    from fsdp_presets.plan.tables import text_table
 
     rows = [[family.name, family.model_type, family.kind, family.note] for family in FAMILIES]
-    return "\n".join(_table(["family", "model_type", "kind", "covers"], rows, right=set()))
+    return "\n".join(text_table(["family", "model_type", "kind", "covers"], rows, right=set()))

@@ -20,7 +20,9 @@ HELP = "show a checkpoint's step, sharding, per-rank files, checksums and whethe
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder: OUTPUT_DIR/checkpoints/step-NNNNNNNN")
-    parser.add_argument("--gpus", type=int, action="append", metavar="N",
+    from fsdp_presets.arguments import gpu_count
+
+    parser.add_argument("--gpus", type=gpu_count, action="append", metavar="N",
                         help="say whether it resumes on N processes, and with which accumulation (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 

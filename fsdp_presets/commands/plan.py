@@ -16,57 +16,43 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_SEQ_LEN = 2048
-"""Tokens per sequence when ``--seq-len`` is not given (capped by the model's positions)."""
 HELP = "plan per-GPU memory and communication of every FSDP/DDP strategy, and recommend one"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments
-
-    parser.add_argument("model", metavar="MODEL", help="a family name, a local model folder, or a config.json path")
-    parser.add_argument("--gpus", type=arguments.gpu_count, required=True, help="GPUs in the whole job")
-    parser.add_argument("--nodes", type=arguments.node_count, default=1,
-                        help="machines the GPUs are spread over (default 1)")
-    parser.add_argument("--gpu-memory", type=arguments.gpu_memory_gib, required=True, metavar="GiB",
-                        help="memory of one GPU in GiB")
-    parser.add_argument("--seq-len", type=arguments.seq_len,
-                        help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped by the model's positions; "
-                        "a longer one given here is refused)")
-    parser.add_argument("--micro-batch", type=arguments.micro_batch, default=1,
-                        help="sequences per GPU per step (default 1)")
-    parser.add_argument("--grad-accum", type=int, default=1,
-                        help="micro-batches accumulated per optimizer step (default 1); under no_sync FSDP keeps "
-                        "unsharded gradients of the whole model between them")
-    parser.add_argument("--reduce-every-micro-batch", action="store_true",
-                        help="plan gradients reduced after every micro-batch instead of accumulated under no_sync")
-    parser.add_argument("--precision", default="bf16", help="bf16 (default), fp16 or fp32 (accelerate mixed_precision)")
-    parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
-    parser.add_argument("--activation-checkpointing", choices=("on", "off", "auto"),
-                        help="recompute block activations in backward (default off; with --method lora|qlora auto: "
-                        "on only when nothing fits without it, and the plan says so)")
-    parser.add_argument("--offload", choices=("on", "off", "auto"),
-                        help="FSDP CPU offload of parameters, gradients and optimizer state (default off; with "
-                        "--method lora|qlora auto: on only when nothing fits without it, after activation "
-                        "checkpointing)")
     from fsdp_presets.plan.methods import add_method_arguments
 
+    arguments.add_model(parser)
+    arguments.add_gpus(parser, required=True)
+    arguments.add_nodes(parser)
+    arguments.add_gpu_memory(parser)
+    arguments.add_seq_len(parser, default_help="; a longer one given here is refused")
+    arguments.add_micro_batch(parser)
+    arguments.add_grad_accum(parser, extra_help="; under no_sync FSDP keeps unsharded gradients of the whole "
+                             "model between them")
+    parser.add_argument("--reduce-every-micro-batch", action="store_true",
+                        help="plan gradients reduced after every micro-batch instead of accumulated under no_sync")
+    arguments.add_precision(parser)
+    parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
+    arguments.add_savers(parser, default_text="off; with --method lora|qlora auto: on only when nothing fits "
+                         "without it, activation checkpointing first, and the plan says so")
     add_method_arguments(parser)
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
                         help="fused (SDPA/FlashAttention, default) or eager attention (stores s x s scores)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--diagram", metavar="FILE.png", help="draw per-GPU memory and the unit split to this file")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="allow a config that names its own Python code (auto_map) to run that code")
+    arguments.add_trust_remote_code(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     import json
-    import math
     from pathlib import Path
 
+    from fsdp_presets import arguments
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+    from fsdp_presets.plan.methods import lora_from_args
+    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, fit_seq_len, plan_with_auto_savers
 
     # Validate every flag before touching the model, and report all problems at once.
     problems = []
@@ -76,26 +62,22 @@ def run(args: argparse.Namespace) -> int:
     lora_default = "auto" if args.method in ("lora", "qlora") else "off"
     checkpointing = args.activation_checkpointing or lora_default
     offload = args.offload or lora_default
-    from fsdp_presets.plan.methods import lora_from_args
-
     try:
         lora_from_args(args)  # the flags alone; target names are checked against the model below
     except UsageError as error:
         problems.append(str(error))
-    if not math.isfinite(args.gpu_memory):
-        problems.append(f"--gpu-memory must be a number of GiB, got {args.gpu_memory}")
-    else:
-        try:
-            hardware = Hardware(gpus=args.gpus, nodes=args.nodes, gpu_memory_bytes=int(args.gpu_memory * GiB))
-        except UsageError as error:
-            problems.append(str(error))
+    try:
+        hardware = Hardware(gpus=args.gpus, nodes=args.nodes or 1,
+                            gpu_memory_bytes=int((args.gpu_memory or arguments.DEFAULT_GPU_MEMORY_GIB) * GiB))
+    except UsageError as error:
+        problems.append(str(error))
     try:
         shape = TrainingShape(
-            seq_len=args.seq_len or DEFAULT_SEQ_LEN,
-            micro_batch=args.micro_batch,
-            grad_accum=args.grad_accum,
+            seq_len=args.seq_len or arguments.DEFAULT_SEQ_LEN,
+            micro_batch=args.micro_batch or 1,
+            grad_accum=args.grad_accum or 1,
             reduce_every_micro_batch=args.reduce_every_micro_batch,
-            precision=args.precision,
+            precision="bf16" if args.precision in (None, "auto") else args.precision,  # plan is for GPUs
             optimizer=args.optimizer,
             activation_checkpointing=checkpointing == "on",
             offload=offload == "on",
@@ -106,16 +88,13 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise UsageError("; ".join(problems))
 
-    from transformers.utils import logging as hf_logging
+    from fsdp_presets.plan.generate import load_profile
 
-    from fsdp_presets.plan.profile import profile_model
-
-    hf_logging.set_verbosity_error()
-    profile = profile_model(args.model, trust_remote_code=args.trust_remote_code)
-    shape, seq_note = _fit_seq_len(shape, profile, given=args.seq_len)
+    profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
+    shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
-    memory_plan, chosen = _plan_with_auto_savers(profile, hardware, shape, checkpointing=checkpointing,
-                                                 offload=offload)
+    memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape, checkpointing=checkpointing,
+                                                offload=offload)
 
     if args.diagram:
         from fsdp_presets.plan.diagram import draw_plan
@@ -147,61 +126,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offload: str):
-    """``(plan, chosen)``: the plan as asked, or, where a saver is ``auto`` and nothing fits, with the
-    cheapest savers that make something fit (activation checkpointing first, then offload too).
-    ``chosen`` names the savers turned on; when none makes anything fit, the plan as asked."""
-    from fsdp_presets.plan.planner import plan
-
-    first = plan(profile, hardware, shape)
-    if first.recommended is not None:
-        return first, []
-    steps = []
-    if checkpointing == "auto":
-        steps.append((["activation checkpointing"], {"activation_checkpointing": True}))
-    if offload == "auto":
-        previous = steps[-1][1] if steps else {}
-        names = (steps[-1][0] if steps else []) + ["offload"]
-        steps.append((names, {**previous, "offload": True}))
-    for names, change in steps:
-        candidate = plan(profile, hardware, shape.replace(**change))
-        if candidate.recommended is not None:
-            return candidate, names
-    return first, []
-
-
-def _fit_seq_len(shape, profile, *, given: int | None):
-    """``(shape, note)``: the sequence length checked against the model's positions.
-
-    A ``--seq-len`` longer than ``max_position_embeddings`` is refused, not planned: the model as
-    its config stands cannot take it (a learned position table has no row for it; a rotary model
-    runs past its trained context and the recipes' positions would not match the config), so a
-    plan for it would describe a run that cannot happen as configured. The default is capped with
-    a note instead, as ``generate`` does."""
-    import dataclasses
-
-    from fsdp_presets.errors import UsageError
-
-    limit = profile.dims.max_position_embeddings
-    if not limit or shape.seq_len <= limit:
-        return shape, None
-    if given is not None:
-        raise UsageError(f"--seq-len {given} is longer than the model's {limit} positions "
-                         f"(max_position_embeddings in its config): use --seq-len {limit} or less, or plan a "
-                         "longer context on a config that allows it (raise max_position_embeddings, with "
-                         "rope_scaling for a rotary model)")
-    return (dataclasses.replace(shape, seq_len=limit),
-            f"sequence length {shape.seq_len} capped to {limit}, the model's maximum positions "
-            "(max_position_embeddings)")
-
-
 # --------------------------------------------------------------------------- human output
 
 
 def format_plan(memory_plan, profile, *, source: str) -> str:
     """The table, the recommendation and its reason (or the suggestions when nothing fits)."""
-    from fsdp_presets.commands.inspect import _table, human_count
     from fsdp_presets.plan.planner import GiB
+    from fsdp_presets.plan.tables import human_count, text_table
 
     hardware, shape = memory_plan.hardware, memory_plan.shape
     nodes = f" on {hardware.nodes} nodes" if hardware.nodes > 1 else ""
@@ -233,7 +164,7 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
             f"{strategy.comm.total / comm_unit:.2f}",
             f"{strategy.comm.inter_node / comm_unit:.2f}",
         ])
-    lines += _table(headers, rows, right=set(range(1, len(headers))))
+    lines += text_table(headers, rows, right=set(range(1, len(headers))))
     notes = sorted({note for strategy in memory_plan.strategies for note in strategy.notes})
     lines += [f"note: {note}" for note in notes]
     lines.append("")
@@ -265,8 +196,6 @@ def _accumulation_text(shape) -> str:
 
 def _unit(largest: float, *, binary: bool) -> tuple[str, int]:
     """(name, bytes) of the largest unit that ``largest`` still fills at least once."""
-    units = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)) if binary else (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
-    for name, size in units:
-        if largest >= size:
-            return name, size
-    return units[-1]
+    from fsdp_presets.fileio import byte_unit
+
+    return byte_unit(largest, binary=binary)

@@ -31,27 +31,24 @@ CPU_BLIND_SPOTS = ("not seen on a CPU: the CUDA allocator's rounding and fragmen
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("model", metavar="MODEL|CONFIG.yaml",
-        help="a family name, model folder or config.json, or a preset written by `fsdp-presets generate`")
-    add("--gpus", type=int, help="GPUs in the whole job (required with a MODEL)")
-    add("--nodes", type=int, default=None, help="machines the GPUs are spread over (default 1)")
-    add("--micro-batch", type=int, default=None, help="sequences per GPU per forward/backward (default 1)")
-    add("--grad-accum", type=int, default=None, help="micro-batches per optimizer step (default 1)")
-    add("--seq-len", type=int, default=None, help="tokens per sequence (default 2048)")
-    add("--precision", choices=("bf16", "fp16", "fp32"), default=None, help="mixed precision (default bf16)")
-    add("--activation-checkpointing", choices=("on", "off"), default=None, help="default off")
-    add("--strategy", choices=("full", "grad-op", "hybrid"), default=None,
-        help="FSDP2 sharding (default: full on one node, hybrid across nodes)")
-    add("--gpu-memory", type=float, default=None, metavar="GiB",
-        help="memory of one GPU in GiB, for the fit verdict and the planner (default 80, or the preset's)")
-    add("--json", action="store_true", help="print the result as JSON")
+    from fsdp_presets import arguments
     from fsdp_presets.plan.methods import add_method_arguments
 
+    arguments.add_model(parser, metavar="MODEL|CONFIG.yaml",
+                        extra_help=", or a preset written by `fsdp-presets generate`")
+    arguments.add_gpus(parser, help_text="GPUs in the whole job (required with a MODEL)")
+    arguments.add_nodes(parser)
+    arguments.add_micro_batch(parser)
+    arguments.add_grad_accum(parser)
+    arguments.add_seq_len(parser)
+    arguments.add_precision(parser)
+    arguments.add_savers(parser, with_offload=False, default_text="off; auto: off, a rehearsal is on roomy GPUs")
+    arguments.add_strategy(parser, default_help="; FSDP2 only: no-shard is FSDP1")
+    arguments.add_gpu_memory(parser, default_help=", or the preset's; for the fit verdict and the planner")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_method_arguments(parser, method_help="the training method: only full is rehearsed (a LoRA/QLoRA plan is "
                          "checked against a hand calculation, docs/sharding.md)")
-    add("--trust-remote-code", action="store_true",
-        help="allow a config that names its own Python code (auto_map) to run that code")
+    arguments.add_trust_remote_code(parser)
 
 
 # --------------------------------------------------------------------------- what to rehearse
@@ -102,24 +99,24 @@ _NOT_REHEARSED = ("--method {method} from {where}: only full fine-tuning is rehe
 
 
 def _request_from_flags(args):
+    from fsdp_presets import arguments
     from fsdp_presets.errors import UsageError
     from fsdp_presets.plan.presets import PresetRequest
 
     if args.gpus is None:
         raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
+    if args.strategy == "no-shard":
+        raise UsageError(f"--strategy no-shard: {NOT_REHEARSED}")
     nodes = args.nodes or 1
-    micro = 1 if args.micro_batch is None else args.micro_batch
-    accumulation = 1 if args.grad_accum is None else args.grad_accum
-    problems = [f"--{name} must be at least 1, got {value}" for name, value in
-                (("micro-batch", micro), ("grad-accum", accumulation), ("gpus", args.gpus)) if value < 1]
-    if problems:
-        raise UsageError("; ".join(problems))
-    strategy = args.strategy or ("hybrid" if nodes > 1 else "full")
+    micro = args.micro_batch or 1
+    accumulation = args.grad_accum or 1
+    strategy = args.strategy if args.strategy not in (None, "auto") else ("hybrid" if nodes > 1 else "full")
     return PresetRequest(
-        model=args.model, gpus=args.gpus, nodes=nodes, precision=args.precision or "bf16", strategy=strategy,
+        model=args.model, gpus=args.gpus, nodes=nodes,
+        precision=args.precision if args.precision not in (None, "auto") else "bf16", strategy=strategy,
         activation_checkpointing=args.activation_checkpointing or "off", offload="off",
-        seq_len=args.seq_len or 2048, micro_batch=micro, global_batch=str(micro * accumulation * args.gpus),
-        gpu_memory_gib=args.gpu_memory,
+        seq_len=args.seq_len or arguments.DEFAULT_SEQ_LEN, micro_batch=micro,
+        global_batch=str(micro * accumulation * args.gpus), gpu_memory_gib=args.gpu_memory,
     )
 
 
@@ -147,7 +144,8 @@ def _decide_unchecked(profile, request):
     import dataclasses
 
     from fsdp_presets.plan.planner import GiB, Hardware, plan
-    from fsdp_presets.plan.presets import DEFAULT_GPU_MEMORY_GIB, decide
+    from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB
+    from fsdp_presets.plan.presets import decide
 
     roomy = dataclasses.replace(request, gpu_memory_gib=4096.0, host_memory_gib=65536.0)  # the largest accepted
     preset = decide(profile, roomy)
@@ -163,14 +161,11 @@ def _decide_unchecked(profile, request):
 def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
-    import math
     from pathlib import Path
 
     from fsdp_presets.errors import UsageError
 
-    if args.gpu_memory is not None and not (math.isfinite(args.gpu_memory) and args.gpu_memory > 0):
-        raise UsageError(f"--gpu-memory must be a positive number of GiB, got {args.gpu_memory}")
-    if args.method != "full":
+    if (args.method or "full") != "full":
         raise UsageError(_NOT_REHEARSED.format(method=args.method, where="the command line"))
     from fsdp_presets.plan.methods import lora_from_args
 
@@ -252,9 +247,9 @@ def run(args: argparse.Namespace) -> int:
 
 def format_rehearsal(document: dict, result, row) -> str:
     """The per-category table, rehearsal beside planner, and the verdict."""
-    from fsdp_presets.commands.inspect import _table, human_count
+    from fsdp_presets.fileio import GiB as gib
+    from fsdp_presets.plan.tables import human_count, text_table
 
-    gib = 1024**3
     rehearsed = result.peak_by_category
     model = document["model"]
     lines = [
@@ -291,7 +286,7 @@ def format_rehearsal(document: dict, result, row) -> str:
     if document["offload"]:
         rows.append(["offloaded to host (not on GPU)", f"-{cell(document['rehearsal']['offloaded_bytes'])}", None])
     rows.append(["total", cell(document["rehearsal"]["per_gpu_peak_bytes"]), cell(planner.total)])
-    lines += _table(["category", "rehearsal", "planner"], [[r[0], r[1], r[2] or ""] for r in rows], right={1, 2})
+    lines += text_table(["category", "rehearsal", "planner"], [[r[0], r[1], r[2] or ""] for r in rows], right={1, 2})
     lines += [
         "",
         f"peak: {result.peak_where}",

@@ -15,17 +15,17 @@ import argparse
 import re
 
 from fsdp_presets.errors import UsageError
+from fsdp_presets.plan.shapes import DEFAULT_LORA_R, METHODS, LoraShape
 
-METHODS = ("full", "lora", "qlora")
-DEFAULT_LORA_R = 16
+__all__ = ["DEFAULT_LORA_R", "METHODS", "add_method_arguments", "lora_from_args"]
 _TARGET = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 
-def add_method_arguments(parser: argparse.ArgumentParser, *, method_default: str | None = "full",
-                         method_help: str | None = None) -> None:
-    """``--method`` and the LoRA shape flags."""
+def add_method_arguments(parser: argparse.ArgumentParser, *, method_help: str | None = None) -> None:
+    """``--method`` and the LoRA shape flags. ``--method`` defaults to None, which every command
+    reads as ``full`` unless a preset's header says otherwise; ``method_help`` replaces its help."""
     add = parser.add_argument
-    add("--method", choices=METHODS, default=method_default, help=method_help or (
+    add("--method", choices=METHODS, help=method_help or (
         "full fine-tuning (default), lora (an adapter over a frozen bf16 base) or qlora (an adapter over a "
         "4-bit NF4 base stored as bfloat16 so FSDP shards it)"))
     add("--lora-r", type=int, metavar="R", help=f"LoRA rank (peft's r; default {DEFAULT_LORA_R})")
@@ -47,7 +47,7 @@ def lora_from_args(args: argparse.Namespace, profile=None):
         if given:
             raise UsageError(f"{', '.join(given)} given with --method full; add --method lora or --method qlora")
         return None
-    from fsdp_presets.plan.planner import LoraShape, default_target_modules, unknown_target_modules
+    from fsdp_presets.plan.lora_memory import default_target_modules, unknown_target_modules
 
     targets = None
     if args.lora_target_modules is not None:

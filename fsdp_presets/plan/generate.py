@@ -1,0 +1,162 @@
+"""From a request to files on disk: what ``fsdp-presets generate`` and scripts/make_presets.py do
+besides parsing flags. Decide, render and check the texts (:func:`render_files`), rescale a
+generated preset to another GPU count (:func:`rescale_source`, :func:`rescaled_request`), refuse to
+replace a file ``generate`` did not write (:func:`check_generated_output`), and write every file
+through a temporary file loaded back by accelerate first (:func:`write_files`)::
+
+    profile = load_profile("model_configs/llama-3.1-8b")
+    files, preset = render_files(profile, PresetRequest(model=..., gpus=8), output="x.yaml",
+                                 baseline_output="x.ddp.yaml", launch=LaunchHints())
+    write_files({Path(path): text for path, text in files.items()})
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import temporary_sibling
+from fsdp_presets.plan.presets import PresetRequest, rescale_request
+
+
+def load_profile(source: str, *, trust_remote_code: bool = False):
+    """The model's :class:`~fsdp_presets.plan.profile.ModelProfile`, with transformers' advisory
+    warnings silenced (token ids, deprecated keys: noise for a plan)."""
+    from transformers.utils import logging as hf_logging
+
+    from fsdp_presets.plan.profile import profile_model
+
+    hf_logging.set_verbosity_error()
+    return profile_model(source, trust_remote_code=trust_remote_code)
+
+
+# --------------------------------------------------------------------------- rescaling
+
+
+def rescale_source(path) -> tuple[dict | None, str | None]:
+    """``(metadata, problem)`` of a preset to rescale (``generate --from PATH``): the header's
+    ``# fsdp-presets:`` metadata of an FSDP preset with its request and global batch, or a
+    problem saying why the file cannot be rescaled."""
+    from fsdp_presets.plan.emit import read_metadata
+
+    try:
+        old = read_metadata(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        return None, f"--from {path}: cannot read it ({error})"
+    if old is None or old.get("kind") != "fsdp" or not isinstance(old.get("request"), dict) or \
+            not isinstance(old.get("summary"), dict) or \
+            not isinstance(old["summary"].get("global_batch"), int) or old["summary"]["global_batch"] < 1:
+        return None, (f"--from {path}: no '# fsdp-presets:' line of an FSDP preset in its header; only files "
+                      "written by `fsdp-presets generate` can be rescaled")
+    return old, None
+
+
+def rescaled_request(old: dict, given: dict, *, source) -> PresetRequest:
+    """The request of preset metadata ``old`` re-decided with the flags ``given`` (PresetRequest
+    fields): the same GPUs per node when only one of --gpus/--nodes changes, and the old global
+    batch kept, which must divide over the new GPU count."""
+    try:
+        old_request = PresetRequest.from_json(old["request"])
+    except TypeError as error:
+        raise UsageError(f"--from {source}: its '# fsdp-presets:' line does not hold a request this "
+                         f"version reads ({error}); regenerate it from the command in its header") from None
+    given = dict(given)
+    if "gpus" not in given and "nodes" in given:
+        given["gpus"] = old_request.gpus // old_request.nodes * given["nodes"]  # same GPUs per node
+    if "gpus" in given and "nodes" not in given and old_request.nodes > 1 and \
+            given["gpus"] % old_request.gpus_per_node == 0:
+        given["nodes"] = given["gpus"] // old_request.gpus_per_node  # same GPUs per node
+    elif "gpus" in given and "nodes" not in given:
+        given["nodes"] = 1
+    kept = old["summary"]["global_batch"]
+    if "global_batch" not in given and "gpus" in given and kept % given["gpus"]:
+        fitting = [n for n in range(1, 4 * kept + 1) if kept % n == 0 and abs(n - given["gpus"]) <= given["gpus"]]
+        raise UsageError(f"rescaling keeps the global batch of {kept} sequences, which does not divide over "
+                         f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
+                         f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
+    return rescale_request(old_request, old["summary"], **given)
+
+
+def stored_launch(old: dict) -> dict[str, str]:
+    """The launch hints (model, data) a preset's metadata recorded."""
+    launch = old.get("launch")
+    return {key: value for key, value in (launch if isinstance(launch, dict) else {}).items()
+            if isinstance(value, str)}
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def render_files(profile, request, *, output: str, baseline_output: str | None, launch):
+    """``({path: text}, preset)``: decide and render, nothing written. The texts are checked with
+    the config rules first: a generated file that fails them is a bug, never written."""
+    import yaml
+
+    from fsdp_presets.plan.check import CheckContext, lint_config
+    from fsdp_presets.plan.emit import render_ddp_baseline, render_preset
+    from fsdp_presets.plan.presets import decide
+
+    preset = decide(profile, request)
+    files = {output: render_preset(preset, output=output, baseline_output=baseline_output, launch=launch)}
+    if baseline_output is not None:
+        files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
+                                                     launch=launch)
+    for path, text in files.items():
+        errors = [item for item in lint_config(yaml.safe_load(text), context=CheckContext(device=request.device))
+                  if item.severity == "error"]
+        if errors:
+            raise RuntimeError(f"generated {path} fails its own checks (a bug in fsdp-presets): "
+                               + "; ".join(f"{item.rule}: {item.message}" for item in errors))
+    return files, preset
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def check_generated_output(path, *, force: bool = False) -> None:
+    """Refuse to replace an existing file that ``generate`` did not write (its header has no
+    ``# fsdp-presets:`` line), unless ``force``: regenerating a generated file is what its header
+    says to do, overwriting a hand-written one is not. Nothing is written."""
+    from fsdp_presets.plan.emit import METADATA_PREFIX, read_metadata
+
+    path = Path(path)
+    if force or not (path.exists() or path.is_symlink()):
+        return
+    try:
+        ours = path.is_file() and not path.is_symlink() and \
+            read_metadata(path.read_text(encoding="utf-8", errors="replace")) is not None
+    except OSError:
+        ours = False
+    if not ours:
+        raise UsageError(f"{path} exists and was not written by fsdp-presets generate (no '{METADATA_PREFIX.strip()}' "
+                         "line in its header); choose another file, or pass --force to replace it (nothing was written)")
+
+
+def write_files(files: dict) -> None:
+    """Write every file (``{Path: text}``) through a temporary file in its folder, each loaded back
+    through accelerate's own loader before it replaces anything (``os.replace`` is atomic): either
+    every file is replaced or none is."""
+    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
+
+    staged = []
+    try:
+        for path, text in files.items():
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = temporary_sibling(path)
+            staged.append((temporary, path))
+            temporary.write_text(text, encoding="utf-8")
+            try:
+                accelerate_view(temporary)
+            except AccelerateRejected as error:
+                raise RuntimeError(f"accelerate rejects the generated {path} (a bug in fsdp-presets): {error}") from None
+        for temporary, path in staged:
+            os.replace(temporary, path)
+        staged = []
+    finally:
+        for temporary, _ in staged:
+            try:
+                os.unlink(temporary)
+            except FileNotFoundError:
+                pass
