@@ -131,6 +131,27 @@ def held_state_bytes(model, optimizer) -> dict[str, int]:
     return held
 
 
+def sharded_element_counts(model) -> dict[str, int]:
+    """``{"local", "total"}``: elements of the sharded parameters this rank holds, and their
+    unsharded total. FSDP1: one flat parameter per unit, cut into equal (padded) pieces; FSDP2:
+    every parameter a DTensor sharded on dim 0. Neither (DDP): both 0."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+
+    local = total = 0
+    if isinstance(model, FSDP1):
+        for unit in FSDP1.fsdp_modules(model):
+            if unit._handle is not None:
+                flat_param = unit._handle.flat_param
+                local += flat_param.numel()
+                total += flat_param._unpadded_unsharded_size.numel()
+        return {"local": local, "total": total}
+    for param in model.parameters():
+        if hasattr(param, "to_local"):
+            local += param.to_local().numel()
+            total += param.numel()
+    return {"local": local, "total": total}
+
+
 # ---- host memory (the CPU stand-in for torch.cuda.max_memory_allocated) ----
 def _status_kib(field: str) -> int | None:
     try:

@@ -1,5 +1,6 @@
 """Tiny model folders for tests and trials: a real Hugging Face folder (config, random weights in
-safetensors, a word-level tokenizer built from your text), made offline in well under a second.
+safetensors, a word-level tokenizer built from your text), made offline in well under a second;
+and the token batches the test workers train tiny models on (:func:`counting_batch`).
 
     write_tiny_model("tmp/tiny-llama", kind="llama", text=Path("data/kjv_sft/train.jsonl").read_text())
     accelerate launch ... recipes/causal_lm.py --model tmp/tiny-llama ...
@@ -73,3 +74,15 @@ def write_tiny_model(folder: str | os.PathLike, *, kind: Kind = "llama", text: s
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def counting_batch(step: int, *, global_batch: int, seq_len: int, vocab_size: int):
+    """Token ids ``[global_batch, seq_len]`` of global batch ``step`` (1-based), the same for every
+    world size (each rank takes its slice of the rows). Each row counts up modulo the vocabulary
+    from its own start with a stride of 1, 2 or 3, so a tiny model has a pattern to learn (random
+    tokens barely move the loss)."""
+    import torch
+
+    rows = torch.arange(global_batch * (step - 1), global_batch * step)
+    starts = (rows * 7919) % vocab_size
+    return (starts[:, None] + torch.arange(seq_len)[None, :] * ((rows[:, None] % 3) + 1)) % vocab_size

@@ -9,7 +9,6 @@ local/total elements of its sharded parameters, and whether a tied embedding is 
 """
 
 import argparse
-import gc
 import json
 from pathlib import Path
 
@@ -17,7 +16,10 @@ import torch
 from accelerate import Accelerator
 
 import fsdp_presets
+from fsdp_harness.measure import sharded_element_counts
+from fsdp_harness.tiny_model import counting_batch
 from fsdp_presets.plan import families
+from fsdp_presets.train import loop
 
 
 def parse_args():
@@ -43,37 +45,16 @@ def build_model(family: str):
 
 
 def micro_batches(step: int, args, rank: int, world_size: int, vocab: int) -> list[torch.Tensor]:
-    """This rank's micro-batches of global batch ``step``: counting sequences (a pattern to learn)."""
+    """This rank's micro-batches of global batch ``step`` (counting sequences: a pattern to learn)."""
     per_rank = args.micro_batch_size * args.gradient_accumulation_steps
-    global_batch = per_rank * world_size
-    rows = torch.arange(global_batch * (step - 1), global_batch * step)
-    starts = (rows * 7919) % vocab
-    tokens = (starts[:, None] + torch.arange(args.seq_len)[None, :] * ((rows[:, None] % 3) + 1)) % vocab
-    mine = tokens[rank * per_rank:(rank + 1) * per_rank]
-    return list(mine.split(args.micro_batch_size))
-
-
-def sharded_elements(model) -> dict:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-
-    local = total = 0
-    if isinstance(model, FSDP1):
-        for unit in FSDP1.fsdp_modules(model):
-            if unit._handle is not None:
-                local += unit._handle.flat_param.numel()
-                total += unit._handle.flat_param._unpadded_unsharded_size.numel()
-        return {"local": local, "total": total}
-    for param in model.parameters():
-        if hasattr(param, "to_local"):
-            local += param.to_local().numel()
-            total += param.numel()
-    return {"local": local, "total": total}
+    tokens = counting_batch(step, global_batch=per_rank * world_size, seq_len=args.seq_len, vocab_size=vocab)
+    return list(tokens[rank * per_rank:(rank + 1) * per_rank].split(args.micro_batch_size))
 
 
 def main():
     args = parse_args()
     fsdp_presets.enable_cpu_fsdp()
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator()
     fsdp_presets.check_launch(accelerator)
     rank, world_size = accelerator.process_index, accelerator.num_processes
 
@@ -85,16 +66,18 @@ def main():
     losses = {}
     for step in range(1, args.steps + 1):
         step_loss = torch.zeros(())
-        for input_ids in micro_batches(step, args, rank, world_size, vocab):
-            with accelerator.accumulate(model):
+        batches = micro_batches(step, args, rank, world_size, vocab)
+        for index, input_ids in enumerate(batches):
+            # Gradients are reduced on the last micro-batch only, as the recipes do (loop.gradient_sync).
+            with loop.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1):
                 # NOTE: use_cache=False: with fsdp_activation_checkpointing accelerate re-runs each block in
                 # backward, and a KV cache would be appended twice (Gemma 2's masked attention then fails).
                 batch = input_ids.to(accelerator.device)
                 loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad()
+                accelerator.backward(loss / args.gradient_accumulation_steps)
             step_loss += loss.detach().cpu() / args.gradient_accumulation_steps
+        optimizer.step()
+        optimizer.zero_grad()
         losses[step] = accelerator.reduce(step_loss.to(accelerator.device), reduction="mean").item()
 
     plugin = accelerator.state.fsdp_plugin
@@ -109,17 +92,15 @@ def main():
         "mixed_precision": accelerator.mixed_precision,
         "mesh": None if mesh is None else {"names": list(mesh.mesh_dim_names or ()), "shape": list(mesh.mesh.shape)},
         "losses": losses,
-        "sharded": sharded_elements(model),
+        "sharded": sharded_element_counts(model),
         "tied": outputs is not None and inputs.weight is outputs.weight,
         "config_tied": bool(getattr(unwrapped.config.get_text_config(), "tie_word_embeddings", False)),
     }
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     Path(args.result_dir, f"rank-{rank}.json").write_text(json.dumps(result))
 
-    # gloo can abort a process at exit when the group is torn down with live tensors: free them first.
-    del model, optimizer, unwrapped, inputs, outputs
-    gc.collect()
-    accelerator.end_training()
+    del model, optimizer, unwrapped, inputs, outputs  # freed before the process group goes (see loop.finish)
+    loop.finish(accelerator)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,8 @@ world size trains on the same samples in the same order.
 """
 
 import argparse
-import gc
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -21,6 +19,8 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 
 import fsdp_presets
+from fsdp_harness.measure import sharded_element_counts
+from fsdp_harness.tiny_model import counting_batch
 from fsdp_presets.train import loop
 
 TINY_CONFIGS = {
@@ -61,32 +61,10 @@ def parse_args():
 
 
 def batch_for(step: int, args, rank: int, world_size: int) -> torch.Tensor:
-    """Rows of global batch `step`, this rank's slice. Sequences count up modulo the vocab from a
-    per-row start, so the model has a pattern to learn (random tokens barely move the loss)."""
+    """This rank's slice of global batch ``step`` (the same rows at every world size)."""
     per_rank = args.global_batch // world_size
-    rows = torch.arange(args.global_batch * (step - 1), args.global_batch * step)
-    starts = (rows * 7919) % 96
-    tokens = (starts[:, None] + torch.arange(args.seq_len)[None, :] * ((rows[:, None] % 3) + 1)) % 96
+    tokens = counting_batch(step, global_batch=args.global_batch, seq_len=args.seq_len, vocab_size=96)
     return tokens[rank * per_rank:(rank + 1) * per_rank]
-
-
-def sharded_element_counts(model) -> dict:
-    """Elements this rank holds of the sharded parameters, and their unsharded total."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
-
-    local = total = 0
-    if isinstance(model, FSDP1):  # FSDP1: one flat parameter per unit, sharded into equal pieces
-        for unit in FSDP1.fsdp_modules(model):
-            if unit._handle is not None:
-                flat_param = unit._handle.flat_param
-                local += flat_param.numel()
-                total += flat_param._unpadded_unsharded_size.numel()
-        return {"local": local, "total": total}
-    for param in model.parameters():  # FSDP2: every parameter a DTensor sharded on dim 0
-        if hasattr(param, "to_local"):
-            local += param.to_local().numel()
-            total += param.numel()
-    return {"local": local, "total": total}
 
 
 def main():
@@ -158,11 +136,8 @@ def main():
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
     Path(args.result_dir, f"rank-{rank}.json").write_text(json.dumps(result))
 
-    # NOTE: gloo can abort a process at exit ("terminate called without an active exception") when
-    # the process group is torn down while tensors it references are alive: free them first.
-    del model, optimizer, state_dict
-    gc.collect()
-    accelerator.end_training()
+    del model, optimizer, state_dict  # freed before the process group goes (see loop.finish)
+    loop.finish(accelerator)
 
 
 if __name__ == "__main__":
