@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import temporary_sibling
-from fsdp_presets.plan.presets import PresetRequest, rescale_request
+from fsdp_presets.plan.request import PresetRequest
 
 
 def load_profile(source: str, *, trust_remote_code: bool = False):
@@ -75,6 +75,8 @@ def rescaled_request(old: dict, given: dict, *, source) -> PresetRequest:
         raise UsageError(f"rescaling keeps the global batch of {kept} sequences, which does not divide over "
                          f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
                          f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
+    from fsdp_presets.plan.presets import rescale_request
+
     return rescale_request(old_request, old["summary"], **given)
 
 

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from fsdp_presets.arguments import RECIPE_SEQ_LEN
 from fsdp_presets.errors import UsageError
 # The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync, param_groups, scalar  # noqa: F401
@@ -48,7 +49,7 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--lr-scheduler", default="cosine", choices=("cosine", "linear", "constant_with_warmup"),
         help="learning-rate schedule after warm-up")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off, norm still logged)")
-    add("--seq-len", type=int, default=128, help="tokens per sample")
+    add("--seq-len", type=int, default=RECIPE_SEQ_LEN, help="tokens per sample")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     add("--keep-last", type=int, default=2, help="committed checkpoints to keep")
