@@ -26,7 +26,7 @@ import time
 import evaluate
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForSequenceClassification, get_scheduler
+from transformers import AutoModelForSequenceClassification
 
 from fsdp_presets.train import data as recipe_data
 from fsdp_presets.train import loop, recipe, startup
@@ -78,8 +78,8 @@ def main():
 
     def build_optimizer(model):
         optimizer = torch.optim.AdamW(loop.param_groups(model, args.weight_decay), lr=args.learning_rate)
-        return optimizer, get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
-                                        num_training_steps=args.max_steps)
+        return optimizer, loop.lr_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
+                                              num_training_steps=args.max_steps)
 
     # The optimizer before or after the model is wrapped, as the FSDP version needs (LoRA on FSDP1: after).
     model, optimizer, scheduler = recipe_lora.prepare(accelerator, model, build_optimizer, lora=run.lora)

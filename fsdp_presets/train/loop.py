@@ -24,6 +24,8 @@ from fsdp_presets.errors import UsageError
 # The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync, param_groups, scalar  # noqa: F401
 
+LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")  # --lr-scheduler
+
 
 # ---- flags ----
 def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
@@ -46,7 +48,7 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
     add("--warmup-steps", type=int, default=0, help="linear warm-up steps")
-    add("--lr-scheduler", default="cosine", choices=("cosine", "linear", "constant_with_warmup"),
+    add("--lr-scheduler", default="cosine", choices=LR_SCHEDULES,
         help="learning-rate schedule after warm-up")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off, norm still logged)")
     add("--seq-len", type=int, default=RECIPE_SEQ_LEN, help="tokens per sample")
@@ -257,3 +259,33 @@ def _report(error: BaseException, status: int) -> int:
     if printed_here if printed_here is not None else int(os.environ.get("RANK", "0")) == 0:
         print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
     return status
+
+
+def lr_scheduler(name: str, optimizer, *, num_warmup_steps: int, num_training_steps: int):
+    """The learning-rate schedule of ``--lr-scheduler``: linear warm-up from 0, then cosine (half a
+    cycle to 0), linear (to 0) or constant.
+
+    The same multipliers, float for float, as ``transformers.get_scheduler`` with these names
+    (tests/test_recipe_machinery.py compares every step). Built on ``torch.optim.lr_scheduler.LambdaLR``
+    here because importing ``transformers.optimization`` imports peft and bitsandbytes when they
+    are installed: 3-4 s of CPU in every process of every launch.
+    """
+    if name not in LR_SCHEDULES:
+        raise UsageError(f"--lr-scheduler {name!r} is not one of {', '.join(LR_SCHEDULES)}")
+    import functools
+
+    from torch.optim.lr_scheduler import LambdaLR
+
+    multiplier = functools.partial(_lr_multiplier, name, warmup=num_warmup_steps, total=num_training_steps)
+    return LambdaLR(optimizer, multiplier)
+
+
+def _lr_multiplier(name: str, step: int, *, warmup: int, total: int) -> float:
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if name == "constant_with_warmup":
+        return 1.0
+    if name == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
