@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 GiB = 1024**3
+"""Bytes in a gibibyte: GPU memory is sold and reported (``nvidia-smi``) in these."""
 MiB = 1024**2
 KiB = 1024
 
@@ -153,6 +154,16 @@ def staged_folder(output: str | os.PathLike, *, staging: Path, retired: Callable
     except BaseException:  # DCP's CheckpointException is a BaseException
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def byte_unit(largest: float, *, binary: bool = True) -> tuple[str, int]:
+    """``(name, bytes)`` of the largest unit that ``largest`` fills at least once (KiB or kB at the
+    least): the unit of a table or a plot whose largest value is ``largest``."""
+    units = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)) if binary else (("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+    for name, size in units:
+        if largest >= size:
+            return name, size
+    return units[-1]
 
 
 def format_bytes(count: float, *, binary: bool = True, digits: int | None = None) -> str:

@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from fsdp_presets.checkpoint import convert
+    from fsdp_presets.fileio import format_bytes
 
     say = (lambda message: None) if args.json else print
     report = convert.export_or_report(args.checkpoint, args.output, dtype=args.dtype,
@@ -55,13 +56,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not failed:
             print(f"wrote {report.output}: {len(report.shards)} safetensors file(s), {report.tensors} tensors, "
-                  f"{report.bytes / 2**20:.1f} MiB as {report.dtype}"
+                  f"{format_bytes(report.bytes)} as {report.dtype}"
                   + (f"; tied: {', '.join(report.tied)} (written once)" if report.tied else ""))
             if report.layout == "adapter":  # a LoRA checkpoint: a PEFT folder
                 print("  a PEFT adapter folder: PeftModel.from_pretrained(base_model, HF_DIR) loads it")
             else:
                 print("  read " + ("one output shard at a time" if report.streamed else "whole (weight conversion)")
-                      + f": at most {report.largest_shard_bytes / 2**20:.1f} MiB of tensors held at once")
+                      + f": at most {format_bytes(report.largest_shard_bytes)} of tensors held at once")
         if verification is not None:
             print(verification.summary())
         if failed:

@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from fsdp_presets.checkpoint import convert
+    from fsdp_presets.fileio import format_bytes
 
     say = (lambda message: None) if args.json else print
     report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force, log=say)
@@ -45,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
     else:
         if not failed:
-            print(f"wrote {report.output}: {report.tensors} tensors, {report.bytes / 2**20:.1f} MiB fp32 as DCP"
+            print(f"wrote {report.output}: {report.tensors} tensors, {format_bytes(report.bytes)} fp32 as DCP"
                   + ("" if report.tokenizer else "; no tokenizer found in the source folder"))
             for note in report.notes:
                 print(f"  {note}")
