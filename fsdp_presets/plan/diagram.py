@@ -7,6 +7,7 @@ FSDP strategy (FULL_SHARD on FSDP2 when the recommendation is not a sharded one)
 
 from __future__ import annotations
 
+from fsdp_presets.fileio import byte_unit
 from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, fsdp_units, shard_numel
 from fsdp_presets.plan.profile import ModelProfile
 
@@ -65,9 +66,7 @@ def _draw_memory(axes, memory_plan: MemoryPlan) -> None:
     largest = max(s.per_gpu.total for s in memory_plan.strategies)
     # Bars far below the GPU's memory (tiny models) are drawn at their own scale.
     zoomed = largest < 0.05 * hardware.gpu_memory_bytes
-    unit_name, unit = next(
-        ((name, size) for name, size in (("GiB", GiB), ("MiB", 1024**2), ("KiB", 1024)) if largest >= size or name == "KiB")
-    ) if zoomed else ("GiB", GiB)
+    unit_name, unit = byte_unit(largest) if zoomed else ("GiB", GiB)
     labels = [s.label + (" *" if s is memory_plan.recommended else "") for s in memory_plan.strategies]
     positions = range(len(labels))
     bottoms = [0.0] * len(labels)
