@@ -1,16 +1,24 @@
 """The recipes end to end, with real processes: FSDP2 over gloo on 2 CPU processes.
 
-- a rank SIGKILLed mid-run, then `--resume auto`: the losses equal an uninterrupted run (fp32);
-- a kill during a save: the half-written checkpoint is ignored, with a message;
+The causal LM runs continue the session's shared FSDP2 reference (tests/checkpoint_runs.py: tiny
+Llama, 10 steps, a checkpoint every 2), the classification ones tests/classification_runs.py's
+(tiny BERT, 12 steps); both recipes resume through the same code (fsdp_presets.train.recipe).
+
+- a rank SIGKILLed mid-run, then the same command: the losses equal the uninterrupted run (fp32,
+  bitwise), for both recipes; then a kill during a save: the half-written checkpoint is ignored,
+  with a message, and the run still ends equal to the reference;
 - the exported final/ reloads with plain transformers, tied, with the trained model's logits;
-- the DDP baseline trains like FSDP2 (same global batch, same data order);
-- the classification recipe lifts accuracy on the shipped task far above chance (real MiniLM);
+- the classification recipe starts from an `fsdp-presets import`ed Hugging Face folder with that
+  folder's weights, and lifts accuracy on the shipped task far above chance (real MiniLM);
 - bad input: one clear line, exit 2, nothing overwritten.
+
+(DDP against FSDP2 and FSDP1 through the recipe, bitwise: tests/test_numerics.py.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,11 +29,12 @@ import pytest
 
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_command, launch_env, run_launch
-from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, DDP_CONFIG, FSDP2_CONFIG, GENRES_EVAL, GENRES_TRAIN,
-                            REPO, SFT_EVAL, SFT_TRAIN, causal_lm_args, offline_env, rank_pid, tiny_llama, tree_digest)
+import checkpoint_runs as runs
+import classification_runs
+from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
+                            causal_lm_args, offline_env, rank_pid, tree_digest)
 
-STEPS = 24
-SCHEDULE = ["--max-steps", STEPS, "--save-every", 4, "--keep-last", 2, "--eval-every", 8]
+STEPS = runs.REFERENCE_STEPS
 TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs
 
 
@@ -34,57 +43,67 @@ def comparable(run_dir: Path) -> list[dict]:
             for record in read_metrics(run_dir / "metrics.jsonl")]
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-tied", tied=True)
+def train_steps(run_dir: Path) -> list[int]:
+    return [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
 
 
 @pytest.fixture(scope="module")
-def reference(model, tmp_path_factory) -> Path:
-    """An uninterrupted FSDP2 run: the losses every other run must reproduce."""
-    run_dir = tmp_path_factory.mktemp("runs") / "reference"
-    result = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO)
-    result.check()
-    return run_dir
+def root(tmp_path_factory) -> Path:
+    return runs.base(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def model(root) -> Path:
+    return runs.tiny_model(root)
+
+
+@pytest.fixture(scope="module")
+def reference(root) -> Path:
+    """The shared uninterrupted FSDP2 run: the losses every other run must reproduce."""
+    return runs.reference_run(root)
+
+
+def args_of(model: Path, run_dir: Path, *extra) -> list[str]:
+    """The reference's command line (another run folder)."""
+    return causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", STEPS, *extra)
 
 
 @pytest.mark.slow
-def test_reference_run_writes_the_run_folder_contract(reference):
+def test_reference_run_writes_the_run_folder_contract(root, reference):
     run = json.loads((reference / "run.json").read_text())
     assert run["distributed_type"] == "FSDP" and run["world_size"] == 2 and run["fsdp"]["version"] == 2
-    assert run["global_batch_samples"] == 2 * 2 * 2 and run["recipe"] == "causal_lm"
-    assert run["accelerate_config"] == str(FSDP2_CONFIG)
+    assert run["global_batch_samples"] == runs.GLOBAL_BATCH and run["recipe"] == "causal_lm"
+    assert run["accelerate_config"] == str(runs.fsdp_config(root, 2))
     records = read_metrics(reference / "metrics.jsonl")
     train = [record for record in records if record["kind"] == "train"]
     evals = [record for record in records if record["kind"] == "eval"]
     assert [record["step"] for record in train] == list(range(1, STEPS + 1))
     assert [record["samples_seen"] for record in train] == [8 * step for step in range(1, STEPS + 1)]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"} <= set(train[0])
-    assert [record["step"] for record in evals] == [0, 8, 16, 24]
+    assert [record["step"] for record in evals] == [0, STEPS]
+    assert {"eval_loss", "perplexity", "token_accuracy"} <= set(evals[0])
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0  # it learns
-    assert sorted(path.name for path in (reference / "checkpoints").iterdir()) == ["step-00000020", "step-00000024"]
-    manifest = json.loads((reference / "checkpoints" / "step-00000024" / "manifest.json").read_text())
+    assert sorted(path.name for path in (reference / "checkpoints").iterdir()) == [
+        f"step-{step:08d}" for step in range(2, STEPS + 1, 2)]
+    manifest = json.loads((runs.checkpoint(reference, STEPS) / "manifest.json").read_text())
     assert manifest["samples_consumed"] == 8 * STEPS and manifest["world_size"] == 2
     assert any(name.startswith("pytorch_model_fsdp_0/") and name.endswith(".distcp") for name in manifest["files"])
     assert (reference / "plots" / "loss.png").stat().st_size > 10_000
     assert (reference / "plots" / "throughput.png").is_file()
 
 
-@pytest.mark.slow
-def test_sigkill_of_one_rank_then_resume_auto_equals_the_uninterrupted_run(model, reference, tmp_path):
-    run_dir = tmp_path / "killed"
-    command = launch_command(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE))
+def kill_one_rank(config: Path, script: Path, args: list[str], *, after_step: int, run_dir: Path) -> None:
+    """Launch, SIGKILL rank 1 once ``after_step`` steps are logged, and wait for the launch to fail."""
+    command = launch_command(config, script, args)
     launcher = subprocess.Popen(command, cwd=REPO, env=launch_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     killed_at = None
     deadline = time.monotonic() + 240
     while launcher.poll() is None and time.monotonic() < deadline:
-        steps = [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
-        if steps and steps[-1] >= 6:
+        steps = train_steps(run_dir)
+        if steps and steps[-1] >= after_step:
             victim = rank_pid(launcher.pid, 1)
             if victim is not None:
-                import os
-
                 os.kill(victim, signal.SIGKILL)
                 killed_at = steps[-1]
                 break
@@ -92,32 +111,36 @@ def test_sigkill_of_one_rank_then_resume_auto_equals_the_uninterrupted_run(model
     output = launcher.communicate(timeout=120)[0]
     assert killed_at is not None, f"the run ended before it could be killed:\n{output[-3000:]}"
     assert launcher.returncode != 0
-    done = [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
-    assert max(done) < STEPS, "the kill did not stop the run"
 
-    resumed = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE, "--resume", "auto"),
-                         cwd=REPO).check()
-    assert "resumed from" in resumed.stdout, resumed.stdout
-    assert comparable(run_dir) == comparable(reference)  # bitwise: every loss, grad norm, lr, eval
-    run = json.loads((run_dir / "run.json").read_text())
-    assert run["resumed_from"] and Path(run["resumed_from"]).name.startswith("step-")
+
+KILLED_IN_SAVE = 8  # the second launch dies inside the save of this step
 
 
 @pytest.mark.slow
-def test_kill_during_save_leaves_a_partial_checkpoint_that_resume_ignores(model, reference, tmp_path):
-    run_dir = tmp_path / "killed-in-save"
-    crashed = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO,
-                         env={"FSDP_PRESETS_FAULT": "kill-during-save:step=12"})
+def test_sigkill_then_a_kill_during_a_save_and_the_same_command_still_equals_the_uninterrupted_run(
+        root, model, reference, tmp_path):
+    run_dir = tmp_path / "killed"
+    config = runs.fsdp_config(root, 2)
+    kill_one_rank(config, CAUSAL_LM, args_of(model, run_dir), after_step=3, run_dir=run_dir)
+    assert max(train_steps(run_dir)) < KILLED_IN_SAVE, "the kill did not stop the run in time"
+
+    # The same command again: it resumes, and this time a rank dies inside the save of step 8,
+    # after the shards are written and before the manifest commits them.
+    crashed = run_launch(config, CAUSAL_LM, args_of(model, run_dir), cwd=REPO,
+                         env={"FSDP_PRESETS_FAULT": f"kill-during-save:step={KILLED_IN_SAVE}"})
     assert crashed.returncode != 0
-    partial = run_dir / "checkpoints" / ".tmp-step-00000012"
+    assert "resumed from" in crashed.stdout, crashed.stdout
+    partial = run_dir / "checkpoints" / f".tmp-step-{KILLED_IN_SAVE:08d}"
     assert partial.is_dir() and not (partial / "manifest.json").exists()
     assert any(partial.rglob("*.distcp"))  # shards were written: half a checkpoint
-    assert (run_dir / "checkpoints" / "step-00000008" / "manifest.json").is_file()
+    assert (runs.checkpoint(run_dir, KILLED_IN_SAVE - 2) / "manifest.json").is_file()
 
-    resumed = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO).check()
-    assert ".tmp-step-00000012: a save that did not finish" in resumed.stdout, resumed.stdout
-    assert "resumed from" in resumed.stdout and "step-00000008" in resumed.stdout
-    assert comparable(run_dir) == comparable(reference)
+    resumed = run_launch(config, CAUSAL_LM, args_of(model, run_dir), cwd=REPO).check()
+    assert f".tmp-step-{KILLED_IN_SAVE:08d}: a save that did not finish" in resumed.stdout, resumed.stdout
+    assert f"resumed from {runs.checkpoint(run_dir, KILLED_IN_SAVE - 2)}" in resumed.stdout
+    assert comparable(run_dir) == comparable(reference)  # bitwise: every loss, grad norm, lr, eval
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["resumed_from"] and Path(run["resumed_from"]).name.startswith("step-")
 
 
 @pytest.mark.slow
@@ -135,7 +158,7 @@ def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(ref
     # The trained weights, straight from the last sharded checkpoint (DCP), into a plain model.
     trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(reference / "final"))
     state = {"model": trained.state_dict()}
-    dcp.load(state, checkpoint_id=str(reference / "checkpoints" / "step-00000024" / "pytorch_model_fsdp_0"))
+    dcp.load(state, checkpoint_id=str(runs.checkpoint(reference, STEPS) / "pytorch_model_fsdp_0"))
     trained.load_state_dict(state["model"])
     tokenizer = AutoTokenizer.from_pretrained(reference / "final")
     batch = tokenizer(["and god said , let there be light", "blessed are the poor in spirit"],
@@ -147,20 +170,6 @@ def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(ref
     untrained = AutoModelForCausalLM.from_pretrained(Path(json.loads((reference / "run.json").read_text())["model"]))
     with torch.no_grad():
         assert not torch.allclose(untrained(**batch).logits, got)  # the export is the trained model
-
-
-@pytest.mark.slow
-def test_ddp_baseline_trains_like_fsdp2(model, reference, tmp_path):
-    run_dir = tmp_path / "ddp"
-    run_launch(DDP_CONFIG, CAUSAL_LM, causal_lm_args(model, run_dir, *SCHEDULE), cwd=REPO).check()
-    assert json.loads((run_dir / "run.json").read_text())["distributed_type"] == "MULTI_CPU"
-    ddp = [record for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
-    fsdp = [record for record in read_metrics(reference / "metrics.jsonl") if record["kind"] == "train"]
-    assert len(ddp) == len(fsdp) == STEPS
-    assert [record["samples_seen"] for record in ddp] == [record["samples_seen"] for record in fsdp]
-    for ours, theirs in zip(ddp, fsdp):
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6, abs=1e-7)
-        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
 MINILM_FSDP2 = """\
@@ -208,6 +217,56 @@ def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
     exported = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
     assert exported.config.id2label == {0: "gospels", 1: "law", 2: "letters", 3: "poetry"}
     assert chance < evals[-1]["accuracy"]
+
+
+# ---- the classification recipe: the same resume machinery (tests/classification_runs.py) ----
+@pytest.fixture(scope="module")
+def classification(tmp_path_factory) -> dict[str, Path]:
+    root = classification_runs.base(tmp_path_factory)
+    return {"root": root, "model": classification_runs.tiny_model(root),
+            "reference": classification_runs.reference_run(root)}
+
+
+@pytest.mark.slow
+def test_classification_sigkill_of_one_rank_then_the_same_command_equals_the_uninterrupted_run(classification,
+                                                                                                tmp_path):
+    root, reference = classification["root"], classification["reference"]
+    run = json.loads((reference / "run.json").read_text())
+    assert run["recipe"] == "sequence_classification" and run["labels"] == ["gospels", "law", "letters", "poetry"]
+    evals = [record for record in read_metrics(reference / "metrics.jsonl") if record["kind"] == "eval"]
+    assert [record["step"] for record in evals] == [0, 4, 8, 12] and {"eval_loss", "accuracy"} <= set(evals[0])
+    run_dir = tmp_path / "killed"
+    args = classification_runs.args(classification["model"], run_dir, "--max-steps", classification_runs.REFERENCE_STEPS)
+    kill_one_rank(classification_runs.fsdp_config(root), CLASSIFICATION, args, after_step=3, run_dir=run_dir)
+    done = [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "train"]
+    assert max(done) < classification_runs.REFERENCE_STEPS, "the kill did not stop the run"
+
+    resumed = classification_runs.launch(root, args)  # the same command
+    assert "resumed from" in resumed.stdout, resumed.stdout
+    assert comparable(run_dir) == comparable(reference)  # bitwise: every loss, grad norm, lr, eval, accuracy
+    assert json.loads((run_dir / "run.json").read_text())["resumed_from"]
+
+
+@pytest.mark.slow
+def test_classification_starts_from_an_imported_hugging_face_checkpoint(classification, tmp_path):
+    from fsdp_presets.checkpoint import convert
+
+    root, reference = classification["root"], classification["reference"]
+    imported = tmp_path / "imported" / "step-00000000"
+    convert.import_hf(reference / "final", imported, verify=True, log=lambda message: None)  # `fsdp-presets import`
+    run_dir = tmp_path / "from-import"
+    result = classification_runs.launch(root, classification_runs.args(
+        classification["model"], run_dir, "--max-steps", 2, "--resume", imported))
+    assert f"started from imported weights {imported}: step 0, fresh optimizer and schedule" in result.stdout
+    assert json.loads((run_dir / "run.json").read_text())["resumed_from"] == str(imported)
+    ours = {(record["kind"], record["step"]): record for record in read_metrics(run_dir / "metrics.jsonl")}
+    theirs = {(record["kind"], record["step"]): record for record in read_metrics(reference / "metrics.jsonl")}
+    # Before training, the imported model is the reference's trained one: the same evaluation.
+    trained = theirs[("eval", classification_runs.REFERENCE_STEPS)]
+    assert ours[("eval", 0)]["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
+    assert ours[("eval", 0)]["accuracy"] == trained["accuracy"]
+    assert ours[("eval", 0)]["eval_loss"] != pytest.approx(theirs[("eval", 0)]["eval_loss"], rel=1e-3)  # not --model's
+    assert ours[("train", 1)]["samples_seen"] == classification_runs.GLOBAL_BATCH  # step 0, fresh data position
 
 
 BAD_INPUT_DRIVER = """

@@ -6,6 +6,11 @@ One uninterrupted FSDP2 run on 2 processes (steps 1-10) is the reference. For FS
 2 -> 4, 4 -> 2 resumes a checkpoint written at another world size. Each launch is given the same
 ``--gradient-accumulation-steps 2``; the recipe must adjust it to keep the global batch of 8.
 
+The classification recipe does the same through the same code (fsdp_presets.train.recipe): its
+2-process FSDP2 reference (tests/classification_runs.py, tiny BERT without dropout) resumed from
+step 4 on 1 process, with the same command, must take the same samples at every step (global
+batch kept at 8: accumulation 2 -> 4) and log the same losses.
+
 What must hold (tolerance: docs/checkpoints.md): the chain's metrics equal the reference's within
 fp32 round-off (``fsdp-presets compare``'s fp32 tolerance, 1e-6 relative), ``samples_seen`` exact
 at every step, and every step takes the same set of samples whatever the split.
@@ -25,6 +30,7 @@ from fsdp_presets.checkpoint.resume import accumulation_for, keep_global_batch
 from fsdp_presets.train.loop import SampleStream, rank_micro_batches
 
 import checkpoint_runs as runs
+import classification_runs as classification_runs
 from recipe_helpers import causal_lm_args
 
 LEGS = ((1, 4), (2, 6), (4, 8), (2, 10))  # (processes, last step of the leg)
@@ -114,6 +120,46 @@ def test_inspect_checkpoint_shows_the_ranks_of_a_4_process_checkpoint(chain, cap
     # 3 processes cannot keep a global batch of 8: exit 1 and the reason
     assert cli.main(["inspect-checkpoint", str(folder), "--gpus", "3"]) == 1
     assert "does not split over 3 processes" in capsys.readouterr().out
+
+
+# ---- the classification recipe ----
+CLASSIFICATION_RESUME_AT = 4
+
+
+@pytest.fixture(scope="module")
+def classification_on_one_process(tmp_path_factory) -> dict:
+    """The classification reference's step-4 checkpoint (2 processes) continued on 1 to the end."""
+    root = classification_runs.base(tmp_path_factory)
+    reference = classification_runs.reference_run(root)
+    start = classification_runs.checkpoint(reference, CLASSIFICATION_RESUME_AT)
+    run_dir = root / "resumed-on-1"
+    result = classification_runs.launch(root, classification_runs.args(
+        classification_runs.tiny_model(root), run_dir, "--max-steps", classification_runs.REFERENCE_STEPS,
+        "--resume", start), processes=1)
+    return {"reference": reference, "run_dir": run_dir, "start": start, "stdout": result.stdout}
+
+
+@pytest.mark.slow
+def test_classification_resumed_on_another_process_count_keeps_the_global_batch_and_the_losses(
+        classification_on_one_process):
+    reference, run_dir = classification_on_one_process["reference"], classification_on_one_process["run_dir"]
+    stdout, batch = classification_on_one_process["stdout"], classification_runs.GLOBAL_BATCH
+    assert f"global batch kept at {batch} samples: gradient accumulation 2 -> 4" in stdout
+    assert (f"resumed from {classification_on_one_process['start']}: step {CLASSIFICATION_RESUME_AT}, "
+            f"{CLASSIFICATION_RESUME_AT * batch} samples consumed (saved by 2 processes, now 1)") in stdout
+    run = json.loads((run_dir / "run.json").read_text())
+    assert (run["world_size"], run["gradient_accumulation_steps"], run["global_batch_samples"]) == (1, 4, batch)
+    assert run["recipe"] == "sequence_classification" and run["labels"] == ["gospels", "law", "letters", "poetry"]
+    expected, resumed = _train_lines(reference), _train_lines(run_dir)
+    steps = list(range(CLASSIFICATION_RESUME_AT + 1, classification_runs.REFERENCE_STEPS + 1))
+    assert sorted(resumed) == steps
+    for step in steps:
+        assert resumed[step]["samples_seen"] == expected[step]["samples_seen"] == step * batch
+        assert abs(resumed[step]["loss"] - expected[step]["loss"]) <= LOSS_TOLERANCE * abs(expected[step]["loss"])
+        assert resumed[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-5)
+    # compare's own verdict on the whole record (eval loss and accuracy included)
+    comparison = compare.compare_runs(compare.load_run(reference), compare.load_run(run_dir))
+    assert comparison.agrees, "\n".join(compare.summary_lines(comparison))
 
 
 # ---- the data position, as arithmetic (fast) ----
