@@ -49,9 +49,10 @@ class CheckpointSummary:
     checkpoint: str
     """The folder."""
     kind: str
-    """``training`` (accelerate save_state of a recipe run) or ``imported``."""
+    """The manifest's kind (:mod:`fsdp_presets.checkpoint.manifest`): ``training``, ``adapter`` (LoRA,
+    trainable weights only) or ``imported``; ``training`` without a manifest."""
     layout: str
-    """``dcp``, ``full`` or ``ddp`` (see :mod:`fsdp_presets.checkpoint.files`)."""
+    """``dcp``, ``full``, ``ddp`` or ``adapter`` (see :mod:`fsdp_presets.checkpoint.files`)."""
     step: int | None
     """Optimizer steps done (None without a manifest)."""
     samples_consumed: int | None
@@ -203,6 +204,9 @@ def summary_lines(summary: CheckpointSummary) -> list[str]:
     lines = [f"checkpoint {summary.checkpoint}"]
     if summary.kind == "imported":
         lines.append("  kind        imported Hugging Face weights (no optimizer state: a resumed run starts at step 0)")
+    elif summary.kind == "adapter":
+        lines.append("  kind        LoRA adapter (trainable weights and their optimizer state; the base reloads from "
+                     "--model)")
     if summary.step is not None:
         batch = f"; global batch {summary.global_batch_samples}" if summary.global_batch_samples else ""
         lines.append(f"  position    step {summary.step}, {summary.samples_consumed} samples consumed{batch}")
