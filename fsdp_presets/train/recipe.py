@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.checkpoint import resume as checkpoint_resume
-MODEL_CONFIG = "model_config"  # checkpoint folder of config and tokenizer
+from fsdp_presets.checkpoint.layout import MODEL_CONFIG
 from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest
 from fsdp_presets.checkpoint.run_folder import (RunFolder, acquire_run_lock, check_output_dir, distributed_settings,
                                                 launch_config_file, training_settings, write_run_json)
