@@ -1,0 +1,168 @@
+"""The contract the planner, the preset generator and the checker read: a :class:`ModelProfile`
+(with its :class:`ModelDims` and FSDP :class:`Unit` s), made by
+:func:`fsdp_presets.plan.profile.profile_model`. Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """The shape numbers the planner's activation and communication formulas need."""
+
+    hidden_size: int
+    """Width of the residual stream (d_model)."""
+    num_layers: int
+    """Number of repeated transformer blocks (encoder + decoder for encoder-decoders)."""
+    num_attention_heads: int
+    """Query heads per attention layer."""
+    num_key_value_heads: int
+    """Key/value heads (== num_attention_heads without grouped-query attention)."""
+    intermediate_size: int
+    """Width of the MLP hidden layer (per expert for mixture-of-experts)."""
+    vocab_size: int
+    """Rows of the input embedding / columns of the output head (0 for a vision model)."""
+    max_position_embeddings: int | None = None
+    """Longest sequence the model's positions allow, when the config says (for a vision
+    transformer: patches per image plus the class token)."""
+    num_experts: int = 0
+    """Experts per MoE layer (0 for dense models)."""
+    num_experts_per_token: int = 0
+    """Experts each token is routed to (0 for dense models)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "vocab_size", "num_experts", "num_experts_per_token"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                problems.append(f"{name} must be a non-negative int, got {value!r}")
+        if not problems:
+            if self.num_key_value_heads > self.num_attention_heads:
+                problems.append(
+                    f"num_key_value_heads {self.num_key_value_heads} > num_attention_heads "
+                    f"{self.num_attention_heads}"
+                )
+            if self.num_experts_per_token > self.num_experts:
+                problems.append(
+                    f"num_experts_per_token {self.num_experts_per_token} > num_experts {self.num_experts}"
+                )
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            problems.append(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+        if problems:
+            raise ValueError("invalid ModelDims: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unit:
+    """A group of identical repeated blocks: one FSDP unit each."""
+
+    cls: str
+    """Class name of the block, e.g. ``LlamaDecoderLayer`` (``"class"`` in JSON)."""
+    count: int
+    """How many of these blocks the model holds."""
+    params_each: int
+    """Parameters in one block."""
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.params_each < 0:
+            raise ValueError(f"invalid Unit {self.cls}: count {self.count} must be >= 1 and "
+                             f"params_each {self.params_each} >= 0")
+
+    def to_json(self) -> dict:
+        return {"class": self.cls, "count": self.count, "params_each": self.params_each}
+
+
+@dataclass(kw_only=True)
+class ModelProfile:
+    """The FSDP anatomy of one model."""
+
+    model_type: str
+    """The Hugging Face ``model_type`` (``llama``, ``t5``, ...)."""
+    architecture: str
+    """The model class that was built (``LlamaForCausalLM``)."""
+    total_params: int
+    """Exact parameter count, tied weights counted once."""
+    units: list[Unit]
+    """Repeated blocks, each an FSDP unit; the rest of the parameters live in the root unit.
+    Blocks of one class but different sizes (T5's first block holds the relative position bias,
+    DeepSeek-V3 keeps its first layers dense) are separate entries of the same class."""
+    wrap_classes: list[str]
+    """Class names to give ``fsdp_transformer_layer_cls_to_wrap``."""
+    embeddings: list[dict]
+    """Input/position embeddings: ``{"name", "class", "params", "role"}`` each, ``role`` one of
+    ``input``, ``position``, ``token_type``, ``other``."""
+    norm_classes: list[str]
+    """Class names of normalisation layers found in the model."""
+    output_head: str | None
+    """Module path of the output head (``lm_head``), None when the model has none."""
+    tied_embeddings: bool
+    """Whether the input embedding and the output head share storage."""
+    dims: ModelDims
+    """Shape numbers for the planner."""
+    structure: dict = field(default_factory=dict)
+    """Extra facts: ``is_encoder_decoder``, ``moe``, ``no_split_modules``, ``missing_no_split``,
+    ``stacks`` (where the blocks live), ``warnings`` (see :func:`profile_module`)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.total_params < 0:
+            problems.append(f"total_params {self.total_params} < 0")
+        if self.unit_params > self.total_params:
+            problems.append(f"blocks hold {self.unit_params} parameters, more than the total "
+                            f"{self.total_params}")
+        if problems:
+            raise ValueError(f"invalid ModelProfile for {self.architecture}: " + "; ".join(problems))
+
+    @property
+    def unit_params(self) -> int:
+        """Parameters inside the repeated blocks."""
+        return sum(unit.count * unit.params_each for unit in self.units)
+
+    @property
+    def root_params(self) -> int:
+        """Parameters outside every block (embeddings, final norm, untied head): the root unit."""
+        return self.total_params - self.unit_params
+
+    @property
+    def largest_unit_params(self) -> int:
+        """The largest FSDP unit, the root unit included (it is all-gathered whole too)."""
+        return max([unit.params_each for unit in self.units] + [self.root_params])
+
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks (FSDP units besides the root) the model holds."""
+        return sum(unit.count for unit in self.units)
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(self.structure.get("is_encoder_decoder", False))
+
+    @property
+    def is_moe(self) -> bool:
+        return self.dims.num_experts > 0
+
+    @property
+    def missing_no_split(self) -> list[str]:
+        """Names in the model's ``_no_split_modules`` that it does not contain."""
+        return list(self.structure.get("missing_no_split", []))
+
+    def to_json(self) -> dict:
+        """The ``inspect --json`` contract."""
+        return {
+            "model_type": self.model_type,
+            "architecture": self.architecture,
+            "total_params": self.total_params,
+            "wrap_classes": list(self.wrap_classes),
+            "units": [unit.to_json() for unit in self.units],
+            "embeddings": list(self.embeddings),
+            "norm_classes": list(self.norm_classes),
+            "output_head": self.output_head,
+            "tied_embeddings": self.tied_embeddings,
+            "largest_unit_params": self.largest_unit_params,
+            "root_params": self.root_params,
+            "dims": asdict(self.dims),
+            "structure": dict(self.structure),
+        }
