@@ -83,7 +83,9 @@ class ConfigKey:
 
 
 def _fsdp(name: str, type: ValueType, **kwargs) -> ConfigKey:
-    return ConfigKey(name=FSDP_PREFIX + name, section="fsdp", type=type, **kwargs)
+    if not name.startswith(FSDP_PREFIX):
+        raise ValueError(f"an fsdp_config key starts with {FSDP_PREFIX!r}: {name!r}")
+    return ConfigKey(name=name, section="fsdp", type=type, **kwargs)
 
 
 def _top(name: str, type: ValueType, **kwargs) -> ConfigKey:
@@ -92,65 +94,66 @@ def _top(name: str, type: ValueType, **kwargs) -> ConfigKey:
 
 # NOTE: the order of FSDP_KEYS is the order the emitter writes (that of `accelerate config`).
 FSDP_KEYS: tuple[ConfigKey, ...] = (
-    _fsdp("version", "int", fsdp1_default=1, fsdp2_default=2, plugin_field="fsdp_version",
+    _fsdp("fsdp_version", "int", fsdp1_default=1, fsdp2_default=2, plugin_field="fsdp_version",
           preset="parallelism.fsdp_version", emitted_for=(1, 2),
           why="missing means FSDP1 (the launcher's --fsdp_version default is 1)"),
-    _fsdp("auto_wrap_policy", "enum", plugin_field="auto_wrap_policy", emitted="TRANSFORMER_BASED_WRAP",
+    _fsdp("fsdp_auto_wrap_policy", "enum", plugin_field="auto_wrap_policy", emitted="TRANSFORMER_BASED_WRAP",
           emitted_for=(1, 2), why="one FSDP unit per transformer block (missing: the whole model is one unit)"),
-    _fsdp("transformer_layer_cls_to_wrap", "str", plugin_field="transformer_cls_names_to_wrap",
+    _fsdp("fsdp_transformer_layer_cls_to_wrap", "str", plugin_field="transformer_cls_names_to_wrap",
           preset="wrap.classes", emitted_for=(1, 2),
           why="comma-separated class names; accelerate splits on ',' without stripping"),
-    _fsdp("reshard_after_forward", "bool", fsdp1=False, fsdp2_default=True, counterpart="fsdp_sharding_strategy",
+    _fsdp("fsdp_reshard_after_forward", "bool", fsdp1=False, fsdp2_default=True, counterpart="fsdp_sharding_strategy",
           plugin_field="reshard_after_forward", preset="parallelism.reshard_after_forward", emitted_for=(2,),
           why="FSDP2's sharding: true is FULL_SHARD, false SHARD_GRAD_OP (`accelerate config` also writes an "
               "FSDP1 strategy name here, which the FSDP1 plugin does not read)"),
-    _fsdp("sharding_strategy", "enum", fsdp2=False, fsdp1_default="FULL_SHARD",
+    _fsdp("fsdp_sharding_strategy", "enum", fsdp2=False, fsdp1_default="FULL_SHARD",
           counterpart="fsdp_reshard_after_forward", plugin_field="sharding_strategy", preset="parallelism.strategy",
           emitted_for=(1,), why="FSDP1's sharding (name or 1-based index)",
           fsdp2_ignores="FSDP2 ignores it and shards as fsdp_reshard_after_forward says (true: FULL_SHARD, "
                         "false: SHARD_GRAD_OP; HSDP via parallelism_config)"),
-    _fsdp("backward_prefetch", "enum", fsdp2=False, plugin_field="backward_prefetch", emitted="BACKWARD_PRE",
+    _fsdp("fsdp_backward_prefetch", "enum", fsdp2=False, plugin_field="backward_prefetch", emitted="BACKWARD_PRE",
           emitted_for=(1,), fsdp2_behaves_like="BACKWARD_PRE",
           why="prefetch the next unit's all-gather during the current unit's backward (torch's default, "
               "BACKWARD_PRE): overlaps communication with compute",
           fsdp2_ignores="FSDP2 ignores it (it always prefetches the next unit in backward)"),
-    _fsdp("forward_prefetch", "bool", fsdp2=False, fsdp1_default=False, plugin_field="forward_prefetch",
+    _fsdp("fsdp_forward_prefetch", "bool", fsdp2=False, fsdp1_default=False, plugin_field="forward_prefetch",
           emitted=False, emitted_for=(1,), fsdp2_behaves_like=False,
           fsdp2_ignores="FSDP2 ignores it (accelerate has no forward prefetch for FSDP2)"),
-    _fsdp("use_orig_params", "bool", fsdp2=False, fsdp1_default=True, plugin_field="use_orig_params",
+    _fsdp("fsdp_use_orig_params", "bool", fsdp2=False, fsdp1_default=True, plugin_field="use_orig_params",
           emitted=True, emitted_for=(1,),
           why="original parameters stay visible: per-parameter optimizer groups (no weight decay on norms, "
               "biases, embeddings) and torch.compile need them",
           fsdp2_ignores="FSDP2 always uses the original parameters"),
-    _fsdp("sync_module_states", "bool", fsdp2=False, fsdp1_default=True, plugin_field="sync_module_states",
+    _fsdp("fsdp_sync_module_states", "bool", fsdp2=False, fsdp1_default=True, plugin_field="sync_module_states",
           emitted=True, emitted_for=(1,),
           why="broadcast rank 0's weights at wrap time; RAM-efficient loading depends on it",
           fsdp2_ignores="FSDP2 has no module-state sync (RAM-efficient loading broadcasts rank 0's weights "
                         "instead)"),
-    _fsdp("state_dict_type", "enum", fsdp1_default="FULL_STATE_DICT", fsdp2_default="SHARDED_STATE_DICT",
+    _fsdp("fsdp_state_dict_type", "enum", fsdp1_default="FULL_STATE_DICT", fsdp2_default="SHARDED_STATE_DICT",
           plugin_field="state_dict_type", preset="state_dict.state_dict_type", emitted_for=(1, 2)),
-    _fsdp("cpu_ram_efficient_loading", "bool", fsdp1_default=True, fsdp2_default=True,
+    _fsdp("fsdp_cpu_ram_efficient_loading", "bool", fsdp1_default=True, fsdp2_default=True,
           plugin_field="cpu_ram_efficient_loading", preset="state_dict.cpu_ram_efficient_loading",
           emitted_for=(1, 2)),
-    _fsdp("offload_params", "bool", fsdp1_default=False, fsdp2_default=False, plugin_field="cpu_offload",
+    _fsdp("fsdp_offload_params", "bool", fsdp1_default=False, fsdp2_default=False, plugin_field="cpu_offload",
           preset="savers.offload", emitted_for=(1, 2)),
-    _fsdp("activation_checkpointing", "bool", fsdp1_default=False, fsdp2_default=False,
+    _fsdp("fsdp_activation_checkpointing", "bool", fsdp1_default=False, fsdp2_default=False,
           plugin_field="activation_checkpointing", preset="savers.activation_checkpointing", emitted_for=(1, 2)),
-    _fsdp("activation_checkpointing_offload", "bool", fsdp1=False, fsdp2_default=False,
+    _fsdp("fsdp_activation_checkpointing_offload", "bool", fsdp1=False, fsdp2_default=False,
           plugin_field="activation_checkpointing_offload"),
-    _fsdp("min_num_params", "int", fsdp1_default=100_000_000, fsdp2_default=100_000_000,
+    _fsdp("fsdp_min_num_params", "int", fsdp1_default=100_000_000, fsdp2_default=100_000_000,
           plugin_field="min_num_params", why="read only with SIZE_BASED_WRAP"),
-    _fsdp("ignored_modules", "str", plugin_field="ignored_modules",
+    _fsdp("fsdp_ignored_modules", "str", plugin_field="ignored_modules",
           why="a regex of module names FSDP leaves out: neither sharded nor gradient-synchronised"),
 )
 """The ``fsdp_config`` keys, in the order the emitter writes them."""
 
 PARALLELISM_KEYS: tuple[ConfigKey, ...] = tuple(
-    ConfigKey(name=PARALLELISM_PREFIX + name, section="parallelism", type="int", fsdp1=False, fsdp1_default=1,
+    ConfigKey(name=name, section="parallelism", type="int", fsdp1=False, fsdp1_default=1,
               fsdp2_default=1, preset=preset, emitted_for=(2,) if preset else ())
-    for name, preset in (("dp_replicate_size", "parallelism.replicate_size"),
-                         ("dp_shard_size", "parallelism.shard_size"), ("tp_size", None), ("cp_size", None),
-                         ("sp_size", None)))
+    for name, preset in (("parallelism_config_dp_replicate_size", "parallelism.replicate_size"),
+                         ("parallelism_config_dp_shard_size", "parallelism.shard_size"),
+                         ("parallelism_config_tp_size", None), ("parallelism_config_cp_size", None),
+                         ("parallelism_config_sp_size", None)))
 """The ``parallelism_config`` keys (the device mesh; FSDP2 only), written for HSDP presets."""
 
 # NOTE: the order of TOP_LEVEL_KEYS's written keys is the order the emitter writes.

@@ -1,0 +1,123 @@
+"""The commands a generated file names: the ``fsdp-presets generate`` command that makes it again
+and the ``accelerate launch`` command that runs it (words, quoted for the shell by
+:mod:`fsdp_presets.plan.quoting`). Pure: a request or preset in, words out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from fsdp_presets.plan.presets import Preset, PresetRequest
+from fsdp_presets.plan.quoting import shell_join, shell_word
+
+RECIPE = "recipes/causal_lm.py"
+"""The recipe the launch command runs for causal language models."""
+# The variables the multi-node launch command reads (the names of launchers.py's scripts): the
+# only words of a command that are not quoted.
+_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT = "$NODE_RANK", "$MAIN_PROCESS_IP", "$MAIN_PROCESS_PORT"
+_SHELL_VARIABLES = frozenset((_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchHints:
+    """What the header's launch command names besides the config (not decisions: just text)."""
+
+    model: str | None = None
+    """Model folder with weights and tokenizer that the recipe loads (default ``MODEL_DIR``)."""
+    data: str | None = None
+    """Training data file (default ``DATA.jsonl``)."""
+
+    def to_json(self) -> dict:
+        return {key: value for key, value in (("model", self.model), ("data", self.data)) if value is not None}
+
+
+def generate_command(request: PresetRequest, *, output: str, baseline_output: str | None = None,
+                     launch: LaunchHints = LaunchHints()) -> str:
+    """The ``fsdp-presets generate`` command that makes these files again (non-default flags only),
+    as one line of shell (:func:`~fsdp_presets.plan.quoting.shell_word` each word)."""
+    return shell_join(generate_words(request, output=output, baseline_output=baseline_output, launch=launch))
+
+
+def generate_words(request: PresetRequest, *, output: str, baseline_output: str | None = None,
+                   launch: LaunchHints = LaunchHints()) -> list[str]:
+    """The words of :func:`generate_command`."""
+    words = ["fsdp-presets", "generate", request.model, "--gpus", str(request.gpus)]
+    optional = [
+        ("--nodes", request.nodes, 1),
+        ("--device", request.device, "gpu"),
+        ("--gpu-memory", request.gpu_memory_gib, None),
+        ("--host-memory", request.host_memory_gib, None),
+        ("--precision", request.precision, "auto"),
+        ("--strategy", request.strategy, "auto"),
+        ("--fsdp-version", request.fsdp_version, 2),
+        ("--state-dict", request.state_dict, "sharded"),
+        ("--activation-checkpointing", request.activation_checkpointing, "auto"),
+        ("--offload", request.offload, "auto"),
+        ("--seq-len", request.seq_len, None),
+        ("--global-batch", request.global_batch, None),
+        ("--micro-batch", request.micro_batch, None),
+        ("--method", request.method, "full"),
+        ("--lora-r", request.lora_r, None),
+        ("--lora-alpha", request.lora_alpha, None),
+        ("--lora-dropout", request.lora_dropout, None),
+        ("--lora-target-modules", request.lora_target_modules, None),
+        ("--launch-model", launch.model, None),
+        ("--launch-data", launch.data, None),
+    ]
+    for flag, value, default in optional:
+        if value != default:
+            words += [flag, _number(value)]
+    if baseline_output is not None:
+        words += ["--baseline", "ddp"]
+        if baseline_output != default_baseline_path(output):
+            words += ["--baseline-output", baseline_output]
+    words += ["-o", output]
+    return words
+
+
+def default_baseline_path(output: str) -> str:
+    """``x.yaml`` -> ``x.ddp.yaml`` (next to it)."""
+    path = PurePosixPath(output)
+    return str(path.with_name(f"{path.stem}.ddp{path.suffix or '.yaml'}"))
+
+
+def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> list[str]:
+    """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch-size M ...``"""
+    model = launch.model or "MODEL_DIR"
+    script = RECIPE if preset.profile.architecture.endswith("ForCausalLM") else "YOUR_TRAINING_SCRIPT.py"
+    run_name = PurePosixPath(config_file).name.removesuffix(".yaml").replace(".", "_")
+    words = ["accelerate", "launch", "--config_file", config_file]
+    if preset.parallelism.num_machines > 1:
+        # The same variable names as the scripts `generate --launcher` writes (launchers.py).
+        words += ["--machine_rank", _NODE_RANK, "--main_process_ip", _MAIN_PROCESS_IP,
+                  "--main_process_port", _MAIN_PROCESS_PORT]
+    return words + [
+        script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
+        "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
+        "--gradient-accumulation-steps", str(preset.batch.accumulation),
+    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else []) + lora_recipe_words(preset)
+
+
+def lora_recipe_words(preset: Preset) -> list[str]:
+    """The recipe flags of the preset's LoRA/QLoRA (the settings accelerate YAML cannot hold)."""
+    lora = preset.request.lora_shape
+    if lora is None:
+        return []
+    words = ["--lora-r", str(lora.r), "--lora-alpha", _number(lora.lora_alpha)]
+    if lora.dropout:
+        words += ["--lora-dropout", _number(lora.dropout)]
+    if lora.target_modules is not None:
+        words += ["--lora-target-modules", ",".join(lora.target_modules)]
+    return words + (["--load-in-4bit"] if lora.method == "qlora" else [])
+
+
+def command_text(words: list[str]) -> str:
+    """A command of :func:`launch_words` or :func:`generate_words` as one line of shell: every
+    word quoted except the launch variables (``$NODE_RANK``...)."""
+    return " ".join(word if word in _SHELL_VARIABLES else shell_word(word) for word in words)
+
+
+def _number(value) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
