@@ -12,45 +12,13 @@ import yaml
 
 from fsdp_presets import cli
 from fsdp_presets.plan.emit import read_metadata
-from fsdp_presets.plan.check import RULES, CheckContext, check_file, model_facts
+from fsdp_presets.plan.check import RULES, CheckContext, check_file
+
+from check_configs import GOOD, facts
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "accelerate_configs"
 
-_FACTS: dict = {}
-
-
-def facts(source: str | None):
-    """Model facts, built once per test session (profiles are pure)."""
-    if source is None:
-        return None
-    if source not in _FACTS:
-        _FACTS[source] = model_facts(str(REPO / source) if source.startswith("model_configs") else source)
-    return _FACTS[source]
-
-
-# A clean FSDP2 config for the tiny Llama on 2 GPUs, as `fsdp-presets generate` writes it.
-GOOD = {
-    "compute_environment": "LOCAL_MACHINE",
-    "distributed_type": "FSDP",
-    "num_processes": 2,
-    "num_machines": 1,
-    "machine_rank": 0,
-    "mixed_precision": "bf16",
-    "rdzv_backend": "static",
-    "same_network": True,
-    "use_cpu": False,
-    "fsdp_config": {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-        "fsdp_reshard_after_forward": True,
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_cpu_ram_efficient_loading": True,
-        "fsdp_offload_params": False,
-        "fsdp_activation_checkpointing": False,
-    },
-}
 FSDP1 = {"fsdp_version": 1, "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_backward_prefetch": "BACKWARD_PRE",
          "fsdp_forward_prefetch": False, "fsdp_use_orig_params": True, "fsdp_sync_module_states": True}
 

@@ -646,19 +646,6 @@ def test_troubleshooting_cites_real_rules_each_planted_in_test_check():
             assert rule in planted_here, f"{heading}: {rule} has no plant block in troubleshooting.md"
 
 
-_FACTS: dict = {}
-
-
-def _facts(source: str | None):
-    from fsdp_presets.plan.check import model_facts
-
-    if source is None:
-        return None
-    if source not in _FACTS:
-        _FACTS[source] = model_facts(str(REPO / source) if "/" in source else source)
-    return _FACTS[source]
-
-
 def plant_blocks() -> list[Block]:
     if not TROUBLESHOOTING.is_file():
         return []
@@ -667,9 +654,9 @@ def plant_blocks() -> list[Block]:
 
 @pytest.mark.parametrize("line", [block.line for block in plant_blocks()])
 def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
-    """The bad config the guide shows, merged into the clean preset of tests/test_check.py,
+    """The bad config the guide shows, merged into the clean preset of tests/check_configs.py,
     makes `fsdp-presets check` report the rule the guide names (and the clean one does not)."""
-    from test_check import GOOD
+    from check_configs import GOOD, facts
 
     from fsdp_presets.plan.check import CheckContext, check_file
 
@@ -699,7 +686,7 @@ def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
         planted.write_text(header + yaml.safe_dump(config, sort_keys=False))
     else:
         planted.write_text(block.text)  # not a mapping (or not YAML): the file as shown
-    context = CheckContext(model=_facts(model), **settings)
+    context = CheckContext(model=facts(model), **settings)
     clean = tmp_path / "clean.yaml"
     clean.write_text(yaml.safe_dump(GOOD, sort_keys=False))
     probe = bool(block.options("probe"))  # rules that need accelerate's preparation of the model
