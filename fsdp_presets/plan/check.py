@@ -30,6 +30,12 @@ Three layers:
   parameters in no unit become findings, and the real unit list is shown.
 
 Rule ids are stable (the docs cite them): see :data:`RULES`.
+
+Where the pieces live: :mod:`~fsdp_presets.plan.check_findings` (rules table, findings, context,
+report), :mod:`~fsdp_presets.plan.check_accelerate` (accelerate's key lists, value parsing, its view
+of a file), :mod:`~fsdp_presets.plan.check_rules_keys` (keys and values, :func:`lint_config`),
+:mod:`~fsdp_presets.plan.check_rules_memory` (layout, LoRA, device and memory); this module checks a
+file. Key names come from :mod:`fsdp_presets.plan.schema`.
 """
 
 from __future__ import annotations
@@ -180,7 +186,7 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
                    "again on its own")
             fix = f"name the block classes: {K.transformer_layer_cls_to_wrap}: {blocks}"
         findings.append(finding(
-            "prepare-crashes", f"accelerate's FSDP{settings[K.version]} preparation of {model.profile.architecture} "
+            "prepare-crashes", f"accelerate's FSDP{settings['fsdp_version']} preparation of {model.profile.architecture} "
             f"({model.source}) raises {probe.error}" + (f" (at {probe.where})" if probe.where else "") + "; every "
             f"rank fails in accelerator.prepare(model).{why}", fix, fsdp_where(K.transformer_layer_cls_to_wrap)))
     elif probe.left_out:
