@@ -22,13 +22,6 @@ import argparse
 
 HELP = "rehearse one FSDP2 training step at full size on the CPU (fake tensors) and compare with the planner"
 
-NOT_REHEARSED = ("FSDP1 and DDP are not rehearsed (torch's FSDP memory tracker follows FSDP2 only); the "
-                 "planner's figures for them are estimates")
-"""Said by every rehearsal, text and JSON."""
-CPU_BLIND_SPOTS = ("not seen on a CPU: the CUDA allocator's rounding and fragmentation, the CUDA context, "
-                   "NCCL/cuBLAS workspaces and CUDA-only kernels; the planner reserves memory for them")
-"""What a rehearsal on CPU kernels leaves out (see fsdp_presets.plan.rehearsal)."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments
@@ -51,110 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_trust_remote_code(parser)
 
 
-# --------------------------------------------------------------------------- what to rehearse
-
-
-def _from_preset(args) -> tuple:
-    """(PresetRequest, batch settings, env) of a generated preset file; flags may not change it."""
-    from pathlib import Path
-
-    from fsdp_presets.plan.emit import read_metadata
-    from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
-    from fsdp_presets.plan.presets import PresetRequest
-
-    path = Path(args.model)
-    overriding = [flag for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes),
-                                           ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
-                                           ("--seq-len", args.seq_len), ("--precision", args.precision),
-                                           ("--activation-checkpointing", args.activation_checkpointing),
-                                           ("--strategy", args.strategy)) if value is not None]
-    if overriding:
-        raise UsageError(f"{', '.join(overriding)}: a preset file fixes these; rehearse the model with the flags "
-                         f"instead (fsdp-presets rehearse MODEL --gpus N ...)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise UsageError(f"cannot read {path}: {error}") from None
-    metadata = read_metadata(text)
-    if not metadata or metadata.get("kind") != "fsdp":
-        raise UsageError(f"{path}: not an FSDP preset written by `fsdp-presets generate` (no `# fsdp-presets:` "
-                         "metadata line); rehearse the model instead: fsdp-presets rehearse MODEL --gpus N")
-    method = (metadata.get("request") or {}).get("method", "full")
-    if method != "full":
-        raise UsageError(_NOT_REHEARSED.format(method=method, where=f"{path} (its header)"))
-    try:
-        request = PresetRequest(**metadata["request"])
-        view = accelerate_view(path)
-    except (TypeError, KeyError) as error:
-        raise UsageError(f"{path}: its metadata line is not one this version reads ({error}); regenerate it") from None
-    except AccelerateRejected as error:
-        raise UsageError(f"{path}: accelerate rejects it: {error}") from None
-    return request, metadata["summary"], view.env
-
-
-_NOT_REHEARSED = ("--method {method} from {where}: only full fine-tuning is rehearsed (a fake-tensor FSDP2 step of "
-                  "the whole model); a LoRA/QLoRA plan is checked against the hand calculation in docs/sharding.md "
-                  "instead: fsdp-presets plan MODEL --method {method} --gpus N --gpu-memory GiB")
-
-
-def _request_from_flags(args):
-    from fsdp_presets import arguments
-    from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.presets import PresetRequest
-
-    if args.gpus is None:
-        raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
-    if args.strategy == "no-shard":
-        raise UsageError(f"--strategy no-shard: {NOT_REHEARSED}")
-    nodes = args.nodes or 1
-    micro = args.micro_batch or 1
-    accumulation = args.grad_accum or 1
-    strategy = args.strategy if args.strategy not in (None, "auto") else ("hybrid" if nodes > 1 else "full")
-    return PresetRequest(
-        model=args.model, gpus=args.gpus, nodes=nodes,
-        precision=args.precision if args.precision not in (None, "auto") else "bf16", strategy=strategy,
-        activation_checkpointing=args.activation_checkpointing or "off", offload="off",
-        seq_len=args.seq_len or arguments.DEFAULT_SEQ_LEN, micro_batch=micro,
-        global_batch=str(micro * accumulation * args.gpus), gpu_memory_gib=args.gpu_memory,
-    )
-
-
-def _config_env(preset) -> dict[str, str]:
-    """The environment `accelerate launch` gives the processes for ``preset``'s accelerate config:
-    the config written by the emitter, read back through accelerate's own launcher code."""
-    import os
-    import tempfile
-
-    from fsdp_presets.plan.emit import accelerate_config, config_yaml
-    from fsdp_presets.plan.check import accelerate_view
-
-    handle, path = tempfile.mkstemp(suffix=".yaml", prefix="rehearse-")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(config_yaml(accelerate_config(preset)))
-        return accelerate_view(path).env
-    finally:
-        os.unlink(path)
-
-
-def _decide_unchecked(profile, request):
-    """The preset of ``request`` with its settings as given, whether or not the planner says it
-    fits: decided on GPUs large enough for anything, then re-planned on the asked memory."""
-    import dataclasses
-
-    from fsdp_presets.plan.planner import GiB, Hardware, plan
-    from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB
-    from fsdp_presets.plan.presets import decide
-
-    roomy = dataclasses.replace(request, gpu_memory_gib=4096.0, host_memory_gib=65536.0)  # the largest accepted
-    preset = decide(profile, roomy)
-    gpu_gib = request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
-    hardware = Hardware(gpus=request.gpus, nodes=request.nodes, gpu_memory_bytes=int(gpu_gib * GiB))
-    memory_plan = plan(profile, hardware, preset.memory_plan.shape)
-    return preset, memory_plan
-
-
 # --------------------------------------------------------------------------- run
 
 
@@ -164,85 +53,39 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fsdp_presets.errors import UsageError
+    from fsdp_presets.plan.methods import lora_from_args
+    from fsdp_presets.plan.rehearse_request import (METHOD_NOT_REHEARSED, rehearse_request, request_from_flags,
+                                                    request_from_preset)
 
     if (args.method or "full") != "full":
-        raise UsageError(_NOT_REHEARSED.format(method=args.method, where="the command line"))
-    from fsdp_presets.plan.methods import lora_from_args
-
+        raise UsageError(METHOD_NOT_REHEARSED.format(method=args.method, where="the command line"))
     lora_from_args(args)  # LoRA flags without --method lora|qlora are refused
     from_preset = args.model.endswith((".yaml", ".yml")) and Path(args.model).is_file()
     if args.model.endswith((".yaml", ".yml")) and not from_preset:
         raise UsageError(f"{args.model}: no such preset file")
-
-    from transformers.utils import logging as hf_logging
-
-    from fsdp_presets.plan.planner import plan
-    from fsdp_presets.plan.presets import decide
-    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
-
-    hf_logging.set_verbosity_error()
+    summary = env = None
     if from_preset:
-        request, summary, env = _from_preset(args)
+        overriding = [flag for flag, value in (("--gpus", args.gpus), ("--nodes", args.nodes),
+                                               ("--micro-batch", args.micro_batch), ("--grad-accum", args.grad_accum),
+                                               ("--seq-len", args.seq_len), ("--precision", args.precision),
+                                               ("--activation-checkpointing", args.activation_checkpointing),
+                                               ("--strategy", args.strategy)) if value is not None]
+        request, summary, env = request_from_preset(args.model, overriding=overriding)
         if args.gpu_memory is not None:
             request = dataclasses.replace(request, gpu_memory_gib=args.gpu_memory)
-        micro, accumulation = summary["micro_batch"], summary["gradient_accumulation"]
     else:
-        request = _request_from_flags(args)
-        micro, accumulation = request.micro_batch, 1 if args.grad_accum is None else args.grad_accum
-    config = load_config(request.model, trust_remote_code=args.trust_remote_code)
-    profile = profile_module(build_meta_model(config, trust_remote_code=args.trust_remote_code))
-    if request.fsdp_version != 2:
-        raise UsageError(f"{args.model}: FSDP{request.fsdp_version}: {NOT_REHEARSED}")
-    if from_preset:
-        preset = decide(profile, request)
-        memory_plan, row = preset.memory_plan, preset.row
-    else:
-        preset, memory_plan = _decide_unchecked(profile, request)
-        env = _config_env(preset)
-        shape = dataclasses.replace(memory_plan.shape, grad_accum=accumulation)
-        memory_plan = plan(profile, memory_plan.hardware, shape)
-        row = memory_plan.get(preset.row.name, 2)
-    if preset.row.name == "NO_SHARD" or preset.row.fsdp_version != 2:
-        raise UsageError(f"{args.model}: {preset.row.label}: {NOT_REHEARSED}")
-    shape, hardware = memory_plan.shape, memory_plan.hardware
-
-    from fsdp_presets.plan.rehearsal import rehearse
-
-    result = rehearse(config, env, world_size=hardware.gpus, seq_len=shape.seq_len, micro_batch=micro,
-                      grad_accum=accumulation, reduce_every_micro_batch=shape.reduce_every_micro_batch,
-                      trust_remote_code=args.trust_remote_code)
-    gpu_bytes = hardware.gpu_memory_bytes
-    peak = result.peak_bytes
-    offloaded = 0
-    if shape.offload:
-        # FSDP CPU offload keeps the shards of parameters, gradients and optimizer state in host
-        # memory; rehearsed without it (one CPU is host and device at once), they come off here.
-        offloaded = sum(result.peak_by_category.get(name, 0) for name in ("params", "grads", "optimizer"))
-        peak -= offloaded
-    fits = peak <= gpu_bytes
-    planned = row.per_gpu.total
-    difference = (planned - peak) / peak if peak else 0.0
-    document = {
-        "model": {"source": request.model, "architecture": profile.architecture, "total_params": profile.total_params},
-        "config": args.model if from_preset else None,
-        "strategy": row.label, "gpus": hardware.gpus, "nodes": hardware.nodes,
-        "seq_len": shape.seq_len, "micro_batch": micro, "grad_accum": accumulation,
-        "reduce_every_micro_batch": shape.reduce_every_micro_batch,
-        "precision": shape.precision, "activation_checkpointing": shape.activation_checkpointing,
-        "offload": shape.offload,
-        "rehearsal": {**result.to_json(), "per_gpu_peak_bytes": peak, "offloaded_bytes": offloaded},
-        "planner": row.per_gpu.to_json(),
-        "planner_difference": round(difference, 4),
-        "gpu_memory_bytes": gpu_bytes,
-        "fits": fits,
-        "not_rehearsed": NOT_REHEARSED,
-        "not_seen": CPU_BLIND_SPOTS,
-    }
+        request = request_from_flags(args.model, gpus=args.gpus, nodes=args.nodes, micro_batch=args.micro_batch,
+                                     grad_accum=args.grad_accum, seq_len=args.seq_len, precision=args.precision,
+                                     activation_checkpointing=args.activation_checkpointing, strategy=args.strategy,
+                                     gpu_memory_gib=args.gpu_memory)
+    document, result, row = rehearse_request(request, source=args.model, preset_file=from_preset, summary=summary,
+                                             env=env, grad_accum=args.grad_accum,
+                                             trust_remote_code=args.trust_remote_code)
     if args.json:
         print(json.dumps(document, indent=2))
     else:
         print(format_rehearsal(document, result, row))
-    return 0 if fits else 1
+    return 0 if document["fits"] else 1
 
 
 def format_rehearsal(document: dict, result, row) -> str:
@@ -294,7 +137,7 @@ def format_rehearsal(document: dict, result, row) -> str:
         f"{'fits' if document['fits'] else 'does NOT fit'} a {document['gpu_memory_bytes'] / gib:g} GiB GPU "
         f"(rehearsed peak {document['rehearsal']['per_gpu_peak_bytes'] / gib:.1f} GiB; the planner also reserves "
         f"memory for what a CPU rehearsal cannot see)",
-        f"note: {CPU_BLIND_SPOTS}",
-        f"note: {NOT_REHEARSED}",
+        f"note: {document['not_seen']}",
+        f"note: {document['not_rehearsed']}",
     ]
     return "\n".join(lines)

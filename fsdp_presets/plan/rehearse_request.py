@@ -1,0 +1,184 @@
+"""What ``fsdp-presets rehearse`` rehearses and how its result reads beside the planner: the request
+of a generated preset or of the command's flags (:func:`request_from_preset`,
+:func:`request_from_flags`), its accelerate environment, and :func:`rehearse_request`, which runs
+one FSDP2 step at full size (:func:`fsdp_presets.plan.rehearsal.rehearse`) and returns the
+document the command prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN
+from fsdp_presets.errors import UsageError
+
+NOT_REHEARSED = ("FSDP1 and DDP are not rehearsed (torch's FSDP memory tracker follows FSDP2 only); the "
+                 "planner's figures for them are estimates")
+"""Said by every rehearsal, text and JSON."""
+CPU_BLIND_SPOTS = ("not seen on a CPU: the CUDA allocator's rounding and fragmentation, the CUDA context, "
+                   "NCCL/cuBLAS workspaces and CUDA-only kernels; the planner reserves memory for them")
+"""What a rehearsal on CPU kernels leaves out (see fsdp_presets.plan.rehearsal)."""
+
+
+def request_from_preset(path, *, overriding: list[str]) -> tuple:
+    """``(PresetRequest, batch summary, env)`` of a generated preset file; ``overriding`` names the
+    flags given besides it, which a preset fixes (refused)."""
+    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
+    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.plan.presets import PresetRequest
+
+    path = Path(path)
+    if overriding:
+        raise UsageError(f"{', '.join(overriding)}: a preset file fixes these; rehearse the model with the flags "
+                         f"instead (fsdp-presets rehearse MODEL --gpus N ...)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"cannot read {path}: {error}") from None
+    metadata = read_metadata(text)
+    if not metadata or metadata.get("kind") != "fsdp":
+        raise UsageError(f"{path}: not an FSDP preset written by `fsdp-presets generate` (no `# fsdp-presets:` "
+                         "metadata line); rehearse the model instead: fsdp-presets rehearse MODEL --gpus N")
+    method = (metadata.get("request") or {}).get("method", "full")
+    if method != "full":
+        raise UsageError(METHOD_NOT_REHEARSED.format(method=method, where=f"{path} (its header)"))
+    try:
+        request = PresetRequest(**metadata["request"])
+        view = accelerate_view(path)
+    except (TypeError, KeyError) as error:
+        raise UsageError(f"{path}: its metadata line is not one this version reads ({error}); regenerate it") from None
+    except AccelerateRejected as error:
+        raise UsageError(f"{path}: accelerate rejects it: {error}") from None
+    return request, metadata["summary"], view.env
+
+
+METHOD_NOT_REHEARSED = ("--method {method} from {where}: only full fine-tuning is rehearsed (a fake-tensor FSDP2 "
+                        "step of the whole model); a LoRA/QLoRA plan is checked against the hand calculation in "
+                        "docs/sharding.md instead: fsdp-presets plan MODEL --method {method} --gpus N --gpu-memory GiB")
+
+
+def request_from_flags(model: str, *, gpus: int | None, nodes: int | None = None, micro_batch: int | None = None,
+                       grad_accum: int | None = None, seq_len: int | None = None, precision: str | None = None,
+                       activation_checkpointing: str | None = None, strategy: str | None = None,
+                       gpu_memory_gib: float | None = None):
+    """The :class:`~fsdp_presets.plan.presets.PresetRequest` of a model rehearsed with these
+    settings (None: the command's default), its global batch one optimizer step of them."""
+    from fsdp_presets.plan.presets import PresetRequest
+
+    if gpus is None:
+        raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
+    if strategy == "no-shard":
+        raise UsageError(f"--strategy no-shard: {NOT_REHEARSED}")
+    nodes = nodes or 1
+    micro = micro_batch or 1
+    accumulation = grad_accum or 1
+    return PresetRequest(
+        model=model, gpus=gpus, nodes=nodes,
+        precision=precision if precision not in (None, "auto") else "bf16",
+        strategy=strategy if strategy not in (None, "auto") else ("hybrid" if nodes > 1 else "full"),
+        activation_checkpointing=activation_checkpointing or "off", offload="off",
+        seq_len=seq_len or DEFAULT_SEQ_LEN, micro_batch=micro,
+        global_batch=str(micro * accumulation * gpus), gpu_memory_gib=gpu_memory_gib,
+    )
+
+
+def config_env(preset) -> dict[str, str]:
+    """The environment `accelerate launch` gives the processes for ``preset``'s accelerate config:
+    the config written by the emitter, read back through accelerate's own launcher code."""
+    from fsdp_presets.plan.check import accelerate_view
+    from fsdp_presets.plan.emit import accelerate_config, config_yaml
+
+    handle, path = tempfile.mkstemp(suffix=".yaml", prefix="rehearse-")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(config_yaml(accelerate_config(preset)))
+        return accelerate_view(path).env
+    finally:
+        os.unlink(path)
+
+
+def decide_unchecked(profile, request):
+    """The preset of ``request`` with its settings as given, whether or not the planner says it
+    fits: decided on GPUs large enough for anything, then re-planned on the asked memory."""
+    from fsdp_presets.arguments import MAX_GPU_MEMORY_GIB, MAX_HOST_MEMORY_GIB
+    from fsdp_presets.plan.planner import GiB, Hardware, plan
+    from fsdp_presets.plan.presets import decide
+
+    roomy = dataclasses.replace(request, gpu_memory_gib=MAX_GPU_MEMORY_GIB, host_memory_gib=MAX_HOST_MEMORY_GIB)
+    preset = decide(profile, roomy)
+    gpu_gib = request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
+    hardware = Hardware(gpus=request.gpus, nodes=request.nodes, gpu_memory_bytes=int(gpu_gib * GiB))
+    memory_plan = plan(profile, hardware, preset.memory_plan.shape)
+    return preset, memory_plan
+
+
+def rehearse_request(request, *, source: str, preset_file: bool, summary: dict | None = None,
+                     env: dict | None = None, grad_accum: int | None = None, trust_remote_code: bool = False):
+    """``(document, result, row)``: one rehearsed FSDP2 step of ``request`` (a preset file's, with its
+    ``summary`` and ``env``, when ``preset_file``) beside the planner's row of the same strategy.
+    ``document`` is the ``rehearse --json`` contract; ``document["fits"]`` the verdict."""
+    from transformers.utils import logging as hf_logging
+
+    from fsdp_presets.plan.planner import plan
+    from fsdp_presets.plan.presets import decide
+    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
+
+    from_preset = preset_file
+    if from_preset:
+        micro, accumulation = summary["micro_batch"], summary["gradient_accumulation"]
+    else:
+        micro, accumulation = request.micro_batch, grad_accum or 1
+    hf_logging.set_verbosity_error()
+    config = load_config(request.model, trust_remote_code=trust_remote_code)
+    profile = profile_module(build_meta_model(config, trust_remote_code=trust_remote_code))
+    if request.fsdp_version != 2:
+        raise UsageError(f"{source}: FSDP{request.fsdp_version}: {NOT_REHEARSED}")
+    if from_preset:
+        preset = decide(profile, request)
+        memory_plan, row = preset.memory_plan, preset.row
+    else:
+        preset, memory_plan = decide_unchecked(profile, request)
+        env = config_env(preset)
+        shape = dataclasses.replace(memory_plan.shape, grad_accum=accumulation)
+        memory_plan = plan(profile, memory_plan.hardware, shape)
+        row = memory_plan.get(preset.row.name, 2)
+    if preset.row.name == "NO_SHARD" or preset.row.fsdp_version != 2:
+        raise UsageError(f"{source}: {preset.row.label}: {NOT_REHEARSED}")
+    shape, hardware = memory_plan.shape, memory_plan.hardware
+
+    from fsdp_presets.plan.rehearsal import rehearse
+
+    result = rehearse(config, env, world_size=hardware.gpus, seq_len=shape.seq_len, micro_batch=micro,
+                      grad_accum=accumulation, reduce_every_micro_batch=shape.reduce_every_micro_batch,
+                      trust_remote_code=trust_remote_code)
+    gpu_bytes = hardware.gpu_memory_bytes
+    peak = result.peak_bytes
+    offloaded = 0
+    if shape.offload:
+        # FSDP CPU offload keeps the shards of parameters, gradients and optimizer state in host
+        # memory; rehearsed without it (one CPU is host and device at once), they come off here.
+        offloaded = sum(result.peak_by_category.get(name, 0) for name in ("params", "grads", "optimizer"))
+        peak -= offloaded
+    fits = peak <= gpu_bytes
+    planned = row.per_gpu.total
+    difference = (planned - peak) / peak if peak else 0.0
+    document = {
+        "model": {"source": request.model, "architecture": profile.architecture, "total_params": profile.total_params},
+        "config": source if from_preset else None,
+        "strategy": row.label, "gpus": hardware.gpus, "nodes": hardware.nodes,
+        "seq_len": shape.seq_len, "micro_batch": micro, "grad_accum": accumulation,
+        "reduce_every_micro_batch": shape.reduce_every_micro_batch,
+        "precision": shape.precision, "activation_checkpointing": shape.activation_checkpointing,
+        "offload": shape.offload,
+        "rehearsal": {**result.to_json(), "per_gpu_peak_bytes": peak, "offloaded_bytes": offloaded},
+        "planner": row.per_gpu.to_json(),
+        "planner_difference": round(difference, 4),
+        "gpu_memory_bytes": gpu_bytes,
+        "fits": fits,
+        "not_rehearsed": NOT_REHEARSED,
+        "not_seen": CPU_BLIND_SPOTS,
+    }
+    return document, result, row
