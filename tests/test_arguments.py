@@ -126,3 +126,22 @@ def test_grad_accum_is_bounded_like_the_other_counts():
     with pytest.raises(Exception, match="--grad-accum must be at least 1"):
         arguments.grad_accum("0")
     assert arguments.grad_accum("4") == 4
+
+
+def test_commands_import_no_private_helper_and_scripts_import_library_code():
+    """Commands parse and print: what they compute lives in the library, where another command or a
+    script imports it. No module imports a private name of a command module, and the preset
+    catalogue script imports no command at all."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    offenders = []
+    for path in [*repo.glob("fsdp_presets/**/*.py"), *repo.glob("scripts/*.py"), *repo.glob("tests/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_presets.commands."):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                if private or path.name == "make_presets.py":
+                    offenders.append(f"{path.relative_to(repo)}: from {node.module} import "
+                                     f"{', '.join(alias.name for alias in node.names)}")
+    assert not offenders, offenders

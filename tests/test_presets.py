@@ -436,3 +436,28 @@ def test_generated_preset_trains_for_real_on_cpu(tmp_path, family, flags):
         assert first["mesh"]["shape"] == [2, 2], "replicate across the 2 nodes, shard inside each"
         # shard group of 2: each rank holds about half of the parameters, not a quarter
         assert first["sharded"]["local"] * 2 >= first["sharded"]["total"] * 0.9
+
+
+def test_request_validation_is_the_command_lines_and_the_hardwares():
+    """One validation of each input: a request refuses a bad count in the words of the flag's own
+    check (fsdp_presets.arguments), and a cluster that cannot work in the words of the planner's
+    Hardware, before any model is read."""
+    from fsdp_presets import arguments
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.plan.planner import GiB, Hardware
+
+    with pytest.raises(UsageError) as from_flag:
+        arguments.gpu_count("0")
+    with pytest.raises(UsageError) as from_request:
+        PresetRequest(model="llama", gpus=0)
+    assert str(from_flag.value) in str(from_request.value)
+    with pytest.raises(UsageError) as from_hardware:
+        Hardware(gpus=8, nodes=1, gpu_memory_bytes=int(0.5 * GiB))
+    with pytest.raises(UsageError) as from_request:
+        PresetRequest(model="llama", gpus=8, gpu_memory_gib=0.5)
+    assert str(from_hardware.value) in str(from_request.value)
+    with pytest.raises(UsageError, match="--seq-len must be a whole number"):
+        PresetRequest(model="llama", gpus=8, seq_len=2.5)
+    with pytest.raises(UsageError, match="--gpu-memory must be a number, got '80'"):
+        PresetRequest(model="llama", gpus=8, gpu_memory_gib="80")
+    assert PresetRequest(model="llama", gpus=8).hardware.gpu_memory_bytes == int(arguments.DEFAULT_GPU_MEMORY_GIB * GiB)

@@ -161,3 +161,18 @@ def test_shipped_8b_preset_rehearses_as_recorded():
     assert peak < 80 * 2**30
     assert abs(peak - REHEARSED["llama-3.1-8b_1x8.yaml"]["peak_bytes"]) <= 0.01 * peak
     assert_agrees(document["planner"]["total"], peak, "accelerate_configs/llama-3.1-8b_1x8.yaml")
+
+
+def test_request_from_flags_fills_the_defaults_and_refuses_what_is_not_rehearsed():
+    from fsdp_presets.arguments import DEFAULT_SEQ_LEN
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.plan.rehearse_request import request_from_flags
+
+    request = request_from_flags("llama", gpus=16, nodes=2, grad_accum=4)
+    assert (request.strategy, request.precision, request.seq_len, request.micro_batch, request.global_batch) == \
+        ("hybrid", "bf16", DEFAULT_SEQ_LEN, 1, "64")
+    assert request_from_flags("llama", gpus=8, strategy="auto", precision="auto").strategy == "full"
+    with pytest.raises(UsageError, match="--gpus is required"):
+        request_from_flags("llama", gpus=None)
+    with pytest.raises(UsageError, match="no-shard: FSDP1 and DDP are not rehearsed"):
+        request_from_flags("llama", gpus=8, strategy="no-shard")
