@@ -115,6 +115,7 @@ def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
         checkpoint = run_dir / "checkpoints" / f"step-{STEPS:08d}"
         manifest, problem = verify_checkpoint(checkpoint)
         assert problem is None and Manifest.read(checkpoint).training["method"] == "lora"
+        assert (manifest.kind, manifest.format) == ("adapter", 2)  # a trainable-only checkpoint says so
         assert (checkpoint / "adapter_model_0").is_dir() and not (checkpoint / "pytorch_model_fsdp_0").exists()
         saved = DcpReader(checkpoint / "adapter_model_0").entries()  # the frozen base is not in it
         assert len(saved) == 2 * 7 * 2 and all(".lora_A." in name or ".lora_B." in name for name in saved), saved

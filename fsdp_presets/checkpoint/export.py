@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from fsdp_presets.checkpoint.adapter import export_checkpoint_adapter, is_adapter_checkpoint
 from fsdp_presets.checkpoint.files import (CheckpointFiles, TensorInfo, WeightReader, find_checkpoint_files,
                                            model_reader)
 from fsdp_presets.checkpoint.hf_model import (DTYPES, ExpectedTensors, ModelFiles, Verification, VerificationFailed,
                                               check_tensors, expected_tensors, find_model_files, from_pretrained_fp32,
                                               load_model, tokenizer_and_generation_config, verify_models)
-from fsdp_presets.checkpoint.layout import (ADAPTER_WEIGHTS, HF_CONFIG, MANIFEST, MODEL_CONFIG, SAFETENSORS_INDEX,
+from fsdp_presets.checkpoint.layout import (ADAPTER_MODEL, ADAPTER_WEIGHTS, HF_CONFIG, MANIFEST, MODEL_CONFIG, SAFETENSORS_INDEX,
                                             SAFETENSORS_SHARDS, WEIGHTS_SUFFIX)
 from fsdp_presets.checkpoint.outputs import check_output, staged_folder
 from fsdp_presets.errors import UsageError
@@ -102,9 +103,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     _check_shard_size(max_shard_size)
     output = Path(output)
     check_output(output, kind="export", force=force, source=Path(checkpoint))
-    from fsdp_presets.train import lora
-
-    if lora.is_adapter_checkpoint(checkpoint):
+    if is_adapter_checkpoint(checkpoint):
         return _export_adapter(Path(checkpoint), output, dtype=dtype, verify=verify, force=force, log=log)
     plan = plan_export(checkpoint, model=model)
     target = getattr(torch, DTYPES[dtype])
@@ -133,8 +132,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
 def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool, force: bool,
                     log: Callable[[str], None]) -> ExportReport:
     """A LoRA checkpoint (trainable weights only) as a PEFT folder: adapter_config.json,
-    adapter_model.safetensors and the tokenizer (:func:`fsdp_presets.train.lora.export_checkpoint_adapter`)."""
-    from fsdp_presets.train import lora
+    adapter_model.safetensors and the tokenizer (:func:`fsdp_presets.checkpoint.adapter.export_checkpoint_adapter`)."""
     from fsdp_presets.checkpoint.manager import checkpoint_verdict
 
     if verify:
@@ -144,9 +142,9 @@ def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool,
     if problem is not None:
         raise UsageError(f"{checkpoint}: {problem} (the checkpoint is damaged or was changed after it was saved; use "
                          "another checkpoint)")
-    log(f"export: {checkpoint / lora.ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
+    log(f"export: {checkpoint / ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
     with staged_folder(output, kind="export", force=force) as staging:
-        tensors, total = lora.export_checkpoint_adapter(checkpoint, staging, dtype=dtype)
+        tensors, total = export_checkpoint_adapter(checkpoint, staging, dtype=dtype)
     return ExportReport(output=output, layout="adapter", dtype=dtype, shards=[ADAPTER_WEIGHTS],
                         tensors=tensors, bytes=total, tied=[], streamed=False, largest_shard_bytes=total,
                         model_files=f"{checkpoint / MODEL_CONFIG} (adapter_config.json)")

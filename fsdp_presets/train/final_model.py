@@ -10,6 +10,7 @@ renamed into place, so ``final/`` is either the old export or the complete new o
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -64,8 +65,8 @@ def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *
         try:
             fault_point("export", step=None, rank=accelerator.process_index,
                         folder=staging_sibling(output_dir, unique=False))
-            write_model_folder(output_dir, lambda staging: _write(accelerator, model, state_dict, staging,
-                                                                  max_shard_size), tokenizer=tokenizer)
+            write_model_folder(output_dir, functools.partial(_write, accelerator, model, state_dict,
+                                                             max_shard_size=max_shard_size), tokenizer=tokenizer)
         except Exception as error:
             cause = disk_full_cause(error)
             if cause is None:

@@ -32,10 +32,9 @@ What each piece settles (measured on 2 CPU processes, see docs/recipes.md):
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,9 +42,7 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.schema import K
 
 from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL,  # noqa: F401
-                                            ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS, DCP_METADATA, GENERATION_CONFIG,
-                                            HF_CONFIG, MERGED, MODEL_CONFIG)
-_KEY = re.compile(r"^[A-Za-z0-9_.]{1,500}$")
+                                            ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS, DCP_METADATA, MERGED, MODEL_CONFIG)
 
 
 # ---- flags ----
@@ -386,8 +383,8 @@ def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, key_map: 
 
         output_dir = Path(output_dir)
         adapter_config = accelerator.unwrap_model(model).peft_config["default"]
-        write_model_folder(output_dir, lambda staging: write_adapter_folder(staging, state, key_map, adapter_config),
-                           tokenizer=tokenizer)
+        write_model_folder(output_dir, functools.partial(write_adapter_folder, state=state, key_map=key_map,
+                                                         adapter_config=adapter_config), tokenizer=tokenizer)
         if merged_dir is not None:
             try:
                 export_merged(output_dir, Path(merged_dir), model_class=model_class, base_path=base_path,
@@ -428,43 +425,5 @@ def export_merged(adapter_dir: Path, merged_dir: Path, *, model_class, base_path
                        tokenizer=tokenizer)
 
 
-# ---- `fsdp-presets export` of a LoRA checkpoint ----
-def is_adapter_checkpoint(folder: str | os.PathLike) -> bool:
-    return (Path(folder) / ADAPTER_MODEL).is_dir()
-
-
-def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str) -> tuple[int, int]:
-    """Write a PEFT folder from a LoRA checkpoint (already verified) into ``staging``: returns
-    (tensors, bytes). Key names come from the checkpoint's model_config/adapter_keys.json."""
-    import torch
-    from safetensors.torch import save_file
-
-    from fsdp_presets.checkpoint.files import DcpReader
-
-    config_dir = checkpoint / MODEL_CONFIG
-    try:
-        record = json.loads((config_dir / ADAPTER_KEYS).read_text())
-        keys = record["keys"]
-        adapter_config = json.loads((config_dir / ADAPTER_CONFIG).read_text())
-        if not isinstance(keys, dict) or not isinstance(adapter_config, dict):
-            raise ValueError("not an object")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise UsageError(f"{checkpoint}: {MODEL_CONFIG}/{ADAPTER_KEYS} or {ADAPTER_CONFIG} missing or unreadable "
-                         f"({error}); the checkpoint was not written by a LoRA run of the recipes") from None
-    for name, key in keys.items():
-        if not (isinstance(name, str) and isinstance(key, str) and _KEY.match(name) and _KEY.match(key)):
-            raise UsageError(f"{checkpoint}: {MODEL_CONFIG}/{ADAPTER_KEYS} holds a key that is not a tensor name")
-    reader = DcpReader(checkpoint / ADAPTER_MODEL)
-    entries = reader.entries()
-    unknown = sorted(set(entries) - set(keys))
-    if unknown:
-        raise UsageError(f"{checkpoint}: tensors {unknown[:3]} have no PEFT name in {MODEL_CONFIG}/{ADAPTER_KEYS}")
-    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    tensors = {keys[name]: tensor.to(target).contiguous() for name, tensor in reader.read(sorted(entries)).items()}
-    staging.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-    for path in config_dir.iterdir():  # the tokenizer files
-        if path.is_file() and path.name not in (ADAPTER_KEYS, ADAPTER_CONFIG, HF_CONFIG, GENERATION_CONFIG):
-            shutil.copyfile(path, staging / path.name)
-    return len(tensors), sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+# ---- `fsdp-presets export` of a LoRA checkpoint: fsdp_presets.checkpoint.adapter ----
+from fsdp_presets.checkpoint.adapter import export_checkpoint_adapter, is_adapter_checkpoint  # noqa: E402,F401
