@@ -30,8 +30,8 @@ ALLOWED = {("fsdp_presets/cpu_fsdp.py", "fsdp_offload_params")}
 
 def _docstrings(tree: ast.AST) -> set[int]:
     """Strings that stand alone as statements: module, class, function and attribute docstrings."""
-    return {id(node.value) for node in ast.walk(tree)
-            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+    return {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
 
 
 def key_spellings(source: str) -> list[tuple[int, str]]:
