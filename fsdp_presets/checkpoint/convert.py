@@ -48,7 +48,7 @@ from fsdp_presets.checkpoint.export import (ExportReport, export_checkpoint, exp
                                             verify_export)
 from fsdp_presets.checkpoint.hf_model import (DTYPES, VERIFY_BATCH, VERIFY_TOLERANCE, ExpectedTensors, ModelFiles,
                                               Verification, check_tensors, expected_tensors, find_model_files,
-                                              fixed_batch, model_class)
+                                              fixed_batch, model_class, report_json)
 from fsdp_presets.checkpoint.import_hf import ImportReport, import_hf, import_or_report, verify_import
 from fsdp_presets.checkpoint.layout import MODEL_CONFIG
 from fsdp_presets.checkpoint.outputs import OutputKind, check_output, staged_folder
@@ -56,5 +56,5 @@ from fsdp_presets.checkpoint.outputs import OutputKind, check_output, staged_fol
 __all__ = ["DTYPES", "MODEL_CONFIG", "VERIFY_BATCH", "VERIFY_TOLERANCE", "ExpectedTensors", "ExportReport",
            "ImportReport", "ModelFiles", "OutputKind", "Verification", "check_output", "check_tensors",
            "expected_tensors", "export_checkpoint", "export_or_report", "find_model_files", "fixed_batch",
-           "import_hf", "import_or_report", "model_class", "plan_export", "staged_folder", "verify_export",
-           "verify_import"]
+           "import_hf", "import_or_report", "model_class", "plan_export", "report_json", "staged_folder",
+           "verify_export", "verify_import"]

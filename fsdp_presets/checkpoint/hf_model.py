@@ -241,6 +241,17 @@ def from_pretrained_fp32(folder: Path, config):
     return model_class(config).from_pretrained(folder, dtype=torch.float32).eval()
 
 
+def report_json(report) -> dict[str, Any]:
+    """An export or import report as JSON: every field (the output folder as text), the
+    verification's JSON, and ``written`` (False when a failed verification left no output)."""
+    verification = report.verification
+    payload = {key: (str(value) if key == "output" else value) for key, value in vars(report).items()
+               if key != "verification"}
+    payload["verification"] = verification.to_json() if verification else None
+    payload["written"] = verification is None or verification.passed
+    return payload
+
+
 def verify_models(config, reference, candidate, dtype: str) -> Verification:
     """``reference`` and ``candidate`` (models of ``config``) on :func:`fixed_batch`; ``tied`` is
     the candidate's."""

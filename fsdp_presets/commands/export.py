@@ -48,11 +48,7 @@ def run(args: argparse.Namespace) -> int:
     verification = report.verification
     failed = verification is not None and not verification.passed
     if args.json:
-        payload = {key: (str(value) if key == "output" else value) for key, value in vars(report).items()
-                   if key != "verification"}
-        payload["verification"] = verification.to_json() if verification else None
-        payload["written"] = not failed
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(convert.report_json(report), indent=2))
     else:
         if not failed:
             print(f"wrote {report.output}: {len(report.shards)} safetensors file(s), {report.tensors} tensors, "
