@@ -213,3 +213,41 @@ def test_recipe_imports_leave_peft_and_bitsandbytes_out():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+# Every flag the recipes had before their shared parts moved to fsdp_presets.train.recipe.
+FLAGS_OF_BOTH = {"--model", "--data", "--eval-data", "--eval-fraction", "--max-eval-samples", "--output-dir",
+                 "--max-steps", "--micro-batch-size", "--gradient-accumulation-steps", "--reduce-every-micro-batch",
+                 "--learning-rate", "--weight-decay", "--warmup-steps", "--lr-scheduler", "--max-grad-norm",
+                 "--seq-len", "--eval-every", "--save-every", "--keep-last", "--resume", "--seed", "--lora-r",
+                 "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--load-in-4bit", "--export-merged"}
+
+
+def test_both_recipes_have_the_same_shared_flags_and_only_their_own_besides():
+    """One parser for the shared flags; each recipe adds only what is its data's (no flag of
+    earlier versions lost or renamed; --fsdp-reduce-dtype, once causal_lm's, is both's). The
+    classification recipe imports no ``evaluate`` (seconds of CPU per process)."""
+    import ast
+
+    code = ("import argparse, runpy, sys\n"
+            "def grab(self, *args, **kwargs):\n"
+            "    print(sorted(o for a in self._actions for o in a.option_strings if o.startswith('--')))\n"
+            "    raise SystemExit(0)\n"
+            "argparse.ArgumentParser.parse_args = grab\n"
+            "sys.argv = ['recipe']\n"
+            "try:\n    runpy.run_path(SCRIPT, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+            "print('evaluate' in sys.modules)")
+    flags = {}
+    for script in ("recipes/causal_lm.py", "recipes/sequence_classification.py"):
+        result = subprocess.run([sys.executable, "-c", code.replace("SCRIPT", repr(script))], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        *_, options, imported_evaluate = result.stdout.strip().splitlines()
+        assert imported_evaluate == "False"
+        flags[Path(script).name] = set(ast.literal_eval(options)) - {"--help"}
+    shared = {option for action in loop.recipe_argument_parser("")._actions for option in action.option_strings
+              if option.startswith("--")} - {"--help"}
+    assert FLAGS_OF_BOTH | {"--fsdp-reduce-dtype"} <= shared
+    assert flags["causal_lm.py"] - shared == {"--no-packing"}
+    assert flags["sequence_classification.py"] - shared == {"--new-head"}
+    assert shared <= flags["causal_lm.py"] and shared <= flags["sequence_classification.py"]
