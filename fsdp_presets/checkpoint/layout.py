@@ -36,6 +36,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# ---- hidden siblings a folder is written under before it is renamed into place ----
+STAGING_MARK = ".tmp-"
+RETIRED_MARK = ".old-"
+
 # ---- run folder ----
 RUN_JSON = "run.json"
 RUN_LOCK = "run.lock"
@@ -53,7 +57,7 @@ STEP_PREFIX = "step-"
 STEP_DIGITS = 8
 """``step-00000012``: eight digits so that names sort like steps."""
 STEP_PATTERN = re.compile(rf"^{STEP_PREFIX}(\d{{{STEP_DIGITS}}})$")
-TEMPORARY_STEP_PREFIX = f".tmp-{STEP_PREFIX}"
+TEMPORARY_STEP_PREFIX = f"{STAGING_MARK}{STEP_PREFIX}"
 """A save in progress: ``checkpoints/.tmp-step-NNNNNNNN`` (renamed to ``step-NNNNNNNN`` on commit)."""
 DELETING_PREFIX = ".deleting-"
 """A folder renamed away before it is deleted (a kill mid-delete leaves it, and it is ignored)."""
@@ -94,10 +98,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_KEYS = "adapter_keys.json"
 """In a LoRA checkpoint's ``model_config/``: checkpoint tensor name -> key in ``adapter_model.safetensors``."""
-
-# ---- temporary names of files and folders written next to their destination ----
-STAGING_MARK = ".tmp-"
-RETIRED_MARK = ".old-"
 
 
 def step_folder_name(step: int) -> str:
