@@ -41,6 +41,7 @@ import fsdp_presets
 from fsdp_harness import measure
 from fsdp_presets.checkpoint.layout import RNG_STATE_PREFIX
 from fsdp_presets.checkpoint.manager import CheckpointManager
+from fsdp_presets.train import loop
 from fsdp_presets.fileio import config_digest
 from fsdp_presets.checkpoint.run_folder import distributed_settings
 
@@ -180,10 +181,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank-{rank}.json").write_text(json.dumps(result, indent=1))
 
-    # NOTE: free everything before the process group goes (gloo can abort at exit otherwise).
-    del model, optimizer, batches
-    gc.collect()
-    accelerator.end_training()
+    del model, optimizer, batches  # freed before the process group goes (see loop.finish)
+    loop.finish(accelerator)
 
 
 if __name__ == "__main__":

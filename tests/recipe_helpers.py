@@ -1,9 +1,12 @@
-"""Helpers of the recipe and checkpoint tests: tiny model folders, recipe command lines, file
+"""Helpers of the recipe and checkpoint tests: tiny model folders, recipe command lines, a
+hand-written FSDP2 config, running a recipe's main once per case in one process, file
 snapshots, and finding the rank processes of a launch (to SIGKILL one)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,3 +60,60 @@ def python() -> str:
 def offline_env(**extra: str) -> dict[str, str]:
     """The launched jobs' environment (offline, one thread per process) plus ``extra``."""
     return launch_env(extra)
+
+
+HAND_WRITTEN_FSDP2 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+rdzv_backend: static
+same_network: true
+use_cpu: false
+fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_reshard_after_forward: true
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_cpu_ram_efficient_loading: false
+  fsdp_offload_params: false
+"""
+"""An FSDP2 config as a user writes it by hand, without the block class to wrap (for a BERT
+classifier accelerate's preparation then crashes: tests/test_check_probe.py)."""
+BERT_FSDP2 = HAND_WRITTEN_FSDP2 + "  fsdp_transformer_layer_cls_to_wrap: BertLayer\n"
+"""The same config with the block class, which check proposes and the recipe trains with."""
+
+RECIPE_DRIVER = """
+import json, runpy, sys
+from fsdp_presets.train.loop import run_recipe
+script, cases = sys.argv[1], json.loads(sys.argv[2])
+main = runpy.run_path(script, run_name="recipe")["main"]
+codes = []
+for argv in cases:
+    print("=== case", file=sys.stderr, flush=True)
+    print("=== case", flush=True)
+    sys.argv = [script.rsplit("/", 1)[-1], *argv]
+    codes.append(run_recipe(main))
+print(json.dumps(codes))
+"""
+"""Runs a recipe's ``main`` once per case in one process (torch imported once), through
+``run_recipe``, which turns an error into the exit status a real run would have."""
+
+
+def drive_recipe(recipe: Path, cases: list[list[str]], *, timeout: float = 600):
+    """The recipe's main once per case in one process: ``(exit codes, stderr parts, stdout parts)``,
+    one part per case."""
+    driven = subprocess.run([sys.executable, "-c", RECIPE_DRIVER, str(recipe), json.dumps(cases)],
+                            capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=timeout)
+    assert driven.returncode == 0, driven.stderr[-4000:]
+    codes = json.loads(driven.stdout.strip().splitlines()[-1])
+    return codes, driven.stderr.split("=== case")[1:], driven.stdout.split("=== case")[1:]
+
+
+def recipe_error(result, recipe: str = "causal_lm.py") -> str:
+    """The one ``<recipe>: error: ...`` line a refused launch printed (asserts there is exactly one)."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith(f"{recipe}: error:")]
+    assert len(lines) == 1, result.stderr[-4000:]
+    return lines[0]

@@ -18,31 +18,11 @@ import torch
 from fsdp_presets import cli
 from fsdp_presets.plan.check import CheckContext, check_file, model_facts
 from fsdp_harness.launch import run_launch
-from recipe_helpers import CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, tiny_bert
+from recipe_helpers import (BERT_FSDP2, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, HAND_WRITTEN_FSDP2, REPO,
+                            tiny_bert)
 
-HAND_WRITTEN_FSDP2 = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-mixed_precision: 'no'
-rdzv_backend: static
-same_network: true
-use_cpu: false
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_cpu_ram_efficient_loading: false
-  fsdp_offload_params: false
-"""
 PLANTED_BY_THE_PROBE = frozenset({"prepare-crashes", "params-outside-units"})
 """The rules these tests plant (tests/test_check.py plants every other rule)."""
-
-FIXED = HAND_WRITTEN_FSDP2 + "  fsdp_transformer_layer_cls_to_wrap: BertLayer\n"
-
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory) -> Path:
@@ -55,7 +35,7 @@ def configs(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("configs")
     paths = {"broken": folder / "bert_fsdp2.yaml", "fixed": folder / "bert_fsdp2_fixed.yaml"}
     paths["broken"].write_text(HAND_WRITTEN_FSDP2)
-    paths["fixed"].write_text(FIXED)
+    paths["fixed"].write_text(BERT_FSDP2)
     return paths
 
 

@@ -22,7 +22,6 @@ import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from fsdp_presets.errors import UsageError, disk_full_cause
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_command, launch_env, run_launch
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
-                            causal_lm_args, offline_env, tiny_bert, tiny_llama, tree_digest)
+                            causal_lm_args, drive_recipe, tiny_bert, tiny_llama, tree_digest)
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -97,30 +96,6 @@ def test_a_rank_that_never_reaches_the_start_up_check_is_named_after_the_timeout
 
 
 # ---- one process: bad flags and data, each a call of the recipe's main ----
-DRIVER = """
-import json, runpy, sys
-from fsdp_presets.train.loop import run_recipe
-script, cases = sys.argv[1], json.loads(sys.argv[2])
-main = runpy.run_path(script, run_name="recipe")["main"]
-codes = []
-for argv in cases:
-    print("=== case", file=sys.stderr, flush=True)
-    print("=== case", flush=True)
-    sys.argv = [script.rsplit("/", 1)[-1], *argv]
-    codes.append(run_recipe(main))
-print(json.dumps(codes))
-"""
-
-
-def drive(recipe: Path, cases: list[list[str]]):
-    """Run the recipe's main once per case in one process; ``(codes, stderr parts, stdout parts)``."""
-    driven = subprocess.run([sys.executable, "-c", DRIVER, str(recipe), json.dumps(cases)], capture_output=True,
-                            text=True, env=offline_env(), cwd=REPO, timeout=600)
-    assert driven.returncode == 0, driven.stderr[-4000:]
-    codes = json.loads(driven.stdout.strip().splitlines()[-1])
-    return codes, driven.stderr.split("=== case")[1:], driven.stdout.split("=== case")[1:]
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -156,7 +131,7 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
             args("long", "--no-packing", data=long_prompts),
     }
     trains = args("mixed", "--no-packing", "--seq-len", "64", data=mixed)
-    codes, errors, outputs = drive(CAUSAL_LM, [*cases.values(), trains])
+    codes, errors, outputs = drive_recipe(CAUSAL_LM, [*cases.values(), trains])
     assert codes == [2] * len(cases) + [0]
     for expected, part in zip(cases, errors):
         lines = error_lines(part)
@@ -185,7 +160,7 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
              "(LABEL_0, LABEL_1, LABEL_2, LABEL_3); give data with the head's labels, or pass --new-head":
              classify("three", three),
              "has more labels than the model's classification head: 5": classify("five", five)}
-    codes, errors, _ = drive(CLASSIFICATION, [*cases.values(), classify("new-head", three, "--new-head")])
+    codes, errors, _ = drive_recipe(CLASSIFICATION, [*cases.values(), classify("new-head", three, "--new-head")])
     assert codes == [2, 2, 0]
     for expected, part in zip(cases, errors):
         lines = error_lines(part, "sequence_classification.py")

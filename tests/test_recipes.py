@@ -31,8 +31,8 @@ from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_command, launch_env, run_launch
 import checkpoint_runs as runs
 import classification_runs
-from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
-                            causal_lm_args, offline_env, rank_pid, tree_digest)
+from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL,
+                            SFT_TRAIN, causal_lm_args, drive_recipe, offline_env, rank_pid, tree_digest)
 
 STEPS = runs.REFERENCE_STEPS
 TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs
@@ -172,34 +172,13 @@ def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(ref
         assert not torch.allclose(untrained(**batch).logits, got)  # the export is the trained model
 
 
-MINILM_FSDP2 = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: FSDP
-num_processes: 2
-num_machines: 1
-machine_rank: 0
-mixed_precision: 'no'
-rdzv_backend: static
-same_network: true
-use_cpu: false
-fsdp_config:
-  fsdp_version: 2
-  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
-  fsdp_transformer_layer_cls_to_wrap: BertLayer
-  fsdp_reshard_after_forward: true
-  fsdp_state_dict_type: SHARDED_STATE_DICT
-  fsdp_cpu_ram_efficient_loading: false
-  fsdp_offload_params: false
-"""
-
-
 @pytest.mark.slow
 def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
     from fsdp_harness.pretrained import prepare_minilm
 
     minilm = prepare_minilm(tmp_path / "models")
     config = tmp_path / "minilm_fsdp2.yaml"
-    config.write_text(MINILM_FSDP2)
+    config.write_text(BERT_FSDP2)
     run_dir = tmp_path / "genres"
     run_launch(config, CLASSIFICATION, [
         "--model", minilm, "--data", GENRES_TRAIN, "--eval-data", GENRES_EVAL, "--max-eval-samples", 160,
@@ -269,19 +248,6 @@ def test_classification_starts_from_an_imported_hugging_face_checkpoint(classifi
     assert ours[("train", 1)]["samples_seen"] == classification_runs.GLOBAL_BATCH  # step 0, fresh data position
 
 
-BAD_INPUT_DRIVER = """
-import json, runpy, sys
-from fsdp_presets.train.loop import run_recipe
-main = runpy.run_path(sys.argv[1], run_name="recipe")["main"]
-codes = []
-for argv in json.loads(sys.argv[2]):
-    print("=== case", file=sys.stderr, flush=True)
-    sys.argv = ["causal_lm.py", *argv]
-    codes.append(run_recipe(main))
-print(json.dumps(codes))
-"""
-
-
 @pytest.mark.slow
 def test_bad_input_is_one_clear_line_exit_2_and_nothing_overwritten(model, reference, tmp_path):
     wrong_columns = tmp_path / "qa.jsonl"
@@ -315,11 +281,9 @@ def test_bad_input_is_one_clear_line_exit_2_and_nothing_overwritten(model, refer
     assert "Traceback" not in direct.stderr
 
     # The rest in one process (importing torch once): the code run_recipe turns into the exit status.
-    driven = subprocess.run([sys.executable, "-c", BAD_INPUT_DRIVER, str(CAUSAL_LM), json.dumps(list(cases.values()))],
-                            capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=300)
-    assert driven.returncode == 0, driven.stderr
-    assert json.loads(driven.stdout.strip().splitlines()[-1]) == [2] * len(cases)
-    messages = [part.strip().splitlines() for part in driven.stderr.split("=== case")[1:]]
+    codes, errors, _ = drive_recipe(CAUSAL_LM, list(cases.values()), timeout=300)
+    assert codes == [2] * len(cases)
+    messages = [part.strip().splitlines() for part in errors]
     for expected, lines in zip(cases, messages):
         errors = [line for line in lines if line.startswith("causal_lm.py: error:")]
         assert len(errors) == 1 and any(option in errors[0] for option in expected.split("|")), (expected, lines)

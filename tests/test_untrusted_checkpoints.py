@@ -28,7 +28,7 @@ import torch
 
 import checkpoint_runs as runs
 from conftest import accelerate_config
-from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, offline_env, tree_digest
+from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, drive_recipe, recipe_error, tree_digest
 from test_checkpoint import manager
 from fsdp_presets import cli
 from fsdp_presets.checkpoint.manager import MANIFEST, checkpoint_verdict
@@ -399,12 +399,6 @@ def _launch(config: Path, args: list[str], processes: int = 2):
     return run_launch(config, CAUSAL_LM, args, num_processes=processes, cwd=REPO, timeout=300)
 
 
-def _recipe_error(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.startswith("causal_lm.py: error:")]
-    assert len(lines) == 1, result.stderr[-4000:]
-    return lines[0]
-
-
 @pytest.fixture(scope="module")
 def model(reference) -> Path:
     return runs.tiny_model(reference.parent)
@@ -418,7 +412,7 @@ def test_resume_path_refuses_a_trapped_checkpoint_and_runs_nothing(reference, mo
     result = _launch(runs.fsdp_config(reference.parent, 2),
                      causal_lm_args(model, output, *runs.SCHEDULE, "--max-steps", STEPS, "--resume", checkpoint))
     assert result.returncode != 0
-    error = _recipe_error(result)
+    error = recipe_error(result)
     assert f"--resume {checkpoint}: {trap}: refused" in error and "nothing in it ran" in error
     assert not marker.exists() and not output.exists()
 
@@ -435,25 +429,12 @@ def test_resume_auto_refuses_trapped_checkpoints_and_overwrites_nothing(referenc
     result = _launch(runs.fsdp_config(reference.parent, 2),
                      causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", STEPS))
     assert result.returncode != 0
-    error = _recipe_error(result)
+    error = recipe_error(result)
     assert "--resume auto: no checkpoint in" in error and "nothing was trained or overwritten" in error
     assert all(folder.name in error for folder in found) and error.count("refused") == len(found)
     assert "skipping" in result.stdout and "Traceback (most recent call last)" not in result.stdout
     assert not marker.exists()
     assert tree_digest(run_dir) == before
-
-
-DRIVER = """
-import json, runpy, sys
-from fsdp_presets.train.loop import run_recipe
-main = runpy.run_path(sys.argv[1], run_name="recipe")["main"]
-codes = []
-for argv in json.loads(sys.argv[2]):
-    print("=== case", file=sys.stderr, flush=True)
-    sys.argv = ["causal_lm.py", *argv]
-    codes.append(run_recipe(main))
-print(json.dumps(codes))
-"""
 
 
 @pytest.mark.slow
@@ -482,14 +463,12 @@ def test_a_finished_run_relaunched_otherwise_is_refused_with_the_difference(refe
     }
     before = tree_digest(run_dir), tree_digest(locked)
     try:
-        driven = subprocess.run([sys.executable, "-c", DRIVER, str(CAUSAL_LM), json.dumps(list(cases.values()))],
-                                capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=300)
+        codes, errors, _ = drive_recipe(CAUSAL_LM, list(cases.values()), timeout=300)
     finally:
         busy.kill()
         busy.wait()
-    assert driven.returncode == 0, driven.stderr[-4000:]
-    assert json.loads(driven.stdout.strip().splitlines()[-1]) == [2] * len(cases)
-    for expected, part in zip(cases, driven.stderr.split("=== case")[1:]):
+    assert codes == [2] * len(cases)
+    for expected, part in zip(cases, errors):
         errors = [line for line in part.splitlines() if line.startswith("causal_lm.py: error:")]
         assert len(errors) == 1 and expected in errors[0], (expected, part[-2000:])
         assert "Traceback" not in part
@@ -503,7 +482,7 @@ def test_an_fsdp_checkpoint_under_ddp_is_a_clear_message(reference, model, tmp_p
     result = _launch(ddp, causal_lm_args(model, tmp_path / "run", *runs.SCHEDULE, "--max-steps", STEPS,
                                          "--resume", runs.checkpoint(reference, STEPS)))
     assert result.returncode != 0
-    assert "and this run is DDP (MULTI_CPU), which cannot read it" in _recipe_error(result)
+    assert "and this run is DDP (MULTI_CPU), which cannot read it" in recipe_error(result)
     assert "FileNotFoundError" not in result.stderr and "KeyError" not in result.stderr
 
 
@@ -550,7 +529,7 @@ def test_a_relaunch_while_orphaned_ranks_still_train_is_refused(reference, model
         assert len((run_dir / "metrics.jsonl").read_text().splitlines()) > lines, "the orphans stopped training"
         result = _launch(runs.fsdp_config(reference.parent, 2), args)
         assert result.returncode != 0
-        error = _recipe_error(result)
+        error = recipe_error(result)
         assert "is in use by another job" in error and all(str(pid) in error for pid in ranks), error
         assert f"kill {' '.join(map(str, ranks))}" in error
     finally:  # torchrun starts each rank in a session of its own: find them by their --output-dir
