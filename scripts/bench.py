@@ -3,6 +3,8 @@
     python scripts/bench.py                 # regenerates docs/benchmarks.md(+.json), docs/img/*.png
     python scripts/bench.py --quick         # a smoke test: tiny model, two launches, no campaign
     python scripts/bench.py --render docs/benchmarks.json   # rewrite the report only, no launches
+    python scripts/bench.py --side-by-side [--model DIR]    # DDP, accelerate's FSDP2 defaults and the
+        # presets on a real model (default: the demo's SmolLM2-135M), step time; fsdp_harness.step_bench
 
 About 15 minutes on 2 shared cores (each of the 8 cases is one launch; the campaign 21 more).
 
@@ -31,4 +33,10 @@ ratios within one run much less.
 from fsdp_harness.bench import main, parse_args  # noqa: F401 (parse_args: the documented flags)
 
 if __name__ == "__main__":
+    import sys
+
+    if "--side-by-side" in sys.argv[1:]:
+        from fsdp_harness import step_bench
+
+        raise SystemExit(step_bench.main([arg for arg in sys.argv[1:] if arg != "--side-by-side"]))
     raise SystemExit(main())

@@ -218,3 +218,61 @@ def test_quick_campaign_then_quick_benchmark(tmp_path):
     for name in ("bench_state.png", "bench_step_time.png", "bench_checkpoint.png", "fault_campaign.png"):
         assert (img / name).stat().st_size > 5000
     print(f"quick campaign {campaign_s:.0f} s, quick benchmark {time.monotonic() - started - campaign_s:.0f} s")
+
+
+# --------------------------------------------------------------------------- side by side on a real model
+
+
+def test_side_by_side_dry_run_writes_the_four_configs_and_launch_commands(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--side-by-side", "--dry-run", "--model",
+                           str(REPO / "model_configs" / "smollm2-135m"), "--work-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import yaml
+
+    from fsdp_harness import step_bench
+
+    lines = done.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == [run.name for run in step_bench.RUNS]
+    assert all("accelerate.commands.launch --config_file" in line and "step_bench.py worker" in line for line in lines)
+    configs = {run.name: yaml.safe_load((tmp_path / f"{run.name}.yaml").read_text()) for run in step_bench.RUNS}
+    assert configs["ddp"]["distributed_type"] == "MULTI_GPU" and "fsdp_config" not in configs["ddp"]
+    default = configs["fsdp2-accelerate"]["fsdp_config"]  # what `accelerate config` writes with its defaults
+    assert default["fsdp_reshard_after_forward"] is True and default["fsdp_cpu_ram_efficient_loading"] is True
+    assert default["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    preset = configs["fsdp2-preset"]["fsdp_config"]  # the generator's CPU rule at 2 processes
+    assert preset["fsdp_version"] == 2 and preset["fsdp_reshard_after_forward"] is False
+    assert configs["fsdp1-preset"]["fsdp_config"]["fsdp_version"] == 1
+
+
+def _round(ddp_wall: float, losses_by_run: dict[str, list[float]] | None = None) -> dict:
+    from fsdp_harness import step_bench
+
+    losses_by_run = losses_by_run or {}
+    return {run.name: {"wall_s": ddp_wall * (1 + index * 0.1), "cpu_s": 1.0 + index * 0.1,
+                       "losses": losses_by_run.get(run.name, [2.5, 2.25]), "distributed_type": ["FSDP"],
+                       "peak_rss_bytes": 2**30} for index, run in enumerate(step_bench.RUNS)}
+
+
+def test_side_by_side_ratios_are_per_round_and_unequal_losses_fail():
+    from fsdp_harness import step_bench
+
+    report = {"rounds": [_round(2.0), _round(4.0, {"fsdp1-preset": [2.5, 2.2500001]})],
+              "settings": {"model": "m", "processes": 2, "micro_batch": 2, "seq_len": 64, "rounds": 2, "steps": 6,
+                           "skip": 2},
+              "configs": {}, "host": "x", "load_before": 0.1, "load_after": 0.2, "versions": "v"}
+    analysis = step_bench.analyse(report)
+    rows = analysis["rows"]
+    assert rows["fsdp2-accelerate"]["wall_vs_ddp"] == pytest.approx(1.1)  # host noise cancels within a round
+    assert rows["ddp"]["wall_range"] == (2.0, 4.0)
+    assert rows["fsdp2-preset"]["losses_equal_ddp"] and not rows["fsdp1-preset"]["losses_equal_ddp"]
+    text = step_bench.render(report, analysis, command="python scripts/bench.py --side-by-side")
+    assert "**NO**" in text and "1.10x" in text
+
+
+def test_side_by_side_refuses_a_folder_without_config(tmp_path, capsys):
+    from fsdp_harness import step_bench
+
+    with pytest.raises(SystemExit) as raised:
+        step_bench.parse_args(["--model", str(tmp_path)])
+    assert raised.value.code == 2 and "scripts/prepare_models.py" in capsys.readouterr().err

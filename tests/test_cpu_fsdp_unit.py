@@ -64,3 +64,51 @@ def test_untested_accelerate_needs_the_opt_in_and_the_patched_internals():
     )
     assert internals_gone.returncode != 0
     assert "lack internals the CPU mode patches (accelerate.accelerator.load_fsdp_optimizer)" in internals_gone.stderr
+
+
+PAIR_COLLECTIVES = r'''
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from fsdp_presets.cpu_fsdp import pair_all_gather, pair_reduce_scatter
+
+def check(rank, port):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    full = torch.randn(1000) * torch.logspace(-30, 30, 1000)  # tiny and huge magnitudes
+    expected = torch.empty(500)
+    dist.reduce_scatter_tensor(expected, full, op=dist.ReduceOp.SUM)
+    mine = torch.empty(500)
+    pair_reduce_scatter(mine, full, group, dist.ReduceOp.SUM)
+    assert torch.equal(mine, expected), "sum"
+    ddp = full / 2  # DDP: divide by the world size, then all-reduce a sum
+    dist.all_reduce(ddp)
+    pair_reduce_scatter(mine, full, group, dist.ReduceOp.AVG)
+    assert torch.equal(mine, ddp[rank * 500:(rank + 1) * 500]), "mean"
+    gathered, expected = torch.empty(1000), torch.empty(1000)
+    dist.all_gather_into_tensor(expected, full[:500].clone())
+    pair_all_gather(gathered, full[:500].clone(), group, async_op=True).wait()
+    assert torch.equal(gathered, expected), "all-gather"
+    in_place = torch.zeros(1000)
+    in_place[rank * 500:(rank + 1) * 500] = full[:500]
+    pair_all_gather(in_place, in_place[rank * 500:(rank + 1) * 500], group)
+    assert torch.equal(in_place, expected), "in-place all-gather"
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(check, args=(int(sys.argv[1]),), nprocs=2)
+    print("ok")
+'''
+
+
+def test_pair_collectives_equal_gloo_and_ddp_bitwise(tmp_path):
+    """FSDP2's 2-rank all-gather and reduce-scatter replacements give gloo's results bit for bit,
+    and a mean gives what DDP's divide-then-sum all-reduce gives."""
+    from fsdp_harness.launch import free_port
+
+    script = tmp_path / "pair.py"
+    script.write_text(PAIR_COLLECTIVES)
+    result = subprocess.run([sys.executable, str(script), str(free_port())], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.split()[-1:] == ["ok"], result.stderr[-3000:]
