@@ -274,13 +274,14 @@ def test_headers_are_reproducible_and_say_how_to_run():
 
 
 def test_cpu_demo_keeps_the_distributed_settings_the_recipes_rely_on():
+    # 2 CPU processes: SHARD_GRAD_OP (reshard_after_forward false), measured faster there (presets.py)
     fsdp = yaml.safe_load((CONFIGS / "cpu_fsdp2_demo.yaml").read_text())
     ddp = yaml.safe_load((CONFIGS / "cpu_ddp_demo.yaml").read_text())
     common = {"compute_environment": "LOCAL_MACHINE", "num_processes": 2, "num_machines": 1, "machine_rank": 0,
               "mixed_precision": "no", "rdzv_backend": "static", "same_network": True, "use_cpu": False}
     assert fsdp == {**common, "distributed_type": "FSDP", "fsdp_config": {
         "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "fsdp_reshard_after_forward": True,
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer", "fsdp_reshard_after_forward": False,
         "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
         "fsdp_offload_params": False, "fsdp_activation_checkpointing": False}}
     assert ddp == {**common, "distributed_type": "MULTI_GPU"}
@@ -461,3 +462,14 @@ def test_request_validation_is_the_command_lines_and_the_hardwares():
     with pytest.raises(UsageError, match="--gpu-memory must be a number, got '80'"):
         PresetRequest(model="llama", gpus=8, gpu_memory_gib="80")
     assert PresetRequest(model="llama", gpus=8).hardware.gpu_memory_bytes == int(arguments.DEFAULT_GPU_MEMORY_GIB * GiB)
+
+
+def test_cpu_two_processes_choose_shard_grad_op_when_it_fits_and_say_why():
+    two = real("smollm2-135m", gpus=2, device="cpu", seq_len=64, global_batch="4")
+    assert two.parallelism.strategy == "SHARD_GRAD_OP" and "CPU time per step" in two.parallelism.reason
+    tight = real("smollm2-135m", gpus=2, device="cpu", seq_len=64, global_batch="4", host_memory_gib=3.8)
+    assert tight.parallelism.strategy == "FULL_SHARD"  # 1.4 GiB each: SHARD_GRAD_OP (1.5) does not fit
+    four = real("smollm2-135m", gpus=4, device="cpu", seq_len=64, global_batch="4")
+    assert four.parallelism.strategy == "FULL_SHARD"  # not measured at 4 processes
+    gpu = real("smollm2-135m", gpus=2, seq_len=64, global_batch="4")
+    assert gpu.parallelism.strategy == "FULL_SHARD"
