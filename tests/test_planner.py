@@ -377,3 +377,26 @@ def test_fused_experts_are_sharded_by_expert_rows():
           for n in (8, 32)}
     assert abs(at[32].model_state.params / GiB - 21.19) < 0.05
     assert at[32].model_state.params > 0.95 * at[8].model_state.params
+
+
+def test_split_modules_keep_every_old_import_path():
+    """The planner, presets, profile and family registry were split by concept; every name other
+    code imported from the old modules (and their old flat paths) still resolves to the same object."""
+    import importlib
+
+    from fsdp_presets.plan import (activations, choices, communication, families, family, lora_memory, model_loading,
+                                   model_profile, model_state, planner, presets, profile, request, results, shapes)
+
+    for module, names in ((planner, planner.__all__), (presets, presets.__all__), (profile, profile.__all__),
+                          (families, families.__all__)):
+        for name in names:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+    assert planner.Hardware is shapes.Hardware and planner.LoraShape is shapes.LoraShape
+    assert planner.MemoryPlan is results.MemoryPlan and planner.fsdp_units is model_state.fsdp_units
+    assert planner.BLOCK_ACTIVATIONS is activations.BLOCK_ACTIVATIONS and planner.fsdp_comm is communication.fsdp_comm
+    assert planner.adapter_params is lora_memory.adapter_params
+    assert presets.PresetRequest is request.PresetRequest and presets.Preset is choices.Preset
+    assert profile.ModelProfile is model_profile.ModelProfile and profile.load_config is model_loading.load_config
+    assert families.Family is family.Family
+    assert importlib.import_module("fsdp_presets.planner").plan is planner.plan  # the flat layout's path
+    assert importlib.import_module("fsdp_presets.presets").decide is presets.decide
