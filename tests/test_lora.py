@@ -16,6 +16,7 @@ Launched once per module and shared by the tests:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -26,7 +27,10 @@ from fsdp_harness.launch import run_launch
 from conftest import GLOO_EXIT_ABORT, accelerate_config
 from recipe_helpers import CAUSAL_LM, REPO, SFT_TRAIN, causal_lm_args
 
-pytest.importorskip("peft")
+# Looked up, not imported: importing peft at collection costs every test run (slow tests deselected
+# or not) over a second of CPU.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="peft (the lora extra) is not installed")
 
 STEPS = 16
 LOSS_TOLERANCE = 1e-6  # relative, fp32 round-off (compare's fp32 tolerance)
