@@ -174,6 +174,21 @@ def cpus_per_task(text: str) -> int:
     return _whole(text, flag="--cpus-per-task", low=1, high=MAX_CPUS_PER_TASK, example="32")
 
 
+def value_problem(value, check, *, flag: str) -> str | None:
+    """What is wrong with ``value`` given in code rather than typed (a request field, a training
+    shape), in the words of the flag's own ``check``; None when it is unset or fine. The one way
+    the library checks a number the command line also takes."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{flag} must be a number, got {value!r}"
+    try:
+        check(str(value))
+    except UsageError as error:
+        return str(error)
+    return None
+
+
 # --------------------------------------------------------------------------- the shared flags
 
 

@@ -126,7 +126,7 @@ class PresetRequest:
         numbers_fine = True
         for name, check in (("gpu_memory_gib", arguments.gpu_memory_gib), ("host_memory_gib", arguments.host_memory_gib),
                             ("seq_len", arguments.seq_len), ("micro_batch", arguments.micro_batch)):
-            problem = _number_problem(getattr(self, name), check, flag=_flag(name))
+            problem = arguments.value_problem(getattr(self, name), check, flag=_flag(name))
             if problem:
                 problems.append(problem)
                 numbers_fine = numbers_fine and name not in ("gpu_memory_gib", "host_memory_gib")
@@ -237,20 +237,6 @@ class PresetRequest:
 def _flag(field_name: str) -> str:
     """``gpu_memory_gib`` -> ``--gpu-memory``: the flag that sets a request field."""
     return "--" + field_name.removesuffix("_gib").replace("_", "-")
-
-
-def _number_problem(value, check, *, flag: str) -> str | None:
-    """What is wrong with a numeric request field (None: unset or fine), in the words of the flag's
-    own check (``check`` reads the value as the command line would)."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{flag} must be a number, got {value!r}"
-    try:
-        check(str(value))
-    except UsageError as error:
-        return str(error)
-    return None
 
 
 def parse_global_batch(text: str) -> tuple[int, str]:

@@ -153,17 +153,20 @@ class TrainingShape:
         return "full" if self.lora is None else self.lora.method
 
     def __post_init__(self) -> None:
+        # Only what makes the arithmetic meaningless: the command line's upper bounds were checked
+        # on the flags (fsdp_presets.arguments), and the preset search plans micro-batches and
+        # accumulation counts of its own beyond them.
         problems = []
         if self.seq_len < 1:
             problems.append(f"--seq-len must be at least 1, got {self.seq_len}")
         if self.micro_batch < 1:
             problems.append(f"--micro-batch must be at least 1, got {self.micro_batch}")
+        if self.grad_accum < 1:
+            problems.append(f"--grad-accum must be at least 1, got {self.grad_accum}")
         if self.precision not in PRECISIONS:
             problems.append(unknown_name_message("precision", str(self.precision), PRECISIONS))
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             problems.append(unknown_name_message("optimizer", str(self.optimizer), tuple(OPTIMIZER_STATE_BYTES)))
-        if self.grad_accum < 1:
-            problems.append(f"--grad-accum must be at least 1, got {self.grad_accum}")
         if self.attention not in ("fused", "eager"):
             problems.append(unknown_name_message("attention", str(self.attention), ("fused", "eager")))
         if problems:
