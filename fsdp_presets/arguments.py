@@ -258,10 +258,12 @@ def add_savers(parser: argparse.ArgumentParser, *, with_offload: bool = True,
                             f"gradients and optimizer state (default {default_text})")
 
 
-def add_strategy(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
-    """``--strategy``: one of :data:`STRATEGY_CHOICES` (None: auto)."""
-    parser.add_argument("--strategy", type=strategy, metavar="|".join(STRATEGY_CHOICES), help="sharding (default auto: FULL_SHARD on one "
-                        "node, HYBRID_SHARD across nodes when it fits" + default_help + ")")
+def add_strategy(parser: argparse.ArgumentParser, *,
+                 default_text: str = "auto: FULL_SHARD on one node, HYBRID_SHARD across nodes when it fits") -> None:
+    """``--strategy``: one of :data:`STRATEGY_CHOICES` (None: auto, which ``default_text`` says)."""
+    parser.add_argument("--strategy", type=strategy, metavar="|".join(STRATEGY_CHOICES), help="sharding: full "
+                        "(FULL_SHARD), grad-op (SHARD_GRAD_OP), hybrid (HSDP) or no-shard (FSDP1 only) "
+                        f"(default {default_text})")
 
 
 def add_device(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:

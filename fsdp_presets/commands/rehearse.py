@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_seq_len(parser)
     arguments.add_precision(parser)
     arguments.add_savers(parser, with_offload=False, default_text="off; auto: off, a rehearsal is on roomy GPUs")
-    arguments.add_strategy(parser, default_help="; FSDP2 only: no-shard is FSDP1")
+    arguments.add_strategy(parser, default_text="auto: full on one node, hybrid across nodes; only FSDP2 is rehearsed, so not no-shard")
     arguments.add_gpu_memory(parser, default_help=", or the preset's; for the fit verdict and the planner")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_method_arguments(parser, method_help="the training method: only full is rehearsed (a LoRA/QLoRA plan is "
