@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.plan.model_profile import ModelProfile
 from fsdp_presets.plan.shapes import TrainingShape
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdp_presets.plan.planner import MemoryPlan, StrategyPlan
-from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.plan.model_profile import ModelProfile
 from fsdp_presets.plan.request import PresetRequest
 
 

@@ -65,7 +65,7 @@ from fsdp_presets.plan.lora_memory import (NF4_BYTES_PER_PARAM, QUANT_CONSTANT_B
 from fsdp_presets.plan.model_state import (ACCUMULATED_GRAD_BYTES, ShardUnit, fsdp2_shard_numel, fsdp_units,
                                            fused_expert_params, input_embedding_params, model_state_bytes,
                                            shard_numel, zero_model_state_bytes)
-from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.plan.model_profile import ModelProfile
 from fsdp_presets.plan.results import (CommBytes, MemoryPlan, ModelStateBytes, PerGpuBytes, Strategy,
                                        StrategyPlan, human_bytes)
 from fsdp_presets.plan.shapes import (ALLOCATOR_RESERVE_FRACTION, DEFAULT_LORA_R, DEFAULT_RESERVED_BYTES, METHODS,

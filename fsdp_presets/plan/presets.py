@@ -29,7 +29,7 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
 from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingShape, plan
-from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.plan.model_profile import ModelProfile
 from fsdp_presets.plan.schema import K
 from fsdp_presets.plan.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
                                        DEFAULT_HOST_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
