@@ -12,12 +12,13 @@ through a temporary file loaded back by accelerate first (:func:`write_files`)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import temporary_sibling
-from fsdp_presets.plan.request import PresetRequest
+from fsdp_presets.plan.request import PresetRequest, parse_global_batch
 
 
 def load_profile(source: str, *, trust_remote_code: bool = False):
@@ -75,9 +76,40 @@ def rescaled_request(old: dict, given: dict, *, source) -> PresetRequest:
         raise UsageError(f"rescaling keeps the global batch of {kept} sequences, which does not divide over "
                          f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
                          f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
-    from fsdp_presets.plan.presets import rescale_request
-
     return rescale_request(old_request, old["summary"], **given)
+
+
+def rescale_request(old: PresetRequest, old_summary: dict, **changes) -> PresetRequest:
+    """The request for a new layout that keeps the old preset's global batch (in sequences)."""
+    changes = {key: value for key, value in changes.items() if value is not None}
+    if "global_batch" not in changes:
+        changes["global_batch"] = str(old_summary["global_batch"]) if old.global_batch is None or \
+            parse_global_batch(old.global_batch)[1] == "tokens" else old.global_batch
+    if "micro_batch" not in changes:
+        changes["micro_batch"] = None  # re-decided for the new layout
+    return dataclasses.replace(old, **changes)
+
+
+def describe_changes(old: dict, new: dict) -> list[str]:
+    """``gradient accumulation 4 -> 2``, ``HSDP 2x8 -> FULL_SHARD 8``: what a rescale changed."""
+    names = {
+        "processes": "processes", "machines": "machines", "sharding": "sharding", "fsdp_version": "FSDP version",
+        "precision": "mixed precision", "activation_checkpointing": "activation checkpointing",
+        "offload": "CPU offload", "state_dict": "state dict", "seq_len": "sequence length",
+        "micro_batch": "micro-batch", "gradient_accumulation": "gradient accumulation",
+        "data_parallel_size": "data-parallel size", "global_batch": "global batch (sequences)",
+    }
+
+    def text(value) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return str(value)
+
+    lines = []
+    for key, label in names.items():
+        if key in old and key in new and old[key] != new[key]:
+            lines.append(f"{label} {text(old[key])} -> {text(new[key])}")
+    return lines
 
 
 def stored_launch(old: dict) -> dict[str, str]:

@@ -23,18 +23,17 @@ How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
-from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingShape, plan
+from fsdp_presets.plan.generate import describe_changes, rescale_request  # rescaling lives with generate
 from fsdp_presets.plan.model_profile import ModelProfile
-from fsdp_presets.plan.schema import K
+from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingShape, plan
 from fsdp_presets.plan.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
                                        DEFAULT_HOST_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
                                        STATE_DICT_CHOICES, STRATEGY_CHOICES, STRATEGY_NAMES, SWITCH_CHOICES,
                                        Device, PresetRequest, bytes_text, count_text, parse_global_batch)
+from fsdp_presets.plan.schema import K
 
 __all__ = [  # what other modules import from here: the request and the decisions live beside it
     "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",
@@ -478,39 +477,3 @@ def _batch_reason(request, row, micro, accumulation, data_parallel, global_sampl
     batch_source = "default 0.5M tokens" if request.global_batch is None else f"--global-batch {request.global_batch}"
     return (f"{micro} x {accumulation} accumulation x {data_parallel} data-parallel ranks = {global_samples} sequences "
             f"= {tokens:,} tokens per optimizer step ({batch_source}); {how}")
-
-
-# --------------------------------------------------------------------------- rescaling
-
-
-def rescale_request(old: PresetRequest, old_summary: dict, **changes) -> PresetRequest:
-    """The request for a new layout that keeps the old preset's global batch (in sequences)."""
-    changes = {key: value for key, value in changes.items() if value is not None}
-    if "global_batch" not in changes:
-        changes["global_batch"] = str(old_summary["global_batch"]) if old.global_batch is None or \
-            parse_global_batch(old.global_batch)[1] == "tokens" else old.global_batch
-    if "micro_batch" not in changes:
-        changes["micro_batch"] = None  # re-decided for the new layout
-    return replace(old, **changes)
-
-
-def describe_changes(old: dict, new: dict) -> list[str]:
-    """``gradient accumulation 4 -> 2``, ``HSDP 2x8 -> FULL_SHARD 8``: what a rescale changed."""
-    names = {
-        "processes": "processes", "machines": "machines", "sharding": "sharding", "fsdp_version": "FSDP version",
-        "precision": "mixed precision", "activation_checkpointing": "activation checkpointing",
-        "offload": "CPU offload", "state_dict": "state dict", "seq_len": "sequence length",
-        "micro_batch": "micro-batch", "gradient_accumulation": "gradient accumulation",
-        "data_parallel_size": "data-parallel size", "global_batch": "global batch (sequences)",
-    }
-
-    def text(value) -> str:
-        if isinstance(value, bool):
-            return "on" if value else "off"
-        return str(value)
-
-    lines = []
-    for key, label in names.items():
-        if key in old and key in new and old[key] != new[key]:
-            lines.append(f"{label} {text(old[key])} -> {text(new[key])}")
-    return lines
