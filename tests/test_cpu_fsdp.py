@@ -11,6 +11,7 @@ import torch
 
 from fsdp_harness.launch import read_rank_results, run_launch
 
+import tiny_train_runs
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 
 WORKER = WORKERS / "tiny_train.py"
@@ -55,6 +56,10 @@ VARIANTS = {
     "fsdp1-gpt2": ("gpt2", {"version": 1}),
 }
 RESUMED = ["fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "fsdp1-full"]
+# This variant's ranks start from different weights (--seed-per-rank: rank 0 the usual ones): FSDP1's
+# sync_module_states must broadcast rank 0's, or it cannot match DDP (its launch also serves the
+# sync_module_states test).
+SEEDED_PER_RANK = "fsdp1-shard-grad-op"
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +69,9 @@ def fsdp_runs(workdir) -> dict[str, tuple[Path, Path, dict[int, dict]]]:
     for name, (family, fsdp) in VARIANTS.items():
         config = accelerate_config(workdir, name, fsdp=dict(fsdp, transformer_layer_cls_to_wrap=BLOCKS[family]))
         checkpoint = workdir / f"checkpoint-{name}"
+        seeded = ("--seed-per-rank",) if name == SEEDED_PER_RANK else ()
         results = train(config, workdir / name, "--family", family, "--save-at", SAVE_AT,
-                        "--checkpoint", checkpoint)
+                        "--checkpoint", checkpoint, *seeded)
         runs[name] = (config, checkpoint, results)
     return runs
 
@@ -137,9 +143,10 @@ def test_fsdp1_full_state_dict_crashes_without_the_offload_fix(workdir):
 
 def test_fsdp1_sync_module_states_broadcasts_rank0_weights(workdir, fsdp_runs):
     """Ranks start from different weights; sync_module_states makes every rank train rank 0's,
-    so the run equals the one where all ranks started equal."""
+    so the run equals the one where all ranks started equal (FSDP1's strategies and DDP train
+    bit for bit alike: test_fsdp_shards_and_matches_ddp_bitwise)."""
     config, _, uninterrupted = fsdp_runs["fsdp1-sharded"]
-    results = train(config, workdir / "sync-module-states", "--seed-per-rank")
+    _, _, results = fsdp_runs[SEEDED_PER_RANK]
     assert results[0]["losses"] == uninterrupted[0]["losses"]
     assert results[0]["weights_sha256"] == uninterrupted[0]["weights_sha256"]
 
@@ -149,11 +156,11 @@ def test_fsdp1_sync_module_states_broadcasts_rank0_weights(workdir, fsdp_runs):
     assert "sync_module_states=True" in refused.stderr
 
 
-def test_hsdp_2x2_trains_and_resumes(workdir):
-    config = accelerate_config(workdir, "hsdp", num_processes=4,
-                               parallelism={"dp_replicate_size": 2, "dp_shard_size": 2})
-    checkpoint = workdir / "hsdp-checkpoint"
-    full = train(config, workdir / "hsdp", "--save-at", SAVE_AT, "--checkpoint", checkpoint)
+def test_hsdp_2x2_trains_and_resumes(workdir, tmp_path_factory):
+    """The HSDP run test_numerics also reads (its gradients are clipped: every step the same way,
+    so the resumed steps still equal the uninterrupted ones bit for bit)."""
+    config, checkpoint, full = tiny_train_runs.hsdp_2x2_clipped(tmp_path_factory)
+    assert (tiny_train_runs.HSDP_STEPS, tiny_train_runs.HSDP_SAVE_AT) == (STEPS, SAVE_AT)
     assert sorted(full) == [0, 1, 2, 3]
     for result in full.values():
         assert result["distributed_type"] == "FSDP"
@@ -161,7 +168,8 @@ def test_hsdp_2x2_trains_and_resumes(workdir):
         assert result["sharded"]["local"] == result["sharded"]["total"] // 2
     losses = full[0]["losses"]
     assert losses[str(STEPS)] < losses["1"] - 0.5, "HSDP run did not learn"
-    resumed = train(config, workdir / "hsdp-resumed", "--resume", checkpoint)
+    resumed = train(config, workdir / "hsdp-resumed", "--resume", checkpoint,
+                    "--max-grad-norm", tiny_train_runs.HSDP_MAX_NORM)
     assert resumed[0]["losses"] == {step: loss for step, loss in losses.items() if int(step) > SAVE_AT}
 
 

@@ -23,6 +23,7 @@ from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import read_rank_results, run_launch
 
 import checkpoint_runs as runs
+import tiny_train_runs
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 from recipe_helpers import causal_lm_args
 
@@ -80,17 +81,18 @@ def test_accelerate_clipping_lets_fsdp2_drift_from_ddp(clipped):
         assert ours["grad_norms"][step] == pytest.approx(norm, rel=1e-5)
 
 
-def test_hsdp_clipping_reduces_over_the_shard_group_only(workdir):
+def test_hsdp_clipping_reduces_over_the_shard_group_only(workdir, tmp_path_factory):
     """HSDP 2 x 2: gradients are sharded over one mesh dimension and replicated over the other;
     summing over the replicas too would give sqrt(2) times the norm. HSDP reduces in another order
     than a 4-way DDP all-reduce, so the runs agree to round-off here, not bitwise (measured: equal
-    for 2 steps, 1 fp32 ulp apart from step 3)."""
-    hsdp = accelerate_config(workdir, "hsdp", num_processes=4,
-                             parallelism={"dp_replicate_size": 2, "dp_shard_size": 2})
+    for 2 steps, 1 fp32 ulp apart from step 3). The HSDP run is test_cpu_fsdp's (20 steps, clipped
+    at the same norm); its first 4 steps are compared."""
+    _, _, hsdp = tiny_train_runs.hsdp_2x2_clipped(tmp_path_factory)
+    assert tiny_train_runs.HSDP_MAX_NORM == MAX_NORM
     ddp = accelerate_config(workdir, "ddp4", distributed_type="MULTI_GPU", num_processes=4)
-    steps = ("--steps", 4)  # the later --steps wins
-    ours = worker(hsdp, workdir / "clip-hsdp", "--max-grad-norm", MAX_NORM, *steps)[0]
-    theirs = worker(ddp, workdir / "clip-ddp4", "--max-grad-norm", MAX_NORM, *steps)[0]
+    ours = hsdp[0]
+    theirs = worker(ddp, workdir / "clip-ddp4", "--max-grad-norm", MAX_NORM, "--steps", 4)[0]  # the later --steps wins
+    assert sorted(theirs["grad_norms"]) == ["1", "2", "3", "4"]
     assert ours["distributed_type"] == "FSDP" and ours["world_size"] == 4
     assert ours["grad_norms"]["1"] == theirs["grad_norms"]["1"]
     for step, norm in theirs["grad_norms"].items():
