@@ -30,7 +30,13 @@ COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 class CollectiveRecorder(CommDebugMode):
     """torch's ``CommDebugMode`` (it counts collectives) that also records each one's payload
-    bytes and group size: ``records`` holds ``{"op", "payload_bytes", "group_size"}`` dicts."""
+    bytes and group size: ``records`` holds ``{"op", "payload_bytes", "group_size"}`` dicts.
+
+    The CPU mode runs FSDP2's all-gather and reduce-scatter on a 2-rank gloo group as one
+    send/receive pair (:func:`fsdp_presets.cpu_fsdp.pair_all_gather`, ``pair_reduce_scatter``).
+    Those are recorded, and counted by :meth:`get_comm_counts`, as the collective they stand for
+    (what the planner models; a rank sends the same bytes as a ring over 2 ranks would), not as
+    the sends and receives that carry them."""
 
     KINDS = {
         torch.ops.c10d._allgather_base_: "all_gather",
@@ -38,10 +44,46 @@ class CollectiveRecorder(CommDebugMode):
         torch.ops.c10d._reduce_scatter_base_: "reduce_scatter",
         torch.ops.c10d.allreduce_: "all_reduce",
     }
+    PAIR_OPS = {"pair_all_gather": ("all_gather", torch.ops.c10d._allgather_base_),
+                "pair_reduce_scatter": ("reduce_scatter", torch.ops.c10d._reduce_scatter_base_)}
+    """``fsdp_presets.cpu_fsdp`` function: (recorded op, the c10d collective it replaces)."""
 
     def __init__(self):
         super().__init__()
         self.records: list[dict[str, Any]] = []
+        self._pair_counts: dict[Any, int] = {}
+        self._unpatched: dict[str, Any] = {}
+
+    def __enter__(self):
+        from fsdp_presets import cpu_fsdp
+
+        for name, (kind, collective) in self.PAIR_OPS.items():
+            original = self._unpatched[name] = getattr(cpu_fsdp, name)
+            setattr(cpu_fsdp, name, self._recording_pair(original, kind, collective))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        from fsdp_presets import cpu_fsdp
+
+        for name, original in self._unpatched.items():
+            setattr(cpu_fsdp, name, original)
+        self._unpatched.clear()
+        return super().__exit__(*exc)
+
+    def _recording_pair(self, function, kind: str, collective):
+        def record(output, source, *args, **kwargs):
+            full = output if kind == "all_gather" else source  # the full, unsharded buffer
+            self.records.append({"op": kind, "payload_bytes": _nbytes(full), "group_size": 2})
+            self._pair_counts[collective] = self._pair_counts.get(collective, 0) + 1
+            return function(output, source, *args, **kwargs)
+
+        return record
+
+    def get_comm_counts(self) -> dict[Any, int]:
+        counts = dict(super().get_comm_counts())
+        for collective, count in self._pair_counts.items():
+            counts[collective] = counts.get(collective, 0) + count
+        return counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = self.KINDS.get(func._overloadpacket)

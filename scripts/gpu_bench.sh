@@ -16,6 +16,11 @@ cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-.venv/bin/python}"
 if [[ ! -x "$PYTHON" ]]; then PYTHON="$(command -v python3)"; fi
+if ! "$PYTHON" scripts/gpu_bench.py --help >/dev/null 2>&1; then  # imports the installed package
+  echo "gpu_bench.sh: error: $PYTHON cannot import fsdp_presets; set up this repository first" \
+       "(scripts/setup.sh, or pip install -e . into the environment PYTHON names)" >&2
+  exit 2
+fi
 WORK_DIR="${GPU_BENCH_WORK_DIR:-runs/gpu_bench}"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
