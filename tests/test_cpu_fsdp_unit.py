@@ -33,15 +33,25 @@ def test_enables_once_on_a_cpu_host_and_single_process_stays_plain():
 
 
 def test_refuses_an_accelerate_version_it_was_not_written_for():
-    for version in ("1.10.0", "1.17.0", "2.0.0"):
-        result = run_python(
-            "import accelerate\n"
-            f"accelerate.__version__ = {version!r}\n"
-            "import fsdp_presets\n"
-            "fsdp_presets.enable_cpu_fsdp()\n"
-        )
-        assert result.returncode != 0
-        message = result.stderr.strip().splitlines()[-1]
+    """One process (accelerate imported once): each refusal raises; the last, uncaught, ends it."""
+    result = run_python(
+        "import accelerate\n"
+        "accelerate.__version__ = '1.10.0'\n"
+        "import fsdp_presets\n"
+        "from fsdp_presets.cpu_fsdp import CpuFsdpError\n"
+        "for version in ('1.10.0', '1.17.0', '2.0.0'):\n"
+        "    accelerate.__version__ = version\n"
+        "    try:\n"
+        "        fsdp_presets.enable_cpu_fsdp()\n"
+        "    except CpuFsdpError as error:\n"
+        "        print(f'{type(error).__module__}.{type(error).__name__}: {error}', flush=True)\n"
+        "        if version == '2.0.0':\n"
+        "            raise\n"
+    )
+    assert result.returncode != 0
+    messages = result.stdout.strip().splitlines()
+    assert len(messages) == 3 and messages[-1] == result.stderr.strip().splitlines()[-1], result.stderr[-3000:]
+    for version, message in zip(("1.10.0", "1.17.0", "2.0.0"), messages):
         assert message.startswith("fsdp_presets.cpu_fsdp.CpuFsdpError: fsdp_presets.enable_cpu_fsdp() was "
                                   f"written for accelerate 1.16.x and this is accelerate {version}")
         assert 'pip install "accelerate>=1.16,<1.17"' in message
