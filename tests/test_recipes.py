@@ -234,8 +234,8 @@ def test_classification_starts_from_an_imported_hugging_face_checkpoint(classifi
     imported = tmp_path / "imported" / "step-00000000"
     convert.import_hf(reference / "final", imported, verify=True, log=lambda message: None)  # `fsdp-presets import`
     run_dir = tmp_path / "from-import"
-    result = classification_runs.launch(root, classification_runs.args(
-        classification["model"], run_dir, "--max-steps", 2, "--resume", imported))
+    result = classification_runs.launch(root, classification_runs.args(  # 1 process: DCP reads any layout
+        classification["model"], run_dir, "--max-steps", 2, "--resume", imported), processes=1)
     assert f"started from imported weights {imported}: step 0, fresh optimizer and schedule" in result.stdout
     assert json.loads((run_dir / "run.json").read_text())["resumed_from"] == str(imported)
     ours = {(record["kind"], record["step"]): record for record in read_metrics(run_dir / "metrics.jsonl")}
@@ -245,7 +245,7 @@ def test_classification_starts_from_an_imported_hugging_face_checkpoint(classifi
     assert ours[("eval", 0)]["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
     assert ours[("eval", 0)]["accuracy"] == trained["accuracy"]
     assert ours[("eval", 0)]["eval_loss"] != pytest.approx(theirs[("eval", 0)]["eval_loss"], rel=1e-3)  # not --model's
-    assert ours[("train", 1)]["samples_seen"] == classification_runs.GLOBAL_BATCH  # step 0, fresh data position
+    assert ours[("train", 1)]["samples_seen"] == classification_runs.GLOBAL_BATCH // 2  # step 0, 1 process x 2 x 2
 
 
 @pytest.mark.slow
