@@ -165,14 +165,16 @@ def test_per_node_script_runs_the_node_it_is_given(tmp_path, hsdp_2x8, launcher)
     assert no_address.returncode != 0 and "MAIN_PROCESS_IP" in no_address.stderr
 
 
-def test_generate_writes_the_launch_script_next_to_the_hsdp_preset(tmp_path):
-    completed = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "generate", "llama", "--device", "cpu",
-                                "--gpus", "4", "--nodes", "2", "--seq-len", "32", "--global-batch", "8",
-                                "-o", "configs/llama_2x2.yaml", "--launcher", "slurm", "--time", "1:00:00"],
-                               capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert completed.returncode == 0, completed.stderr
+def test_generate_writes_the_launch_script_next_to_the_hsdp_preset(tmp_path, monkeypatch, capsys):
+    from fsdp_presets import cli
+
+    monkeypatch.chdir(tmp_path)  # in this process: torch and transformers are imported once per test run
+    code = cli.main(["generate", "llama", "--device", "cpu", "--gpus", "4", "--nodes", "2", "--seq-len", "32",
+                     "--global-batch", "8", "-o", "configs/llama_2x2.yaml", "--launcher", "slurm", "--time", "1:00:00"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
     script = tmp_path / "configs" / "llama_2x2.slurm.sh"
-    assert f"wrote configs/llama_2x2.slurm.sh" in completed.stdout
+    assert f"wrote configs/llama_2x2.slurm.sh" in captured.out
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=2" in text
