@@ -69,6 +69,8 @@ MAX_JOIN_TIMEOUT_S = 7 * 24 * 3600
 """Seconds the first node waits for the others: a week."""
 MAX_CPUS_PER_TASK = 2**16
 """SLURM CPUs for one node's task."""
+MAX_LORA_R = 2**16
+"""LoRA rank: far above any adapter (peft's default is 8)."""
 
 
 def _whole(text: str, *, flag: str, low: int, high: int, example: str) -> int:
@@ -132,6 +134,33 @@ def micro_batch(text: str) -> int:
 def grad_accum(text: str) -> int:
     """``--grad-accum``: micro-batches per optimizer step, 1 .. :data:`MAX_GRAD_ACCUM`."""
     return _whole(text, flag="--grad-accum", low=1, high=MAX_GRAD_ACCUM, example="4")
+
+
+def lora_rank(text: str) -> int:
+    """``--lora-r``: the adapter's rank, 1 .. :data:`MAX_LORA_R`."""
+    return _whole(text, flag="--lora-r", low=1, high=MAX_LORA_R, example="16")
+
+
+def _real(text: str, *, flag: str, accepts, rule: str, example: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and accepts(value)):
+        raise UsageError(f"{flag} must be {rule}, got {text!r} (e.g. {flag} {example})")
+    return value
+
+
+def lora_alpha(text: str) -> float:
+    """``--lora-alpha``: peft's ``lora_alpha``, a number above 0."""
+    return _real(text, flag="--lora-alpha", accepts=lambda value: value > 0, rule="a number more than 0",
+                 example="32")
+
+
+def lora_dropout(text: str) -> float:
+    """``--lora-dropout``: a probability in [0, 1)."""
+    return _real(text, flag="--lora-dropout", accepts=lambda value: 0 <= value < 1,
+                 rule="a number from 0 up to (not including) 1", example="0.05")
 
 
 def _one_of(flag: str, known: tuple[str, ...]):

@@ -105,6 +105,9 @@ def _status(argv: list[str]) -> int:
     ("--precision", "bf61", "unknown --precision value 'bf61'; did you mean 'bf16'"),
     ("--activation-checkpointing", "yes", "unknown --activation-checkpointing value 'yes'"),
     ("--micro-batch", "-1", "--micro-batch must be at least 1"),
+    ("--lora-r", "8.5", "--lora-r must be a whole number, got '8.5'"),
+    ("--lora-alpha", "-2", "--lora-alpha must be a number more than 0, got '-2'"),
+    ("--lora-dropout", "1", "--lora-dropout must be a number from 0 up to (not including) 1, got '1'"),
 ])
 def test_one_bad_value_one_message_in_every_command(capsys, flag, value, message):
     start = {"plan": ["plan", "llama", "--gpus", "2"], "generate": ["generate", "llama", "--gpus", "2", "-o", "x.yaml"],

@@ -130,7 +130,8 @@ class CheckContext:
     """Host RAM of one node (rank 0's node), for the state-dict, loading and offload rules; None:
     the file's metadata, else 1024 (8-GPU nodes carry 1-2 TiB)."""
     seq_len: int | None = None
-    """Sequence length for the planner rules; None: the file's metadata, else 2048."""
+    """Sequence length for the planner rules; None: the file's metadata, else
+    :data:`~fsdp_presets.arguments.DEFAULT_SEQ_LEN`."""
     metadata: dict | None = None
     """The file's ``# fsdp-presets:`` document, when it has one."""
     gpus: int | None = None

@@ -3,6 +3,7 @@ view of the file on the GPUs and host RAM it is meant for)."""
 
 from __future__ import annotations
 
+from fsdp_presets.arguments import DEFAULT_SEQ_LEN
 from fsdp_presets.plan.check_accelerate import _boolean, _strategy_name, _whole
 from fsdp_presets.plan.check_findings import CheckContext, Finding, finding
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
@@ -226,7 +227,7 @@ def _training_shape(config, fsdp, context) -> TrainingShape:
     profile = context.model.profile
     metadata_request = (context.metadata or {}).get("request") or {}
     summary = (context.metadata or {}).get("summary") or {}
-    seq_len = context.seq_len or summary.get("seq_len") or metadata_request.get("seq_len") or 2048
+    seq_len = context.seq_len or summary.get("seq_len") or metadata_request.get("seq_len") or DEFAULT_SEQ_LEN
     if profile.dims.max_position_embeddings:
         seq_len = min(seq_len, profile.dims.max_position_embeddings)
     precision = {"no": "fp32", "fp8": "bf16"}.get(str(config.get("mixed_precision", "no")).lower(),
