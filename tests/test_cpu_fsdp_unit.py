@@ -4,24 +4,24 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
-def test_does_nothing_when_an_accelerator_exists():
+@pytest.fixture(scope="module")
+def switched() -> list[list[str]]:
+    """One process (accelerate imported once), one output line per step: the switch on a host that
+    reports an accelerator (it changes nothing there, so the next steps start as a fresh process
+    would), then on this CPU host, twice, then an Accelerator of a single process."""
     result = run_python(
-        "import os, accelerate.utils as u, fsdp_presets.cpu_fsdp as c\n"
+        "import os, fsdp_presets, fsdp_presets.cpu_fsdp as c\n"
+        "available = c.accelerator_available\n"
         "c.accelerator_available = lambda: True\n"
-        "print(c.enable_cpu_fsdp(), os.environ.get('ACCELERATE_USE_CPU'))\n"
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", "None"]
-
-
-def test_enables_once_on_a_cpu_host_and_single_process_stays_plain():
-    result = run_python(
-        "import fsdp_presets\n"
+        "print(c.enable_cpu_fsdp(), os.environ.get('ACCELERATE_USE_CPU'), c.cpu_fsdp_enabled())\n"
+        "c.accelerator_available = available\n"
         "from accelerate import Accelerator\n"
         "print(fsdp_presets.enable_cpu_fsdp(), fsdp_presets.enable_cpu_fsdp())\n"
         "a = Accelerator()\n"
@@ -29,7 +29,15 @@ def test_enables_once_on_a_cpu_host_and_single_process_stays_plain():
         "print(a.distributed_type.value, a.num_processes, a.device)\n"
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["True", "True", "NO", "1", "cpu"]
+    return [line.split() for line in result.stdout.splitlines()]
+
+
+def test_does_nothing_when_an_accelerator_exists(switched):
+    assert switched[0] == ["False", "None", "False"]
+
+
+def test_enables_once_on_a_cpu_host_and_single_process_stays_plain(switched):
+    assert switched[1:] == [["True", "True"], ["NO", "1", "cpu"]]
 
 
 def test_refuses_an_accelerate_version_it_was_not_written_for():
