@@ -9,7 +9,9 @@ SHA-256 digests that run.json and checkpoint manifests record.
   hidden sibling name and renamed into place when complete; a folder it replaces is renamed away
   first and deleted after. The sibling names are the caller's (a run folder's and a checkpoint's
   come from :mod:`fsdp_presets.checkpoint.layout`).
-- **Units** (:func:`format_bytes`, :data:`GiB`, :data:`MiB`): binary units, as the planner counts.
+- **Units for people** (:func:`format_bytes`, :func:`byte_unit`, :func:`format_count`, :data:`GiB`,
+  :data:`MiB`): bytes in binary units as the planner counts (decimal for traffic), parameter counts.
+  Every command, message and preset header formats bytes and counts with these.
 - **Digests** (:func:`sha256_file`, :func:`sha256_files`, :func:`config_digest`).
 """
 
@@ -170,9 +172,21 @@ def format_bytes(count: float, *, binary: bool = True, digits: int | None = None
     """``count`` bytes in the largest unit that keeps it at least 1: ``80.0 GiB``, ``864.4 KiB``
     (memory: binary units, 1 decimal), ``41.24 GB`` (``binary=False``, traffic: decimal units, 2
     decimals), ``512 B``."""
-    units = (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)) if binary else (("GB", 1e9), ("MB", 1e6), ("kB", 1e3))
     digits = (1 if binary else 2) if digits is None else digits
-    for name, size in units:
+    if abs(count) < (KiB if binary else 10**3):
+        return f"{count:.0f} B"
+    name, size = byte_unit(abs(count), binary=binary)
+    return f"{count / size:.{digits}f} {name}"
+
+
+def format_count(count: float, *, compact: bool = False) -> str:
+    """A parameter count at a glance: ``70.55 B``, ``26.80 K`` (the commands' tables), or with
+    ``compact`` ``8.03B``, ``218.1M``, ``26.80K`` (preset headers and messages: no space, millions
+    with 1 decimal, no T). Below a thousand the whole number: ``512``."""
+    units = ((10**9, "B"), (10**6, "M"), (10**3, "K")) if compact else ((10**12, "T"), (10**9, "B"), (10**6, "M"),
+                                                                        (10**3, "K"))
+    for size, suffix in units:
         if abs(count) >= size:
-            return f"{count / size:.{digits}f} {name}"
-    return f"{count:.0f} B"
+            digits = 1 if compact and size == 10**6 else 2
+            return f"{count / size:.{digits}f}{'' if compact else ' '}{suffix}"
+    return f"{count:.0f}"

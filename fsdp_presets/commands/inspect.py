@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_profile(profile, *, source: str = "") -> str:
     """The readable form of a :class:`~fsdp_presets.plan.profile.ModelProfile`."""
-    from fsdp_presets.plan.tables import human_count, text_table
+    from fsdp_presets.fileio import format_count
+    from fsdp_presets.plan.tables import text_table
 
     dims = profile.dims
     structure = profile.structure
@@ -71,7 +72,7 @@ def format_profile(profile, *, source: str = "") -> str:
     out = [
         f"model          {source}" if source else None,
         f"architecture   {profile.architecture} (model_type {profile.model_type})",
-        f"parameters     {profile.total_params:,} ({human_count(profile.total_params)}), "
+        f"parameters     {profile.total_params:,} ({format_count(profile.total_params)}), "
         f"tied embeddings: {'yes' if profile.tied_embeddings else 'no'}",
         "dims           " + " | ".join(
             part for part in (
@@ -95,17 +96,17 @@ def format_profile(profile, *, source: str = "") -> str:
             f"mixture of experts  {moe['num_experts']} experts, {moe['experts_per_token']} per token, "
             f"{moe['moe_layers']} MoE + {moe['dense_layers']} dense blocks"
             f"{', shared expert' if moe['shared_experts'] else ''}; "
-            f"active per token {moe['active_params']:,} ({human_count(moe['active_params'])})"
+            f"active per token {moe['active_params']:,} ({format_count(moe['active_params'])})"
         )
     out.append("")
     rows = [
         [unit.cls, str(unit.count), f"{unit.params_each:,}",
-         human_count(unit.count * unit.params_each),
+         format_count(unit.count * unit.params_each),
          f"{100 * unit.count * unit.params_each / total:.1f}%"]
         for unit in profile.units
     ]
     rows.append(["root (embeddings, norms, head)", "1", f"{profile.root_params:,}",
-                 human_count(profile.root_params), f"{100 * profile.root_params / total:.1f}%"])
+                 format_count(profile.root_params), f"{100 * profile.root_params / total:.1f}%"])
     out += text_table(["FSDP unit", "count", "params each", "total", "share"], rows, right={1, 2, 3, 4})
     largest = max(profile.units, key=lambda unit: unit.params_each, default=None)
     largest_name = (

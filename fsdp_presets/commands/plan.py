@@ -131,13 +131,14 @@ def run(args: argparse.Namespace) -> int:
 
 def format_plan(memory_plan, profile, *, source: str) -> str:
     """The table, the recommendation and its reason (or the suggestions when nothing fits)."""
+    from fsdp_presets.fileio import byte_unit, format_count
     from fsdp_presets.plan.planner import GiB
-    from fsdp_presets.plan.tables import human_count, text_table
+    from fsdp_presets.plan.tables import text_table
 
     hardware, shape = memory_plan.hardware, memory_plan.shape
     nodes = f" on {hardware.nodes} nodes" if hardware.nodes > 1 else ""
     lines = [
-        f"{source}: {profile.architecture}, {human_count(profile.total_params)} parameters",
+        f"{source}: {profile.architecture}, {format_count(profile.total_params)} parameters",
         f"{hardware.gpus} GPUs{nodes} x {hardware.gpu_memory_bytes / GiB:g} GiB "
         f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}"
         f"{_accumulation_text(shape)}, "
@@ -146,8 +147,8 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         "",
     ]
     # One unit per column family, picked from the largest value so small models stay readable.
-    memory_name, memory_unit = _unit(max(s.per_gpu.total for s in memory_plan.strategies), binary=True)
-    comm_name, comm_unit = _unit(max(s.comm.total for s in memory_plan.strategies), binary=False)
+    memory_name, memory_unit = byte_unit(max(s.per_gpu.total for s in memory_plan.strategies), binary=True)
+    comm_name, comm_unit = byte_unit(max(s.comm.total for s in memory_plan.strategies), binary=False)
     lines.append(f"per GPU in {memory_name}; comm = {comm_name} each GPU sends per step")
     headers = ["strategy", "params", "grads", "optim", "activ", "buffers", "total", "fits", "max mb",
                "comm", "inter-node"]
@@ -192,10 +193,3 @@ def _accumulation_text(shape) -> str:
         return ""
     how = "reduced every micro-batch" if shape.reduce_every_micro_batch else "no_sync"
     return f" x {shape.grad_accum} accumulation ({how})"
-
-
-def _unit(largest: float, *, binary: bool) -> tuple[str, int]:
-    """(name, bytes) of the largest unit that ``largest`` still fills at least once."""
-    from fsdp_presets.fileio import byte_unit
-
-    return byte_unit(largest, binary=binary)

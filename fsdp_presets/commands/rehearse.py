@@ -91,12 +91,13 @@ def run(args: argparse.Namespace) -> int:
 def format_rehearsal(document: dict, result, row) -> str:
     """The per-category table, rehearsal beside planner, and the verdict."""
     from fsdp_presets.fileio import GiB as gib
-    from fsdp_presets.plan.tables import human_count, text_table
+    from fsdp_presets.fileio import format_count
+    from fsdp_presets.plan.tables import text_table
 
     rehearsed = result.peak_by_category
     model = document["model"]
     lines = [
-        f"{model['source']}: {model['architecture']}, {human_count(model['total_params'])} parameters",
+        f"{model['source']}: {model['architecture']}, {format_count(model['total_params'])} parameters",
         f"{document['strategy']} over {document['gpus']} GPUs"
         + (f" on {document['nodes']} nodes" if document["nodes"] > 1 else "")
         + f", seq {document['seq_len']}, micro-batch {document['micro_batch']} x {document['grad_accum']} "

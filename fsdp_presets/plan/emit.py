@@ -22,6 +22,7 @@ import textwrap
 
 import yaml
 
+from fsdp_presets.fileio import format_bytes, format_count
 from fsdp_presets.plan.emit_commands import (  # noqa: F401 - the commands, importable from here too
     _SHELL_VARIABLES,
     RECIPE,
@@ -39,8 +40,6 @@ from fsdp_presets.plan.presets import (
     DEFAULT_GPU_MEMORY_GIB,
     DEFAULT_HOST_MEMORY_GIB,
     Preset,
-    bytes_text,
-    count_text,
 )
 from fsdp_presets.plan.quoting import comment_text, is_one_line, shell_word
 from fsdp_presets.plan.schema import (
@@ -161,9 +160,9 @@ def _method_lines(preset: Preset) -> list[str]:
             "bnb_4bit_quant_storage bfloat16 so that FSDP shards it, no double quantization)"
             if lora.method == "qlora" else "frozen in its storage dtype")
     text = (f"method: {lora.method}, r {lora.r}, alpha {_number(lora.lora_alpha)}, dropout {_number(lora.dropout)}, "
-            f"target modules {targets}: {count_text(adapter_params(preset.profile, shape))} trainable parameters "
+            f"target modules {targets}: {format_count(adapter_params(preset.profile, shape), compact=True)} trainable parameters "
             f"(fp32 with fp32 gradients and AdamW state); base {base}, "
-            f"{bytes_text(base_storage_bytes(preset.profile, shape))} stored. FSDP"
+            f"{format_bytes(base_storage_bytes(preset.profile, shape))} stored. FSDP"
             f"{preset.parallelism.fsdp_version}: " + (
                 "TRANSFORMER_BASED_WRAP on the decoder layer (accelerate's FSDP2 ignores peft's wrap policy); "
                 "model and optimizer prepared together" if preset.parallelism.fsdp_version == 2 else
@@ -200,7 +199,7 @@ def _what_it_is(preset: Preset) -> str:
     layout = (f"{parallelism.num_machines} nodes x {request.gpus_per_node} {unit}" if parallelism.num_machines > 1
               else f"{parallelism.num_processes} {unit}")
     return (f"Accelerate FSDP{parallelism.fsdp_version} config: {profile.architecture} "
-            f"({count_text(profile.total_params)} parameters, from {comment_text(request.model)}) on {layout}")
+            f"({format_count(profile.total_params, compact=True)} parameters, from {comment_text(request.model)}) on {layout}")
 
 
 def _settings_line(preset: Preset) -> str:
@@ -216,10 +215,10 @@ def _hardware_line(preset: Preset) -> str:
     request = preset.request
     if request.device == "cpu":
         memory = (f"{(request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB['cpu']):g} GiB host RAM per node shared by "
-                  f"{request.gpus_per_node} processes ({bytes_text(hardware.usable_bytes)} usable each)")
+                  f"{request.gpus_per_node} processes ({format_bytes(hardware.usable_bytes)} usable each)")
     else:
         memory = (f"{(request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB):g} GiB GPUs "
-                  f"({bytes_text(hardware.usable_bytes)} usable: {bytes_text(hardware.reserved_bytes)} reserved for "
+                  f"({format_bytes(hardware.usable_bytes)} usable: {format_bytes(hardware.reserved_bytes)} reserved for "
                   f"the CUDA context and libraries), {(request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB['gpu']):g} "
                   "GiB host RAM per node")
     return (f"{memory}; sequence {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.precision}, "
@@ -342,9 +341,9 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
     """The DDP baseline file matching ``preset`` (same processes, machines, precision, batch)."""
     command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
     ddp = preset.memory_plan.get("DDP")
-    fit = (f"fits: {bytes_text(ddp.per_gpu.total)} per GPU, up to micro-batch {ddp.max_micro_batch}" if ddp.fits
-           else f"does not fit here: {bytes_text(ddp.per_gpu.total)} per GPU of "
-                f"{bytes_text(preset.memory_plan.hardware.usable_bytes)} usable; run the comparison at a scale where "
+    fit = (f"fits: {format_bytes(ddp.per_gpu.total)} per GPU, up to micro-batch {ddp.max_micro_batch}" if ddp.fits
+           else f"does not fit here: {format_bytes(ddp.per_gpu.total)} per GPU of "
+                f"{format_bytes(preset.memory_plan.hardware.usable_bytes)} usable; run the comparison at a scale where "
                 "it does (fewer layers, a smaller sibling model, or --device cpu)")
     nodes = preset.parallelism.num_machines
     lines = [

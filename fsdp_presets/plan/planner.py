@@ -57,6 +57,7 @@ from fsdp_presets.plan.activations import (BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PE
                                            activation_bytes, activation_bytes_per_layer, block_activations,
                                            logits_bytes, mlp_width)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
+from fsdp_presets.fileio import format_bytes
 from fsdp_presets.plan.lora_memory import (NF4_BYTES_PER_PARAM, QUANT_CONSTANT_BITS, BlockLinear, LoraUnit,
                                            adapter_activation_bytes_per_layer, adapter_params,
                                            base_storage_bytes, block_linears, default_target_modules,
@@ -67,7 +68,7 @@ from fsdp_presets.plan.model_state import (ACCUMULATED_GRAD_BYTES, ShardUnit, fs
                                            shard_numel, zero_model_state_bytes)
 from fsdp_presets.plan.model_profile import ModelProfile
 from fsdp_presets.plan.results import (CommBytes, MemoryPlan, ModelStateBytes, PerGpuBytes, Strategy,
-                                       StrategyPlan, human_bytes)
+                                       StrategyPlan)
 from fsdp_presets.plan.shapes import (ALLOCATOR_RESERVE_FRACTION, DEFAULT_LORA_R, DEFAULT_RESERVED_BYTES, METHODS,
                                       OPTIMIZER_STATE_BYTES, PRECISIONS, STORED_PARAM_BYTES, GiB, Hardware,
                                       LoraShape, Precision, TrainingShape, default_reserved_bytes)
@@ -85,6 +86,8 @@ __all__ = [  # the names other modules import from here (the planner's public fa
     "mlp_width", "model_state_bytes", "plan", "plan_with_auto_savers", "fit_seq_len", "shard_numel", "strategies_for", "targeted_linears",
     "unknown_target_modules", "zero_model_state_bytes",
 ]
+
+human_bytes = format_bytes  # the old name, still imported by the benchmark harness
 
 # Order used to break ties between strategies that cost the same communication: the simplest
 # first, and the project's default FSDP2 before FSDP1.
@@ -293,20 +296,20 @@ def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> Mem
     if best is not None:
         others = [s for s in strategies if not s.fits]
         reason = (
-            f"{best.label} fits with the least communication: {human_bytes(best.per_gpu.total)} of "
-            f"{human_bytes(hardware.usable_bytes)} usable per GPU at micro-batch {shape.micro_batch} (up to "
-            f"{best.max_micro_batch}), {human_bytes(best.comm.total, binary=False)} sent per GPU per step"
+            f"{best.label} fits with the least communication: {format_bytes(best.per_gpu.total)} of "
+            f"{format_bytes(hardware.usable_bytes)} usable per GPU at micro-batch {shape.micro_batch} (up to "
+            f"{best.max_micro_batch}), {format_bytes(best.comm.total, binary=False)} sent per GPU per step"
         )
         if best.comm.inter_node:
-            reason += f" ({human_bytes(best.comm.inter_node, binary=False)} across nodes)"
+            reason += f" ({format_bytes(best.comm.inter_node, binary=False)} across nodes)"
         if others:
             smallest_missing = min(others, key=lambda s: s.per_gpu.total)
-            reason += f"; {len(others)} other(s) do not fit (e.g. {smallest_missing.label} needs {human_bytes(smallest_missing.per_gpu.total)})"
+            reason += f"; {len(others)} other(s) do not fit (e.g. {smallest_missing.label} needs {format_bytes(smallest_missing.per_gpu.total)})"
         return MemoryPlan(hardware=hardware, shape=shape, strategies=strategies, recommended=best, reason=reason)
     smallest = min(strategies, key=lambda s: s.per_gpu.total)
     reason = (
         f"nothing fits at micro-batch {shape.micro_batch}: the smallest is {smallest.label} with "
-        f"{human_bytes(smallest.per_gpu.total)} per GPU against {human_bytes(hardware.usable_bytes)} usable"
+        f"{format_bytes(smallest.per_gpu.total)} per GPU against {format_bytes(hardware.usable_bytes)} usable"
     )
     return MemoryPlan(
         hardware=hardware,

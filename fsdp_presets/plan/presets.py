@@ -24,6 +24,7 @@ How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every
 from __future__ import annotations
 
 from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import format_bytes, format_count
 from fsdp_presets.plan.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
 from fsdp_presets.plan.generate import describe_changes, rescale_request  # rescaling lives with generate
@@ -32,14 +33,14 @@ from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingSha
 from fsdp_presets.plan.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
                                        DEFAULT_HOST_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
                                        STATE_DICT_CHOICES, STRATEGY_CHOICES, STRATEGY_NAMES, SWITCH_CHOICES,
-                                       Device, PresetRequest, bytes_text, count_text, parse_global_batch)
+                                       Device, PresetRequest, parse_global_batch)
 from fsdp_presets.plan.schema import K
 
 __all__ = [  # what other modules import from here: the request and the decisions live beside it
     "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",
     "DEFAULT_SEQ_LEN", "DEVICES", "PRECISION_CHOICES", "STATE_DICT_CHOICES", "STRATEGY_CHOICES", "STRATEGY_NAMES",
     "SWITCH_CHOICES", "BatchPlan", "Device", "MemorySavers", "Parallelism", "Preset", "PresetRequest",
-    "PrecisionChoice", "StateDictChoice", "WrapChoice", "bytes_text", "count_text", "decide", "describe_changes",
+    "PrecisionChoice", "StateDictChoice", "WrapChoice", "decide", "describe_changes",
     "full_state_dict_host_bytes", "parse_global_batch", "rescale_request",
 ]
 
@@ -253,7 +254,7 @@ def _nothing_fits(profile, request, hardware, seq_len, precision, candidates, ch
     with_savers = f" even with {' and '.join(savers)}" if savers else ""
     memory = (f"{hardware.gpu_memory_bytes / GiB:g} GiB each" if request.device == "cpu"
               else f"{hardware.gpu_memory_bytes / GiB:g} GiB")
-    message = (f"{profile.architecture} ({count_text(profile.total_params)} parameters) does not fit {_layout(request)} "
+    message = (f"{profile.architecture} ({format_count(profile.total_params, compact=True)} parameters) does not fit {_layout(request)} "
                f"of {memory} with {tried}{with_savers} at micro-batch {needed_micro}, sequence {seq_len}")
     rows = [memory_plan.get(name, request.fsdp_version) for name in candidates]
     smallest = min(rows, key=lambda r: r.per_gpu.total)
@@ -285,9 +286,9 @@ def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_pl
         replicate, shard = request.gpus, 1
     else:
         replicate, shard = 1, request.gpus
-    comm = f"{bytes_text(row.comm.total)} sent per GPU per step"
+    comm = f"{format_bytes(row.comm.total)} sent per GPU per step"
     if row.comm.inter_node:
-        comm += f", {bytes_text(row.comm.inter_node)} of it across nodes"
+        comm += f", {format_bytes(row.comm.inter_node)} of it across nodes"
     if request.strategy != "auto":
         reason = f"{row.label} as asked (--strategy {request.strategy}): {comm}"
     elif name == "HYBRID_SHARD":
@@ -295,28 +296,28 @@ def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_pl
         reason = (f"HYBRID_SHARD (HSDP {replicate}x{shard}): each node holds one sharded copy of the model states "
                   f"and parameter all-gathers stay inside the node; only gradient shards are all-reduced across "
                   f"nodes ({comm}; FULL_SHARD over all {request.gpus} GPUs would send "
-                  f"{bytes_text(full.comm.inter_node)} across nodes)")
+                  f"{format_bytes(full.comm.inter_node)} across nodes)")
     elif name == "SHARD_GRAD_OP":
         full = memory_plan.get("FULL_SHARD", request.fsdp_version)
         reason = (f"SHARD_GRAD_OP over {request.gpus} processes (ZeRO-2, auto on a CPU host with "
                   f"{CPU_GRAD_OP_PROCESSES} processes when it fits): gradients and optimizer state sharded, each block "
                   f"gathered once for forward and backward instead of twice ({comm}; FULL_SHARD "
-                  f"{bytes_text(full.comm.total)}), for {bytes_text(row.per_gpu.total)} instead of "
-                  f"{bytes_text(full.per_gpu.total)} per process: {CPU_GRAD_OP_MEASURED}; --strategy full to shard "
+                  f"{format_bytes(full.comm.total)}), for {format_bytes(row.per_gpu.total)} instead of "
+                  f"{format_bytes(full.per_gpu.total)} per process: {CPU_GRAD_OP_MEASURED}; --strategy full to shard "
                   "parameters too")
     elif request.nodes > 1:
         hybrid = memory_plan.get("HYBRID_SHARD", request.fsdp_version)
         reason = (f"FULL_SHARD across all {request.gpus} GPUs: HYBRID_SHARD does not fit, even with the memory savers "
                   f"allowed (it shards over one node's {request.gpus_per_node} GPUs only: "
-                  f"{bytes_text(hybrid.model_state.total)} of model states per GPU against "
-                  f"{bytes_text(row.model_state.total)} here); {comm}")
+                  f"{format_bytes(hybrid.model_state.total)} of model states per GPU against "
+                  f"{format_bytes(row.model_state.total)} here); {comm}")
     else:
         grad_op = memory_plan.get("SHARD_GRAD_OP", request.fsdp_version)
         reason = (f"FULL_SHARD over {request.gpus} {'processes' if request.device == 'cpu' else 'GPUs'} (ZeRO-3): "
                   f"parameters, gradients and optimizer state sharded, each block gathered only while it computes, "
                   f"which leaves the most memory for activations ({comm}). SHARD_GRAD_OP would send "
-                  f"{bytes_text(grad_op.comm.total)} but keep every block gathered from forward to backward "
-                  f"({bytes_text(grad_op.per_gpu.total)} vs {bytes_text(row.per_gpu.total)} per GPU here; "
+                  f"{format_bytes(grad_op.comm.total)} but keep every block gathered from forward to backward "
+                  f"({format_bytes(grad_op.per_gpu.total)} vs {format_bytes(row.per_gpu.total)} per GPU here; "
                   "--strategy grad-op)")
     if request.fsdp_version == 1:
         reason += ". FSDP1 as asked (--fsdp-version 1)"
@@ -333,8 +334,8 @@ def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precis
                 plain = shape.replace(micro_batch=1, activation_checkpointing=False)
             without = plan(profile, hardware, plain).get(row.name, row.fsdp_version)
             parts.append(f"activation checkpointing on (auto): without it {row.label} needs "
-                         f"{bytes_text(without.per_gpu.total)} per GPU at micro-batch 1 of "
-                         f"{bytes_text(hardware.usable_bytes)} usable; recomputing each block in backward costs about "
+                         f"{format_bytes(without.per_gpu.total)} per GPU at micro-batch 1 of "
+                         f"{format_bytes(hardware.usable_bytes)} usable; recomputing each block in backward costs about "
                          "a third more compute")
         else:
             parts.append("activation checkpointing off (auto): not needed to fit, so no recomputation")
@@ -349,7 +350,7 @@ def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precis
         if offload:
             need = row.model_state.total * request.gpus_per_node / GiB
             parts.append(f"CPU offload on (auto): nothing fits on the GPUs otherwise; parameters, gradients and "
-                         f"optimizer state live in host RAM ({bytes_text(row.model_state.total)} per rank, "
+                         f"optimizer state live in host RAM ({format_bytes(row.model_state.total)} per rank, "
                          f"{need:.0f} GiB per node) and every step moves them over PCIe (slow)")
         else:
             parts.append("CPU offload off (auto): the model states fit on the GPUs")
@@ -398,7 +399,7 @@ def _wrap(profile: ModelProfile, request: PresetRequest) -> WrapChoice:
         raise UsageError(f"{profile.architecture} has no repeated blocks to wrap: FSDP would shard the whole model as "
                          "one unit (gathered whole every step), which saves nothing over DDP; "
                          "`fsdp-presets inspect` shows its structure")
-    blocks = ", ".join(f"{unit.count} x {unit.cls} ({count_text(unit.params_each)} each)" for unit in profile.units)
+    blocks = ", ".join(f"{unit.count} x {unit.cls} ({format_count(unit.params_each, compact=True)} each)" for unit in profile.units)
     no_split = profile.structure.get("no_split_modules") or []
     reason = (f"TRANSFORMER_BASED_WRAP with the model's blocks, read off the built model: {blocks}; each block is "
               "one FSDP unit, gathered just before it computes")
@@ -415,9 +416,9 @@ def _wrap(profile: ModelProfile, request: PresetRequest) -> WrapChoice:
 def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
     """How the parameters outside the blocks are handled, and why (the header explains these)."""
     parts = []
-    embeddings = ", ".join(f"{entry['name']} ({count_text(entry['params'])})" for entry in profile.embeddings) or "none"
+    embeddings = ", ".join(f"{entry['name']} ({format_count(entry['params'], compact=True)})" for entry in profile.embeddings) or "none"
     head = profile.output_head or "none"
-    root = count_text(profile.root_params)
+    root = format_count(profile.root_params, compact=True)
     if request.fsdp_version == 2:
         if profile.tied_embeddings:
             parts.append(f"embeddings {embeddings} and the output head {head} share one weight (tied): accelerate "
@@ -461,10 +462,10 @@ def _accumulation_reason(profile, hardware, shape, name, fsdp_version) -> str:
     held = no_sync.per_gpu.buffers - plan(profile, hardware, shape.replace(grad_accum=1)).get(name, fsdp_version).per_gpu.buffers
     if not shape.reduce_every_micro_batch:
         return (f"; accumulated under no_sync: reduced once per optimizer step, while each GPU holds "
-                f"{bytes_text(held)} of unsharded gradients between micro-batches")
+                f"{format_bytes(held)} of unsharded gradients between micro-batches")
     return (f"; gradients reduced after every micro-batch (recipe --reduce-every-micro-batch): accumulating "
-            f"them under no_sync would hold {bytes_text(held)} of unsharded gradients per GPU "
-            f"({bytes_text(no_sync.per_gpu.total)} in all, over {bytes_text(hardware.usable_bytes)} usable)")
+            f"them under no_sync would hold {format_bytes(held)} of unsharded gradients per GPU "
+            f"({format_bytes(no_sync.per_gpu.total)} in all, over {format_bytes(hardware.usable_bytes)} usable)")
 
 
 def _batch_reason(request, row, micro, accumulation, data_parallel, global_samples, seq_len) -> str:

@@ -41,26 +41,7 @@ _BINARY = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 __all__ = ["CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",
            "DEFAULT_SEQ_LEN", "DEVICES", "PRECISION_CHOICES", "STATE_DICT_CHOICES", "STRATEGY_CHOICES",
-           "STRATEGY_NAMES", "SWITCH_CHOICES", "Device", "PresetRequest", "bytes_text", "count_text",
-           "parse_global_batch"]
-
-
-# --------------------------------------------------------------------------- units for people
-
-
-def count_text(count: float) -> str:
-    """``8.03B``, ``218.1M``, ``26.8K``: a parameter count at a glance."""
-    for size, suffix in ((10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if abs(count) >= size:
-            return f"{count / size:.{1 if size == 10**6 else 2}f}{suffix}"
-    return f"{count:.0f}"
-
-
-def bytes_text(count: float) -> str:
-    """``16.4 GiB``, ``27.6 MiB``: GPU memory is sold and reported in binary units."""
-    from fsdp_presets.fileio import format_bytes
-
-    return format_bytes(count)
+           "STRATEGY_NAMES", "SWITCH_CHOICES", "Device", "PresetRequest", "parse_global_batch"]
 
 
 # --------------------------------------------------------------------------- the request

@@ -15,13 +15,6 @@ Strategy = Literal["DDP", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHA
 """``DDP`` or an FSDP sharding strategy (FSDP1 names; FSDP2 expresses them with reshard_after_forward and the HSDP mesh)."""
 
 
-def human_bytes(count: float, *, binary: bool = True) -> str:
-    """``80.0 GiB``, ``864.4 KiB`` (memory, binary) or ``41.24 GB`` (traffic, decimal)."""
-    from fsdp_presets.fileio import format_bytes
-
-    return format_bytes(count, binary=binary)
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelStateBytes:
     """Parameters, gradients and optimizer state one rank keeps between steps."""

@@ -1,15 +1,8 @@
-"""Plain-text tables and counts for the commands' human output (``inspect``, ``plan``,
-``rehearse``): fixed-width columns, numbers right-aligned, no trailing spaces."""
+"""Plain-text tables for the commands' human output (``inspect``, ``plan``,
+``rehearse``): fixed-width columns, numbers right-aligned, no trailing spaces. Counts and bytes are
+formatted by :mod:`fsdp_presets.fileio`."""
 
 from __future__ import annotations
-
-
-def human_count(count: int) -> str:
-    """``70.55 B``, ``26.8 K``: a parameter count at a glance."""
-    for size, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if abs(count) >= size:
-            return f"{count / size:.2f} {suffix}"
-    return str(count)
 
 
 def text_table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
