@@ -4,6 +4,7 @@ view of the file on the GPUs and host RAM it is meant for)."""
 from __future__ import annotations
 
 from fsdp_presets.arguments import DEFAULT_SEQ_LEN
+from fsdp_presets.fileio import format_bytes
 from fsdp_presets.plan.check_accelerate import _boolean, _strategy_name, _whole
 from fsdp_presets.plan.check_findings import CheckContext, Finding, finding
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
@@ -167,7 +168,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     if state_dict == "FULL_STATE_DICT" and full_bytes > host:
         findings.append(finding(
             "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
-            f"at every save: about {full_bytes / GiB:.0f} GiB for "
+            f"at every save: about {format_bytes(full_bytes, digits=0)} for "
             f"{profile.total_params / 1e9:.2f}B parameters (fp32 weights + Adam moments), more than "
             f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
                                                                  "missing)" if K.state_dict_type not in fsdp
@@ -180,7 +181,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
         if need > host:
             findings.append(finding(
                 "ram-efficient-loading-off", f"{K.cpu_ram_efficient_loading}: false makes each of a node's {per_node} "
-                f"processes load the full pretrained model into host RAM: about {need / GiB:.0f} GiB, more than "
+                f"processes load the full pretrained model into host RAM: about {format_bytes(need, digits=0)}, more than "
                 f"--host-memory {context.host_gib:g} GiB", f"set {K.cpu_ram_efficient_loading}: true (only "
                 "rank 0 reads the weights)", fsdp_where(K.cpu_ram_efficient_loading)))
     if device != "gpu":
@@ -196,8 +197,8 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     row = plan(profile, hardware, shape).get(name, fsdp_version)
     if offload and row.model_state.total * per_node > host:
         findings.append(finding(
-            "offload-host-memory", f"{K.offload_params}: true keeps {row.model_state.total / GiB:.1f} GiB of model "
-            f"states per rank in host RAM, {row.model_state.total * per_node / GiB:.0f} GiB for a node's {per_node} "
+            "offload-host-memory", f"{K.offload_params}: true keeps {format_bytes(row.model_state.total)} of model "
+            f"states per rank in host RAM, {format_bytes(row.model_state.total * per_node, digits=0)} for a node's {per_node} "
             f"processes: more than --host-memory {context.host_gib:g} GiB",
             "shard over more GPUs (more nodes), or use nodes with more RAM", fsdp_where(K.offload_params)))
     if not row.fits:

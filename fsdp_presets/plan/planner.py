@@ -207,7 +207,7 @@ def _strategy_plan(
     if shape.offload and not offloaded:
         notes.append(f"offload is not planned for {name}; shown without it")
     if offloaded:
-        notes.append(f"{state.total / GiB:.1f} GiB of model states per rank in host memory")
+        notes.append(f"{format_bytes(state.total)} of model states per rank in host memory")
     on_gpu = ModelStateBytes(params=0, grads=0, optimizer=0) if offloaded else state
 
     if shape.lora is not None:

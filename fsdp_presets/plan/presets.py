@@ -216,8 +216,9 @@ CPU_GRAD_OP_PROCESSES = 2
 """On a CPU host with this many processes ``auto`` picks SHARD_GRAD_OP when it fits (see
 :data:`CPU_GRAD_OP_MEASURED`); other counts were not measured and keep FULL_SHARD."""
 CPU_GRAD_OP_MEASURED = ("measured on SmolLM2-135M, 2 CPU processes, 2 x 64 tokens per rank, fp32 "
-                        "(python scripts/bench.py --side-by-side, docs/benchmarks.md): FULL_SHARD 1.31x DDP's CPU time "
-                        "per step, SHARD_GRAD_OP 1.17x; peak RSS per process +16%")
+                        "(python scripts/bench.py --side-by-side, docs/benchmarks.md): 13% less CPU time and 6% less "
+                        "wall time per step than FULL_SHARD (0.97x vs 1.10x DDP's CPU time), peak RSS per process "
+                        "2.9 vs 2.4 GiB")
 """The figures behind the CPU SHARD_GRAD_OP rule, quoted in the preset's header."""
 
 
@@ -365,7 +366,7 @@ def _state_dict(profile: ModelProfile, request: PresetRequest, notes: list[str])
         loading = ("RAM-efficient loading on: only rank 0 reads the pretrained weights into host RAM, the other "
                    "ranks start on the meta device and receive their shards (otherwise each of a node's "
                    f"{request.gpus_per_node} processes loads a full copy: "
-                   f"{request.gpus_per_node * profile.total_params * 2 / GiB:.0f} GiB of bf16 weights)")
+                   f"{format_bytes(request.gpus_per_node * profile.total_params * 2, digits=0)} of bf16 weights)")
     else:
         loading = ("RAM-efficient loading off: a CPU preset runs small demo models, where each process loading its "
                    "own copy costs little and every rank starts from the same weights by construction")
@@ -374,10 +375,10 @@ def _state_dict(profile: ModelProfile, request: PresetRequest, notes: list[str])
         host = _host_bytes(request)
         if need > host:
             raise UsageError(f"--state-dict full gathers the whole model and optimizer state on rank 0: about "
-                             f"{need / GiB:.0f} GiB of host RAM, more than --host-memory {host / GiB:g}; use "
+                             f"{format_bytes(need, digits=0)} of host RAM, more than --host-memory {host / GiB:g}; use "
                              "--state-dict sharded (export full weights afterwards with accelerate merge-weights)")
         reason = (f"FULL_STATE_DICT as asked: rank 0 gathers the full model and optimizer state into host RAM at every "
-                  f"save (about {need / GiB:.1f} GiB) and loading needs the same world size layout; {loading}")
+                  f"save (about {format_bytes(need)}) and loading needs the same world size layout; {loading}")
         return StateDictChoice(state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=ram_efficient,
                                reason=reason)
     reason = ("SHARDED_STATE_DICT: each rank writes its own shards with torch.distributed.checkpoint (DCP), nothing is "
