@@ -96,49 +96,41 @@ def _amount(text: str, *, flag: str, high: float, what: str, example: str) -> fl
     return value
 
 
-def gpu_count(text: str) -> int:
-    """``--gpus``: GPUs (processes) in the whole job, 1 .. :data:`MAX_GPUS`."""
-    return _whole(text, flag="--gpus", low=1, high=MAX_GPUS, example="8")
+def _count(flag: str, *, high: float, example: str, doc: str, gib: bool = False):
+    """An argparse ``type=`` for a whole number from 1 to ``high`` (``gib``: GiB more than 0 and at
+    most ``high``), refused in one line that names the flag and gives an example."""
+
+    def check(text: str):
+        if gib:
+            return _amount(text, flag=flag, high=high, what="GiB", example=example)
+        return _whole(text, flag=flag, low=1, high=int(high), example=example)
+
+    check.__name__, check.__doc__ = flag.lstrip("-").replace("-", "_"), doc
+    return check
 
 
-def gpus_per_node(text: str) -> int:
-    """``launcher --gpus``: GPUs (processes) per machine."""
-    return _whole(text, flag="--gpus", low=1, high=MAX_GPUS, example="8")
-
-
-def node_count(text: str) -> int:
-    """``--nodes``: machines in the job, 1 .. :data:`MAX_NODES`."""
-    return _whole(text, flag="--nodes", low=1, high=MAX_NODES, example="2")
-
-
-def gpu_memory_gib(text: str) -> float:
-    """``--gpu-memory``: GiB of one GPU, (0, :data:`MAX_GPU_MEMORY_GIB`]."""
-    return _amount(text, flag="--gpu-memory", high=MAX_GPU_MEMORY_GIB, what="GiB", example="80")
-
-
-def host_memory_gib(text: str) -> float:
-    """``--host-memory``: GiB of host RAM of one node, (0, :data:`MAX_HOST_MEMORY_GIB`]."""
-    return _amount(text, flag="--host-memory", high=MAX_HOST_MEMORY_GIB, what="GiB", example="1024")
-
-
-def seq_len(text: str) -> int:
-    """``--seq-len``: tokens per sequence, 1 .. :data:`MAX_SEQ_LEN`."""
-    return _whole(text, flag="--seq-len", low=1, high=MAX_SEQ_LEN, example="4096")
-
-
-def micro_batch(text: str) -> int:
-    """``--micro-batch``: sequences per GPU per step, 1 .. :data:`MAX_MICRO_BATCH`."""
-    return _whole(text, flag="--micro-batch", low=1, high=MAX_MICRO_BATCH, example="2")
-
-
-def grad_accum(text: str) -> int:
-    """``--grad-accum``: micro-batches per optimizer step, 1 .. :data:`MAX_GRAD_ACCUM`."""
-    return _whole(text, flag="--grad-accum", low=1, high=MAX_GRAD_ACCUM, example="4")
-
-
-def lora_rank(text: str) -> int:
-    """``--lora-r``: the adapter's rank, 1 .. :data:`MAX_LORA_R`."""
-    return _whole(text, flag="--lora-r", low=1, high=MAX_LORA_R, example="16")
+gpu_count = _count("--gpus", high=MAX_GPUS, example="8",
+                   doc="``--gpus``: GPUs (processes) in the whole job, 1 .. :data:`MAX_GPUS`.")
+gpus_per_node = _count("--gpus", high=MAX_GPUS, example="8", doc="``launcher --gpus``: GPUs (processes) per machine.")
+node_count = _count("--nodes", high=MAX_NODES, example="2",
+                    doc="``--nodes``: machines in the job, 1 .. :data:`MAX_NODES`.")
+gpu_memory_gib = _count("--gpu-memory", high=MAX_GPU_MEMORY_GIB, example="80", gib=True,
+                      doc="``--gpu-memory``: GiB of one GPU, (0, :data:`MAX_GPU_MEMORY_GIB`].")
+host_memory_gib = _count("--host-memory", high=MAX_HOST_MEMORY_GIB, example="1024", gib=True,
+                       doc="``--host-memory``: GiB of host RAM of one node, (0, :data:`MAX_HOST_MEMORY_GIB`].")
+seq_len = _count("--seq-len", high=MAX_SEQ_LEN, example="4096",
+                 doc="``--seq-len``: tokens per sequence, 1 .. :data:`MAX_SEQ_LEN`.")
+micro_batch = _count("--micro-batch", high=MAX_MICRO_BATCH, example="2",
+                     doc="``--micro-batch``: sequences per GPU per step, 1 .. :data:`MAX_MICRO_BATCH`.")
+grad_accum = _count("--grad-accum", high=MAX_GRAD_ACCUM, example="4",
+                    doc="``--grad-accum``: micro-batches per optimizer step, 1 .. :data:`MAX_GRAD_ACCUM`.")
+lora_rank = _count("--lora-r", high=MAX_LORA_R, example="16",
+                   doc="``--lora-r``: the adapter's rank, 1 .. :data:`MAX_LORA_R`.")
+tcp_port = _count("--port", high=65535, example="29500", doc="``--port``: a TCP port.")
+join_timeout_s = _count("--join-timeout", high=MAX_JOIN_TIMEOUT_S, example="600",
+                        doc="``--join-timeout``: seconds, 1 .. :data:`MAX_JOIN_TIMEOUT_S`.")
+cpus_per_task = _count("--cpus-per-task", high=MAX_CPUS_PER_TASK, example="32",
+                       doc="``--cpus-per-task``: SLURM CPUs for one node's task.")
 
 
 def _real(text: str, *, flag: str, accepts, rule: str, example: str) -> float:
@@ -186,21 +178,6 @@ strategy = _one_of("--strategy", STRATEGY_CHOICES)
 """``--strategy``: one of :data:`STRATEGY_CHOICES`."""
 device = _one_of("--device", DEVICES)
 """``--device``: one of :data:`DEVICES`."""
-
-
-def tcp_port(text: str) -> int:
-    """``--port``: a TCP port."""
-    return _whole(text, flag="--port", low=1, high=65535, example="29500")
-
-
-def join_timeout_s(text: str) -> int:
-    """``--join-timeout``: seconds, 1 .. :data:`MAX_JOIN_TIMEOUT_S`."""
-    return _whole(text, flag="--join-timeout", low=1, high=MAX_JOIN_TIMEOUT_S, example="600")
-
-
-def cpus_per_task(text: str) -> int:
-    """``--cpus-per-task``: SLURM CPUs for one node's task."""
-    return _whole(text, flag="--cpus-per-task", low=1, high=MAX_CPUS_PER_TASK, example="32")
 
 
 def value_problem(value, check, *, flag: str) -> str | None:
