@@ -26,35 +26,35 @@ def plot_runs(runs: dict[str, str | os.PathLike], output_dir: str | os.PathLike)
     output_dir.mkdir(parents=True, exist_ok=True)
     records = {label: read_metrics(Path(run) / METRICS) for label, run in runs.items()}
 
-    figure, axes = pyplot.subplots(figsize=(7, 4.2))
-    for label, lines in records.items():
-        train = [line for line in lines if line.get("kind") == "train"]
-        evals = [line for line in lines if line.get("kind") == "eval"]
+    def draw_loss(axes, label, train, evals):
         drawn = axes.plot([line["step"] for line in train], [line["loss"] for line in train],
                           label=f"{label} train", linewidth=1.4)
         if evals:
             axes.plot([line["step"] for line in evals], [line["eval_loss"] for line in evals], "o--",
                       color=drawn[0].get_color() if drawn else None, label=f"{label} eval", markersize=5)
-    axes.set(xlabel="optimizer step", ylabel="loss (cross-entropy)", title="Loss")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    loss_png = output_dir / LOSS_PLOT
-    figure.savefig(loss_png, dpi=110)
-    pyplot.close(figure)
 
+    def draw_throughput(axes, label, train, evals):
+        axes.plot([line["step"] for line in train], [line["tokens_per_s"] for line in train], label=label)
+
+    loss_png = _plot(pyplot, records, draw_loss, output_dir / LOSS_PLOT, ylabel="loss (cross-entropy)", title="Loss")
+    throughput_png = _plot(pyplot, records, draw_throughput, output_dir / THROUGHPUT_PLOT,
+                           ylabel="tokens / s (all ranks)", title="Throughput")
+    return [loss_png, throughput_png]
+
+
+def _plot(pyplot, records: dict[str, list[dict]], draw, path: Path, *, ylabel: str, title: str) -> Path:
+    """One figure over optimizer steps: ``draw(axes, label, train_lines, eval_lines)`` per run."""
     figure, axes = pyplot.subplots(figsize=(7, 4.2))
     for label, lines in records.items():
-        train = [line for line in lines if line.get("kind") == "train"]
-        axes.plot([line["step"] for line in train], [line["tokens_per_s"] for line in train], label=label)
-    axes.set(xlabel="optimizer step", ylabel="tokens / s (all ranks)", title="Throughput")
+        draw(axes, label, [line for line in lines if line.get("kind") == "train"],
+             [line for line in lines if line.get("kind") == "eval"])
+    axes.set(xlabel="optimizer step", ylabel=ylabel, title=title)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    throughput_png = output_dir / THROUGHPUT_PLOT
-    figure.savefig(throughput_png, dpi=110)
+    figure.savefig(path, dpi=110)
     pyplot.close(figure)
-    return [loss_png, throughput_png]
+    return path
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
