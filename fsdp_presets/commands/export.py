@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from fsdp_presets.commands import add_conversion_flags, print_conversion
+
 NAME = "export"
 HELP = "turn a recipe checkpoint (sharded or full) into a Hugging Face folder: config, tokenizer, safetensors"
 
@@ -27,40 +29,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="MODEL_DIR",
                         help="model folder for config and tokenizer (default: the checkpoint's model_config/, "
                         "else the model in the run's run.json)")
-    parser.add_argument("--verify", action="store_true",
-                        help="load both sides, compare logits on a fixed batch; exit 1 beyond the dtype's tolerance")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing --output that export wrote before (never any other folder)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_conversion_flags(parser, verb="export",
+                         verify_help="load both sides, compare logits on a fixed batch; exit 1 beyond the dtype's tolerance")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from fsdp_presets.checkpoint import convert
     from fsdp_presets.fileio import format_bytes
 
-    say = (lambda message: None) if args.json else print
     report = convert.export_or_report(args.checkpoint, args.output, dtype=args.dtype,
                                       max_shard_size=args.max_shard_size, model=args.model, verify=args.verify,
-                                      force=args.force,
-                                      log=say)
-    verification = report.verification
-    failed = verification is not None and not verification.passed
-    if args.json:
-        print(json.dumps(convert.report_json(report), indent=2))
-    else:
-        if not failed:
-            print(f"wrote {report.output}: {len(report.shards)} safetensors file(s), {report.tensors} tensors, "
-                  f"{format_bytes(report.bytes)} as {report.dtype}"
-                  + (f"; tied: {', '.join(report.tied)} (written once)" if report.tied else ""))
-            if report.layout == "adapter":  # a LoRA checkpoint: a PEFT folder
-                print("  a PEFT adapter folder: PeftModel.from_pretrained(base_model, HF_DIR) loads it")
-            else:
-                print("  read " + ("one output shard at a time" if report.streamed else "whole (weight conversion)")
-                      + f": at most {format_bytes(report.largest_shard_bytes)} of tensors held at once")
-        if verification is not None:
-            print(verification.summary())
-        if failed:
-            print(f"nothing written to {report.output}: the export does not match the checkpoint")
-    return 1 if failed else 0
+                                      force=args.force, log=(lambda message: None) if args.json else print)
+
+    def written() -> list[str]:
+        lines = [f"wrote {report.output}: {len(report.shards)} safetensors file(s), {report.tensors} tensors, "
+                 f"{format_bytes(report.bytes)} as {report.dtype}"
+                 + (f"; tied: {', '.join(report.tied)} (written once)" if report.tied else "")]
+        if report.layout == "adapter":  # a LoRA checkpoint: a PEFT folder
+            lines.append("  a PEFT adapter folder: PeftModel.from_pretrained(base_model, HF_DIR) loads it")
+        else:
+            lines.append("  read " + ("one output shard at a time" if report.streamed else "whole (weight conversion)")
+                         + f": at most {format_bytes(report.largest_shard_bytes)} of tensors held at once")
+        return lines
+
+    return print_conversion(report, as_json=args.json, written=written,
+                            mismatch="the export does not match the checkpoint")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from fsdp_presets.commands import add_conversion_flags, print_conversion
+
 NAME = "import"
 HELP = "turn a Hugging Face model folder into a sharded (DCP) checkpoint a recipe resumes at any GPU count"
 
@@ -21,33 +23,21 @@ HELP = "turn a Hugging Face model folder into a sharded (DCP) checkpoint a recip
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", metavar="HF_DIR", help="Hugging Face model folder (safetensors or pytorch_model.bin)")
     parser.add_argument("--output", required=True, metavar="CHECKPOINT", help="new checkpoint folder to write")
-    parser.add_argument("--verify", action="store_true",
-                        help="load both sides, compare logits on a fixed batch; exit 1 beyond fp32 round-off")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing --output that import wrote before (never any other folder)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_conversion_flags(parser, verb="import",
+                         verify_help="load both sides, compare logits on a fixed batch; exit 1 beyond fp32 round-off")
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-
     from fsdp_presets.checkpoint import convert
     from fsdp_presets.fileio import format_bytes
 
-    say = (lambda message: None) if args.json else print
-    report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force, log=say)
-    verification = report.verification
-    failed = verification is not None and not verification.passed
-    if args.json:
-        print(json.dumps(convert.report_json(report), indent=2))
-    else:
-        if not failed:
-            print(f"wrote {report.output}: {report.tensors} tensors, {format_bytes(report.bytes)} fp32 as DCP"
-                  + ("" if report.tokenizer else "; no tokenizer found in the source folder"))
-            for note in report.notes:
-                print(f"  {note}")
-        if verification is not None:
-            print(verification.summary())
-        if failed:
-            print(f"nothing written to {report.output}: the checkpoint does not match the folder")
-    return 1 if failed else 0
+    report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force,
+                                      log=(lambda message: None) if args.json else print)
+
+    def written() -> list[str]:
+        return [f"wrote {report.output}: {report.tensors} tensors, {format_bytes(report.bytes)} fp32 as DCP"
+                + ("" if report.tokenizer else "; no tokenizer found in the source folder"),
+                *(f"  {note}" for note in report.notes)]
+
+    return print_conversion(report, as_json=args.json, written=written,
+                            mismatch="the checkpoint does not match the folder")
