@@ -6,8 +6,9 @@ for ``fsdp-presets inspect llama``. Nothing else is typed in by hand: block clas
 weights, norms and parameter counts are read off the model by :mod:`fsdp_presets.plan.profile`.
 A ``model_type`` that is not listed here still profiles through that structural detection.
 
-Adding a family is adding one ``Family(...)`` (:mod:`fsdp_presets.plan.family`) to the table of its
-kind: decoders in :mod:`fsdp_presets.plan.families_decoders`, the others below;
+Adding a family is adding one entry to the table of its kind, written with the builder of that
+kind (``decoder(...)``, ``encoder(...)``, ... in :mod:`fsdp_presets.plan.family`: a tiny base shape
+plus what differs): decoders in :mod:`fsdp_presets.plan.families_decoders`, the others below;
 ``tests/test_profile.py`` builds every entry for real.
 """
 
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.plan.families_decoders import DECODER_FAMILIES
-from fsdp_presets.plan.family import ENCODER_TINY, KINDS, SEQ2SEQ_IDS, Family, Kind
+from fsdp_presets.plan.family import ENCODER_TINY, KINDS, SEQ2SEQ_IDS, Family, Kind, encoder, seq2seq, vision
 
 if TYPE_CHECKING:  # transformers is imported only when a config is built
     from transformers import PretrainedConfig
@@ -25,136 +26,35 @@ if TYPE_CHECKING:  # transformers is imported only when a config is built
 
 FAMILIES: tuple[Family, ...] = DECODER_FAMILIES + (
     # ---------------------------------------------------------------- encoders
-    Family(
-        name="bert",
-        model_type="bert",
-        kind="encoder",
-        tiny={**ENCODER_TINY, "architectures": ["BertForMaskedLM"]},
-        note="BERT (google-bert/bert-base-uncased) and sentence encoders such as all-MiniLM-L6-v2.",
-    ),
-    Family(
-        name="roberta",
-        model_type="roberta",
-        kind="encoder",
-        # RoBERTa offsets positions by pad_token_id + 1, hence 2 extra rows.
-        tiny={**ENCODER_TINY, "pad_token_id": 1, "max_position_embeddings": 66,
-              "architectures": ["RobertaForMaskedLM"]},
-        note="RoBERTa (FacebookAI/roberta-base).",
-    ),
-    Family(
-        name="deberta-v2",
-        model_type="deberta-v2",
-        kind="encoder",
-        tiny={
-            **ENCODER_TINY,
-            "relative_attention": True,
-            "position_buckets": 16,
-            "max_relative_positions": 64,
-            "pos_att_type": ["p2c", "c2p"],
-            "position_biased_input": False,
-            "architectures": ["DebertaV2ForMaskedLM"],
-        },
-        note="DeBERTa v2/v3 (microsoft/deberta-v3-base): disentangled relative attention.",
-    ),
-    Family(
-        name="modernbert",
-        model_type="modernbert",
-        kind="encoder",
-        tiny={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "vocab_size": 128,
-            "max_position_embeddings": 64,
-            "pad_token_id": 0,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "cls_token_id": 1,
-            "sep_token_id": 2,
-            "architectures": ["ModernBertForMaskedLM"],
-        },
-        note="ModernBERT (answerdotai/ModernBERT-base): rotary, alternating local attention.",
-    ),
+    encoder("bert", "BertForMaskedLM", base=ENCODER_TINY,
+            note="BERT (google-bert/bert-base-uncased) and sentence encoders such as all-MiniLM-L6-v2."),
+    # RoBERTa offsets positions by pad_token_id + 1, hence 2 extra rows.
+    encoder("roberta", "RobertaForMaskedLM", base=ENCODER_TINY, max_position_embeddings=66, pad_token_id=1,
+            note="RoBERTa (FacebookAI/roberta-base)."),
+    encoder("deberta-v2", "DebertaV2ForMaskedLM", base=ENCODER_TINY, relative_attention=True, position_buckets=16,
+            max_relative_positions=64, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+            note="DeBERTa v2/v3 (microsoft/deberta-v3-base): disentangled relative attention."),
+    encoder("modernbert", "ModernBertForMaskedLM", base=ENCODER_TINY, bos_token_id=1, eos_token_id=2,
+            cls_token_id=1, sep_token_id=2,
+            note="ModernBERT (answerdotai/ModernBERT-base): rotary, alternating local attention."),
     # ---------------------------------------------------------------- encoder-decoders
-    Family(
-        name="t5",
-        model_type="t5",
-        kind="encoder-decoder",
-        tiny={
-            "d_model": 32,
-            "d_ff": 64,
-            "d_kv": 8,
-            "num_layers": 2,
-            "num_heads": 4,
-            "vocab_size": 128,
-            "relative_attention_num_buckets": 8,
-            **SEQ2SEQ_IDS,
-            "architectures": ["T5ForConditionalGeneration"],
-        },
-        note="T5 and Flan-T5 (google/flan-t5-base): shared embedding, relative position bias in "
-        "the first block of each stack (so that block is larger).",
-    ),
-    Family(
-        name="bart",
-        model_type="bart",
-        kind="encoder-decoder",
-        tiny={
-            "d_model": 32,
-            "encoder_layers": 2,
-            "decoder_layers": 2,
-            "encoder_attention_heads": 4,
-            "decoder_attention_heads": 4,
-            "encoder_ffn_dim": 64,
-            "decoder_ffn_dim": 64,
-            "vocab_size": 128,
-            "max_position_embeddings": 64,
-            **SEQ2SEQ_IDS,
-            "forced_eos_token_id": 2,
-            "architectures": ["BartForConditionalGeneration"],
-        },
-        note="BART (facebook/bart-large): separate encoder and decoder layer classes.",
-    ),
-    Family(
-        name="whisper",
-        model_type="whisper",
-        kind="encoder-decoder",
-        tiny={
-            "d_model": 32,
-            "encoder_layers": 2,
-            "decoder_layers": 2,
-            "encoder_attention_heads": 4,
-            "decoder_attention_heads": 4,
-            "encoder_ffn_dim": 64,
-            "decoder_ffn_dim": 64,
-            "vocab_size": 128,
-            "num_mel_bins": 16,
-            "max_source_positions": 32,
-            "max_target_positions": 32,
-            **SEQ2SEQ_IDS,
-            "suppress_tokens": [],
-            "begin_suppress_tokens": [],
-            "architectures": ["WhisperForConditionalGeneration"],
-        },
-        note="Whisper speech recognition (openai/whisper-large-v3): convolutional audio stem.",
-    ),
+    seq2seq("t5", "T5ForConditionalGeneration", base=SEQ2SEQ_IDS, d_model=32, d_ff=64, d_kv=8, num_layers=2,
+            num_heads=4, vocab_size=128, relative_attention_num_buckets=8,
+            note="T5 and Flan-T5 (google/flan-t5-base): shared embedding, relative position bias in the first block"
+                 " of each stack (so that block is larger)."),
+    seq2seq("bart", "BartForConditionalGeneration", base=SEQ2SEQ_IDS, d_model=32, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, vocab_size=128, max_position_embeddings=64, forced_eos_token_id=2,
+            note="BART (facebook/bart-large): separate encoder and decoder layer classes."),
+    seq2seq("whisper", "WhisperForConditionalGeneration", base=SEQ2SEQ_IDS, d_model=32, encoder_layers=2,
+            decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+            decoder_ffn_dim=64, vocab_size=128, num_mel_bins=16, max_source_positions=32, max_target_positions=32,
+            suppress_tokens=[], begin_suppress_tokens=[],
+            note="Whisper speech recognition (openai/whisper-large-v3): convolutional audio stem."),
     # ---------------------------------------------------------------- vision
-    Family(
-        name="vit",
-        model_type="vit",
-        kind="vision",
-        tiny={
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "image_size": 32,
-            "patch_size": 8,
-            "num_labels": 10,
-            "architectures": ["ViTForImageClassification"],
-        },
-        note="Vision Transformer (google/vit-base-patch16-224): patch embedding, classifier head.",
-    ),
+    vision("vit", "ViTForImageClassification", base={}, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+           num_attention_heads=4, image_size=32, patch_size=8, num_labels=10,
+           note="Vision Transformer (google/vit-base-patch16-224): patch embedding, classifier head."),
 )
 
 _BY_NAME: dict[str, Family] = {family.name: family for family in FAMILIES}

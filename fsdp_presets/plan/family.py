@@ -69,3 +69,25 @@ ENCODER_TINY = {
     "pad_token_id": 0,
 }
 SEQ2SEQ_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 0}
+TINY_IDS = {"vocab_size": 128, "bos_token_id": 1, "eos_token_id": 2}
+"""The vocabulary and token ids of tiny configs that name their sizes their own way (GPT-2's ``n_embd``)."""
+
+
+def _entry_of_kind(kind: Kind):
+    def entry(name: str, architecture: str, /, *, note: str, base: Mapping[str, Any], model_type: str | None = None,
+              **tiny: Any) -> Family:
+        return Family(name=name, model_type=model_type or name, kind=kind,
+                      tiny={**base, **tiny, "architectures": [architecture]}, note=note)
+
+    entry.__name__ = kind.replace("-", "_")
+    entry.__doc__ = (f"A {kind} entry: ``model_type`` is ``name`` unless given, the tiny config is ``base`` "
+                     "with the keywords over it, ``architecture`` the model class it names.")
+    return entry
+
+
+decoder = _entry_of_kind("decoder")
+moe_decoder = _entry_of_kind("moe-decoder")
+encoder = _entry_of_kind("encoder")
+seq2seq = _entry_of_kind("encoder-decoder")
+vision = _entry_of_kind("vision")
+multimodal = _entry_of_kind("multimodal")

@@ -15,7 +15,7 @@ from fsdp_presets import arguments
 from fsdp_presets.arguments import (DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, STRATEGY_CHOICES,
                                     SWITCH_CHOICES)
 from fsdp_presets.errors import UsageError, unknown_name_message
-from fsdp_presets.plan.shapes import GiB, Hardware, mesh_problems
+from fsdp_presets.plan.shapes import GiB, Hardware, OnNodes, mesh_problems
 
 Device = Literal["gpu", "cpu"]
 PRECISION_CHOICES: tuple[str, ...] = arguments.PRECISION_CHOICES
@@ -48,7 +48,7 @@ __all__ = ["CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEM
 
 
 @dataclass(frozen=True, kw_only=True)
-class PresetRequest:
+class PresetRequest(OnNodes):
     """What the user asked for (``fsdp-presets generate`` flags); None means "decide"."""
 
     model: str
@@ -165,10 +165,6 @@ class PresetRequest:
                                 "parallelism_config)")
         if problems:
             raise UsageError("; ".join(problems))
-
-    @property
-    def gpus_per_node(self) -> int:
-        return self.gpus // self.nodes
 
     @property
     def hardware(self) -> Hardware:

@@ -74,8 +74,17 @@ def mesh_problems(gpus, nodes) -> list[str]:
     return problems
 
 
+class OnNodes:
+    """``gpus`` spread evenly over ``nodes``: the planner's :class:`Hardware` and the user's
+    :class:`~fsdp_presets.plan.request.PresetRequest` (both check that ``nodes`` divides ``gpus``)."""
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+
 @dataclass(frozen=True, kw_only=True)
-class Hardware:
+class Hardware(OnNodes):
     """The GPUs a job runs on."""
 
     gpus: int
@@ -108,10 +117,6 @@ class Hardware:
             )
         if problems:
             raise UsageError("; ".join(problems))
-
-    @property
-    def gpus_per_node(self) -> int:
-        return self.gpus // self.nodes
 
     @property
     def usable_bytes(self) -> int:
