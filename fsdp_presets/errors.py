@@ -25,16 +25,17 @@ def unknown_name_message(kind: str, name: str, known: list[str] | tuple[str, ...
 COLLECTIVE_EXIT_DELAY_S = 2.0
 
 
-def raise_on_every_rank(accelerator, message: str | None) -> None:
-    """Raise :class:`UsageError` with ``message`` (already the same on every rank) when it is not
-    None: at once on the main process, which prints it, a moment later on the others."""
+def raise_on_every_rank(accelerator, message: str | None, *, error: type[Exception] | None = None) -> None:
+    """Raise ``error`` (:class:`UsageError` unless given, e.g. :class:`Finding`) with ``message``
+    (already the same on every rank) when it is not None: at once on the main process, which prints
+    it, a moment later on the others."""
     if not message:
         return
     if not accelerator.is_main_process:
         import time
 
         time.sleep(COLLECTIVE_EXIT_DELAY_S)
-    raise UsageError(message)
+    raise (error or UsageError)(message)
 
 
 class Finding(Exception):

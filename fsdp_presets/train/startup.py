@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError, rank_local
+from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError, raise_on_every_rank, rank_local
 
 STARTUP_TIMEOUT_ENV = "FSDP_PRESETS_STARTUP_TIMEOUT_S"
 STARTUP_TIMEOUT_S = 600.0
@@ -82,7 +82,7 @@ def agree_at_start(accelerator, *, problem: str | None, settings: dict[str, Any]
     if problems:
         texts = {report["problem"] for report in problems.values()}
         if len(problems) == len(reports) and len(texts) == 1:  # the same on every rank: said once
-            raise _on_every_rank(accelerator, problem)
+            raise_on_every_rank(accelerator, problem)
         if problem:  # this rank's own: said here, wherever "here" is
             raise rank_local(UsageError(f"rank {rank} ({mine['host']}): {problem}"), print_here=True)
         others = ", ".join(f"rank {index} ({report['host']})" for index, report in sorted(problems.items()))
@@ -97,16 +97,9 @@ def agree_at_start(accelerator, *, problem: str | None, settings: dict[str, Any]
             shown = ", ".join(f"rank {report['rank']}: {value}" for report, value in zip(reports, values))
             differences.append(f"{key} ({shown})")
     if differences:
-        raise _on_every_rank(accelerator, (
+        raise_on_every_rank(accelerator, (
             f"the ranks were started with different settings that must match: {'; '.join(sorted(differences))}; "
             "launch every rank with the same flags, data and model (nothing was written)"))
-
-
-def _on_every_rank(accelerator, message: str) -> UsageError:
-    """The same problem on every rank: the main process prints it, the others leave a moment later."""
-    if not accelerator.is_main_process:
-        time.sleep(COLLECTIVE_EXIT_DELAY_S)
-    return UsageError(message)
 
 
 def exchange(payload: dict[str, Any], *, rank: int, world_size: int, timeout_s: float | None = None) -> list[dict]:
@@ -166,7 +159,7 @@ def stop_if_diverged(accelerator, checkpoints, *, step: int, loss: float, grad_n
     Both are reduced over the ranks, so every rank decides the same; the main process prints."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
         return
-    raise _on_every_rank_finding(accelerator, (
+    raise_on_every_rank(accelerator, error=Finding, message=(
         f"step {step}: the loss is {loss} (gradient norm {grad_norm}): training diverged and was stopped, "
         f"nothing of step {step} was saved; {last_checkpoint(checkpoints)} and a lower --learning-rate "
         f"(now {learning_rate:g}), a longer --warmup-steps or --max-grad-norm clipping, or check the data "
@@ -189,13 +182,7 @@ def check_weights_finite(accelerator, model, checkpoints, *, step: int) -> None:
                 break
     bad = accelerator.reduce(torch.tensor(bad, device=accelerator.device), reduction="sum").item()
     if bad:
-        raise _on_every_rank_finding(accelerator, (
+        raise_on_every_rank(accelerator, error=Finding, message=(
             f"step {step}: the model's weights hold NaN or infinite values after this step (the learning rate or "
             f"the data made them diverge) and it was not saved; {last_checkpoint(checkpoints)} and a lower "
             "--learning-rate or --max-grad-norm clipping"))
-
-
-def _on_every_rank_finding(accelerator, message: str) -> Finding:
-    if not accelerator.is_main_process:
-        time.sleep(COLLECTIVE_EXIT_DELAY_S)
-    return Finding(message)
