@@ -137,14 +137,17 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     return _sorted(findings)
 
 
+def _unknown_key(rule: str, section: str, key, known, consequence: str, where: str, value=None) -> Finding:
+    """A key accelerate does not know in ``section``: its closest known name, what accelerate does
+    with it, and rename it (when a close name takes its value) or remove it."""
+    return finding(rule, f"unknown {section} key {key!r}{_did_you_mean(str(key), known)}: {consequence}",
+                   _rename(str(key), known, value), where)
+
+
 def _top_level(config: dict) -> list[Finding]:
-    findings = []
     known = known_top_level_keys()
-    for key in config:
-        if key not in known:
-            findings.append(finding(
-                "unknown-key", f"unknown top-level key {key!r}{_did_you_mean(str(key), known)}: accelerate refuses "
-                "the whole file ('had unknown keys')", _rename(str(key), known), str(key)))
+    findings = [_unknown_key("unknown-key", "top-level", key, known, "accelerate refuses the whole file "
+                             "('had unknown keys')", str(key)) for key in config if key not in known]
     distributed_types = _distributed_types()
     if "distributed_type" not in config:
         findings.append(finding("invalid-value", "no distributed_type (accelerate requires one)",
@@ -193,9 +196,8 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
                     "passed to Accelerator(fsdp_plugin=...), or remove it", where))
             continue
         if key not in known:
-            findings.append(finding(
-                "unknown-fsdp-key", f"unknown {FSDP_CONFIG} key {key!r}{_did_you_mean(key, known)}: accelerate "
-                "ignores it silently, so the setting you meant is not applied", _rename(key, known, value), where))
+            findings.append(_unknown_key("unknown-fsdp-key", FSDP_CONFIG, key, known, "accelerate ignores it "
+                                         "silently, so the setting you meant is not applied", where, value))
             continue
         if key in enumerations and value is not None:
             allowed = enumerations[key]
@@ -276,13 +278,10 @@ def _fsdp2_key_under_fsdp1(fsdp: dict, key: str, value: Any, where: str) -> list
 def _parallelism(parallelism: dict, version: int | None, processes: int | None, machines: int | None) -> list[Finding]:
     if not parallelism:
         return []
-    findings = []
     known = known_parallelism_keys()
-    for key in parallelism:
-        if key not in known:
-            findings.append(finding(
-                "unknown-parallelism-key", f"unknown {PARALLELISM_CONFIG} key {key!r}{_did_you_mean(str(key), known)}: "
-                "accelerate ignores it silently", _rename(str(key), known), f"{PARALLELISM_CONFIG}.{key}"))
+    findings = [_unknown_key("unknown-parallelism-key", PARALLELISM_CONFIG, key, known,
+                             "accelerate ignores it silently", f"{PARALLELISM_CONFIG}.{key}")
+                for key in parallelism if key not in known]
     if version == 1:
         findings.append(finding("hsdp-needs-fsdp2", f"{PARALLELISM_CONFIG} with {K.version} 1: accelerate requires "
                                 f"FSDP2 for it ('You cannot use --use_parallelism_config without ... {K.version}=2'); "
