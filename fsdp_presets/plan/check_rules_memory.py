@@ -4,7 +4,7 @@ view of the file on the GPUs and host RAM it is meant for)."""
 from __future__ import annotations
 
 from fsdp_presets.arguments import DEFAULT_SEQ_LEN
-from fsdp_presets.fileio import format_bytes
+from fsdp_presets.fileio import format_bytes, format_count
 from fsdp_presets.plan.check_accelerate import _boolean, _strategy_name, _whole
 from fsdp_presets.plan.check_findings import CheckContext, Finding, finding
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
@@ -169,7 +169,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
         findings.append(finding(
             "full-state-dict-host-memory", f"FULL_STATE_DICT gathers the whole model and optimizer state on rank 0 "
             f"at every save: about {format_bytes(full_bytes, digits=0)} for "
-            f"{profile.total_params / 1e9:.2f}B parameters (fp32 weights + Adam moments), more than "
+            f"{format_count(profile.total_params, compact=True)} parameters (fp32 weights + Adam moments), more than "
             f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
                                                                  "missing)" if K.state_dict_type not in fsdp
                                                                  else ""),
