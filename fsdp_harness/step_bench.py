@@ -360,9 +360,9 @@ WHAT_THE_RUNS_HAVE = (
     "FSDP2's all-gather and reduce-scatter are one send/receive pair each, where gloo's own all-gather took "
     "about twice as long and its reduce-scatter is an all-reduce of the whole buffer (twice the bytes); a mean "
     "halves each addend before the sum, as DDP does, so the losses stay DDP's bit for bit. The preset differs "
-    "from accelerate's defaults in `fsdp_reshard_after_forward: false` (SHARD_GRAD_OP: every block gathered "
+    f"from accelerate's defaults in `{K.reshard_after_forward}: false` (SHARD_GRAD_OP: every block gathered "
     "once per step instead of twice, the whole model's parameters held from forward to backward: see the "
-    "peak RSS column) and in loading (`fsdp_cpu_ram_efficient_loading: false`, no effect on a step). "
+    f"peak RSS column) and in loading (`{K.cpu_ram_efficient_loading}: false`, no effect on a step). "
     "The profile section below shows a step before and after.")
 """Prose under the table: what the FSDP runs share and where the preset differs."""
 
