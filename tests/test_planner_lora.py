@@ -4,8 +4,6 @@ state per GPU (docs/sharding.md, "LoRA and QLoRA") that the planner must agree w
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,15 +16,38 @@ from fsdp_presets.plan.profile import profile_model
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _cli(*words, cwd=REPO):
+    """``fsdp-presets WORDS`` in this process (torch and transformers are loaded once for the module),
+    from ``cwd``; exit status, stdout and stderr as a finished subprocess would give them."""
+    import contextlib
+    import io
+    import os
+    from types import SimpleNamespace
+
+    from fsdp_presets import cli
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(words))
+            except SystemExit as stop:  # argparse's own errors
+                code = stop.code
+    finally:
+        os.chdir(here)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 @pytest.fixture(scope="module")
 def llama70b():
     return profile_model(str(REPO / "model_configs/llama-3.1-70b"))
 
 
 def _plan_json(*words):
-    out = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", *words, "--json"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
+    done = _cli("plan", *words, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 def test_70b_qlora_fits_two_24gb_gpus_and_full_does_not():
@@ -91,18 +112,15 @@ def test_target_modules_and_bad_values(llama70b):
 
 
 def test_plan_refuses_unknown_target_and_lora_flags_without_method():
-    bad = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", "model_configs/llama-3.1-8b", "--gpus",
-                          "1", "--gpu-memory", "24", "--method", "lora", "--lora-target-modules", "qproj"],
-                         cwd=REPO, capture_output=True, text=True)
+    bad = _cli("plan", "model_configs/llama-3.1-8b", "--gpus", "1", "--gpu-memory", "24", "--method", "lora",
+               "--lora-target-modules", "qproj")
     assert bad.returncode == 2 and "qproj" in bad.stderr and "q_proj" in bad.stderr
-    bad = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "plan", "model_configs/llama-3.1-8b", "--gpus",
-                          "1", "--gpu-memory", "24", "--lora-r", "8"], cwd=REPO, capture_output=True, text=True)
+    bad = _cli("plan", "model_configs/llama-3.1-8b", "--gpus", "1", "--gpu-memory", "24", "--lora-r", "8")
     assert bad.returncode == 2 and "--method lora" in bad.stderr
 
 
 def _generate(tmp_path, *words):
-    return subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "generate", str(REPO / "model_configs/llama-3.1-8b"),
-                           *words], cwd=tmp_path, capture_output=True, text=True)
+    return _cli("generate", str(REPO / "model_configs/llama-3.1-8b"), *words, cwd=tmp_path)
 
 
 def test_generate_qlora_records_what_accelerate_yaml_cannot(tmp_path):
@@ -156,8 +174,7 @@ def test_generate_refuses_hostile_target_names(tmp_path, value):
 
 
 def test_rehearse_refuses_lora_with_one_message(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "rehearse", "model_configs/llama-3.1-8b",
-                           "--gpus", "2", "--method", "lora"], cwd=REPO, capture_output=True, text=True)
+    done = _cli("rehearse", "model_configs/llama-3.1-8b", "--gpus", "2", "--method", "lora")
     assert done.returncode == 2 and "only full fine-tuning is rehearsed" in done.stderr
 
 
