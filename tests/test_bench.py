@@ -223,6 +223,7 @@ def test_quick_campaign_then_quick_benchmark(tmp_path):
 # --------------------------------------------------------------------------- side by side on a real model
 
 
+@pytest.mark.slow
 def test_side_by_side_dry_run_writes_the_four_configs_and_launch_commands(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--side-by-side", "--dry-run", "--model",
                            str(REPO / "model_configs" / "smollm2-135m"), "--work-dir", str(tmp_path)],

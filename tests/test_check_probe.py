@@ -39,6 +39,7 @@ def configs(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
+@pytest.mark.slow
 def test_check_reports_the_bert_prepare_crash_with_the_fix(bert, configs):
     report, view = check_file(configs["broken"], context=CheckContext(model=model_facts(str(bert))),
                               prove_wrapping=True)
@@ -51,6 +52,7 @@ def test_check_reports_the_bert_prepare_crash_with_the_fix(bert, configs):
     assert view.probe.error and not view.probe.skipped
 
 
+@pytest.mark.slow
 def test_the_fix_check_gives_passes_the_probe_with_the_real_units(bert, configs):
     import os
 
@@ -69,6 +71,7 @@ def test_the_fix_check_gives_passes_the_probe_with_the_real_units(bert, configs)
     assert total == model_facts(str(bert)).profile.total_params
 
 
+@pytest.mark.slow
 def test_fsdp1_probe_lists_the_units_accelerate_wraps(tmp_path):
     config = tmp_path / "fsdp1.yaml"
     config.write_text(HAND_WRITTEN_FSDP2.replace("fsdp_version: 2", "fsdp_version: 1").replace(
@@ -79,6 +82,7 @@ def test_fsdp1_probe_lists_the_units_accelerate_wraps(tmp_path):
     assert view.probe.units[-1][0] == ""
 
 
+@pytest.mark.slow
 def test_parameters_in_no_unit_are_an_error(tmp_path):
     ignoring = tmp_path / "ignoring.yaml"
     ignoring.write_text(HAND_WRITTEN_FSDP2 + "  fsdp_transformer_layer_cls_to_wrap: LlamaDecoderLayer\n"

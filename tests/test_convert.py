@@ -214,6 +214,7 @@ class _RunsCode:
         return (os.makedirs, (str(self.marker),))
 
 
+@pytest.mark.slow
 def test_import_refuses_a_pickle_that_would_run_code(exported, tmp_path, capsys):
     folder = tmp_path / "hostile"
     folder.mkdir()
@@ -225,6 +226,7 @@ def test_import_refuses_a_pickle_that_would_run_code(exported, tmp_path, capsys)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_loading_an_imported_checkpoint_into_another_model_is_refused(round_trip):
     with pytest.raises(UsageError, match="another model"):
         load_imported(None, round_trip["imported"], config_digest="0" * 64)

@@ -464,6 +464,7 @@ def test_request_validation_is_the_command_lines_and_the_hardwares():
     assert PresetRequest(model="llama", gpus=8).hardware.gpu_memory_bytes == int(arguments.DEFAULT_GPU_MEMORY_GIB * GiB)
 
 
+@pytest.mark.slow
 def test_cpu_two_processes_choose_shard_grad_op_when_it_fits_and_say_why():
     two = real("smollm2-135m", gpus=2, device="cpu", seq_len=64, global_batch="4")
     assert two.parallelism.strategy == "SHARD_GRAD_OP" and "less CPU time" in two.parallelism.reason

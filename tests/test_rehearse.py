@@ -63,6 +63,7 @@ def llama_1b() -> dict:
     return document
 
 
+@pytest.mark.slow
 def test_rehearsal_of_llama_1b_agrees_with_the_planner(llama_1b):
     rehearsal, planner = llama_1b["rehearsal"], llama_1b["planner"]
     assert_agrees(planner["total"], rehearsal["per_gpu_peak_bytes"], "Llama-3.2-1B, 2 GPUs, seq 4096")
