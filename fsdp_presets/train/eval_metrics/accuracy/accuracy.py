@@ -15,7 +15,7 @@ Args:
 Returns:
     accuracy (float): in [0, 1].
 Example:
-    >>> metric = evaluate.load("fsdp_presets/eval_metrics/accuracy")
+    >>> metric = evaluate.load("fsdp_presets/train/eval_metrics/accuracy")
     >>> metric.compute(predictions=[0, 1, 1], references=[0, 1, 0])
     {'accuracy': 0.6666666666666666}
 """
