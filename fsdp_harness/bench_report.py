@@ -178,7 +178,7 @@ def render(report: dict, *, images: dict[str, str], campaign_section: str | None
                   "logits and their gradient over the vocabulary, gathered units) stays."]
 
     lines += ["", "## Communication per step: counted vs planned", "",
-              "Every collective of the first step, recorded with its payload (a `CommDebugMode` for FSDP, "
+              "Every collective of the first step, recorded with its payload (a dispatch mode for FSDP, "
               "a communication hook for DDP, whose all-reduces start in C++), converted to what one rank "
               "sends with ring algorithms ((n-1)/n of the buffer for all-gather and reduce-scatter, "
               "2(n-1)/n for all-reduce), the planner's convention.", "",

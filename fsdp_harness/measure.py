@@ -23,20 +23,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-class CollectiveRecorder(CommDebugMode):
-    """torch's ``CommDebugMode`` (it counts collectives) that also records each one's payload
-    bytes and group size: ``records`` holds ``{"op", "payload_bytes", "group_size"}`` dicts.
+class CollectiveRecorder(TorchDispatchMode):
+    """A dispatch mode that records every c10d collective a rank runs: ``records`` holds
+    ``{"op", "payload_bytes", "group_size"}`` dicts, and :meth:`get_comm_counts` counts them by
+    op the way torch's ``CommDebugMode`` names them (``c10d._allgather_base_``, ...).
+
+    It sees collectives at the dispatcher only, like ``CommDebugMode``, but keeps no module
+    tracker: that tracker's forward hooks lose their place on models whose forward does not
+    nest module calls the way it expects (transformers 5.25's Llama), and the step then fails.
 
     The CPU mode runs FSDP2's all-gather and reduce-scatter on a 2-rank gloo group as one
     send/receive pair (:func:`fsdp_presets.cpu_fsdp.pair_all_gather`, ``pair_reduce_scatter``).
-    Those are recorded, and counted by :meth:`get_comm_counts`, as the collective they stand for
-    (what the planner models; a rank sends the same bytes as a ring over 2 ranks would), not as
-    the sends and receives that carry them."""
+    Those are recorded, and counted, as the collective they stand for (what the planner models;
+    a rank sends the same bytes as a ring over 2 ranks would), not as the sends and receives
+    that carry them."""
 
     KINDS = {
         torch.ops.c10d._allgather_base_: "all_gather",
@@ -44,6 +50,13 @@ class CollectiveRecorder(CommDebugMode):
         torch.ops.c10d._reduce_scatter_base_: "reduce_scatter",
         torch.ops.c10d.allreduce_: "all_reduce",
     }
+    COUNTED = (*KINDS, torch.ops.c10d.allgather_into_tensor_coalesced_, torch.ops.c10d.allreduce_coalesced_,
+               torch.ops.c10d.reduce_scatter_, torch.ops.c10d.reduce_scatter_tensor_coalesced_,
+               torch.ops.c10d.broadcast_, torch.ops.c10d.alltoall_base_, torch.ops.c10d.alltoall_,
+               torch.ops._c10d_functional.all_gather_into_tensor, torch.ops._c10d_functional.all_reduce,
+               torch.ops._c10d_functional.reduce_scatter_tensor)
+    """Collectives :meth:`get_comm_counts` counts: c10d's, and the functional ones DTensor runs
+    (a gradient-norm all-reduce). Only ``KINDS`` are also recorded with their payloads."""
     PAIR_OPS = {"pair_all_gather": ("all_gather", torch.ops.c10d._allgather_base_),
                 "pair_reduce_scatter": ("reduce_scatter", torch.ops.c10d._reduce_scatter_base_)}
     """``fsdp_presets.cpu_fsdp`` function: (recorded op, the c10d collective it replaces)."""
@@ -51,7 +64,7 @@ class CollectiveRecorder(CommDebugMode):
     def __init__(self):
         super().__init__()
         self.records: list[dict[str, Any]] = []
-        self._pair_counts: dict[Any, int] = {}
+        self._counts: dict[Any, int] = {}
         self._unpatched: dict[str, Any] = {}
 
     def __enter__(self):
@@ -70,27 +83,35 @@ class CollectiveRecorder(CommDebugMode):
         self._unpatched.clear()
         return super().__exit__(*exc)
 
+    def _count(self, collective) -> None:
+        self._counts[collective] = self._counts.get(collective, 0) + 1
+
     def _recording_pair(self, function, kind: str, collective):
         def record(output, source, *args, **kwargs):
             full = output if kind == "all_gather" else source  # the full, unsharded buffer
             self.records.append({"op": kind, "payload_bytes": _nbytes(full), "group_size": 2})
-            self._pair_counts[collective] = self._pair_counts.get(collective, 0) + 1
+            self._count(collective)
             return function(output, source, *args, **kwargs)
 
         return record
 
     def get_comm_counts(self) -> dict[Any, int]:
-        counts = dict(super().get_comm_counts())
-        for collective, count in self._pair_counts.items():
-            counts[collective] = counts.get(collective, 0) + count
-        return counts
+        """``{c10d op packet: count}``; ``str(packet)`` reads ``c10d._allgather_base_``."""
+        return dict(self._counts)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = self.KINDS.get(func._overloadpacket)
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented  # let DTensor lower itself to plain tensors and collectives first
+        packet = func._overloadpacket
+        kind = self.KINDS.get(packet)
         if kind is not None:
-            payload_bytes, group_size = _payload(func._overloadpacket, args)
+            payload_bytes, group_size = _payload(packet, args)
             self.records.append({"op": kind, "payload_bytes": payload_bytes, "group_size": group_size})
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        if packet in self.COUNTED:
+            self._count(packet)
+        return func(*args, **(kwargs or {}))
 
 
 def _nbytes(tensor) -> int:

@@ -9,7 +9,7 @@ Every rank writes ``OUT/rank-N.json`` with:
 - ``held``: bytes of its parameters, gradients and optimizer state after the first optimizer
   step (:func:`fsdp_harness.measure.held_state_bytes`);
 - ``collectives``: every collective of the first step with payload and group size (a
-  ``CommDebugMode`` for FSDP; a communication hook for DDP, whose all-reduces start in C++);
+  dispatch mode, ``fsdp_harness.measure.CollectiveRecorder``, for FSDP; a communication hook for DDP, whose all-reduces start in C++);
 - ``step_times_s``: wall time of each timed step (forward, backward, optimizer, zero_grad), each
   started together on all ranks (barrier); ``cpu_times_s``: the CPU time this process (all its
   threads) used in each, which other programs on a shared host barely change, as they change

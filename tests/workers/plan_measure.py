@@ -5,8 +5,8 @@
 
 Builds the model from ``config.json`` (fp32, seeded), prepares it with AdamW through accelerate
 (so the wrapping is exactly what users get), runs one forward/backward/optimizer step while
-:class:`fsdp_harness.measure.CollectiveRecorder` (torch's ``CommDebugMode`` that also records
-payloads; DDP's all-reduces through a communication hook) watches every collective, and writes
+:class:`fsdp_harness.measure.CollectiveRecorder` (a dispatch mode that records each c10d
+collective with its payload; DDP's all-reduces through a communication hook) watches every collective, and writes
 ``OUT/rank-N.json``:
 
 - ``held``: bytes of this rank's local shards of parameters, gradients and optimizer state after
