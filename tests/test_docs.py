@@ -626,7 +626,7 @@ def test_troubleshooting_covers_the_reported_failures():
 
 
 def test_troubleshooting_cites_real_rules_each_planted_in_test_check():
-    from test_check import BAD_CONFIGS
+    from check_configs import BAD_CONFIGS
 
     from fsdp_presets.plan.check import RULES
 

@@ -4,6 +4,7 @@ count too, so a lazy import cannot slip past):
 - nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``);
 - ``fsdp_presets.plan`` imports neither ``fsdp_presets.train`` nor ``fsdp_presets.checkpoint``;
 - ``fsdp_presets.checkpoint`` never imports ``fsdp_presets.plan``;
+- the small top-level modules (errors, fileio, arguments, ...) import no subpackage;
 - tests and scripts import the installed package: no ``sys.path`` edits.
 """
 
@@ -105,3 +106,23 @@ def test_the_sys_path_scan_finds_an_edit(tmp_path):
     script = tmp_path / "x.py"
     script.write_text("import sys\nsys.path.insert(0, 'a')\nsys.path += ['b']\nsys.path[:0] = ['c']\nsys.path.append('d')\n")
     assert sorted(sys_path_edits(script, root=tmp_path)) == ["x.py:2", "x.py:3", "x.py:4", "x.py:5"]
+
+
+BASE_MODULES = ("errors", "fileio", "arguments", "numerics", "cpu_fsdp", "clean_exit", "faults")
+"""The small top-level modules every subpackage may use: they sit under the flow, so they import
+none of its stages (nor the commands)."""
+SUBPACKAGES = tuple(f"fsdp_presets.{name}" for name in ("plan", "train", "checkpoint", "compare", "commands", "cli"))
+
+
+@pytest.mark.parametrize("name", BASE_MODULES)
+def test_top_level_modules_import_no_subpackage(name):
+    path = PACKAGE / f"{name}.py"
+    found = [f"{name}.py:{line} imports {module}" for line, module in imported_modules(path)
+             if any(module == package or module.startswith(package + ".") for package in SUBPACKAGES)]
+    assert found == []
+
+
+def test_the_base_modules_are_every_plain_top_level_module():
+    """A new top-level module is placed on purpose: in the base layer above, or in a subpackage."""
+    plain = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__", "_moved", "cli"}
+    assert plain == set(BASE_MODULES)
