@@ -26,6 +26,7 @@ from pathlib import Path
 from fsdp_harness import campaign as fault_campaign
 from fsdp_harness.launch import write_accelerate_config
 from fsdp_harness.measure import DEFAULT_TOLERANCE, relative_error, sent_bytes, state_deviations
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, human_bytes, plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -191,7 +192,7 @@ def resume_drill(settings: BenchSettings, work_dir: Path) -> dict:
     result = kill_and_resume(command, run_dir=run_dir, plan=KillPlan(rank=1, mode="timer", after_step=3),
                              log_dir=work_dir, cwd=REPO, finish=False)
     record = result.to_json()
-    loaded = run_dir / "checkpoints" / f"step-{result.resumed_step or 0:08d}"
+    loaded = step_folder(run_dir / CHECKPOINTS, result.resumed_step or 0)
     record["checkpoint_bytes"] = sum(path.stat().st_size for path in loaded.rglob("*") if path.is_file())
     return record
 

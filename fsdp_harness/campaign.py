@@ -20,6 +20,7 @@ from pathlib import Path
 from fsdp_harness import doc_sections
 from fsdp_harness.drill import DrillResult, KillPlan, kill_and_resume, run_watched
 from fsdp_harness.launch import launch_command, write_accelerate_config
+from fsdp_presets.checkpoint.layout import METRICS
 from fsdp_presets.train.metrics import train_losses
 
 REPO = Path(__file__).resolve().parent.parent
@@ -114,7 +115,7 @@ def run_campaign(settings: CampaignSettings, work_dir: Path, *, log=print) -> di
     if code != 0:
         raise SystemExit(f"fault_campaign.py: the uninterrupted run failed (exit status {code}); "
                          f"see {work_dir / 'uninterrupted.log'}")
-    reference = train_losses(baseline_dir / "metrics.jsonl")
+    reference = train_losses(baseline_dir / METRICS)
     cycle = save_cycle_s(seen, settings.save_every)
     log(f"uninterrupted run: {len(reference)} steps, a save cycle takes {cycle:.2f} s")
 
@@ -123,7 +124,7 @@ def run_campaign(settings: CampaignSettings, work_dir: Path, *, log=print) -> di
         run_dir = work_dir / f"trial-{index:02d}"
         result: DrillResult = kill_and_resume(recipe_command(config, model, run_dir, settings), run_dir=run_dir,
                                               plan=plan, log_dir=work_dir, cwd=REPO)
-        losses = train_losses(run_dir / "metrics.jsonl")
+        losses = train_losses(run_dir / METRICS)
         identical = result.killed and losses == reference
         differences = [abs(losses[step] - reference[step]) for step in reference if step in losses]
         trial = {"trial": index, **result.to_json(), "landed": landed(result, settings.save_every),

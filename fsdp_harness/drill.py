@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS, RUN_JSON, step_of
 from fsdp_presets.checkpoint.manager import committed_checkpoints, verify_checkpoint
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
@@ -212,12 +213,12 @@ class _Launch:
 # ---- the run folder ----
 def train_steps(run_dir: Path) -> list[int]:
     """Steps of the train lines in ``metrics.jsonl`` (a line cut by a kill is skipped)."""
-    return [record["step"] for record in read_metrics(run_dir / "metrics.jsonl") if record.get("kind") == "train"]
+    return [record["step"] for record in read_metrics(run_dir / METRICS) if record.get("kind") == "train"]
 
 
 def newest_committed(run_dir: Path) -> int | None:
     """Step of the newest ``step-NNNNNNNN`` folder (renamed into place: committed)."""
-    found = committed_checkpoints(run_dir / "checkpoints")
+    found = committed_checkpoints(run_dir / CHECKPOINTS)
     return found[-1][0] if found else None
 
 
@@ -231,14 +232,13 @@ def _inode(path: Path) -> int | None:
 def _resumed_step(run_dir: Path) -> int | None:
     """The step ``run.json``'s ``resumed_from`` names (0 when the run started over)."""
     try:
-        record = json.loads((run_dir / "run.json").read_text())
+        record = json.loads((run_dir / RUN_JSON).read_text())
     except (OSError, json.JSONDecodeError):
         return None
     resumed_from = record.get("resumed_from")
     if not resumed_from:
         return 0
-    name = Path(resumed_from).name
-    return int(name.split("-", 1)[1]) if name.startswith("step-") else None
+    return step_of(resumed_from)
 
 
 # ---- the drill ----
@@ -304,7 +304,7 @@ def kill_and_resume(command: list[str], *, run_dir: Path, plan: KillPlan, log_di
             else f"the run failed before the kill (exit status {code}; see {first.log_path})")
         return result
     result.kill_to_exit_s = exited_at - killed_at
-    for step, folder in committed_checkpoints(run_dir / "checkpoints"):
+    for step, folder in committed_checkpoints(run_dir / CHECKPOINTS):
         manifest, problem = verify_checkpoint(folder)
         if problem is None:
             result.valid_after_crash.append(step)
@@ -312,11 +312,11 @@ def kill_and_resume(command: list[str], *, run_dir: Path, plan: KillPlan, log_di
             result.problems.append(f"committed checkpoint {folder.name} does not verify after the crash: {problem}")
 
     # ---- 2. resume ----
-    metrics_inode = _inode(run_dir / "metrics.jsonl")
+    metrics_inode = _inode(run_dir / METRICS)
     second = _Launch(command, log_path=log_dir / f"{run_dir.name}.resumed.log", env=launch_env(env), cwd=cwd)
     while second.running() and time.monotonic() < deadline:
         # The resumed run rewrites metrics.jsonl (a new file) after it wrote run.json.
-        if result.resumed_step is None and _inode(run_dir / "metrics.jsonl") not in (None, metrics_inode):
+        if result.resumed_step is None and _inode(run_dir / METRICS) not in (None, metrics_inode):
             result.kill_to_loaded_s = time.monotonic() - killed_at
             result.resumed_step = _resumed_step(run_dir)
         if result.resumed_step is not None and (steps := train_steps(run_dir)) and steps[-1] > result.resumed_step:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fsdp_harness.launch import run_launch
+from conftest import accelerate_config
+from recipe_helpers import CAUSAL_LM, causal_lm_args, checkpoint, launch_recipe, made_once, session_folder, tiny_llama
 
-from conftest import GLOO_EXIT_ABORT, accelerate_config
-from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, tiny_llama
+__all__ = ["checkpoint"]  # re-exported: the tests call runs.checkpoint(run_dir, step)
 
 # Constant learning rate after the warm-up (steps 1-2): a run that stops at --max-steps 4 and one
 # that goes on to 10 follow the same schedule, so a chain of short legs can be compared with one
@@ -22,9 +22,7 @@ REFERENCE_STEPS = 10
 
 
 def base(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.getbasetemp() / "checkpoint-runs"
-    folder.mkdir(exist_ok=True)
-    return folder
+    return session_folder(tmp_path_factory, "checkpoint-runs")
 
 
 def tiny_model(root: Path, *, tied: bool = True) -> Path:
@@ -40,23 +38,12 @@ def fsdp_config(root: Path, version: int, state_dict_type: str = "SHARDED_STATE_
 
 
 def launch(config: Path, args: list[str], *, processes: int):
-    """One recipe launch that must succeed and exit cleanly."""
-    result = run_launch(config, CAUSAL_LM, args, num_processes=processes, cwd=REPO).check()
-    assert GLOO_EXIT_ABORT not in result.stderr
-    return result
+    """One causal LM launch that must succeed and exit cleanly."""
+    return launch_recipe(config, CAUSAL_LM, args, processes=processes)
 
 
 def reference_run(root: Path) -> Path:
     """FSDP2, 2 processes, tied tiny Llama, steps 1-10 uninterrupted, a checkpoint every 2 steps."""
     run_dir = root / "reference-fsdp2-x2"
-    done = root / "reference-fsdp2-x2.done"
-    if not done.exists():
-        model = tiny_model(root)
-        launch(fsdp_config(root, 2), causal_lm_args(model, run_dir, *SCHEDULE, "--max-steps", REFERENCE_STEPS),
-               processes=2)
-        done.write_text("ok\n")
-    return run_dir
-
-
-def checkpoint(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step-{step:08d}"
+    return made_once(run_dir, lambda: launch(fsdp_config(root, 2), causal_lm_args(
+        tiny_model(root), run_dir, *SCHEDULE, "--max-steps", REFERENCE_STEPS), processes=2))

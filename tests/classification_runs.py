@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdp_harness.launch import run_launch
+from conftest import accelerate_config
+from recipe_helpers import (CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, checkpoint, launch_recipe, made_once,
+                            session_folder, tiny_bert)
 
-from conftest import GLOO_EXIT_ABORT, accelerate_config
-from recipe_helpers import CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, tiny_bert
+__all__ = ["checkpoint"]  # re-exported: the tests call classification_runs.checkpoint(run_dir, step)
 
 # Constant learning rate after the warm-up: a leg that stops early follows the same schedule.
 SCHEDULE = ("--lr-scheduler", "constant_with_warmup", "--warmup-steps", "2", "--save-every", "2",
@@ -24,9 +25,7 @@ REFERENCE_STEPS = 12
 
 
 def base(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.getbasetemp() / "classification-runs"
-    folder.mkdir(exist_ok=True)
-    return folder
+    return session_folder(tmp_path_factory, "classification-runs")
 
 
 def tiny_model(root: Path) -> Path:
@@ -54,19 +53,9 @@ def args(model: Path, output_dir: Path, *extra) -> list[str]:
 
 def launch(root: Path, args: list[str], *, processes: int = 2):
     """One recipe launch (under the shared FSDP2 config) that must succeed and exit cleanly."""
-    result = run_launch(fsdp_config(root), CLASSIFICATION, args, num_processes=processes, cwd=REPO).check()
-    assert GLOO_EXIT_ABORT not in result.stderr
-    return result
+    return launch_recipe(fsdp_config(root), CLASSIFICATION, args, processes=processes)
 
 
 def reference_run(root: Path) -> Path:
     run_dir = root / "reference-fsdp2-x2"
-    done = root / "reference-fsdp2-x2.done"
-    if not done.exists():
-        launch(root, args(tiny_model(root), run_dir, "--max-steps", REFERENCE_STEPS))
-        done.write_text("ok\n")
-    return run_dir
-
-
-def checkpoint(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step-{step:08d}"
+    return made_once(run_dir, lambda: launch(root, args(tiny_model(root), run_dir, "--max-steps", REFERENCE_STEPS)))

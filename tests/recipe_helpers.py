@@ -1,6 +1,7 @@
 """Helpers of the recipe and checkpoint tests: tiny model folders, recipe command lines, a
-hand-written FSDP2 config, running a recipe's main once per case in one process, file
-snapshots, and finding the rank processes of a launch (to SIGKILL one)."""
+hand-written FSDP2 config, recipe launches and runs made once per session, running a recipe's
+main once per case in one process, file snapshots, and finding the rank processes of a launch
+(to SIGKILL one)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import sys
 from pathlib import Path
 
 from fsdp_harness.drill import descendants, rank_pid  # noqa: F401 (re-exported for the tests)
-from fsdp_harness.launch import launch_env
+from fsdp_harness.launch import launch_env, run_launch
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
+
+from conftest import GLOO_EXIT_ABORT
 
 REPO = Path(__file__).resolve().parent.parent
 CAUSAL_LM = REPO / "recipes" / "causal_lm.py"
@@ -43,6 +47,35 @@ def causal_lm_args(model: Path, output_dir: Path, *extra) -> list[str]:
             "--max-eval-samples", "16", "--output-dir", str(output_dir), "--seq-len", "32",
             "--micro-batch-size", "2", "--gradient-accumulation-steps", "2", "--learning-rate", "3e-3",
             "--warmup-steps", "2", "--weight-decay", "0.1", *map(str, extra)]
+
+
+def session_folder(tmp_path_factory, name: str) -> Path:
+    """``NAME/`` under the session's base temp folder: runs there are shared by every test module."""
+    folder = tmp_path_factory.getbasetemp() / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def launch_recipe(config: Path, recipe: Path, args: list[str], *, processes: int):
+    """One recipe launch that must succeed and exit cleanly (no gloo abort at exit)."""
+    result = run_launch(config, recipe, args, num_processes=processes, cwd=REPO).check()
+    assert GLOO_EXIT_ABORT not in result.stderr
+    return result
+
+
+def made_once(run_dir: Path, make) -> Path:
+    """``run_dir`` after ``make()`` has run once per session: a ``RUN_DIR.done`` marker, written
+    when ``make`` returned, tells a later caller (another module) that the run is complete."""
+    done = run_dir.with_name(run_dir.name + ".done")
+    if not done.exists():
+        make()
+        done.write_text("ok\n")
+    return run_dir
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    """The committed checkpoint of ``step`` in a run folder."""
+    return step_folder(run_dir / CHECKPOINTS, step)
 
 
 def tree_digest(folder: Path) -> dict[str, str]:
