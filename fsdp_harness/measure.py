@@ -30,9 +30,10 @@ COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
 
 
 class CollectiveRecorder(TorchDispatchMode):
-    """A dispatch mode that records every c10d collective a rank runs: ``records`` holds
-    ``{"op", "payload_bytes", "group_size"}`` dicts, and :meth:`get_comm_counts` counts them by
-    op the way torch's ``CommDebugMode`` names them (``c10d._allgather_base_``, ...).
+    """A dispatch mode that sees the collectives a rank runs: ``records`` holds an ``{"op",
+    "payload_bytes", "group_size"}`` dict for each all-gather, reduce-scatter and all-reduce, and
+    :meth:`get_comm_counts` counts every collective by op, named as torch's ``CommDebugMode``
+    names them (``c10d._allgather_base_``, ...).
 
     It sees collectives at the dispatcher only, like ``CommDebugMode``, but keeps no module
     tracker: that tracker's forward hooks lose their place on models whose forward does not
@@ -50,11 +51,11 @@ class CollectiveRecorder(TorchDispatchMode):
         torch.ops.c10d._reduce_scatter_base_: "reduce_scatter",
         torch.ops.c10d.allreduce_: "all_reduce",
     }
-    COUNTED = (*KINDS, torch.ops.c10d.allgather_into_tensor_coalesced_, torch.ops.c10d.allreduce_coalesced_,
+    COUNTED = frozenset({*KINDS, torch.ops.c10d.allgather_into_tensor_coalesced_, torch.ops.c10d.allreduce_coalesced_,
                torch.ops.c10d.reduce_scatter_, torch.ops.c10d.reduce_scatter_tensor_coalesced_,
                torch.ops.c10d.broadcast_, torch.ops.c10d.alltoall_base_, torch.ops.c10d.alltoall_,
                torch.ops._c10d_functional.all_gather_into_tensor, torch.ops._c10d_functional.all_reduce,
-               torch.ops._c10d_functional.reduce_scatter_tensor)
+               torch.ops._c10d_functional.reduce_scatter_tensor})
     """Collectives :meth:`get_comm_counts` counts: c10d's, and the functional ones DTensor runs
     (a gradient-norm all-reduce). Only ``KINDS`` are also recorded with their payloads."""
     PAIR_OPS = {"pair_all_gather": ("all_gather", torch.ops.c10d._allgather_base_),

@@ -126,6 +126,30 @@ def test_ring_bytes_follow_the_planner_convention():
     assert sent_bytes([{"op": "all_gather", "payload_bytes": 1000, "group_size": 2}])["total"] == 500
 
 
+def test_the_collective_recorder_records_payloads_and_survives_a_transformers_forward():
+    """One process, a gloo group of one: the recorder counts and sizes a real all-reduce, and a
+    Hugging Face Llama's forward and backward run under it (torch's ``CommDebugMode`` fails in that
+    forward on transformers 5.25; the recorder keeps no module tracker)."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_harness.measure import CollectiveRecorder
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=64))
+        tokens = torch.randint(0, 64, (2, 8))
+        with CollectiveRecorder() as recorder:
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            dist.all_reduce(torch.ones(10))
+        assert recorder.records == [{"op": "all_reduce", "payload_bytes": 40, "group_size": 1}]
+        assert {str(op): count for op, count in recorder.get_comm_counts().items()} == {"c10d.allreduce_": 1}
+    finally:
+        dist.destroy_process_group()
+
+
 def test_doc_sections_are_replaced_in_place():
     document = "# Benchmarks\n\nintro\n\n" + doc_sections.wrap("a", "old a") + "\nmiddle\n\n" + doc_sections.wrap("b", "b")
     updated = doc_sections.replace(document, "a", doc_sections.wrap("a", "new a"))
