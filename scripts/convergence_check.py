@@ -151,7 +151,7 @@ def launch(config: Path, recipe: str, recipe_args: list[str], log: Path, timeout
            extra_env: dict[str, str] | None = None, expect_kill: bool = False) -> None:
     """``accelerate launch`` the recipe, output to a log file; UsageError with its tail when it
     fails (or, with ``expect_kill``, when it finishes although a fault should have stopped it)."""
-    from fsdp_harness.launch import launch_command
+    from fsdp_harness.launch import launch_command, run_launch_logged
 
     command = launch_command(config, recipe, recipe_args)
     env = dict(os.environ)
@@ -161,14 +161,11 @@ def launch(config: Path, recipe: str, recipe_args: list[str], log: Path, timeout
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     print(f"[{label}] {shlex.join(command)}", flush=True)
-    with open(log, "w") as handle:
-        handle.write(shlex.join(command) + "\n")
-        handle.flush()
-        try:
-            returncode = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env,
-                                        timeout=timeout, stdin=subprocess.DEVNULL).returncode
-        except subprocess.TimeoutExpired:
-            returncode = None
+    log.write_text(shlex.join(command) + "\n")
+    try:
+        returncode = run_launch_logged(command, log, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        returncode = None
     elapsed = time.monotonic() - started
     if expect_kill:
         if returncode == 0:

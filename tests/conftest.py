@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from fsdp_harness.forked_launch import FORKED_LAUNCH
 from fsdp_harness.launch import write_accelerate_config
+
+# Launches made through fsdp_harness.launch (run_launch, and the scripts the tests run) fork their
+# launcher and ranks from a pre-imported server: the same accelerate and torchrun code, a fraction
+# of the start-up CPU (fsdp_harness/forked_launch.py says what differs). Tests that control
+# processes (kill a rank, Ctrl-C) launch for real; FSDP_HARNESS_FORKED_LAUNCH=0 makes every launch real.
+os.environ.setdefault(FORKED_LAUNCH, "1")
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = REPO / "tests" / "workers"
