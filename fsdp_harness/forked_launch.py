@@ -32,6 +32,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import io
 import json
@@ -220,6 +221,7 @@ class ForkedRank(subprocess.Popen):
         script, script_args = command
         env = {os.fsdecode(key): os.fsdecode(value) for key, value in (env or os.environ).items()}
         ignored = ignored_signals(restore_signals=restore_signals)
+        gc.freeze()  # the launcher's objects, as the server's: a rank's collections skip them
         pid = os.fork()
         if pid == 0:
             status = 1
@@ -280,6 +282,7 @@ def serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    gc.freeze()  # what is imported now stays: no collection scans it (or copies its pages) in a fork
     if threading.active_count() != 1:
         raise RuntimeError(f"importing {PRELOAD} started threads: {threading.enumerate()}; "
                            "forking from this process is unsafe")
