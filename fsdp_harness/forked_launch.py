@@ -6,11 +6,12 @@ second. Here a server process imports those once. For each launch it forks a lau
 ``accelerate launch`` itself (``accelerate.commands.launch.main`` with the same arguments, so
 accelerate reads the config file and computes the ranks' environment, and torchrun's elastic agent
 starts, watches, stops and reports the ranks, with the exit status a real launch has). One step
-differs: where torchrun would exec ``python -u SCRIPT ARGS`` for a rank, the rank is forked from
-the launcher and runs SCRIPT as ``__main__`` (runpy), with the argv, environment, working
-directory, session and output streams that torchrun gave it, fresh signal handlers and atexit
-list, and unbuffered standard streams. The ranks are separate processes that form a real gloo
-process group and write real checkpoints.
+differs: where torchrun would exec ``python -u SCRIPT ARGS`` for a rank, the rank is forked (by a
+helper the launcher forked before it started any thread; the launcher adopts the rank as its
+child) and runs SCRIPT as ``__main__`` (runpy), with the argv, environment, working directory,
+session and output streams that torchrun gave it, the signal dispositions and atexit list of a new
+interpreter, unbuffered standard streams, and ``python -u SCRIPT ARGS`` as its command line. The
+ranks are separate processes that form a real gloo process group and write real checkpoints.
 
 What a fork shares that an exec would not, so what only real launches check:
 
@@ -18,13 +19,15 @@ What a fork shares that an exec would not, so what only real launches check:
   launches whose import-time variables (``HF_*``, ``TORCH*``, ``OMP_*``, ``PYTHON*``, ...) match
   its own; another set of values gets another server;
 - the hash seed of ``str`` (every rank iterates a ``set`` of names in the same order);
-- the launcher is not a ``python -m accelerate.commands.launch`` process, so a test that finds the
-  ranks by their parent (to kill one) runs a real launch.
+- what was imported before the fork is frozen out of the garbage collector (``gc.freeze``), so
+  that a rank's collections neither scan it nor copy its memory pages;
+- the launcher is the server's child, not the caller's, so a test that signals the launcher it
+  started, or finds the ranks among its children (to kill one), runs a real launch.
 
-``run_launch`` (:mod:`fsdp_harness.launch`) launches this way when ``FSDP_HARNESS_FORKED_LAUNCH=1``
-is set; the test suite sets it (``tests/conftest.py``), and its documented commands, process
-control tests and the demo run real launches. ``tests/test_forked_launch.py`` compares what the
-ranks of both kinds of launch see.
+``run_launch`` and ``run_launch_logged`` (:mod:`fsdp_harness.launch`) launch this way when
+``FSDP_HARNESS_FORKED_LAUNCH=1`` is set; the test suite sets it (``tests/conftest.py``). Its
+process control tests and the demo run real launches, and ``tests/test_forked_launch.py``
+compares what the ranks of both kinds of launch see.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import os
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -204,41 +208,111 @@ def _python_script(args) -> tuple[str, list[str]] | None:
     return None
 
 
+def _run_rank(request: dict, descriptors: list[int]) -> None:
+    """In a rank: become ``python -u SCRIPT ARGS`` started by torchrun, run it, exit (never returns)."""
+    status = 1
+    try:
+        if request["new_session"]:
+            os.setsid()
+        for descriptor, target in zip(descriptors, request["targets"]):
+            os.dup2(descriptor, target)
+        _fresh_process(request["env"], request["cwd"], request["ignored_signals"])
+        _set_command_line(request["args"])
+        script = request["script"]
+        sys.argv = [script, *request["script_args"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        status = _run_as_interpreter(lambda: runpy.run_path(script, run_name="__main__"))
+    finally:
+        os._exit(status)
+
+
+def _zygote(channel: socket.socket) -> None:
+    """Fork the ranks a launcher asks for (never returns; ends when the launcher closes its side).
+
+    The launcher cannot fork them itself: by then torchrun runs a TCPStore server thread in it, and
+    a fork can copy a C library lock that thread holds (glibc's resolver lock, taken when the store
+    names a connecting peer) into a rank that then waits on it forever. The zygote is forked from
+    the launcher before any thread starts, so it has only one. Each rank is forked through a middle
+    process that exits at once: the rank is then adopted by the launcher (a child subreaper), whose
+    torchrun agent waits on it, signals its session and reads its exit status as its own child's."""
+    channel_fd = channel.fileno()
+    while True:
+        try:
+            message, descriptors, _, _ = socket.recv_fds(channel, 1 << 20, 3)
+        except OSError:
+            break
+        if not message:
+            break  # the launcher ended
+        request = json.loads(message)
+        read_end, write_end = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            rank = os.fork()
+            if rank == 0:
+                os.close(read_end)
+                os.close(write_end)
+                os.close(channel_fd)
+                _run_rank(request, descriptors)
+            os.write(write_end, str(rank).encode())
+            os._exit(0)
+        os.close(write_end)
+        rank = int(os.read(read_end, 64))
+        os.close(read_end)
+        os.waitpid(middle, 0)  # after this the rank's parent is the launcher
+        for descriptor in descriptors:
+            os.close(descriptor)
+        channel.send(json.dumps({"pid": rank}).encode())
+    os._exit(0)
+
+
+_zygote_channel: socket.socket | None = None
+"""In a launcher: its side of the channel to its zygote."""
+
+
+def _start_zygote() -> None:
+    """Make this (still single-threaded) launcher a child subreaper and fork its zygote."""
+    global _zygote_channel
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    if os.fork() == 0:
+        ours.close()
+        gc.freeze()
+        _zygote(theirs)
+    theirs.close()
+    _zygote_channel = ours
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
 class ForkedRank(subprocess.Popen):
-    """``subprocess.Popen`` that forks ``python -u SCRIPT ARGS`` instead of executing it (any other
-    command is executed as usual)."""
+    """``subprocess.Popen`` that forks ``python -u SCRIPT ARGS`` (through the launcher's zygote)
+    instead of executing it; any other command is executed as usual."""
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                        restore_signals, gid, gids, uid, umask, start_new_session, *rest):
-        command = None if (shell or executable or preexec_fn or uid is not None or gid is not None) \
-            else _python_script(args)
+        command = None if (shell or executable or preexec_fn or uid is not None or gid is not None
+                           or _zygote_channel is None) else _python_script(args)
         if command is None:
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                                           startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                                           c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
                                           umask, start_new_session, *rest)
         script, script_args = command
-        env = {os.fsdecode(key): os.fsdecode(value) for key, value in (env or os.environ).items()}
-        ignored = ignored_signals(restore_signals=restore_signals)
-        gc.freeze()  # the launcher's objects, as the server's: a rank's collections skip them
-        pid = os.fork()
-        if pid == 0:
-            status = 1
-            try:
-                if start_new_session:
-                    os.setsid()
-                for source, target in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2)):
-                    if source != -1:
-                        os.dup2(source, target)
-                _fresh_process(env, os.fsdecode(cwd) if cwd else None, ignored)
-                _set_command_line([os.fsdecode(arg) for arg in args])
-                sys.argv = [script, *script_args]
-                sys.path[0] = os.path.dirname(os.path.abspath(script))
-                status = _run_as_interpreter(lambda: runpy.run_path(script, run_name="__main__"))
-            finally:
-                os._exit(status)
-        self.pid = pid
+        streams = [(source, target) for source, target in ((p2cread, 0), (c2pwrite, 1), (errwrite, 2))
+                   if source != -1]
+        request = {
+            "args": [os.fsdecode(arg) for arg in args], "script": script, "script_args": script_args,
+            "env": {os.fsdecode(key): os.fsdecode(value) for key, value in (env or os.environ).items()},
+            "cwd": os.fsdecode(cwd) if cwd else None, "new_session": bool(start_new_session),
+            "ignored_signals": ignored_signals(restore_signals=restore_signals),
+            "targets": [target for _, target in streams],
+        }
+        socket.send_fds(_zygote_channel, [json.dumps(request).encode()], [source for source, _ in streams])
+        self.pid = json.loads(_zygote_channel.recv(4096))["pid"]
         self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
@@ -257,6 +331,7 @@ def _launcher(request: dict) -> None:
         for descriptor in opened.values():
             os.close(descriptor)
         _fresh_process(request["env"], request["cwd"], request["ignored_signals"])
+        _start_zygote()
         from accelerate.commands import launch
         from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 

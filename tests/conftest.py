@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,28 @@ def accelerate_config(directory: Path, name: str, *, distributed_type: str = "FS
     return write_accelerate_config(Path(directory) / f"{name}.yaml", num_processes=num_processes,
                                    distributed_type=distributed_type, fsdp=fsdp, parallelism=parallelism,
                                    mixed_precision=mixed_precision)
+
+
+LONGEST_MODULES = ("test_rehearse", "test_recipes", "test_multinode", "test_bench", "test_convergence_check",
+                   "test_lora", "test_presets")
+"""The modules that take longest (``scripts/test.sh`` lists the slowest tests), longest first."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``scripts/test.sh`` runs ``-n N --dist loadfile``: each module runs
+    whole on one worker) the longest modules start first, then the others by their number of slow
+    tests, so that no long module starts last. The runs that ``tests/*_runs.py`` make once per
+    session are made once per worker that uses them (under its own base temp folder)."""
+    if not getattr(config.option, "numprocesses", None):
+        return
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+
+    def order(item) -> tuple[int, int]:
+        stem = item.path.stem
+        return (LONGEST_MODULES.index(stem) if stem in LONGEST_MODULES else len(LONGEST_MODULES), -slow[item.path])
+
+    items.sort(key=order)  # stable: a module's tests keep their order
 
 
 @pytest.fixture
