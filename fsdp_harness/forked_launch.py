@@ -142,16 +142,15 @@ def _unbuffered_streams() -> None:
 
 
 _UNSETTABLE = {signal.SIGKILL, signal.SIGSTOP}
-_RESET_BY_POPEN = {getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)}
-"""Signals that ``subprocess.Popen(restore_signals=True)`` returns to their default before exec."""
-_IGNORED_BY_PYTHON = {getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)}
-"""Signals a starting interpreter ignores."""
+_PYTHON_IGNORES = {getattr(signal, name) for name in ("SIGPIPE", "SIGXFZ", "SIGXFSZ") if hasattr(signal, name)}
+"""Signals a starting interpreter ignores, and so the ones ``subprocess.Popen(restore_signals=True)``
+returns to their default before exec."""
 
 
 def ignored_signals(*, restore_signals: bool = True) -> list[int]:
     """The signals this process ignores that a program it starts with ``subprocess`` would still
     ignore (exec keeps an ignored signal ignored; it returns every handled one to its default)."""
-    kept = set(signal.valid_signals()) - _UNSETTABLE - (_RESET_BY_POPEN if restore_signals else set())
+    kept = set(signal.valid_signals()) - _UNSETTABLE - (_PYTHON_IGNORES if restore_signals else set())
     return sorted(int(number) for number in kept if signal.getsignal(number) is signal.SIG_IGN)
 
 
@@ -164,7 +163,7 @@ def _signals_after_exec(ignored: list[int]) -> None:
             signal.signal(number, signal.SIG_IGN if number in ignored else signal.SIG_DFL)
         except (OSError, ValueError):
             pass  # signals the C library keeps for itself
-    for number in _IGNORED_BY_PYTHON:
+    for number in _PYTHON_IGNORES:
         signal.signal(number, signal.SIG_IGN)
     if signal.SIGINT not in ignored:
         signal.signal(signal.SIGINT, signal.default_int_handler)
