@@ -6,10 +6,6 @@ builds its ``Accelerator`` so that the same FSDP config also runs, for real, on 
 
 __version__ = "0.1.0"
 
-from fsdp_presets import _moved
-
-_moved.install()  # old flat import paths (fsdp_presets.training, ...) still work
-
 
 def enable_cpu_fsdp() -> bool:
     """Make accelerate run real FSDP (or DDP) over gloo on a host without an accelerator.

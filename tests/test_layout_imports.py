@@ -124,5 +124,18 @@ def test_top_level_modules_import_no_subpackage(name):
 
 def test_the_base_modules_are_every_plain_top_level_module():
     """A new top-level module is placed on purpose: in the base layer above, or in a subpackage."""
-    plain = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__", "_moved", "cli"}
+    plain = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__", "cli"}
     assert plain == set(BASE_MODULES)
+
+
+def test_importing_the_package_installs_no_import_hook():
+    """Modules live at one path each: importing the package adds nothing to ``sys.meta_path``, and
+    the old flat paths (``fsdp_presets.training``) are gone rather than aliased."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; before = list(sys.meta_path); import fsdp_presets; "
+             "assert sys.meta_path == before, sys.meta_path\n"
+             "try:\n import fsdp_presets.training\nexcept ModuleNotFoundError: pass\n"
+             "else: raise SystemExit('fsdp_presets.training still imports')")
+    subprocess.run([sys.executable, "-c", probe], check=True)
