@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import Counter
@@ -39,6 +40,16 @@ def accelerate_config(directory: Path, name: str, *, distributed_type: str = "FS
     return write_accelerate_config(Path(directory) / f"{name}.yaml", num_processes=num_processes,
                                    distributed_type=distributed_type, fsdp=fsdp, parallelism=parallelism,
                                    mixed_precision=mixed_precision)
+
+
+@contextlib.contextmanager
+def real_launches():
+    """Launches made inside run for real, not forked: the user-facing proofs (FSDP1/FSDP2 == DDP,
+    exact resume, a world-size change, LoRA == DDP, the convergence check catching a fault) run as
+    users run them, with every rank a new interpreter (its own str hash salt, its own imports)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FORKED_LAUNCH, "0")
+        yield
 
 
 LONGEST_MODULES = ("test_rehearse", "test_recipes", "test_multinode", "test_bench", "test_convergence_check",

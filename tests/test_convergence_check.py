@@ -23,7 +23,7 @@ from fsdp_presets.cpu_fsdp import FSDP1_OPTIMIZER_RESUME
 from fsdp_presets.errors import UsageError
 from fsdp_harness.tiny_model import write_tiny_model
 
-from conftest import GLOO_EXIT_ABORT, REPO, accelerate_config
+from conftest import GLOO_EXIT_ABORT, REPO, accelerate_config, real_launches
 
 SCRIPT = REPO / "scripts" / "convergence_check.py"
 DATA = REPO / "data" / "kjv_sft" / "train.jsonl"
@@ -246,9 +246,11 @@ def assert_diverged(status: int, result: dict, step: int, metric: str, words: st
 @pytest.mark.slow
 def test_fault_norms_left_out_of_gradient_sync_is_caught_at_step_1(workdir, tiny_model, fsdp2_check):
     # FSDP's ignored modules are neither sharded nor gradient-reduced: each rank keeps its own
-    # local norm gradient. The forward of step 1 is unchanged; its gradients are not.
-    status, result = run_check(workdir, tiny_model, "fault-ignored-norms", baseline=fsdp2_check,
-                               fsdp={"ignored_modules": ".*norm"})
+    # local norm gradient. The forward of step 1 is unchanged; its gradients are not. The candidate
+    # is launched for real: the check catching a planted fault is a user-facing proof.
+    with real_launches():
+        status, result = run_check(workdir, tiny_model, "fault-ignored-norms", baseline=fsdp2_check,
+                                   fsdp={"ignored_modules": ".*norm"})
     assert_diverged(status, result, 1, "grad_norm", "ignored modules")
 
 

@@ -3,6 +3,7 @@ config, exactly as a user launches them (fsdp_presets.enable_cpu_fsdp)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from fsdp_harness.launch import read_rank_results, run_launch
 
 import tiny_train_runs
-from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
+from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config, real_launches
 
 WORKER = WORKERS / "tiny_train.py"
 STEPS = 20
@@ -41,7 +42,9 @@ def workdir(tmp_path_factory) -> Path:
 def ddp_runs(workdir) -> dict[str, dict[int, dict]]:
     """The DDP baseline (a MULTI_GPU config, 2 processes) for each family, trained once."""
     config = accelerate_config(workdir, "ddp", distributed_type="MULTI_GPU")
-    return {family: train(config, workdir / f"ddp-{family}", "--family", family) for family in BLOCKS}
+    with real_launches():  # the baseline of the proofs
+        llama = train(config, workdir / "ddp-llama", "--family", "llama")
+    return {"llama": llama, "gpt2": train(config, workdir / "ddp-gpt2", "--family", "gpt2")}
 
 
 # Every FSDP variant trains the same 20 steps as DDP and saves its state after step 10; the
@@ -60,6 +63,9 @@ RESUMED = ["fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "fsdp1-full"]
 # sync_module_states must broadcast rank 0's, or it cannot match DDP (its launch also serves the
 # sync_module_states test).
 SEEDED_PER_RANK = "fsdp1-shard-grad-op"
+# FSDP2 and FSDP1 == DDP and their exact resumes, launched for real (conftest.real_launches); the
+# other variants fork their launches.
+PROOFS = ("fsdp2-sharded", "fsdp1-sharded")
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,9 @@ def fsdp_runs(workdir) -> dict[str, tuple[Path, Path, dict[int, dict]]]:
         config = accelerate_config(workdir, name, fsdp=dict(fsdp, transformer_layer_cls_to_wrap=BLOCKS[family]))
         checkpoint = workdir / f"checkpoint-{name}"
         seeded = ("--seed-per-rank",) if name == SEEDED_PER_RANK else ()
-        results = train(config, workdir / name, "--family", family, "--save-at", SAVE_AT,
-                        "--checkpoint", checkpoint, *seeded)
+        with real_launches() if name in PROOFS else contextlib.nullcontext():
+            results = train(config, workdir / name, "--family", family, "--save-at", SAVE_AT,
+                            "--checkpoint", checkpoint, *seeded)
         runs[name] = (config, checkpoint, results)
     return runs
 
@@ -104,7 +111,8 @@ def test_fsdp_shards_and_matches_ddp_bitwise(ddp_runs, fsdp_runs, variant):
 @pytest.mark.parametrize("variant", RESUMED)
 def test_resume_in_a_new_launch_is_exact(workdir, fsdp_runs, variant):
     config, checkpoint, uninterrupted = fsdp_runs[variant]
-    resumed = train(config, workdir / f"resumed-{variant}", "--resume", checkpoint)
+    with real_launches() if variant in PROOFS else contextlib.nullcontext():
+        resumed = train(config, workdir / f"resumed-{variant}", "--resume", checkpoint)
     expected = {step: loss for step, loss in uninterrupted[0]["losses"].items() if int(step) > SAVE_AT}
     assert len(expected) == STEPS - SAVE_AT
     assert resumed[0]["losses"] == expected

@@ -24,7 +24,7 @@ import pytest
 
 from fsdp_harness.launch import run_launch
 
-from conftest import GLOO_EXIT_ABORT, accelerate_config
+from conftest import GLOO_EXIT_ABORT, accelerate_config, real_launches
 from recipe_helpers import CAUSAL_LM, REPO, SFT_TRAIN, causal_lm_args
 
 # Looked up, not imported: importing peft at collection costs every test run (slow tests deselected
@@ -77,10 +77,11 @@ def _configs(root: Path) -> dict[str, Path]:
 def lora_runs(root) -> dict[str, Path]:
     model, configs = root / "tiny-qwen2", _configs(root)
     runs = {}
-    for name in ("ddp", "fsdp2", "fsdp1"):
-        runs[name] = root / f"lora-{name}"
-        extra = ("--export-merged",) if name == "fsdp2" else ()
-        _launch(configs[name], causal_lm_args(model, runs[name], *LORA, *extra))
+    with real_launches():  # LoRA under FSDP2 and FSDP1 == LoRA under DDP, as users launch them
+        for name in ("ddp", "fsdp2", "fsdp1"):
+            runs[name] = root / f"lora-{name}"
+            extra = ("--export-merged",) if name == "fsdp2" else ()
+            _launch(configs[name], causal_lm_args(model, runs[name], *LORA, *extra))
     return runs
 
 

@@ -18,6 +18,7 @@ at every step, and every step takes the same set of samples whatever the split.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from pathlib import Path
@@ -30,6 +31,7 @@ from fsdp_presets.checkpoint.resume import accumulation_for, keep_global_batch
 from fsdp_presets.train.loop import SampleStream, rank_micro_batches
 
 import checkpoint_runs as runs
+from conftest import real_launches
 import classification_runs as classification_runs
 from recipe_helpers import causal_lm_args
 
@@ -61,12 +63,14 @@ def chain(request, root, reference) -> dict:
         start = runs.checkpoint(first, 2)
     run_dir = root / f"chain-fsdp{version}"
     legs, resume = [], str(start)
-    for processes, last_step in LEGS:
-        result = runs.launch(config, causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", last_step,
-                                                    "--resume", resume), processes=processes)
-        legs.append({"processes": processes, "run": json.loads((run_dir / "run.json").read_text()),
-                     "stdout": result.stdout})
-        resume = "auto"
+    # The FSDP2 chain is the world-size-change proof: launched for real, as users run it.
+    with real_launches() if version == 2 else contextlib.nullcontext():
+        for processes, last_step in LEGS:
+            result = runs.launch(config, causal_lm_args(model, run_dir, *runs.SCHEDULE, "--max-steps", last_step,
+                                                        "--resume", resume), processes=processes)
+            legs.append({"processes": processes, "run": json.loads((run_dir / "run.json").read_text()),
+                         "stdout": result.stdout})
+            resume = "auto"
     return {"version": version, "run_dir": run_dir, "legs": legs, "start": start}
 
 

@@ -4,7 +4,7 @@
 
 Each rank joins the gloo process group and sums the ranks with an all-reduce, then records its
 environment, argv, module name, import path, working directory, streams, signal handlers,
-session and thread count. With ``--fail-rank R`` that rank exits 3 after the all-reduce while the
+session, thread count and the hash of a str. With ``--fail-rank R`` that rank exits 3 after the all-reduce while the
 others sleep S seconds (the launcher must stop them); an atexit handler writes
 ``FOLDER/atexit-N`` at exit.
 """
@@ -61,6 +61,9 @@ facts = {
     "signals": {name: repr(signal.getsignal(getattr(signal, name)))
                 for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGPIPE", "SIGCHLD", "SIGQUIT", "SIGUSR1")},
     "main_module_is_script": sys.modules["__main__"].__dict__.get("__file__") == __file__,
+    # str hashes are salted per interpreter (PYTHONHASHSEED unset): set and dict iteration over
+    # strings may differ between ranks, which a forked rank cannot reproduce.
+    "str_hash": hash("fsdp-presets"),
 }
 (args.folder / f"rank-{rank}.json").write_text(json.dumps(facts))
 print(f"rank {rank} of {dist.get_world_size()}: all-reduce {total.item():.0f}", flush=True)
