@@ -139,3 +139,65 @@ def test_importing_the_package_installs_no_import_hook():
              "try:\n import fsdp_presets.training\nexcept ModuleNotFoundError: pass\n"
              "else: raise SystemExit('fsdp_presets.training still imports')")
     subprocess.run([sys.executable, "-c", probe], check=True)
+
+
+def import_cycles(package: Path, root: Path = REPO) -> list[list[str]]:
+    """Every import cycle between the modules under ``package`` (an import of a package's name
+    counts as an import of its ``__init__``; a module importing its own parent package does not
+    count), each as the list of modules around it."""
+    modules = {module_name(path, root): path for path in package.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, imported in imported_modules(path, root):
+            while imported and imported not in modules:
+                imported = imported.rpartition(".")[0]
+            if imported and imported != name and not name.startswith(imported + "."):
+                targets.add(imported)
+        graph[name] = targets
+    # Tarjan's strongly connected components: a component of more than one module is a cycle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_the_cycle_finder_can_fail(tmp_path):
+    """A lazy import inside a function closes a cycle as surely as a module-level one."""
+    folder = tmp_path / "fsdp_presets"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    (folder / "a.py").write_text("from fsdp_presets import b\n")
+    (folder / "b.py").write_text("def later():\n    from fsdp_presets.a import thing\n")
+    (folder / "c.py").write_text("import fsdp_presets.a\n")
+    assert import_cycles(folder, tmp_path) == [["fsdp_presets.a", "fsdp_presets.b"]]
+
+
+def test_no_import_cycle_inside_the_package():
+    """Imports go one way: no module reaches itself through others (module-level and
+    function-level imports both count)."""
+    assert import_cycles(PACKAGE) == []

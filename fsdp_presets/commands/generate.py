@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.plan.emit import command_text, default_baseline_path, launch_words
     from fsdp_presets.plan.generate import check_generated_output, load_profile, render_files, write_files
-    from fsdp_presets.plan.presets import describe_changes
+    from fsdp_presets.plan.generate import describe_changes
 
     output = str(args.output)
     baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None

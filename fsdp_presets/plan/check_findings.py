@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fsdp_presets.plan.presets import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB
+from fsdp_presets.plan.request import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.plan.profile import ModelProfile
 from fsdp_presets.plan.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K
 

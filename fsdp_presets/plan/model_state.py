@@ -113,18 +113,15 @@ def _unit_shard_numel(profile: ModelProfile, unit: "ShardUnit", shard_world_size
 def model_state_bytes(
     profile: ModelProfile, shape: TrainingShape, shard_world_size: int, fsdp_version: int | None = 2
 ) -> ModelStateBytes:
-    """Per-rank parameters, gradients and optimizer state with model states sharded over
-    ``shard_world_size`` ranks (1: replicated, as DDP and NO_SHARD).
+    """Per-rank parameters, gradients and optimizer state of full fine-tuning with model states
+    sharded over ``shard_world_size`` ranks (1: replicated, as DDP and NO_SHARD); LoRA's are
+    :func:`fsdp_presets.plan.lora_memory.lora_model_state_bytes`, which builds on the units here.
 
     The [ZeRO] Sec. 3.1 accounting with the stored-fp32 convention of this module: 4 + 4 + K'
     bytes per parameter (K' = optimizer state, 8 for Adam), divided by the shard world size
     (ZeRO stage 3 = FSDP FULL_SHARD, Sec. 5.3)."""
     if shard_world_size < 1:
         raise ValueError(f"shard_world_size must be at least 1, got {shard_world_size}")
-    if shape.lora is not None:
-        from fsdp_presets.plan.lora_memory import lora_model_state_bytes  # it builds on the units here
-
-        return lora_model_state_bytes(profile, shape, shard_world_size, fsdp_version)
     if shard_world_size == 1 or fsdp_version is None:
         numel = profile.total_params if shard_world_size == 1 else shard_numel(profile.total_params, shard_world_size)
     else:

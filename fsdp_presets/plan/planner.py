@@ -200,7 +200,7 @@ def _strategy_plan(
         shard_size, replicate_size = hardware.gpus_per_node, hardware.nodes
     else:
         shard_size, replicate_size = hardware.gpus, 1
-    state = model_state_bytes(profile, shape, shard_size, fsdp_version)
+    state = (model_state_bytes if shape.lora is None else lora_model_state_bytes)(profile, shape, shard_size, fsdp_version)
     # CPU offload is planned for the sharded strategies only: DDP has none, and FSDP1 NO_SHARD
     # would move whole replicas through PCIe every step.
     offloaded = shape.offload and name not in ("DDP", "NO_SHARD")

@@ -27,7 +27,6 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import format_bytes, format_count
 from fsdp_presets.plan.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
-from fsdp_presets.plan.generate import describe_changes, rescale_request  # rescaling lives with generate
 from fsdp_presets.plan.model_profile import ModelProfile
 from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingShape, plan
 from fsdp_presets.plan.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
@@ -40,8 +39,8 @@ __all__ = [  # what other modules import from here: the request and the decision
     "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",
     "DEFAULT_SEQ_LEN", "DEVICES", "PRECISION_CHOICES", "STATE_DICT_CHOICES", "STRATEGY_CHOICES", "STRATEGY_NAMES",
     "SWITCH_CHOICES", "BatchPlan", "Device", "MemorySavers", "Parallelism", "Preset", "PresetRequest",
-    "PrecisionChoice", "StateDictChoice", "WrapChoice", "decide", "describe_changes",
-    "full_state_dict_host_bytes", "parse_global_batch", "rescale_request",
+    "PrecisionChoice", "StateDictChoice", "WrapChoice", "decide",
+    "full_state_dict_host_bytes", "parse_global_batch",
 ]
 
 
