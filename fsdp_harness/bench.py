@@ -340,7 +340,7 @@ def _versions() -> dict[str, str]:
 def main(argv=None) -> int:
     from fsdp_harness.bench_report import publish
     from fsdp_harness.measure import host_description
-    from fsdp_presets.plan.profile import profile_model
+    from fsdp_presets.model.profile import profile_model
 
     args = parse_args(argv)
     if args.render:

@@ -136,12 +136,12 @@ def write_accelerate_config(path: Path, *, num_processes: int, distributed_type:
                             fsdp: dict | None = None, parallelism: dict | None = None,
                             mixed_precision: str = "no") -> Path:
     """An accelerate config in accelerate's own schema (what ``accelerate config`` writes), built by
-    the emitter's writer (:func:`fsdp_presets.plan.emit.written_config`): FSDP2 FULL_SHARD per
+    the emitter's writer (:func:`fsdp_presets.preset.emit.written_config`): FSDP2 FULL_SHARD per
     ``LlamaDecoderLayer``, sharded state dicts, fp32, unless ``fsdp`` (short names such as
     ``version``, or full key names) says otherwise; FSDP1 gets the settings the emitter writes for
     FSDP1 presets; ``distributed_type: MULTI_GPU`` is DDP."""
-    from fsdp_presets.plan.emit import emitted_constants, written_config
-    from fsdp_presets.plan.schema import fsdp_key
+    from fsdp_presets.preset.emit import emitted_constants, written_config
+    from fsdp_presets.schema import fsdp_key
 
     settings = {}
     if distributed_type == "FSDP":

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fsdp_presets.plan.emit import written_config
-from fsdp_presets.plan.schema import FSDP_CONFIG, FSDP_PREFIX, K
+from fsdp_presets.preset.emit import written_config
+from fsdp_presets.schema import FSDP_CONFIG, FSDP_PREFIX, K
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "runs" / "models" / "smollm2-135m-instruct"

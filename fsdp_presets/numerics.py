@@ -2,7 +2,7 @@
 groups, the float64 gradient norm that keeps DDP, FSDP1 and FSDP2 clipping bit for bit alike, and
 when gradients are reduced during accumulation.
 
-Owned here, not in :mod:`fsdp_presets.train`, because :mod:`fsdp_presets.plan.rehearsal` rehearses
+Owned here, not in :mod:`fsdp_presets.train`, because :mod:`fsdp_presets.rehearse.rehearsal` rehearses
 the same step and the plan package never imports the training package.
 :mod:`fsdp_presets.train.loop` re-exports every name (recipes call ``loop.clip_grad_norm``).
 """

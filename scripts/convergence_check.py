@@ -38,8 +38,8 @@ from pathlib import Path
 
 from fsdp_presets import compare
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.emit import ddp_baseline_of
-from fsdp_presets.plan.schema import PARALLELISM_CONFIG, P
+from fsdp_presets.preset.emit import ddp_baseline_of
+from fsdp_presets.schema import PARALLELISM_CONFIG, P
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -84,7 +84,7 @@ def detect_gpu(args: argparse.Namespace) -> dict:
 def planned(settings: dict, gpu: dict) -> dict:
     """The planner's single-GPU figures for this run (its DDP row with one GPU)."""
     from fsdp_presets.plan.planner import Hardware, TrainingShape, plan
-    from fsdp_presets.plan.profile import build_meta_model, profile_module
+    from fsdp_presets.model.profile import build_meta_model, profile_module
     from transformers import AutoConfig
 
     values = {key: value for key, value in settings["model"].items() if key not in ("model_type", "architectures")}

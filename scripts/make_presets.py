@@ -79,9 +79,10 @@ def catalogue() -> list[PresetFile]:
 
 def render_all() -> dict[str, str]:
     """``{file name: text}`` for the whole catalogue (nothing written)."""
-    from fsdp_presets.plan.emit import LaunchHints
-    from fsdp_presets.plan.generate import load_profile, render_files
-    from fsdp_presets.plan.presets import PresetRequest
+    from fsdp_presets.check.lint import check_generated
+    from fsdp_presets.preset.emit import LaunchHints
+    from fsdp_presets.preset.generate import load_profile, render_files
+    from fsdp_presets.preset.presets import PresetRequest
 
     cwd = os.getcwd()
     os.chdir(REPO)  # model sources are relative to the repository root, as in the headers
@@ -95,6 +96,7 @@ def render_all() -> dict[str, str]:
             rendered, _ = render_files(
                 profiles[preset_file.model], request, output=f"{CONFIG_FOLDER}/{preset_file.name}",
                 baseline_output=f"{CONFIG_FOLDER}/{preset_file.baseline}", launch=LaunchHints(**preset_file.launch))
+            check_generated(rendered, device=request.device)
             texts.update({Path(path).name: text for path, text in rendered.items()})
         return texts
     finally:
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default=str(REPO / CONFIG_FOLDER), help="where to write (default accelerate_configs/)")
     args = parser.parse_args(argv)
-    from fsdp_presets.plan.generate import write_files
+    from fsdp_presets.preset.generate import write_files
 
     output = Path(args.output_dir)
     texts = render_all()

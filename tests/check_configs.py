@@ -36,7 +36,7 @@ _FACTS: dict = {}
 def facts(source: str | None):
     """Model facts of a family name or a repository path (``model_configs/...``), built once per
     test session (profiles are pure)."""
-    from fsdp_presets.plan.check import model_facts
+    from fsdp_presets.check.lint import model_facts
 
     if source is None:
         return None

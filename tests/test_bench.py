@@ -23,7 +23,7 @@ SCRIPTS = REPO / "scripts"
 
 @pytest.fixture(scope="module")
 def quick_profile(tmp_path_factory):
-    from fsdp_presets.plan.profile import profile_model
+    from fsdp_presets.model.profile import profile_model
 
     folder = tmp_path_factory.mktemp("bench_profile")
     (folder / "config.json").write_text(json.dumps(bench.QUICK_MODEL))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_presets.plan.check import RULES, CheckContext, accelerate_view, check_file, model_facts
+from fsdp_presets.check.lint import RULES, CheckContext, accelerate_view, check_file, model_facts
 
 REPO = Path(__file__).resolve().parent.parent
 REAL = REPO / "tests" / "data" / "real_configs"

@@ -332,7 +332,7 @@ def run_accelerate(words: list[str], work: Path, where: str) -> tuple[int, str, 
 def static_accelerate(words: list[str], work: Path, where: str) -> None:
     from accelerate.commands.launch import launch_command_parser
 
-    from fsdp_presets.plan.check import CheckContext, check_file
+    from fsdp_presets.check.lint import CheckContext, check_file
 
     assert words[1:2] == ["launch"], f"{where}: only `accelerate launch` is known here, not {words[:2]}"
     with contextlib.redirect_stderr(io.StringIO()) as errors:
@@ -546,9 +546,9 @@ def test_measurements_quoted_in_the_prose_are_in_the_outputs_shown():
 
 def generated_keys() -> set[str]:
     """Every key `fsdp-presets generate` writes, over the layouts it decides between."""
-    from fsdp_presets.plan.emit import accelerate_config, ddp_config
-    from fsdp_presets.plan.presets import PresetRequest, decide
-    from fsdp_presets.plan.profile import profile_model
+    from fsdp_presets.preset.emit import accelerate_config, ddp_config
+    from fsdp_presets.preset.presets import PresetRequest, decide
+    from fsdp_presets.model.profile import profile_model
 
     profile = profile_model("llama")
     keys: set[str] = set()
@@ -628,7 +628,7 @@ def test_troubleshooting_covers_the_reported_failures():
 def test_troubleshooting_cites_real_rules_each_planted_in_test_check():
     from check_configs import BAD_CONFIGS
 
-    from fsdp_presets.plan.check import RULES
+    from fsdp_presets.check.lint import RULES
 
     from test_check_probe import PLANTED_BY_THE_PROBE
 
@@ -658,7 +658,7 @@ def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
     makes `fsdp-presets check` report the rule the guide names (and the clean one does not)."""
     from check_configs import GOOD, facts
 
-    from fsdp_presets.plan.check import CheckContext, check_file
+    from fsdp_presets.check.lint import CheckContext, check_file
 
     block = next(block for block in plant_blocks() if block.line == line)
     assert block.language == "yaml", f"{block.where}: plant blocks are yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
-from fsdp_presets.plan import families
+from fsdp_presets.model import families
 from fsdp_presets.errors import UsageError
 
 # The families the registry must cover (decoders, MoE, encoders, encoder-decoders, vision).

@@ -26,7 +26,7 @@ import yaml
 
 from conftest import REPO, accelerate_config
 from fsdp_presets import cli, compare
-from fsdp_presets.plan.emit import read_metadata
+from fsdp_presets.preset.emit import read_metadata
 from test_compare import reference_losses, write_run
 from test_multinode import fake_tools, recorded
 
@@ -72,7 +72,7 @@ NASTY = [HOSTILE_MODEL, HOSTILE_DATA, "it's", "a\rb", "tab\there", "\\'\"", "Ã©æ
 
 
 def test_shell_words_read_back_by_bash_as_exactly_the_value_on_one_line(tmp_path):
-    from fsdp_presets.plan.quoting import comment_text, is_one_line, shell_word
+    from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word
 
     for value in NASTY:
         word = shell_word(value)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.plan import families
+from fsdp_presets.model import families
 from fsdp_presets.cli import main
-from fsdp_presets.plan.profile import profile_model
+from fsdp_presets.model.profile import profile_model
 
 from test_profile import LLAMA_70B, bad_source
 

@@ -2,8 +2,9 @@
 count too, so a lazy import cannot slip past):
 
 - nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``);
-- ``fsdp_presets.plan`` imports neither ``fsdp_presets.train`` nor ``fsdp_presets.checkpoint``;
-- ``fsdp_presets.checkpoint`` never imports ``fsdp_presets.plan``;
+- the config stages (model, plan, preset, rehearse, check) import only the stages before them,
+  never the run side (train, checkpoint, compare) or the commands;
+- ``fsdp_presets.checkpoint`` imports none of the config stages (nor train or compare);
 - the small top-level modules (errors, fileio, arguments, ...) import no subpackage;
 - tests and scripts import the installed package: no ``sys.path`` edits.
 """
@@ -69,12 +70,23 @@ def test_runtime_package_never_imports_the_harness():
     assert violations(PACKAGE, ("fsdp_harness",)) == []
 
 
-def test_plan_never_imports_train_or_checkpoint():
-    assert violations(PACKAGE / "plan", ("fsdp_presets.train", "fsdp_presets.checkpoint")) == []
+CONFIG_FLOW = ("model", "plan", "preset", "rehearse", "check")
+"""From a model to a checked config, in the order the data flows: each stage imports only the
+stages before it (and the base modules), never the ones after it, the run side or the commands."""
+RUN_SIDE = ("train", "checkpoint", "compare", "commands", "cli")
 
 
-def test_checkpoint_never_imports_plan():
-    assert violations(PACKAGE / "checkpoint", ("fsdp_presets.plan",)) == []
+@pytest.mark.parametrize("stage", CONFIG_FLOW)
+def test_config_stages_import_only_earlier_stages(stage):
+    later = CONFIG_FLOW[CONFIG_FLOW.index(stage) + 1:]
+    forbidden = tuple(f"fsdp_presets.{name}" for name in (*later, *RUN_SIDE))
+    assert violations(PACKAGE / stage, forbidden) == []
+
+
+def test_checkpoint_never_imports_the_config_stages():
+    """Checkpoints are read and written without knowing how their config was chosen."""
+    forbidden = tuple(f"fsdp_presets.{name}" for name in (*CONFIG_FLOW, "train", "compare", "commands", "cli"))
+    assert violations(PACKAGE / "checkpoint", forbidden) == []
 
 
 def sys_path_edits(path: Path, root: Path = REPO) -> list[str]:
@@ -108,10 +120,10 @@ def test_the_sys_path_scan_finds_an_edit(tmp_path):
     assert sorted(sys_path_edits(script, root=tmp_path)) == ["x.py:2", "x.py:3", "x.py:4", "x.py:5"]
 
 
-BASE_MODULES = ("errors", "fileio", "arguments", "numerics", "cpu_fsdp", "clean_exit", "faults")
+BASE_MODULES = ("errors", "fileio", "arguments", "numerics", "cpu_fsdp", "clean_exit", "faults", "schema")
 """The small top-level modules every subpackage may use: they sit under the flow, so they import
 none of its stages (nor the commands)."""
-SUBPACKAGES = tuple(f"fsdp_presets.{name}" for name in ("plan", "train", "checkpoint", "compare", "commands", "cli"))
+SUBPACKAGES = tuple(f"fsdp_presets.{name}" for name in (*CONFIG_FLOW, *RUN_SIDE))
 
 
 @pytest.mark.parametrize("name", BASE_MODULES)

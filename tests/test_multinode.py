@@ -15,7 +15,7 @@ import yaml
 
 from conftest import REPO, WORKERS, accelerate_config
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
+from fsdp_presets.preset.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
                                     job_from_config, render_slurm)
 from fsdp_harness.launch import free_port, launch_env, read_rank_results
 

@@ -22,7 +22,7 @@ from fsdp_presets.plan.planner import (
     shard_numel,
     zero_model_state_bytes,
 )
-from fsdp_presets.plan.profile import ModelDims, ModelProfile, Unit
+from fsdp_presets.model.profile import ModelDims, ModelProfile, Unit
 
 GB = 1e9  # the ZeRO paper's figures are in decimal gigabytes
 
@@ -370,7 +370,7 @@ def test_fused_experts_are_sharded_by_expert_rows():
     """FSDP2 shards each parameter on dim 0; Mixtral's fused expert tensors have 8 rows, so over
     32 ranks rank 0 still holds one whole expert of each: a rehearsal at 32 GPUs measured 21.2 GiB
     of fp32 parameters on rank 0, not the 5.4 GiB an even split gives."""
-    from fsdp_presets.plan.profile import profile_model
+    from fsdp_presets.model.profile import profile_model
 
     profile = profile_model("model_configs/mixtral-8x7b")
     at = {n: plan(profile, Hardware(gpus=n, gpu_memory_bytes=80 * GiB), TrainingShape(seq_len=4096)).get("FULL_SHARD", 2)
@@ -382,8 +382,10 @@ def test_fused_experts_are_sharded_by_expert_rows():
 def test_split_modules_keep_every_old_import_path():
     """The planner, presets, profile and family registry were split by concept; every name other
     code imported from the old modules still resolves to the same object."""
-    from fsdp_presets.plan import (activations, choices, communication, families, family, lora_memory, model_loading,
-                                   model_profile, model_state, planner, presets, profile, request, results, shapes)
+    from fsdp_presets.plan import (activations, communication, lora_memory, model_state, planner, results,
+                                   shapes)
+    from fsdp_presets.preset import choices, presets, request
+    from fsdp_presets.model import families, family, model_loading, model_profile, profile
 
     for module, names in ((planner, planner.__all__), (presets, presets.__all__), (profile, profile.__all__),
                           (families, families.__all__)):

@@ -11,7 +11,7 @@ import pytest
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.planner import (GiB, Hardware, LoraShape, TrainingShape, adapter_params, base_storage_bytes,
                                   plan)
-from fsdp_presets.plan.profile import profile_model
+from fsdp_presets.model.profile import profile_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,8 +126,8 @@ def _generate(tmp_path, *words):
 def test_generate_qlora_records_what_accelerate_yaml_cannot(tmp_path):
     import yaml
 
-    from fsdp_presets.plan.emit import read_metadata
-    from fsdp_presets.plan.check import CheckContext, check_file
+    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.check.lint import CheckContext, check_file
 
     done = _generate(tmp_path, "--gpus", "2", "--gpu-memory", "24", "--method", "qlora", "--lora-r", "8",
                      "--lora-target-modules", "q_proj,v_proj", "--baseline", "ddp", "-o", "q.yaml")
@@ -159,7 +159,7 @@ def test_generate_lora_fsdp1_keeps_original_parameters(tmp_path):
 
 
 def test_generate_full_header_has_no_method_fields(tmp_path):
-    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.preset.emit import read_metadata
 
     assert _generate(tmp_path, "--gpus", "2", "-o", "f.yaml").returncode == 0
     request = read_metadata((tmp_path / "f.yaml").read_text())["request"]

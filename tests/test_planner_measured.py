@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, fsdp2_shard_numel, plan
-from fsdp_presets.plan.profile import profile_model
+from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
 from fsdp_harness.measure import sent_bytes
 

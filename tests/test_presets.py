@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from fsdp_presets import cli
-from fsdp_presets.plan.emit import read_metadata, render_preset
+from fsdp_presets.preset.emit import read_metadata, render_preset
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.presets import PresetRequest, decide, parse_global_batch
-from fsdp_presets.plan.profile import profile_model
+from fsdp_presets.preset.presets import PresetRequest, decide, parse_global_batch
+from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import free_port, read_rank_results, run_launch
 
 REPO = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ def _expected(metadata: dict) -> dict:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_file_loads_in_accelerate_with_the_intended_settings(name):
-    from fsdp_presets.plan.check import accelerate_view
+    from fsdp_presets.check.lint import accelerate_view
 
     path = CONFIGS / name
     metadata = read_metadata(path.read_text())
@@ -231,7 +231,7 @@ def test_shipped_file_loads_in_accelerate_with_the_intended_settings(name):
 
 
 def test_fsdp1_preset_loads_as_fsdp1_with_its_extras(tmp_path):
-    from fsdp_presets.plan.check import accelerate_view
+    from fsdp_presets.check.lint import accelerate_view
 
     assert cli.main(["generate", "qwen2", "--device", "cpu", "--gpus", "2", "--fsdp-version", "1", "--strategy",
                      "grad-op", "--seq-len", "16", "--global-batch", "8", "-o", str(tmp_path / "f1.yaml")]) == 0

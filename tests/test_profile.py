@@ -19,9 +19,9 @@ import transformers
 from transformers import AutoConfig
 from transformers.utils import logging as hf_logging
 
-from fsdp_presets.plan import families
+from fsdp_presets.model import families
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.profile import (
+from fsdp_presets.model.profile import (
     ModelDims,
     ModelProfile,
     Unit,

@@ -97,10 +97,10 @@ def test_bad_input_exits_2_with_the_fix(argv, message, capsys):
 
 
 def test_every_shipped_gpu_preset_has_a_current_rehearsal_that_fits():
-    """Each shipped GPU preset's header states its rehearsed peak (fsdp_presets.plan.rehearsed_presets),
+    """Each shipped GPU preset's header states its rehearsed peak (fsdp_presets.preset.rehearsed_presets),
     below its GPU memory, and the planner agrees with it within 10%."""
-    from fsdp_presets.plan.emit import read_metadata
-    from fsdp_presets.plan.rehearsed_presets import NOT_REHEARSED, recorded_rehearsal
+    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.rehearsed_presets import NOT_REHEARSED, recorded_rehearsal
 
     checked = 0
     for path in sorted((REPO / "accelerate_configs").glob("*.yaml")):
@@ -154,7 +154,7 @@ def test_each_family_agrees_with_the_planner():
 
 @pytest.mark.slow
 def test_shipped_8b_preset_rehearses_as_recorded():
-    from fsdp_presets.plan.rehearsed_presets import REHEARSED
+    from fsdp_presets.preset.rehearsed_presets import REHEARSED
 
     code, document, stderr = rehearse_cli("accelerate_configs/llama-3.1-8b_1x8.yaml")
     assert code == 0 and document is not None, stderr[-3000:]
@@ -167,7 +167,7 @@ def test_shipped_8b_preset_rehearses_as_recorded():
 def test_request_from_flags_fills_the_defaults_and_refuses_what_is_not_rehearsed():
     from fsdp_presets.arguments import DEFAULT_SEQ_LEN
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.rehearse_request import request_from_flags
+    from fsdp_presets.rehearse.request import request_from_flags
 
     request = request_from_flags("llama", gpus=16, nodes=2, grad_accum=4)
     assert (request.strategy, request.precision, request.seq_len, request.micro_batch, request.global_batch) == \

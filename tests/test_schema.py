@@ -1,4 +1,4 @@
-"""The accelerate config schema table (fsdp_presets.plan.schema): it is the one place that spells
+"""The accelerate config schema table (fsdp_presets.schema): it is the one place that spells
 an accelerate FSDP key, and its defaults are accelerate's own."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_presets.plan import schema
-from fsdp_presets.plan.check import accelerate_view
-from fsdp_presets.plan.emit import written_config
+from fsdp_presets import schema
+from fsdp_presets.check.lint import accelerate_view
+from fsdp_presets.preset.emit import written_config
 
 REPO = Path(__file__).resolve().parent.parent
 SCANNED = ("fsdp_presets", "scripts", "recipes", "fsdp_harness")
-OWNER = REPO / "fsdp_presets" / "plan" / "schema.py"
+OWNER = REPO / "fsdp_presets" / "schema.py"
 KEY_NAMES = frozenset(key.name for key in schema.FSDP_KEYS) | {schema.FSDP_CONFIG}
 WORD = re.compile(r"\bfsdp_[a-z0-9_]+\b(:?)")
 # Python names that share a key's spelling: `Parallelism.fsdp_version`, the plugin's `fsdp_version`, the
@@ -69,7 +69,7 @@ def test_each_accelerate_fsdp_key_is_spelled_only_in_the_schema_table():
                 if (str(path.relative_to(REPO)), key) in ALLOWED:
                     continue
                 spelled.setdefault(key, []).append(f"{path.relative_to(REPO)}:{line}")
-    assert not spelled, ("accelerate keys spelled outside fsdp_presets/plan/schema.py (use schema.K / "
+    assert not spelled, ("accelerate keys spelled outside fsdp_presets/schema.py (use schema.K / "
                          f"schema.FSDP_CONFIG or the emitter's writer): {spelled}")
     # ... and the table spells every one of them in full (so that grep finds it there)
     owner = OWNER.read_text(encoding="utf-8")

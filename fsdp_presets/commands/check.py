@@ -8,8 +8,8 @@ before a launch wastes cluster time.
 The file is loaded the way ``accelerate launch`` loads it (and the FSDP plugin built from it), then
 checked against accelerate's own key lists, the model and the planner. With a model, accelerate's
 own FSDP preparation of it runs under a fake process group (a few seconds, no weights, no GPU:
-:mod:`fsdp_presets.plan.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
-launch. Each finding has a stable rule id (:data:`fsdp_presets.plan.check.RULES`). Exit status: 0 no errors
+:mod:`fsdp_presets.check.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
+launch. Each finding has a stable rule id (:data:`fsdp_presets.check.lint.RULES`). Exit status: 0 no errors
 (warnings and notes do not fail), 1 errors, 2 bad input.
 """
 
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.errors import UsageError
 
     if args.list_rules:
-        from fsdp_presets.plan.check import RULES
+        from fsdp_presets.check.lint import RULES
 
         for rule, (severity, what) in RULES.items():
             print(f"{rule:34} {severity:8} {what}")
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise UsageError("; ".join(problems))
 
-    from fsdp_presets.plan.check import CheckContext, check_file, model_facts
+    from fsdp_presets.check.lint import CheckContext, check_file, model_facts
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.trust_remote_code:
@@ -114,7 +114,7 @@ def _model_from_header(path, cache: dict, model_facts):
     """The model a generated preset names in its metadata line, when it can be profiled here."""
     from pathlib import Path
 
-    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.preset.emit import read_metadata
     from fsdp_presets.errors import UsageError
 
     try:
@@ -161,7 +161,7 @@ def _human(report, view, facts, model_note) -> list[str]:
 
 
 def _note(item) -> str:
-    from fsdp_presets.plan.schema import K
+    from fsdp_presets.schema import K
 
     short = {
         "fsdp-version-missing": f"no {K.version} (FSDP1, accelerate's default)",

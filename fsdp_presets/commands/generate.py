@@ -7,7 +7,7 @@ on this cluster, with a header saying why, and optionally its DDP baseline.
     fsdp-presets generate --from accelerate_configs/llama_2x8.yaml --gpus 8 -o llama_1x8.yaml   # rescale
     fsdp-presets generate llama --device cpu --gpus 2 --seq-len 64 -o cpu.yaml                  # CPU host
 
-Every ``auto`` choice comes from the planner (see :mod:`fsdp_presets.plan.presets`). Rescaling
+Every ``auto`` choice comes from the planner (see :mod:`fsdp_presets.preset.presets`). Rescaling
 (``--from``) re-decides for the new GPU count keeping the global batch and prints what changed.
 Files are written only after everything is decided and the text has been loaded back through
 accelerate's own config loader; each is written to a temporary file and moved into place, so an
@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.emit import LaunchHints
-    from fsdp_presets.plan.generate import rescale_source, rescaled_request, stored_launch
-    from fsdp_presets.plan.presets import PresetRequest
+    from fsdp_presets.preset.emit import LaunchHints
+    from fsdp_presets.preset.generate import rescale_source, rescaled_request, stored_launch
+    from fsdp_presets.preset.presets import PresetRequest
 
     given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
     problems = []
@@ -110,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
         request = PresetRequest(model=args.model, **given)
         launch = LaunchHints(model=args.launch_model, data=args.launch_data)
 
-    from fsdp_presets.plan.emit import command_text, default_baseline_path, launch_words
-    from fsdp_presets.plan.generate import check_generated_output, load_profile, render_files, write_files
-    from fsdp_presets.plan.generate import describe_changes
+    from fsdp_presets.preset.emit import command_text, default_baseline_path, launch_words
+    from fsdp_presets.preset.generate import check_generated_output, load_profile, render_files, write_files
+    from fsdp_presets.preset.generate import describe_changes
 
     output = str(args.output)
     baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None
@@ -121,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
     profile = load_profile(request.model, trust_remote_code=args.trust_remote_code)
     files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch)
+    from fsdp_presets.check.lint import check_generated
+
+    check_generated(files, device=request.device)
     if old is not None and preset.batch.global_samples != old["summary"]["global_batch"]:
         raise UsageError(f"rescaling changed the global batch from {old['summary']['global_batch']} to "
                          f"{preset.batch.global_samples} sequences; pass --global-batch to choose one")
@@ -128,12 +131,12 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from fsdp_presets.commands.launcher import job_from_args, launcher_path, write_from_args
-    from fsdp_presets.plan.launchers import check_launcher_output
+    from fsdp_presets.preset.launchers import check_launcher_output
 
     launch_command = launch_words(preset, config_file=output, launch=launch)
     job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
                         default_command=launch_command, config=yaml.safe_load(files[output]))
-    from fsdp_presets.plan.launchers import carries_token
+    from fsdp_presets.preset.launchers import carries_token
 
     if any(carries_token(text) for text in files.values()):
         raise UsageError("the generated config would carry a value that looks like an access token (hf_..., sk-...; "

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give a MODEL: a family name, a model folder or a config.json path "
                          "(`fsdp-presets inspect --list` lists the families)")
 
-    from fsdp_presets.plan.profile import profile_model
+    from fsdp_presets.model.profile import profile_model
 
     # transformers' advisory warnings (token ids, deprecated keys) are noise for an inspection.
     # The variable is read when transformers is first imported, which bad input never reaches.
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- human output
 
 def format_profile(profile, *, source: str = "") -> str:
-    """The readable form of a :class:`~fsdp_presets.plan.profile.ModelProfile`."""
+    """The readable form of a :class:`~fsdp_presets.model.profile.ModelProfile`."""
     from fsdp_presets.fileio import format_count
     from fsdp_presets.plan.tables import text_table
 
@@ -137,7 +137,7 @@ def format_profile(profile, *, source: str = "") -> str:
 
 
 def _families_table() -> str:
-    from fsdp_presets.plan.families import FAMILIES
+    from fsdp_presets.model.families import FAMILIES
     from fsdp_presets.plan.tables import text_table
 
     rows = [[family.name, family.model_type, family.kind, family.note] for family in FAMILIES]

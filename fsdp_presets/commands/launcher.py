@@ -1,5 +1,5 @@
 """``fsdp-presets launcher CONFIG --launcher slurm|torchrun|accelerate --command "SCRIPT ARGS"``: the launch
-script of a multi-node job for an accelerate config (see :mod:`fsdp_presets.plan.launchers`).
+script of a multi-node job for an accelerate config (see :mod:`fsdp_presets.preset.launchers`).
 
     fsdp-presets launcher accelerate_configs/llama_hsdp.yaml --launcher slurm --time 24:00:00 \\
         --command "recipes/causal_lm.py --model runs/models/llama --data data/kjv_sft/train.jsonl --output-dir runs/x"
@@ -24,7 +24,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, with_mesh: bool = T
     """The launcher options. ``with_mesh=False`` leaves out --nodes/--gpus and ``with_output=False``
     --launch-output (for a command that already has them)."""
     from fsdp_presets import arguments
-    from fsdp_presets.plan.launchers import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_PORT, LAUNCHER_KINDS
+    from fsdp_presets.preset.launchers import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_PORT, LAUNCHER_KINDS
 
     group = parser.add_argument_group("launch script")
     group.add_argument("--launcher", choices=LAUNCHER_KINDS,
@@ -53,13 +53,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, with_mesh: bool = T
 
 def job_from_args(args: argparse.Namespace, config_file, *, nodes=None, gpus_per_node=None,
                   default_command: list[str] | None = None, config: dict | None = None):
-    """The :class:`~fsdp_presets.plan.launchers.Job` of ``args`` for ``config_file`` (None when no
+    """The :class:`~fsdp_presets.preset.launchers.Job` of ``args`` for ``config_file`` (None when no
     ``--launcher`` was asked for): every launcher flag checked, nothing written. Without
     ``--command``, the training command is taken from ``default_command`` (a full ``accelerate
     launch ... SCRIPT.py ARGS`` line: from the script on). ``config``: the config's settings when
     the file is not written yet."""
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.launchers import job_from_config
+    from fsdp_presets.preset.launchers import job_from_config
 
     if not getattr(args, "launcher", None):
         return None
@@ -85,14 +85,14 @@ def launcher_path(args: argparse.Namespace, config_file):
     """Where ``args.launcher``'s script goes: ``--launch-output``/``-o``, else next to the config."""
     from pathlib import Path
 
-    from fsdp_presets.plan.launchers import default_script_path
+    from fsdp_presets.preset.launchers import default_script_path
 
     return Path(args.launch_output) if args.launch_output else default_script_path(config_file, args.launcher)
 
 
 def made_by() -> str:
     """The command line that is running, for a script's ``# Made by:`` line (quoted there)."""
-    from fsdp_presets.plan.quoting import shell_join
+    from fsdp_presets.preset.quoting import shell_join
 
     return "fsdp-presets " + shell_join(sys.argv[1:]) if sys.argv[1:] else "fsdp-presets"
 
@@ -101,7 +101,7 @@ def write_from_args(args: argparse.Namespace, config_file, *, nodes=None, gpus_p
                     default_command: list[str] | None = None, job=None):
     """Write the launcher ``args.launcher`` for ``config_file``; returns its path (None when no
     ``--launcher`` was asked for). ``job``: one :func:`job_from_args` made already."""
-    from fsdp_presets.plan.launchers import write_launcher
+    from fsdp_presets.preset.launchers import write_launcher
 
     if job is None:
         job = job_from_args(args, config_file, nodes=nodes, gpus_per_node=gpus_per_node,
@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_presets.plan.quoting import shell_word
+    from fsdp_presets.preset.quoting import shell_word
 
     path = write_from_args(args, args.config)
     hint = (f"sbatch {shell_word(str(path))}" if args.launcher == "slurm"

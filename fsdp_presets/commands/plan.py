@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise UsageError("; ".join(problems))
 
-    from fsdp_presets.plan.generate import load_profile
+    from fsdp_presets.preset.generate import load_profile
 
     profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)

@@ -10,7 +10,7 @@ The step is the causal-LM recipe's (forward, ``logits[:, :-1].float()`` summed c
 backward under ``no_sync`` accumulation, clipping, AdamW), on the model's real architecture,
 prepared by accelerate's own FSDP2 code, as rank 0 of a fake process group of N ranks with fake
 tensors: no weights, no GPUs, a few hundred MiB of host RAM. How, and what it cannot see:
-:mod:`fsdp_presets.plan.rehearsal`. FSDP1 and DDP are not rehearsed (torch's memory tracker follows
+:mod:`fsdp_presets.rehearse.rehearsal`. FSDP1 and DDP are not rehearsed (torch's memory tracker follows
 FSDP2 only); CPU offload is rehearsed without it and the offloaded states subtracted.
 
 Exit status: 0 when the rehearsed peak fits the GPU memory, 1 when it does not, 2 on bad input.
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.errors import UsageError
     from fsdp_presets.plan.methods import lora_from_args
-    from fsdp_presets.plan.rehearse_request import (METHOD_NOT_REHEARSED, rehearse_request, request_from_flags,
+    from fsdp_presets.rehearse.request import (METHOD_NOT_REHEARSED, rehearse_request, request_from_flags,
                                                     request_from_preset)
 
     if (args.method or "full") != "full":

@@ -8,13 +8,13 @@ import math
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from fsdp_presets.plan.model_profile import ModelProfile
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.shapes import TrainingShape
 
 @dataclass(frozen=True, kw_only=True)
 class BlockActivations:
     """What one family's blocks keep for backward, in bytes per token and per hidden unit with
-    16-bit compute, measured by rehearsing a real training step (:mod:`fsdp_presets.plan.rehearsal`).
+    16-bit compute, measured by rehearsing a real training step (:mod:`fsdp_presets.rehearse.rehearsal`).
     Bytes of one block = coefficient x sequence x micro-batch x hidden size."""
 
     saved: float

@@ -5,7 +5,7 @@ in :mod:`fsdp_presets.plan.planner`).
 from __future__ import annotations
 
 from fsdp_presets.plan.model_state import fsdp_units, shard_numel
-from fsdp_presets.plan.model_profile import ModelProfile
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import CommBytes
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 

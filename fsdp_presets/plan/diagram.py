@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fsdp_presets.fileio import byte_unit
 from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, fsdp_units, shard_numel
-from fsdp_presets.plan.profile import ModelProfile
+from fsdp_presets.model.profile import ModelProfile
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 COLORS = {

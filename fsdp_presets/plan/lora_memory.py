@@ -12,7 +12,7 @@ from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_pe
                                            mlp_width)
 from fsdp_presets.plan.communication import collectives
 from fsdp_presets.plan.model_state import ACCUMULATED_GRAD_BYTES, fsdp_units, shard_numel
-from fsdp_presets.plan.model_profile import ModelProfile
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import CommBytes, ModelStateBytes, PerGpuBytes
 from fsdp_presets.plan.shapes import (OPTIMIZER_STATE_BYTES, STORED_PARAM_BYTES, Hardware, LoraShape,
                                       TrainingShape)

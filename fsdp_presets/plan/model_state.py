@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fsdp_presets.plan.model_profile import ModelProfile
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import ModelStateBytes
 from fsdp_presets.plan.shapes import OPTIMIZER_STATE_BYTES, STORED_PARAM_BYTES, TrainingShape
 

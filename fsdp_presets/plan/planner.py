@@ -1,6 +1,6 @@
 """What training a model costs per GPU, for every data-parallel strategy: a ``MemoryPlan``.
 
-Pure arithmetic on a :class:`~fsdp_presets.plan.profile.ModelProfile`; no torch, no files::
+Pure arithmetic on a :class:`~fsdp_presets.model.profile.ModelProfile`; no torch, no files::
 
     memory_plan = plan(profile, Hardware(gpus=8, gpu_memory_bytes=80 * GiB),
                        TrainingShape(seq_len=4096, micro_batch=2))
@@ -66,7 +66,7 @@ from fsdp_presets.plan.lora_memory import (NF4_BYTES_PER_PARAM, QUANT_CONSTANT_B
 from fsdp_presets.plan.model_state import (ACCUMULATED_GRAD_BYTES, ShardUnit, fsdp2_shard_numel, fsdp_units,
                                            fused_expert_params, input_embedding_params, model_state_bytes,
                                            shard_numel, zero_model_state_bytes)
-from fsdp_presets.plan.model_profile import ModelProfile
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import (CommBytes, MemoryPlan, ModelStateBytes, PerGpuBytes, Strategy,
                                        StrategyPlan)
 from fsdp_presets.plan.shapes import (ALLOCATOR_RESERVE_FRACTION, DEFAULT_LORA_R, DEFAULT_RESERVED_BYTES, METHODS,
@@ -349,7 +349,7 @@ def fit_seq_len(shape, profile, *, given: int | None):
     its config stands cannot take it (a learned position table has no row for it; a rotary model
     runs past its trained context and the recipes' positions would not match the config), so a
     plan for it would describe a run that cannot happen as configured. The default is capped with
-    a note instead, as ``generate`` does (:func:`fsdp_presets.plan.presets.decide`)."""
+    a note instead, as ``generate`` does (:func:`fsdp_presets.preset.presets.decide`)."""
     limit = profile.dims.max_position_embeddings
     if not limit or shape.seq_len <= limit:
         return shape, None

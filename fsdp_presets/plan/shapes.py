@@ -44,7 +44,7 @@ kernels are loaded; 1 GiB is a round, deliberately cautious figure (override per
 
 ALLOCATOR_RESERVE_FRACTION = 0.05
 """Share of a GPU's memory kept back for what a rehearsal on CPU cannot see
-(:mod:`fsdp_presets.plan.rehearsal`): the CUDA caching allocator rounds every block up (to 512 B, and
+(:mod:`fsdp_presets.rehearse.rehearsal`): the CUDA caching allocator rounds every block up (to 512 B, and
 large ones to 2 MiB segments) and fragments, and CUDA-only kernels take workspaces. PyTorch's
 own guidance on fragmentation (``PYTORCH_CUDA_ALLOC_CONF``, CUDA semantics notes) gives no single
 figure; 5% is a cautious round one. Added to :data:`DEFAULT_RESERVED_BYTES` by default."""
@@ -76,7 +76,7 @@ def mesh_problems(gpus, nodes) -> list[str]:
 
 class OnNodes:
     """``gpus`` spread evenly over ``nodes``: the planner's :class:`Hardware` and the user's
-    :class:`~fsdp_presets.plan.request.PresetRequest` (both check that ``nodes`` divides ``gpus``)."""
+    :class:`~fsdp_presets.preset.request.PresetRequest` (both check that ``nodes`` divides ``gpus``)."""
 
     @property
     def gpus_per_node(self) -> int:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.schema import K
+from fsdp_presets.schema import K
 
 from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL,  # noqa: F401
                                             ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS, DCP_METADATA, MERGED, MODEL_CONFIG)

@@ -18,7 +18,7 @@ from accelerate import Accelerator
 import fsdp_presets
 from fsdp_harness.measure import sharded_element_counts
 from fsdp_harness.tiny_model import counting_batch
-from fsdp_presets.plan import families
+from fsdp_presets.model import families
 from fsdp_presets.train import loop
 
 

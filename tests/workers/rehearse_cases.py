@@ -18,8 +18,8 @@ def main() -> int:
     from transformers.utils import logging as hf_logging
 
     from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
-    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
-    from fsdp_presets.plan.rehearsal import rehearse
+    from fsdp_presets.model.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.rehearse.rehearsal import rehearse
 
     hf_logging.set_verbosity_error()
     for text in sys.argv[1:]:

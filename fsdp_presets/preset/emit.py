@@ -1,4 +1,4 @@
-"""A :class:`~fsdp_presets.plan.presets.Preset` said to accelerate: its config dict, in accelerate's own
+"""A :class:`~fsdp_presets.preset.presets.Preset` said to accelerate: its config dict, in accelerate's own
 schema (what ``accelerate config`` writes), and the YAML text with a self-describing header::
 
     text = render_preset(preset, output="accelerate_configs/llama_1x8.yaml")
@@ -9,9 +9,9 @@ launches it, the planner's numbers behind its choices and the reasons. Accelerat
 top-level keys (``ClusterConfig.from_yaml_file``), so the one machine-readable line that
 rescaling reads back (``# fsdp-presets: {...}``) is a comment. Pure: text in, text out.
 
-Every key and its order come from the table in :mod:`fsdp_presets.plan.schema`;
+Every key and its order come from the table in :mod:`fsdp_presets.schema`;
 :func:`written_config` builds any other config (tests, scripts) through the same table; the
-commands the header names come from :mod:`fsdp_presets.plan.emit_commands`.
+commands the header names come from :mod:`fsdp_presets.preset.emit_commands`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import textwrap
 import yaml
 
 from fsdp_presets.fileio import format_bytes, format_count
-from fsdp_presets.plan.emit_commands import (  # noqa: F401 - the commands, importable from here too
+from fsdp_presets.preset.emit_commands import (  # noqa: F401 - the commands, importable from here too
     _SHELL_VARIABLES,
     RECIPE,
     LaunchHints,
@@ -36,13 +36,13 @@ from fsdp_presets.plan.emit_commands import (  # noqa: F401 - the commands, impo
     lora_recipe_words,
 )
 from fsdp_presets.plan.planner import GiB
-from fsdp_presets.plan.presets import (
+from fsdp_presets.preset.presets import (
     DEFAULT_GPU_MEMORY_GIB,
     DEFAULT_HOST_MEMORY_GIB,
     Preset,
 )
-from fsdp_presets.plan.quoting import comment_text, is_one_line, shell_word
-from fsdp_presets.plan.schema import (
+from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word
+from fsdp_presets.schema import (
     FSDP_CONFIG,
     FSDP_KEYS,
     PARALLELISM_CONFIG,
@@ -68,7 +68,7 @@ _WIDTH = 100
 
 def accelerate_config(preset: Preset) -> dict:
     """The accelerate config of ``preset`` (FSDP), keys in the order ``accelerate config`` writes:
-    every key of :data:`~fsdp_presets.plan.schema.FSDP_KEYS` written for its FSDP version, with the
+    every key of :data:`~fsdp_presets.schema.FSDP_KEYS` written for its FSDP version, with the
     Preset field or the constant (and the reason) the table names."""
     parallelism = preset.parallelism
     config = _machine_keys(preset, "FSDP")
@@ -94,7 +94,7 @@ def ddp_config(preset: Preset) -> dict:
 
 def ddp_baseline_of(config: dict) -> dict:
     """The DDP baseline of any accelerate config: its machine and precision keys, no sharding
-    section (:data:`~fsdp_presets.plan.schema.SHARDING_SECTIONS`), ``distributed_type: MULTI_GPU``."""
+    section (:data:`~fsdp_presets.schema.SHARDING_SECTIONS`), ``distributed_type: MULTI_GPU``."""
     baseline = {key: value for key, value in config.items() if key not in SHARDING_SECTIONS}
     baseline["distributed_type"] = "MULTI_GPU"  # DDP; on a CPU-only host it runs as MULTI_CPU over gloo
     return baseline
@@ -317,8 +317,8 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
 
 
 def _rehearsed_lines(preset: Preset, output: str) -> list[str]:
-    """What a rehearsal of this very preset measured (shipped presets: fsdp_presets.plan.rehearsed_presets)."""
-    from fsdp_presets.plan.rehearsed_presets import missing_rehearsal, recorded_rehearsal
+    """What a rehearsal of this very preset measured (shipped presets: fsdp_presets.preset.rehearsed_presets)."""
+    from fsdp_presets.preset.rehearsed_presets import missing_rehearsal, recorded_rehearsal
 
     record = recorded_rehearsal(output, preset.summary())
     if record is None:

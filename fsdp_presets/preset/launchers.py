@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from fsdp_presets.errors import UsageError, unknown_name_message
-from fsdp_presets.plan.quoting import comment_text, shell_word
+from fsdp_presets.preset.quoting import comment_text, shell_word
 
 LauncherKind = Literal["slurm", "torchrun", "accelerate"]
 LAUNCHER_KINDS: tuple[str, ...] = ("slurm", "torchrun", "accelerate")

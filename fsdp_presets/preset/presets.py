@@ -1,5 +1,5 @@
 """What to tell accelerate for one model and one cluster: a :class:`Preset`, each decision with
-its reason. Pure: a :class:`~fsdp_presets.plan.profile.ModelProfile` and a :class:`PresetRequest` in,
+its reason. Pure: a :class:`~fsdp_presets.model.profile.ModelProfile` and a :class:`PresetRequest` in,
 a ``Preset`` out (``emit.py`` turns it into YAML; only the CLI touches files)::
 
     profile = profile_model("model_configs/llama-3.1-8b")
@@ -25,15 +25,15 @@ from __future__ import annotations
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import format_bytes, format_count
-from fsdp_presets.plan.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
+from fsdp_presets.preset.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
-from fsdp_presets.plan.model_profile import ModelProfile
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingShape, plan
-from fsdp_presets.plan.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
+from fsdp_presets.preset.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
                                        DEFAULT_HOST_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
                                        STATE_DICT_CHOICES, STRATEGY_CHOICES, STRATEGY_NAMES, SWITCH_CHOICES,
                                        Device, PresetRequest, parse_global_batch)
-from fsdp_presets.plan.schema import K
+from fsdp_presets.schema import K
 
 __all__ = [  # what other modules import from here: the request and the decisions live beside it
     "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",

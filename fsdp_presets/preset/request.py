@@ -1,7 +1,7 @@
 """What the user asks ``fsdp-presets generate`` for: a :class:`PresetRequest`, every field checked
 on construction (the cluster by :class:`~fsdp_presets.plan.shapes.Hardware`, each number by the
 command line's own check in :mod:`fsdp_presets.arguments`), and the global batch as written
-(:func:`parse_global_batch`). The decisions it leads to: :mod:`fsdp_presets.plan.presets`.
+(:func:`parse_global_batch`). The decisions it leads to: :mod:`fsdp_presets.preset.presets`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``fsdp-presets check CONFIG.yaml --model MODEL`` runs accelerate's own FSDP preparation of the
 model as rank 0 of a fake process group of the config's size, with the environment ``accelerate
 launch`` would give the training processes. The harness is the rehearsal's
-(:func:`fsdp_presets.plan.rehearsal.fake_accelerate`: ``FakeStore``/backend ``fake``, the device mesh
+(:func:`fsdp_presets.rehearse.rehearsal.fake_accelerate`: ``FakeStore``/backend ``fake``, the device mesh
 built outside fake mode, an ``Accelerator`` from the launch environment, fake tensors)::
 
     probe = probe_wrapping("path/to/model", env, num_processes=8)
@@ -18,7 +18,7 @@ recording wrapper (building real FSDP1 units would materialise every parameter).
 a launch, and why it does not change the units: RAM-efficient loading and module-state sync are
 off (they move weights, not unit boundaries), and offload is off (the CPU host refuses it).
 
-It runs in a subprocess (``python -m fsdp_presets.plan.wrap_probe``): a process group and accelerate's
+It runs in a subprocess (``python -m fsdp_presets.check.wrap_probe``): a process group and accelerate's
 shared state are process-global, and ``check`` must leave its own process as it found it.
 """
 
@@ -72,7 +72,7 @@ def probe_wrapping(model_source: str, env: dict[str, str], num_processes: int, *
     """Run accelerate's FSDP preparation of ``model_source`` in a subprocess (see module docstring).
 
     ``env``: the variables ``accelerate launch`` sets for the training processes (``FSDP_*``,
-    ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*``), e.g. :attr:`fsdp_presets.plan.check.AccelerateView.env`.
+    ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*``), e.g. :attr:`fsdp_presets.check.lint.AccelerateView.env`.
     """
     request = {"model": model_source, "env": env, "world_size": int(num_processes),
                "trust_remote_code": trust_remote_code}
@@ -81,7 +81,7 @@ def probe_wrapping(model_source: str, env: dict[str, str], num_processes: int, *
     child_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
                       "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     try:
-        done = subprocess.run([sys.executable, "-m", "fsdp_presets.plan.wrap_probe"], input=json.dumps(request),
+        done = subprocess.run([sys.executable, "-m", "fsdp_presets.check.wrap_probe"], input=json.dumps(request),
                               capture_output=True, text=True, timeout=timeout_s, env=child_env)
     except subprocess.TimeoutExpired:
         return WrapProbe(skipped=f"the probe took more than {timeout_s:.0f} s")
@@ -167,8 +167,8 @@ def _child(request: dict) -> dict:
     logging.disable(logging.WARNING)
     import torch
 
-    from fsdp_presets.plan.profile import build_meta_model, load_config
-    from fsdp_presets.plan.rehearsal import fake_accelerate
+    from fsdp_presets.model.profile import build_meta_model, load_config
+    from fsdp_presets.rehearse.rehearsal import fake_accelerate
 
     trust = request["trust_remote_code"]
     try:

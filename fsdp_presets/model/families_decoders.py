@@ -1,12 +1,12 @@
 """The decoder families of the registry (dense and mixture-of-experts): plain data, one
-:class:`~fsdp_presets.plan.family.Family` each, written as a tiny base shape plus what differs.
-:data:`fsdp_presets.plan.families.FAMILIES` lists them first, then the encoders, encoder-decoders
+:class:`~fsdp_presets.model.family.Family` each, written as a tiny base shape plus what differs.
+:data:`fsdp_presets.model.families.FAMILIES` lists them first, then the encoders, encoder-decoders
 and vision models.
 """
 
 from __future__ import annotations
 
-from fsdp_presets.plan.family import DECODER_TINY, MOE_TINY, TINY_IDS, Family, decoder, moe_decoder, multimodal
+from fsdp_presets.model.family import DECODER_TINY, MOE_TINY, TINY_IDS, Family, decoder, moe_decoder, multimodal
 
 DECODER_FAMILIES: tuple[Family, ...] = (
     # ---------------------------------------------------------------- dense decoders

@@ -81,7 +81,7 @@ class FakeAccelerate:
 
     def build_model(self, config, *, trust_remote_code: bool = False):
         """The model of ``config`` (its transformers class, fp32 parameters) on fake tensors."""
-        from fsdp_presets.plan.profile import build_meta_model
+        from fsdp_presets.model.profile import build_meta_model
 
         import torch
 
@@ -129,7 +129,7 @@ def fake_accelerate(env: dict[str, str], *, world_size: int):
     any size through accelerate's own FSDP code without weights, GPUs or other processes.
 
     ``env``: the variables ``accelerate launch`` sets for the training processes (``FSDP_*``,
-    ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*``), e.g. ``fsdp_presets.plan.check.accelerate_view(path).env``.
+    ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*``), e.g. ``fsdp_presets.check.lint.accelerate_view(path).env``.
     :data:`FAKE_RUN_OVERRIDES` are applied on top. Everything is restored on exit: the process
     group is destroyed, accelerate's shared state reset and ``os.environ`` put back, so it can be
     used more than once in one process (one at a time).

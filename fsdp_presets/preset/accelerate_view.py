@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_presets.plan.schema import BOOLEAN_FSDP_KEYS, FSDP_PREFIX, PARALLELISM_PREFIX, K
+from fsdp_presets.schema import BOOLEAN_FSDP_KEYS, FSDP_PREFIX, PARALLELISM_PREFIX, K
 
 # The keys whose values are booleans. fsdp_reshard_after_forward is not one of them: `accelerate config`
 # writes FSDP1 strategy names there, and its own rule checks FSDP2's booleans.
@@ -186,7 +186,7 @@ class AccelerateView:
     processes_in_file: bool = True
     """False: the file has no num_processes and ``num_processes`` is the one assumed for the launch."""
     probe: Any = None
-    """The :class:`fsdp_presets.plan.wrap_probe.WrapProbe` of the model, when ``check`` proved the wrapping."""
+    """The :class:`fsdp_presets.check.wrap_probe.WrapProbe` of the model, when ``check`` proved the wrapping."""
 
     def fsdp_settings(self) -> dict | None:
         """The plugin's settings as plain values (for tests and ``check --json``)."""

@@ -3,12 +3,12 @@
 A family names the Hugging Face ``model_type`` it covers and a tiny config of that type
 (hidden 32, 2 layers, vocabulary 128) that builds a real model in milliseconds, for tests and
 for ``fsdp-presets inspect llama``. Nothing else is typed in by hand: block classes, tied
-weights, norms and parameter counts are read off the model by :mod:`fsdp_presets.plan.profile`.
+weights, norms and parameter counts are read off the model by :mod:`fsdp_presets.model.profile`.
 A ``model_type`` that is not listed here still profiles through that structural detection.
 
 Adding a family is adding one entry to the table of its kind, written with the builder of that
-kind (``decoder(...)``, ``encoder(...)``, ... in :mod:`fsdp_presets.plan.family`: a tiny base shape
-plus what differs): decoders in :mod:`fsdp_presets.plan.families_decoders`, the others below;
+kind (``decoder(...)``, ``encoder(...)``, ... in :mod:`fsdp_presets.model.family`: a tiny base shape
+plus what differs): decoders in :mod:`fsdp_presets.model.families_decoders`, the others below;
 ``tests/test_profile.py`` builds every entry for real.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fsdp_presets.errors import UsageError, unknown_name_message
-from fsdp_presets.plan.families_decoders import DECODER_FAMILIES
-from fsdp_presets.plan.family import ENCODER_TINY, KINDS, SEQ2SEQ_IDS, Family, Kind, encoder, seq2seq, vision
+from fsdp_presets.model.families_decoders import DECODER_FAMILIES
+from fsdp_presets.model.family import ENCODER_TINY, KINDS, SEQ2SEQ_IDS, Family, Kind, encoder, seq2seq, vision
 
 if TYPE_CHECKING:  # transformers is imported only when a config is built
     from transformers import PretrainedConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_presets.plan.check_accelerate import (
+from fsdp_presets.preset.accelerate_view import (
     _BOOLEAN_FSDP_KEYS,
     _boolean,
     _did_you_mean,
@@ -20,9 +20,9 @@ from fsdp_presets.plan.check_accelerate import (
     known_top_level_keys,
     plugin_option_defaults,
 )
-from fsdp_presets.plan.check_findings import FULL_FINETUNE_RULES, CheckContext, Finding, _sorted, finding
-from fsdp_presets.plan.check_rules_memory import _device_and_memory, _layout, _lora_rules
-from fsdp_presets.plan.schema import (
+from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, _sorted, finding
+from fsdp_presets.check.rules_memory import _device_and_memory, _layout, _lora_rules
+from fsdp_presets.schema import (
     BY_NAME,
     FSDP1_ONLY_KEYS,
     FSDP2_ONLY_KEYS,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from fsdp_presets.arguments import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import format_bytes, format_count
-from fsdp_presets.plan.check_accelerate import _boolean, _strategy_name, _whole
-from fsdp_presets.plan.check_findings import CheckContext, Finding, finding
+from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
+from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
-from fsdp_presets.plan.presets import full_state_dict_host_bytes
-from fsdp_presets.plan.schema import PARALLELISM_CONFIG, PEFT_WRAP_POLICY, K, P, fsdp_where
+from fsdp_presets.preset.presets import full_state_dict_host_bytes
+from fsdp_presets.schema import PARALLELISM_CONFIG, PEFT_WRAP_POLICY, K, P, fsdp_where
 
 
 def lora_shape(context: CheckContext):

@@ -1,11 +1,11 @@
 """The accelerate config keys this project writes, reads and checks: one table, used both ways.
 
-Every accelerate key name lives here and nowhere else: the emitter (:mod:`fsdp_presets.plan.emit`)
-writes a :class:`~fsdp_presets.plan.presets.Preset` through :data:`FSDP_KEYS`, the checker
-(:mod:`fsdp_presets.plan.check`) reads a file through it, and the tests' and scripts' config
+Every accelerate key name lives here and nowhere else: the emitter (:mod:`fsdp_presets.preset.emit`)
+writes a :class:`~fsdp_presets.preset.presets.Preset` through :data:`FSDP_KEYS`, the checker
+(:mod:`fsdp_presets.check.lint`) reads a file through it, and the tests' and scripts' config
 writers build their YAML through the emitter. Code names a key by its short name::
 
-    from fsdp_presets.plan.schema import K, FSDP_CONFIG
+    from fsdp_presets.schema import K, FSDP_CONFIG
     fsdp = config.get(FSDP_CONFIG) or {}
     if fsdp.get(K.sync_module_states) is False: ...
     f"set {K.sync_module_states}: true"            # the key as the user writes it
@@ -56,7 +56,7 @@ class ConfigKey:
     plugin_field: str | None = None
     """The ``FullyShardedDataParallelPlugin`` attribute it sets."""
     preset: str | None = None
-    """The :class:`~fsdp_presets.plan.presets.Preset` attribute path emitted as its value."""
+    """The :class:`~fsdp_presets.preset.presets.Preset` attribute path emitted as its value."""
     emitted: Any = None
     """A constant the emitter writes (where ``preset`` is None and ``emitted_for`` names versions)."""
     emitted_for: tuple[int, ...] = ()

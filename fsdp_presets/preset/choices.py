@@ -1,6 +1,6 @@
 """The decisions of a :class:`Preset`, each with its reason: parallelism, precision, memory savers,
-checkpoint format, wrapping and the batch split. Made by :func:`fsdp_presets.plan.presets.decide`;
-turned into YAML by :mod:`fsdp_presets.plan.emit`.
+checkpoint format, wrapping and the batch split. Made by :func:`fsdp_presets.preset.presets.decide`;
+turned into YAML by :mod:`fsdp_presets.preset.emit`.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fsdp_presets.plan.planner import MemoryPlan, StrategyPlan
-from fsdp_presets.plan.model_profile import ModelProfile
-from fsdp_presets.plan.request import PresetRequest
+from fsdp_presets.model.model_profile import ModelProfile
+from fsdp_presets.preset.request import PresetRequest
 
 
 # --------------------------------------------------------------------------- the preset

@@ -1,6 +1,6 @@
 """The contract the planner, the preset generator and the checker read: a :class:`ModelProfile`
 (with its :class:`ModelDims` and FSDP :class:`Unit` s), made by
-:func:`fsdp_presets.plan.profile.profile_model`. Standard library only.
+:func:`fsdp_presets.model.profile.profile_model`. Standard library only.
 """
 
 from __future__ import annotations

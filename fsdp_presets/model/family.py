@@ -1,5 +1,5 @@
 """One entry of the model-family registry (:class:`Family`) and the tiny shapes entries share.
-The registry itself: :mod:`fsdp_presets.plan.families`.
+The registry itself: :mod:`fsdp_presets.model.families`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the GPU, that the planner agrees with it within 10%, and rehearses one again to 
 
 Presets sharded over the same group size with the same micro-batch, checkpointing and gradient
 reduction hold the same bytes per GPU (the accumulation count beyond two and the HSDP replicas
-change the traffic, not the peak: see :data:`fsdp_presets.plan.rehearsal.REHEARSED_MICRO_BATCHES`);
+change the traffic, not the peak: see :data:`fsdp_presets.rehearse.rehearsal.REHEARSED_MICRO_BATCHES`);
 their entries (:data:`SAME_AS`) name the rehearsal they share and keep only what is their own
 (the change note); :data:`REHEARSED`, every file's full record, is derived from the two tables.
 """

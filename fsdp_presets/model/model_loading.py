@@ -141,7 +141,7 @@ def load_config(source: str, *, trust_remote_code: bool = False) -> "PretrainedC
 
     Raises UsageError, with the fix, for anything that is not one of those.
     """
-    from fsdp_presets.plan import families
+    from fsdp_presets.model import families
 
     path = Path(source).expanduser()
     if path.is_dir():

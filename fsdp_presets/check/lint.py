@@ -26,16 +26,16 @@ Three layers:
   environment; whatever accelerate raises becomes an ``accelerate-rejects`` finding (unless a rule
   above already names the same problem).
 * ``check_file(..., prove_wrapping=True)``: accelerate's FSDP preparation of the model itself
-  under a fake process group (:mod:`fsdp_presets.plan.wrap_probe`): a crash in ``prepare`` and
+  under a fake process group (:mod:`fsdp_presets.check.wrap_probe`): a crash in ``prepare`` and
   parameters in no unit become findings, and the real unit list is shown.
 
 Rule ids are stable (the docs cite them): see :data:`RULES`.
 
-Where the pieces live: :mod:`~fsdp_presets.plan.check_findings` (rules table, findings, context,
-report), :mod:`~fsdp_presets.plan.check_accelerate` (accelerate's key lists, value parsing, its view
-of a file), :mod:`~fsdp_presets.plan.check_rules_keys` (keys and values, :func:`lint_config`),
-:mod:`~fsdp_presets.plan.check_rules_memory` (layout, LoRA, device and memory); this module checks a
-file. Key names come from :mod:`fsdp_presets.plan.schema`.
+Where the pieces live: :mod:`~fsdp_presets.check.findings` (rules table, findings, context,
+report), :mod:`~fsdp_presets.preset.accelerate_view` (accelerate's key lists, value parsing, its view
+of a file), :mod:`~fsdp_presets.check.rules_keys` (keys and values, :func:`lint_config`),
+:mod:`~fsdp_presets.check.rules_memory` (layout, LoRA, device and memory); this module checks a
+file. Key names come from :mod:`fsdp_presets.schema`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import os
 from pathlib import Path
 
 # The checker's pieces, importable from here (the names other code uses).
-from fsdp_presets.plan.check_accelerate import (  # noqa: F401
+from fsdp_presets.preset.accelerate_view import (  # noqa: F401
     AccelerateRejected,
     AccelerateView,
     _whole,
@@ -54,7 +54,7 @@ from fsdp_presets.plan.check_accelerate import (  # noqa: F401
     known_top_level_keys,
     plugin_option_defaults,
 )
-from fsdp_presets.plan.check_findings import (  # noqa: F401
+from fsdp_presets.check.findings import (  # noqa: F401
     FULL_FINETUNE_RULES,
     RULES,
     CheckContext,
@@ -65,9 +65,9 @@ from fsdp_presets.plan.check_findings import (  # noqa: F401
     _sorted,
     finding,
 )
-from fsdp_presets.plan.check_rules_keys import lint_config  # noqa: F401
-from fsdp_presets.plan.check_rules_memory import lora_shape  # noqa: F401
-from fsdp_presets.plan.schema import FSDP_CONFIG, PARALLELISM_CONFIG, PARALLELISM_PREFIX, K, fsdp_where
+from fsdp_presets.check.rules_keys import lint_config  # noqa: F401
+from fsdp_presets.check.rules_memory import lora_shape  # noqa: F401
+from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, PARALLELISM_PREFIX, K, fsdp_where
 
 
 # --------------------------------------------------------------------------- a file
@@ -94,13 +94,13 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
     """Every finding for the file at ``path``, and accelerate's view of it (None when it refuses).
 
     ``prove_wrapping``: with a model in ``context``, also run accelerate's FSDP preparation of it
-    under a fake process group (:mod:`fsdp_presets.plan.wrap_probe`, a few seconds in a subprocess); the
+    under a fake process group (:mod:`fsdp_presets.check.wrap_probe`, a few seconds in a subprocess); the
     result is ``view.probe``, its crash or unsharded parameters become findings."""
     import dataclasses
 
     import yaml
 
-    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.preset.emit import read_metadata
 
     report = CheckReport(path=str(path))
     try:
@@ -158,7 +158,7 @@ _PROBES: dict = {}
 
 
 def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -> list[Finding]:
-    from fsdp_presets.plan.wrap_probe import WrapProbe, probe_wrapping
+    from fsdp_presets.check.wrap_probe import WrapProbe, probe_wrapping
 
     model = context.model
     sizes = view.mesh_sizes() or {}
@@ -203,7 +203,7 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
 
 def model_facts(source: str, *, trust_remote_code: bool = False) -> ModelFacts:
     """Profile ``source`` and list its module classes (built on the meta device)."""
-    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.model.profile import build_meta_model, load_config, profile_module
 
     model = build_meta_model(load_config(source, trust_remote_code=trust_remote_code),
                              trust_remote_code=trust_remote_code)
@@ -222,6 +222,20 @@ __all__ = [
     "RULES",
     "accelerate_view",
     "check_file",
+    "check_generated",
     "lint_config",
     "model_facts",
 ]
+
+
+def check_generated(files: dict, *, device: str) -> None:
+    """Raise unless every generated text (``{path: YAML text}``) passes the config rules: a
+    generated file that fails them is a bug in fsdp-presets, and is never written."""
+    import yaml
+
+    for path, text in files.items():
+        errors = [item for item in lint_config(yaml.safe_load(text), context=CheckContext(device=device))
+                  if item.severity == "error"]
+        if errors:
+            raise RuntimeError(f"generated {path} fails its own checks (a bug in fsdp-presets): "
+                               + "; ".join(f"{item.rule}: {item.message}" for item in errors))

@@ -18,15 +18,15 @@ from pathlib import Path
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import temporary_sibling
-from fsdp_presets.plan.request import PresetRequest, parse_global_batch
+from fsdp_presets.preset.request import PresetRequest, parse_global_batch
 
 
 def load_profile(source: str, *, trust_remote_code: bool = False):
-    """The model's :class:`~fsdp_presets.plan.profile.ModelProfile`, with transformers' advisory
+    """The model's :class:`~fsdp_presets.model.profile.ModelProfile`, with transformers' advisory
     warnings silenced (token ids, deprecated keys: noise for a plan)."""
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.plan.profile import profile_model
+    from fsdp_presets.model.profile import profile_model
 
     hf_logging.set_verbosity_error()
     return profile_model(source, trust_remote_code=trust_remote_code)
@@ -39,7 +39,7 @@ def rescale_source(path) -> tuple[dict | None, str | None]:
     """``(metadata, problem)`` of a preset to rescale (``generate --from PATH``): the header's
     ``# fsdp-presets:`` metadata of an FSDP preset with its request and global batch, or a
     problem saying why the file cannot be rescaled."""
-    from fsdp_presets.plan.emit import read_metadata
+    from fsdp_presets.preset.emit import read_metadata
 
     try:
         old = read_metadata(Path(path).read_text(encoding="utf-8"))
@@ -123,25 +123,16 @@ def stored_launch(old: dict) -> dict[str, str]:
 
 
 def render_files(profile, request, *, output: str, baseline_output: str | None, launch):
-    """``({path: text}, preset)``: decide and render, nothing written. The texts are checked with
-    the config rules first: a generated file that fails them is a bug, never written."""
-    import yaml
-
-    from fsdp_presets.plan.check import CheckContext, lint_config
-    from fsdp_presets.plan.emit import render_ddp_baseline, render_preset
-    from fsdp_presets.plan.presets import decide
+    """``({path: text}, preset)``: decide and render, nothing written (the caller checks the texts
+    with :func:`fsdp_presets.check.lint.check_generated` before writing them)."""
+    from fsdp_presets.preset.emit import render_ddp_baseline, render_preset
+    from fsdp_presets.preset.presets import decide
 
     preset = decide(profile, request)
     files = {output: render_preset(preset, output=output, baseline_output=baseline_output, launch=launch)}
     if baseline_output is not None:
         files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
                                                      launch=launch)
-    for path, text in files.items():
-        errors = [item for item in lint_config(yaml.safe_load(text), context=CheckContext(device=request.device))
-                  if item.severity == "error"]
-        if errors:
-            raise RuntimeError(f"generated {path} fails its own checks (a bug in fsdp-presets): "
-                               + "; ".join(f"{item.rule}: {item.message}" for item in errors))
     return files, preset
 
 
@@ -152,7 +143,7 @@ def check_generated_output(path, *, force: bool = False) -> None:
     """Refuse to replace an existing file that ``generate`` did not write (its header has no
     ``# fsdp-presets:`` line), unless ``force``: regenerating a generated file is what its header
     says to do, overwriting a hand-written one is not. Nothing is written."""
-    from fsdp_presets.plan.emit import METADATA_PREFIX, read_metadata
+    from fsdp_presets.preset.emit import METADATA_PREFIX, read_metadata
 
     path = Path(path)
     if force or not (path.exists() or path.is_symlink()):
@@ -171,7 +162,7 @@ def write_files(files: dict) -> None:
     """Write every file (``{Path: text}``) through a temporary file in its folder, each loaded back
     through accelerate's own loader before it replaces anything (``os.replace`` is atomic): either
     every file is replaced or none is."""
-    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
+    from fsdp_presets.preset.accelerate_view import AccelerateRejected, accelerate_view
 
     staged = []
     try:

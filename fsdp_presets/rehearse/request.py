@@ -1,7 +1,7 @@
 """What ``fsdp-presets rehearse`` rehearses and how its result reads beside the planner: the request
 of a generated preset or of the command's flags (:func:`request_from_preset`,
 :func:`request_from_flags`), its accelerate environment, and :func:`rehearse_request`, which runs
-one FSDP2 step at full size (:func:`fsdp_presets.plan.rehearsal.rehearse`) and returns the
+one FSDP2 step at full size (:func:`fsdp_presets.rehearse.rehearsal.rehearse`) and returns the
 document the command prints.
 """
 
@@ -20,15 +20,15 @@ NOT_REHEARSED = ("FSDP1 and DDP are not rehearsed (torch's FSDP memory tracker f
 """Said by every rehearsal, text and JSON."""
 CPU_BLIND_SPOTS = ("not seen on a CPU: the CUDA allocator's rounding and fragmentation, the CUDA context, "
                    "NCCL/cuBLAS workspaces and CUDA-only kernels; the planner reserves memory for them")
-"""What a rehearsal on CPU kernels leaves out (see fsdp_presets.plan.rehearsal)."""
+"""What a rehearsal on CPU kernels leaves out (see fsdp_presets.rehearse.rehearsal)."""
 
 
 def request_from_preset(path, *, overriding: list[str]) -> tuple:
     """``(PresetRequest, batch summary, env)`` of a generated preset file; ``overriding`` names the
     flags given besides it, which a preset fixes (refused)."""
-    from fsdp_presets.plan.check import AccelerateRejected, accelerate_view
-    from fsdp_presets.plan.emit import read_metadata
-    from fsdp_presets.plan.presets import PresetRequest
+    from fsdp_presets.preset.accelerate_view import AccelerateRejected, accelerate_view
+    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.presets import PresetRequest
 
     path = Path(path)
     if overriding:
@@ -64,9 +64,9 @@ def request_from_flags(model: str, *, gpus: int | None, nodes: int | None = None
                        grad_accum: int | None = None, seq_len: int | None = None, precision: str | None = None,
                        activation_checkpointing: str | None = None, strategy: str | None = None,
                        gpu_memory_gib: float | None = None):
-    """The :class:`~fsdp_presets.plan.presets.PresetRequest` of a model rehearsed with these
+    """The :class:`~fsdp_presets.preset.presets.PresetRequest` of a model rehearsed with these
     settings (None: the command's default), its global batch one optimizer step of them."""
-    from fsdp_presets.plan.presets import PresetRequest
+    from fsdp_presets.preset.presets import PresetRequest
 
     if gpus is None:
         raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
@@ -88,8 +88,8 @@ def request_from_flags(model: str, *, gpus: int | None, nodes: int | None = None
 def config_env(preset) -> dict[str, str]:
     """The environment `accelerate launch` gives the processes for ``preset``'s accelerate config:
     the config written by the emitter, read back through accelerate's own launcher code."""
-    from fsdp_presets.plan.check import accelerate_view
-    from fsdp_presets.plan.emit import accelerate_config, config_yaml
+    from fsdp_presets.preset.accelerate_view import accelerate_view
+    from fsdp_presets.preset.emit import accelerate_config, config_yaml
 
     handle, path = tempfile.mkstemp(suffix=".yaml", prefix="rehearse-")
     try:
@@ -105,7 +105,7 @@ def decide_unchecked(profile, request):
     fits: decided on GPUs large enough for anything, then re-planned on the asked memory."""
     from fsdp_presets.arguments import MAX_GPU_MEMORY_GIB, MAX_HOST_MEMORY_GIB
     from fsdp_presets.plan.planner import GiB, Hardware, plan
-    from fsdp_presets.plan.presets import decide
+    from fsdp_presets.preset.presets import decide
 
     roomy = dataclasses.replace(request, gpu_memory_gib=MAX_GPU_MEMORY_GIB, host_memory_gib=MAX_HOST_MEMORY_GIB)
     preset = decide(profile, roomy)
@@ -123,8 +123,8 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
     from transformers.utils import logging as hf_logging
 
     from fsdp_presets.plan.planner import plan
-    from fsdp_presets.plan.presets import decide
-    from fsdp_presets.plan.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.preset.presets import decide
+    from fsdp_presets.model.profile import build_meta_model, load_config, profile_module
 
     from_preset = preset_file
     if from_preset:
@@ -149,7 +149,7 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
         raise UsageError(f"{source}: {preset.row.label}: {NOT_REHEARSED}")
     shape, hardware = memory_plan.shape, memory_plan.hardware
 
-    from fsdp_presets.plan.rehearsal import rehearse
+    from fsdp_presets.rehearse.rehearsal import rehearse
 
     result = rehearse(config, env, world_size=hardware.gpus, seq_len=shape.seq_len, micro_batch=micro,
                       grad_accum=accumulation, reduce_every_micro_batch=shape.reduce_every_micro_batch,

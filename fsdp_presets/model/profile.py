@@ -9,8 +9,8 @@ profiles in about a second. Everything is read off the built model, not typed in
 * tied embeddings mean the input embedding and the output head hold the same parameter.
 
 The types are the contract the planner, preset generator and checker read
-(:mod:`fsdp_presets.plan.model_profile`); loading a config and building it on the meta device:
-:mod:`fsdp_presets.plan.model_loading`::
+(:mod:`fsdp_presets.model.model_profile`); loading a config and building it on the meta device:
+:mod:`fsdp_presets.model.model_loading`::
 
     profile = profile_model("llama")                    # a registry family (tiny debug config)
     profile = profile_model("path/to/model_folder")     # or a folder with config.json
@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.model_loading import build_meta_model, load_config
-from fsdp_presets.plan.model_profile import ModelDims, ModelProfile, Unit
-from fsdp_presets.plan.schema import K
+from fsdp_presets.model.model_loading import build_meta_model, load_config
+from fsdp_presets.model.model_profile import ModelDims, ModelProfile, Unit
+from fsdp_presets.schema import K
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time (the CLI imports us lazily)
     from torch import nn
