@@ -2,7 +2,7 @@
 count too, so a lazy import cannot slip past):
 
 - nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``);
-- the config stages (model, plan, preset, rehearse, check) import only the stages before them,
+- the config stages (model, rehearse, plan, preset, check) import only the stages before them,
   never the run side (train, checkpoint, compare) or the commands;
 - ``fsdp_presets.checkpoint`` imports none of the config stages (nor train or compare);
 - the small top-level modules (errors, fileio, arguments, ...) import no subpackage;
@@ -70,7 +70,7 @@ def test_runtime_package_never_imports_the_harness():
     assert violations(PACKAGE, ("fsdp_harness",)) == []
 
 
-CONFIG_FLOW = ("model", "plan", "preset", "rehearse", "check")
+CONFIG_FLOW = ("model", "rehearse", "plan", "preset", "check")
 """From a model to a checked config, in the order the data flows: each stage imports only the
 stages before it (and the base modules), never the ones after it, the run side or the commands."""
 RUN_SIDE = ("train", "checkpoint", "compare", "commands", "cli")

@@ -167,7 +167,7 @@ def test_shipped_8b_preset_rehearses_as_recorded():
 def test_request_from_flags_fills_the_defaults_and_refuses_what_is_not_rehearsed():
     from fsdp_presets.arguments import DEFAULT_SEQ_LEN
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.rehearse.request import request_from_flags
+    from fsdp_presets.preset.rehearse_request import request_from_flags
 
     request = request_from_flags("llama", gpus=16, nodes=2, grad_accum=4)
     assert (request.strategy, request.precision, request.seq_len, request.micro_batch, request.global_batch) == \

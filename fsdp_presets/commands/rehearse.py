@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.errors import UsageError
     from fsdp_presets.plan.methods import lora_from_args
-    from fsdp_presets.rehearse.request import (METHOD_NOT_REHEARSED, rehearse_request, request_from_flags,
+    from fsdp_presets.preset.rehearse_request import (METHOD_NOT_REHEARSED, rehearse_request, request_from_flags,
                                                     request_from_preset)
 
     if (args.method or "full") != "full":
