@@ -54,6 +54,8 @@ class ScriptFacts:
     """Line of the first ``.save_model(...)`` call."""
     has_callback: bool = False
     """``FSDPPresetsCallback`` is named in the script."""
+    full_state_dict_for_save: bool = False
+    """``set_state_dict_type("FULL_STATE_DICT")`` is called (PEFT's examples do it before ``save_model``)."""
     gradient_checkpointing_line: int | None = None
     """Line where gradient checkpointing is turned on."""
     moved_before_prepare: list[int] = field(default_factory=list)
@@ -138,6 +140,9 @@ def read_source(text: str, *, path: str = "<script>") -> ScriptFacts:
             facts.trainer_line = _first(facts.trainer_line, node.lineno)
         if called == "save_model" and isinstance(node.func, ast.Attribute):
             facts.save_model_line = _first(facts.save_model_line, node.lineno)
+        if called == "set_state_dict_type" and any(
+                "FULL_STATE_DICT" in ast.unparse(argument) for argument in node.args):
+            facts.full_state_dict_for_save = True
         if called == "prepare" and isinstance(node.func, ast.Attribute):
             prepare_lines.append(node.lineno)
         if called in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
@@ -257,7 +262,7 @@ def script_rules(fsdp: dict, version, context) -> list:
     where = f"{script.path}:"
     state_dict = fsdp.get(K.state_dict_type) or ("SHARDED_STATE_DICT" if version == 2 else "FULL_STATE_DICT")
     if script.trainer_line and script.save_model_line and state_dict == "SHARDED_STATE_DICT" \
-            and not script.has_callback:
+            and not script.has_callback and not script.full_state_dict_for_save:
         findings.append(finding(
             "trainer-save-model-sharded", f"{where}{script.save_model_line} calls save_model on the Trainer (line "
             f"{script.trainer_line}) under {state_dict}" + ("" if K.state_dict_type in fsdp else
