@@ -21,6 +21,9 @@ def lora_shape(context: CheckContext):
         return None
     if context.lora is not None:
         return context.lora
+    script = context.script
+    if script is not None and script.method:  # what the training script loads: dtype, double quantization
+        return LoraShape(method=method, base_dtype=script.model_dtype, double_quant=script.double_quant)
     recorded = (context.metadata or {}).get("request") or {}
     if recorded.get("method") != method:  # --method given for a file whose header says otherwise
         return LoraShape(method=method)

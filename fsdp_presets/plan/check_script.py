@@ -74,6 +74,10 @@ class ScriptFacts:
     """``bnb_4bit_quant_storage`` as written (``bfloat16``, ``uint8``)."""
     uses_lora: bool = False
     """A ``LoraConfig(...)``/``get_peft_model(...)`` call: an adapter over a frozen base."""
+    model_dtype: str | None = None
+    """``bf16``/``fp16``/``fp32`` from ``from_pretrained(dtype=torch.X)`` (or ``torch_dtype=``)."""
+    double_quant: bool = False
+    """``bnb_4bit_use_double_quant=True``."""
 
     @property
     def method(self) -> str | None:
@@ -155,7 +159,7 @@ def read_source(text: str, *, path: str = "<script>") -> ScriptFacts:
         if called == "add_argument":
             _flag_default(node, facts)
         for keyword in node.keywords:
-            _keyword(keyword, node.lineno, facts)
+            _keyword(keyword, node.lineno, facts, called)
     if prepare_lines:
         first_prepare = min(prepare_lines)
         facts.moved_before_prepare = sorted(line for line in moves if line < first_prepare)
@@ -202,7 +206,7 @@ def _literal(value: ast.expr):
         return None
 
 
-def _keyword(keyword: ast.keyword, line: int, facts: ScriptFacts) -> None:
+def _keyword(keyword: ast.keyword, line: int, facts: ScriptFacts, called: str) -> None:
     name = keyword.arg
     if name is None:
         return
@@ -219,6 +223,12 @@ def _keyword(keyword: ast.keyword, line: int, facts: ScriptFacts) -> None:
         facts.seq_len = facts.seq_len or value
     elif name == "load_in_4bit" and value is True:
         facts.load_in_4bit = True
+    elif name in ("dtype", "torch_dtype") and called == "from_pretrained":
+        text = (value if isinstance(value, str) else ast.unparse(keyword.value)).removeprefix("torch.")
+        facts.model_dtype = facts.model_dtype or {"bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+                                                  "float32": "fp32", "float": "fp32"}.get(text)
+    elif name == "bnb_4bit_use_double_quant" and value is True:
+        facts.double_quant = True
     elif name == "bnb_4bit_quant_storage":
         text = value if isinstance(value, str) else ast.unparse(keyword.value)
         facts.quant_storage = text.removeprefix("torch.")
