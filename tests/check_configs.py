@@ -66,6 +66,34 @@ def mutate(top: dict | None = None, fsdp: dict | None = None, drop: tuple = (), 
 
 LLAMA_70B, LLAMA_8B = "model_configs/llama-3.1-70b", "model_configs/llama-3.1-8b"
 
+
+def _script(text: str):
+    from fsdp_presets.check.script import read_source
+
+    return read_source(text, path="train.py")
+
+
+# A Trainer script as users write them (read statically by `check --script`, never run).
+TRAINER_SCRIPT = _script("""
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+model = AutoModelForCausalLM.from_pretrained("m")
+args = TrainingArguments("out", bf16=True, gradient_checkpointing=True, per_device_train_batch_size=4)
+trainer = Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+trainer.save_model("out/final")
+""")
+# A plain accelerate loop that moves the model before prepare and trusts remote code.
+LOOP_SCRIPT = _script("""
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+accelerator = Accelerator()
+model = AutoModelForCausalLM.from_pretrained("m", trust_remote_code=True)
+model = model.to(accelerator.device)
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+""")
+
 # id: (mutation, rule expected, model, context settings, text the message or fix must hold)
 BAD_CONFIGS = {
     "misspelled-top-level-key": (mutate(top={"mixed_precison": "bf16"}), "unknown-key", None, {},
@@ -136,8 +164,28 @@ BAD_CONFIGS = {
     "offload-on-cpu-host": (mutate(fsdp={"fsdp_offload_params": True}), "offload-on-cpu", None, {"device": "cpu"},
                             "fsdp_offload_params: false"),
     "fp32-that-does-not-fit": (mutate(top={"num_processes": 8, "mixed_precision": "no"}), "fp32-does-not-fit",
-                               LLAMA_8B, {"gpu_memory_gib": 56, "seq_len": 4096, "method": "full"},
+                               LLAMA_8B, {"gpu_memory_gib": 56, "seq_len": 4096, "method": "full", "precision": "fp32",
+                                         "activation_checkpointing": False},
                                "mixed_precision: bf16"),
+    "fp32-left-to-the-script": (mutate(top={"num_processes": 8, "mixed_precision": "no"}), "fits-only-if",
+                                LLAMA_8B, {"gpu_memory_gib": 56, "seq_len": 4096, "method": "full"},
+                                "or if it trains in bf16"),
+    "mixed-precision-no-unquoted": (mutate(top={"mixed_precision": False}), "yaml-read-as-boolean", None, {},
+                                    "mixed_precision: 'no'"),
+    "stale-prefetch-key-beside-the-new-one": (mutate(fsdp={**FSDP1, "fsdp_backward_prefetch_policy": "BACKWARD_PRE"},
+                                                     drop_fsdp=("fsdp_reshard_after_forward",)),
+                                              "stale-key-beside-new", None, {}, "delete fsdp_backward_prefetch_policy"),
+    "debug-mode-in-a-training-config": (mutate(top={"debug": True}), "debug-mode", None, {}, "debug: false"),
+    "lora-fsdp1-orig-params-true": (mutate(fsdp={**FSDP1}, drop_fsdp=("fsdp_reshard_after_forward",)),
+                                    "lora-fsdp1-orig-params", LLAMA_8B, {"method": "lora"}, "gradients"),
+    "trainer-save-model-under-sharded": (mutate(), "trainer-save-model-sharded", None, {"script": TRAINER_SCRIPT},
+                                         "FSDPPresetsCallback"),
+    "gradient-checkpointing-twice": (mutate(fsdp={"fsdp_activation_checkpointing": True}),
+                                     "double-activation-checkpointing", None, {"script": TRAINER_SCRIPT},
+                                     "can't both be set to True"),
+    "model-to-cuda-before-prepare": (mutate(), "model-moved-before-prepare", None, {"script": LOOP_SCRIPT},
+                                     "accelerator.prepare(model)"),
+    "trust-remote-code-in-the-script": (mutate(), "trust-remote-code", None, {"script": LOOP_SCRIPT}, "revision"),
     "70b-on-two-gpus": (mutate(), "does-not-fit", LLAMA_70B, {"method": "full"}, "FULL_SHARD (FSDP2) on 2 GPUs"),
     "70b-on-two-gpus-method-unknown": (mutate(), "memory-assumes-full-finetune", LLAMA_70B, {}, "--method full"),
     "fp16-on-a-bf16-model": (mutate(top={"num_processes": 8, "mixed_precision": "fp16"}), "fp16-on-bf16-model",

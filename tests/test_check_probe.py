@@ -21,7 +21,7 @@ from fsdp_harness.launch import run_launch
 from recipe_helpers import (BERT_FSDP2, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, HAND_WRITTEN_FSDP2, REPO,
                             tiny_bert)
 
-PLANTED_BY_THE_PROBE = frozenset({"prepare-crashes", "params-outside-units"})
+PLANTED_BY_THE_PROBE = frozenset({"prepare-crashes", "params-outside-units", "wrap-probe-skipped"})
 """The rules these tests plant (tests/test_check.py plants every other rule)."""
 
 @pytest.fixture(scope="module")
@@ -37,6 +37,21 @@ def configs(tmp_path_factory) -> dict[str, Path]:
     paths["broken"].write_text(HAND_WRITTEN_FSDP2)
     paths["fixed"].write_text(BERT_FSDP2)
     return paths
+
+
+def test_an_error_that_stops_the_probe_says_it_was_skipped(tmp_path):
+    # mixed_precision: no (unquoted) is YAML false: accelerate cannot load the file, so nothing is proved
+    import yaml
+
+    from check_configs import GOOD, facts
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({**GOOD, "mixed_precision": False}))
+    report, view = check_file(path, context=CheckContext(model=facts("llama")), prove_wrapping=True)
+    assert [item.rule for item in report.errors] == ["yaml-read-as-boolean"]
+    [skipped] = [item for item in report.findings if item.rule == "wrap-probe-skipped"]
+    assert "yaml-read-as-boolean" in skipped.message and "not proved" in skipped.message
+    assert view is None or view.probe.skipped
 
 
 @pytest.mark.slow

@@ -666,6 +666,12 @@ def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
     model = (block.options("model") or [None])[0]
     settings = {key: (value if not re.fullmatch(r"[0-9.]+", value) else int(value) if value.isdigit() else float(value))
                 for option in block.options("context") for key, value in [option.split(":", 1)]}
+    settings = {key: {"true": True, "false": False}.get(value, value) if isinstance(value, str) else value
+                for key, value in settings.items()}
+    if "script" in settings:  # a training script of tests/check_configs.py (check --script reads it statically)
+        import check_configs
+
+        settings["script"] = getattr(check_configs, settings["script"])
     try:
         fragment = yaml.safe_load(block.text)
     except yaml.YAMLError:

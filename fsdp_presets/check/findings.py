@@ -12,7 +12,7 @@ from fsdp_presets.model.profile import ModelProfile
 from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K
 
 
-Severity = Literal["error", "warning", "note"]
+Severity = Literal["error", "warning", "note", "info"]
 
 RULES = MappingProxyType({
     # rule id: (severity, what it catches)
@@ -22,15 +22,15 @@ RULES = MappingProxyType({
     "unknown-fsdp-key": ("error", f"an {FSDP_CONFIG} key accelerate does not know (silently ignored)"),
     "unknown-parallelism-key": ("error", f"a {PARALLELISM_CONFIG} key accelerate does not know (silently ignored)"),
     "invalid-value": ("error", "a value accelerate does not accept (enumerations, booleans, counts)"),
-    "fsdp-version-missing": ("note", f"no {K.version}: accelerate launch runs FSDP1 (its default)"),
+    "fsdp-version-missing": ("info", f"no {K.version}: accelerate launch runs FSDP1 (its default)"),
     "fsdp1-key-under-fsdp2": ("error", "an FSDP1-only key in an FSDP2 config: ignored (or refused)"),
     "fsdp2-key-under-fsdp1": ("error", "an FSDP2-only key in an FSDP1 config: ignored (or refused)"),
     "hsdp-needs-fsdp2": ("error", f"{PARALLELISM_CONFIG} with FSDP1: accelerate requires FSDP2 for it"),
     "hsdp-size-mismatch": ("error", "HSDP replicate x shard sizes do not multiply to num_processes"),
-    "hsdp-shard-spans-nodes": ("error", "the HSDP shard size does not fit the GPUs of one node"),
+    "hsdp-shard-spans-nodes": ("warning", "the HSDP shard size does not fit the GPUs of one node"),
     "machines-do-not-divide": ("error", "num_processes is not a multiple of num_machines"),
     "no-wrap-policy": ("warning", "FSDP without an auto-wrap policy: the whole model is one unit"),
-    "wrap-classes-unset": ("note", "TRANSFORMER_BASED_WRAP without classes: accelerate wraps the model's "
+    "wrap-classes-unset": ("info", "TRANSFORMER_BASED_WRAP without classes: accelerate wraps the model's "
                                    "_no_split_modules"),
     "no-split-modules-missing": ("error", "classes left to _no_split_modules include some the model lacks"),
     "wrap-class-format": ("error", f"{K.transformer_layer_cls_to_wrap} is not a comma-separated string of names"),
@@ -47,11 +47,11 @@ RULES = MappingProxyType({
     "does-not-fit": ("warning", "the planner finds the config does not fit the GPUs at micro-batch 1"),
     "fp16-on-bf16-model": ("warning", "fp16 mixed precision on a model trained in bf16"),
     "fsdp-config-ignored": ("warning", f"{FSDP_CONFIG} in a config whose distributed_type is not FSDP"),
-    "ignored-default": ("note", "a key accelerate accepts but does not apply, set to what applies anyway"),
+    "ignored-default": ("info", "a key accelerate accepts but does not apply, set to what applies anyway"),
     "key-not-applied": ("warning", "a real FSDP option accelerate launch does not pass on from a config file"),
-    "num-processes-unset": ("note", "no num_processes: the launch command gives it (no GPU count or memory verdict)"),
+    "num-processes-unset": ("info", "no num_processes: the launch command gives it (no GPU count or memory verdict)"),
     "fp8-needs-backend": ("note", "fp8 needs torchao or Transformer Engine installed on the training nodes"),
-    "memory-assumes-full-finetune": ("warning", "memory verdicts that hold for full fine-tuning; the method is "
+    "memory-assumes-full-finetune": ("note", "memory verdicts that hold for full fine-tuning; the method is "
                                                 "not known (pass --method full)"),
     "prepare-crashes": ("error", "accelerate's FSDP preparation of the model (--model) raises"),
     "params-outside-units": ("error", "parameters of the model that no FSDP unit shards"),
@@ -67,6 +67,23 @@ RULES = MappingProxyType({
                                "wrap policy work)"),
     "qlora-full-state-dict": ("warning", "QLoRA with FULL_STATE_DICT: accelerate's load_state fails on the 4-bit "
                                          "quantization-state keys"),
+    "yaml-read-as-boolean": ("error", "a bare YAML no/off/yes/on read as a boolean where accelerate wants a name "
+                                      "(mixed_precision: no crashes accelerate launch)"),
+    "stale-key-beside-new": ("note", "an old key name accelerate ignores, next to the key that replaced it"),
+    "debug-mode": ("warning", "debug: true: accelerate checks every collective's shapes with extra collectives"),
+    "lora-fsdp1-orig-params": ("warning", f"LoRA/QLoRA under FSDP1 with {K.use_orig_params} true: gradients are "
+                                          "allocated for the whole flat parameter, frozen base included"),
+    "fits-only-if": ("warning", "the memory verdict turns on inputs the config does not hold (sequence, batch, "
+                                "checkpointing, precision): fits only if they are as stated"),
+    "wrap-probe-skipped": ("note", "accelerate's FSDP preparation of the model did not run (errors above stop it)"),
+    "trainer-save-model-sharded": ("error", "a Trainer script calls save_model under SHARDED_STATE_DICT without "
+                                            "FSDPPresetsCallback: no weights are written (--script)"),
+    "double-activation-checkpointing": ("error", f"gradient checkpointing in the script and {K.activation_checkpointing} "
+                                                 "in the config: transformers' Trainer refuses both (--script)"),
+    "model-moved-before-prepare": ("warning", "model.to(...)/.cuda() before accelerator.prepare: every rank holds "
+                                              "the whole model before FSDP shards it (--script)"),
+    "trust-remote-code": ("note", "trust_remote_code=True: the model repository's own code runs on every rank "
+                                  "(--script)"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 
@@ -77,8 +94,9 @@ class Finding:
     rule: str
     """Stable rule id, a key of :data:`RULES`."""
     severity: Severity
-    """``error`` fails the check; ``warning`` does not; ``note``: accelerate's own default applies (the
-    command prints all notes of a file on one line)."""
+    """``error``: the launch fails or silently trains something else (exit 1); ``warning``: a real risk
+    for the stated use; ``note``: worth knowing, not a problem; ``info``: accelerate's own default or
+    style (printed only with ``check --verbose``, otherwise counted on one line)."""
     message: str
     """What is wrong, with the values involved."""
     fix: str
@@ -89,8 +107,8 @@ class Finding:
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"unknown rule id {self.rule!r}")
-        if self.severity not in ("error", "warning", "note"):
-            raise ValueError(f"severity must be error, warning or note, got {self.severity!r}")
+        if self.severity not in ("error", "warning", "note", "info"):
+            raise ValueError(f"severity must be error, warning, note or info, got {self.severity!r}")
 
     def to_json(self) -> dict:
         return {"rule": self.rule, "severity": self.severity, "key": self.key, "message": self.message,
@@ -144,12 +162,24 @@ class CheckContext:
     lora: Any = None
     """The adapter's :class:`~fsdp_presets.plan.planner.LoraShape` for ``lora``/``qlora`` (default: the
     file's metadata, else r 16 on every projection of the block)."""
+    micro_batch: int | None = None
+    """Sequences per GPU per forward (``--micro-batch``); None: the script's, the header's, else unknown."""
+    activation_checkpointing: bool | None = None
+    """``--activation-checkpointing``; None: the file's key, or the script's gradient checkpointing."""
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    """``--precision``; None: the script's bf16/fp16 flags, else the file's mixed_precision."""
+    script: Any = None
+    """The :class:`~fsdp_presets.check.script.ScriptFacts` of ``--script TRAIN.py``, when given."""
 
     def __post_init__(self) -> None:
         if self.device not in (None, "gpu", "cpu"):
             raise ValueError(f"device must be gpu or cpu, got {self.device!r}")
         if any(value is not None and not value > 0 for value in (self.gpu_memory_gib, self.host_memory_gib)):
             raise ValueError("memory sizes must be positive")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError("micro_batch must be >= 1")
+        if self.precision not in (None, "fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.gpus is not None and self.gpus < 1:
             raise ValueError("gpus must be >= 1")
         if self.method not in (None, "full", "lora", "qlora"):
@@ -167,6 +197,8 @@ class CheckContext:
         """``full``, ``lora`` or ``qlora`` when known (``--method`` or a generated preset's header), else None."""
         if self.method:
             return self.method
+        if self.script is not None and self.script.method:
+            return self.script.method
         if self.metadata and self.metadata.get("kind") == "fsdp":
             return (self.metadata.get("request") or {}).get("method") or "full"
         return None
@@ -199,6 +231,10 @@ class CheckReport:
         return [item for item in self.findings if item.severity == "note"]
 
     @property
+    def infos(self) -> list[Finding]:
+        return [item for item in self.findings if item.severity == "info"]
+
+    @property
     def ok(self) -> bool:
         return not self.errors
 
@@ -207,13 +243,13 @@ class CheckReport:
 
     def to_json(self) -> dict:
         return {"path": self.path, "ok": self.ok, "errors": len(self.errors), "warnings": len(self.warnings),
-                "notes": len(self.notes), "findings": [item.to_json() for item in self.findings]}
+                "notes": len(self.notes), "infos": len(self.infos), "findings": [item.to_json() for item in self.findings]}
 
 
 FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "fp32-does-not-fit",
-                                 "does-not-fit"})
+                                 "does-not-fit", "fits-only-if"})
 """Memory rules that count gradients and optimizer state for every parameter."""
 
 
 def _sorted(findings: list[Finding]) -> list[Finding]:
-    return sorted(findings, key=lambda item: ("error", "warning", "note").index(item.severity))
+    return sorted(findings, key=lambda item: ("error", "warning", "note", "info").index(item.severity))

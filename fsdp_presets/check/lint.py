@@ -76,6 +76,8 @@ from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, PARALLELISM_PRE
 # accelerate's own refusal -> the rule that already names the same problem (one problem, one finding).
 _REJECTION_RULES = (
     ("had unknown keys", "unknown-key"),
+    ("'bool' object has no attribute", "yaml-read-as-boolean"),
+    ("is not a valid DistributedType", "yaml-read-as-boolean"),
     ("use_parallelism_config", "hsdp-needs-fsdp2"),
     (K.cpu_ram_efficient_loading, "ram-efficient-loading-needs-sync"),
     ("LOCAL_STATE_DICT", "invalid-value"),
@@ -130,8 +132,20 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
             if not covered & {item.rule for item in report.errors}:
                 report.findings.append(finding("accelerate-rejects", f"accelerate itself rejects the file: {error}",
                                                "fix the problems above; the message is accelerate's own"))
+    blocking = [item.rule for item in report.errors if item.rule != "ignored-modules"]
+    if prove_wrapping and context.model is not None and blocking and (view is None or view.fsdp_plugin is not None
+                                                                       or isinstance(config, dict) and config.get("distributed_type") == "FSDP"):
+        from fsdp_presets.check.wrap_probe import WrapProbe
+
+        plural = len(set(blocking)) > 1
+        reason = f"the error{'s' if plural else ''} above ({', '.join(sorted(set(blocking)))}) stop{'' if plural else 's'} it"
+        if view is not None:
+            view.probe = WrapProbe(skipped=reason)
+        report.findings.append(finding(
+            "wrap-probe-skipped", f"accelerate's FSDP preparation of {context.model.source} was not run: {reason}; "
+            "the wrapping is not proved", "fix the errors and check again", None))
     if prove_wrapping and view is not None and view.fsdp_plugin is not None and context.model is not None \
-            and not [item for item in report.errors if item.rule != "ignored-modules"]:
+            and not blocking:
         report.findings += _probe_findings(view, context, config)
         # one problem, one finding: the probe's is the precise one
         superseded = {"prepare-crashes": "wrap-classes-unset", "params-outside-units": "ignored-modules"}

@@ -8,6 +8,7 @@ from typing import Any
 from fsdp_presets.preset.accelerate_view import (
     _BOOLEAN_FSDP_KEYS,
     _boolean,
+    _close,
     _did_you_mean,
     _distributed_types,
     _enumerations,
@@ -15,6 +16,8 @@ from fsdp_presets.preset.accelerate_view import (
     _rename,
     _strategy_name,
     _whole,
+    canonical_fsdp,
+    enumeration_name,
     known_fsdp_keys,
     known_parallelism_keys,
     known_top_level_keys,
@@ -56,7 +59,16 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
                                 f"indent the parallelism_config_* keys under {PARALLELISM_CONFIG}:", PARALLELISM_CONFIG))
         parallelism = {}
     # accelerate adds the prefix to fsdp_config keys that lack it (launch.py: "fsdp_" + key).
-    fsdp = {fsdp_key_name(key): value for key, value in fsdp.items()}
+    written = {fsdp_key_name(key): value for key, value in fsdp.items()}
+    findings += _read_as_boolean(config, written)
+    # Every rule below reads values as accelerate parses them (FULL_SHARD, 1 and "full_shard" alike).
+    fsdp = canonical_fsdp(written)
+    if _boolean(config.get("debug", False)):
+        findings.append(finding(
+            "debug-mode", "debug: true turns on accelerate's debug mode (ACCELERATE_DEBUG_MODE): every gather, "
+            "broadcast and reduce first checks the tensors' shapes on all ranks with collectives of its own, every "
+            "step, which slows training", "set debug: false (keep it for a short run that hunts a shape mismatch)",
+            "debug"))
     processes, machines = _whole(config.get("num_processes", 1)), _whole(config.get("num_machines", 1))
     if "num_processes" not in config and str(config.get("distributed_type", "")) == "FSDP":
         processes = context.gpus
@@ -93,7 +105,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
         findings.append(finding("invalid-value", f"{K.version} {fsdp[K.version]!r} is not 1 or 2",
                                 f"set {K.version}: 2", fsdp_where(K.version)))
         version = None
-    findings += _fsdp_keys(fsdp, version)
+    findings += _fsdp_keys(written, version)
     findings += _parallelism(parallelism, version, processes if layout_ok else None, machines if layout_ok else None)
     findings += _wrapping(fsdp, context)
     findings += _layout(config, fsdp, parallelism, version, context, processes if layout_ok else None,
@@ -120,6 +132,10 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             "weights that only the sync fills)", f"set {K.sync_module_states}: true (or remove it)",
             fsdp_where(K.sync_module_states)))
     findings += _lora_rules(fsdp, version, context)
+    if context.script is not None:
+        from fsdp_presets.check.script import script_rules
+
+        findings += script_rules(fsdp, version, context)
     memory = _device_and_memory(config, fsdp, parallelism, version, context,
                                 processes if layout_ok else None, machines if layout_ok else None)
     full_finetune_only = [item for item in memory if item.rule in FULL_FINETUNE_RULES]
@@ -137,6 +153,31 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     return _sorted(findings)
 
 
+# Settings accelerate reads as names: a bare YAML 1.1 no/off/yes/on becomes a boolean there.
+_NAMED_TOP_LEVEL = ("mixed_precision", "distributed_type", "dynamo_backend", "compute_environment", "rdzv_backend")
+_CRASHES = {"mixed_precision": "accelerate launch crashes on it (AttributeError: 'bool' object has no attribute "
+                               "'lower')",
+            "distributed_type": "accelerate's loader refuses it (not a DistributedType)"}
+
+
+def _read_as_boolean(config: dict, fsdp: dict) -> list[Finding]:
+    """A value YAML turned into a boolean where accelerate wants a name: name that cause."""
+    findings = []
+    named = [(key, key, config[key]) for key in _NAMED_TOP_LEVEL if key in config] + [
+        (key, fsdp_where(key), fsdp[key]) for key in (K.sharding_strategy, K.backward_prefetch, K.state_dict_type,
+                                                      K.auto_wrap_policy, K.transformer_layer_cls_to_wrap)
+        if key in fsdp]
+    for key, where, value in named:
+        if isinstance(value, bool):
+            word = "no (or off/false)" if value is False else "yes (or on/true)"
+            meant = {"mixed_precision": "'no'", "distributed_type": "'NO'"}.get(key, "the name, quoted")
+            findings.append(finding(
+                "yaml-read-as-boolean", f"{key}: YAML 1.1 reads a bare {word} as the boolean {value}, not a name"
+                + (f": {_CRASHES[key]}" if key in _CRASHES else ": accelerate does not apply it as you meant"),
+                f"quote it: {key}: {meant}", where))
+    return findings
+
+
 def _unknown_key(rule: str, section: str, key, known, consequence: str, where: str, value=None) -> Finding:
     """A key accelerate does not know in ``section``: its closest known name, what accelerate does
     with it, and rename it (when a close name takes its value) or remove it."""
@@ -152,13 +193,13 @@ def _top_level(config: dict) -> list[Finding]:
     if "distributed_type" not in config:
         findings.append(finding("invalid-value", "no distributed_type (accelerate requires one)",
                                 "add distributed_type: FSDP", "distributed_type"))
-    elif str(config["distributed_type"]) not in distributed_types:
+    elif str(config["distributed_type"]) not in distributed_types and not isinstance(config["distributed_type"], bool):
         findings.append(finding(
             "invalid-value", f"distributed_type {config['distributed_type']!r} is not one of accelerate's"
             f"{_did_you_mean(str(config['distributed_type']), distributed_types)}",
             f"use one of {', '.join(distributed_types)}", "distributed_type"))
     precision = config.get("mixed_precision", "no")
-    if str(precision).lower() not in _precisions() and precision is not False:
+    if str(precision).lower() not in _precisions() and not isinstance(precision, bool):
         findings.append(finding("invalid-value", f"mixed_precision {precision!r} is not one of {_precisions()}",
                                 "use bf16, fp16 or 'no' (quoted: a bare no is YAML false)", "mixed_precision"))
     for key in ("num_processes", "num_machines"):
@@ -195,16 +236,28 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
                     f"set it in the training script: FullyShardedDataParallelPlugin({key.removeprefix(FSDP_PREFIX)}=...) "
                     "passed to Accelerator(fsdp_plugin=...), or remove it", where))
             continue
+        twin = next((guess for guess in _close(str(key), known, limit=1) if guess in fsdp), None)
+        if key not in known and twin is not None:
+            same = canonical_fsdp({twin: value}).get(twin) == canonical_fsdp({twin: fsdp[twin]}).get(twin)
+            if same:
+                findings.append(finding(
+                    "stale-key-beside-new", f"{key} is a name accelerate ignores; {twin} is also set, to the same "
+                    "value, so nothing is lost", f"delete {key} (renaming it would write {twin} twice)", where))
+            else:
+                findings.append(finding(
+                    "unknown-fsdp-key", f"unknown {FSDP_CONFIG} key {key!r} (did you mean {twin!r}?): accelerate "
+                    f"ignores it silently and applies {twin}: {fsdp[twin]!r}, not {value!r}",
+                    f"delete {key} and set {twin}: {value!r} if that is what you meant (renaming it would write "
+                    f"{twin} twice)", where))
+            continue
         if key not in known:
             findings.append(_unknown_key("unknown-fsdp-key", FSDP_CONFIG, key, known, "accelerate ignores it "
                                          "silently, so the setting you meant is not applied", where, value))
             continue
-        if key in enumerations and value is not None:
+        if key in enumerations and value is not None and not isinstance(value, bool):
             allowed = enumerations[key]
             text = str(value).upper()
-            if key == K.sharding_strategy and _strategy_name(value):
-                pass  # accelerate also takes the 1-based index and torch's enum names
-            elif text not in allowed:
+            if enumeration_name(key, value) is None:  # accelerate also takes torch's 1-based enum values
                 findings.append(finding("invalid-value", f"{key} {value!r} is not one of {', '.join(allowed)}"
                                         f"{_did_you_mean(text, allowed)}", f"use one of {', '.join(allowed)}", where))
         if key in _BOOLEAN_FSDP_KEYS and _boolean(value) is None:

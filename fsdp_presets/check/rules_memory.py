@@ -21,6 +21,9 @@ def lora_shape(context: CheckContext):
         return None
     if context.lora is not None:
         return context.lora
+    script = context.script
+    if script is not None and script.method:  # what the training script loads: dtype, double quantization
+        return LoraShape(method=method, base_dtype=script.model_dtype, double_quant=script.double_quant)
     recorded = (context.metadata or {}).get("request") or {}
     if recorded.get("method") != method:  # --method given for a file whose header says otherwise
         return LoraShape(method=method)
@@ -39,7 +42,28 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
     if method not in ("lora", "qlora"):
         return []
     findings = []
-    if version == 1 and _boolean(fsdp.get(K.use_orig_params, True)) is False:
+    # transformers' Trainer (and every TRL trainer) replaces the wrap policy with peft's
+    # fsdp_auto_wrap_policy before prepare (update_fsdp_plugin_peft): adapters become units of their own.
+    trainer = context.script is not None and context.script.trainer_line is not None
+    orig_params = _boolean(fsdp.get(K.use_orig_params, True))  # accelerate launch's default: true
+    if version == 1 and orig_params is True and not trainer:
+        extra = ""
+        if context.model is not None:
+            total = context.model.profile.total_params
+            # the flat parameter's dtype: bf16 weights, or (QLoRA) 4-bit values packed in bf16
+            extra = (f" (up to {format_bytes(int(total * (0.5 if method == 'qlora' else 2)), digits=0)} of gradients "
+                     f"for {format_count(total, compact=True)} frozen parameters, divided by the processes sharding "
+                     "them)")
+        findings.append(finding(
+            "lora-fsdp1-orig-params", f"{method} under FSDP1 with {K.use_orig_params}: true" + (
+                "" if K.use_orig_params in fsdp else " (accelerate launch's default)") + ": the decoder-layer "
+            "units mix the frozen base and the trainable adapters in one flat parameter, and FSDP1 then allocates "
+            f"gradients for the whole flat parameter, frozen weights included{extra}; torch's FSDP documentation "
+            "advises against mixing them for this reason", f"set {K.version}: 2 (fsdp-presets generate --method "
+            f"{method}); under FSDP1, a Trainer/TRL script avoids it (it wraps the adapters as units of their own: "
+            "pass --script to say so), a plain accelerate loop needs peft's fsdp_auto_wrap_policy(model) on the "
+            "plugin before prepare", fsdp_where(K.use_orig_params)))
+    if version == 1 and orig_params is False and not trainer:
         findings.append(finding(
             "lora-fsdp1-flat-params", f"{method} under FSDP1 with {K.use_orig_params}: false: each flat parameter "
             "must hold weights of one requires_grad, so with the layer wrapping of this file FSDP1 raises 'Must "
@@ -60,14 +84,19 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             "qlora); keep bnb_4bit_quant_storage=bfloat16", fsdp_where(K.version)))
     state_dict = str(fsdp.get(K.state_dict_type, "SHARDED_STATE_DICT" if version == 2 else
                               "FULL_STATE_DICT")).upper()
-    if method == "qlora" and state_dict == "FULL_STATE_DICT":
+    # A Trainer saves a peft model through save_model (the adapter) and needs FULL_STATE_DICT for it:
+    # LLaMA-Factory and PEFT's QLoRA examples choose it on purpose. Only an accelerate loop that
+    # checkpoints with save_state/load_state meets the quantization-state keys.
+    if method == "qlora" and state_dict == "FULL_STATE_DICT" and not trainer:
         findings.append(finding(
             "qlora-full-state-dict", "QLoRA with FULL_STATE_DICT" + (" (accelerate's FSDP1 default)" if
-            K.state_dict_type not in fsdp else "") + ": accelerate's save_state gathers the frozen 4-bit base "
-            "onto rank 0 at every save, and load_state fails on its quantization-state keys (absmax, quant_map), so "
-            "the run cannot resume from it", f"set {K.state_dict_type}: SHARDED_STATE_DICT and resume from "
-            "trainable-only (adapter + optimizer) checkpoints, as the recipes' --lora-r/--load-in-4bit do",
-            fsdp_where(K.state_dict_type)))
+            K.state_dict_type not in fsdp else "") + ": in a training loop that checkpoints with accelerate's "
+            "save_state, each save gathers the frozen 4-bit base onto rank 0, and load_state fails on its "
+            "quantization-state keys (absmax, quant_map), so the run cannot resume from it. A Trainer/TRL script "
+            "is not affected (it saves the adapter through save_model, which needs FULL_STATE_DICT): pass --script "
+            "to say which", f"for an accelerate loop: set {K.state_dict_type}: SHARDED_STATE_DICT and resume from "
+            "trainable-only (adapter + optimizer) checkpoints, as the recipes' --lora-r/--load-in-4bit do; for a "
+            "Trainer/TRL script keep FULL_STATE_DICT", fsdp_where(K.state_dict_type)))
     return findings
 
 
@@ -191,8 +220,8 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     strategy, hardware = _planner_strategy(fsdp, parallelism, version, processes, machines, context)
     if strategy is None:
         return findings
-    shape = _training_shape(config, fsdp, context)
-    seq_len, precision = shape.seq_len, shape.precision
+    shape, stated, unknown = _training_inputs(config, fsdp, context)
+    precision = shape.precision
     name, fsdp_version = strategy
     row = plan(profile, hardware, shape).get(name, fsdp_version)
     if offload and row.model_state.total * per_node > host:
@@ -202,17 +231,37 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             f"processes: more than --host-memory {context.host_gib:g} GiB",
             "shard over more GPUs (more nodes), or use nodes with more RAM", fsdp_where(K.offload_params)))
     if not row.fits:
-        where = f"{row.label} on {processes} GPUs of {context.gpu_gib:g} GiB, sequence {seq_len}"
-        lower = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
-        if precision == "fp32" and lower.fits:
+        where = f"{row.label} on {processes} GPUs of {context.gpu_gib:g} GiB"
+        assumed = f"assuming {', '.join(stated)}"
+        usable = hardware.usable_bytes / GiB
+        # What the unknown inputs could be at best: the script may checkpoint activations and
+        # train in bf16 (transformers' Trainer: gradient_checkpointing=True, bf16=True).
+        best = shape.replace(**{key: value for key, (value, _) in unknown.items()})
+        lower = plan(profile, hardware, best).get(name, fsdp_version) if unknown else None
+        if lower is not None and lower.fits:
+            # the fewest conditions that make it fit: one input alone where one is enough
+            singles = [(words, plan(profile, hardware, shape.replace(**{key: value})).get(name, fsdp_version))
+                       for key, (value, words) in unknown.items()]
+            enough = [(words, alone) for words, alone in singles if alone.fits] or [
+                (" and ".join(words for _, words in unknown.values()), lower)]
+            conditions = ", or if ".join(f"{words} ({alone.per_gpu.total / GiB:.1f} GiB per GPU)"
+                                         for words, alone in enough)
             findings.append(finding(
-                "fp32-does-not-fit", f"mixed_precision 'no' (fp32): {where} needs {row.per_gpu.total / GiB:.1f} GiB "
-                f"per GPU of {hardware.usable_bytes / GiB:.1f} usable at micro-batch 1; bf16 needs "
-                f"{lower.per_gpu.total / GiB:.1f}", "set mixed_precision: bf16", "mixed_precision"))
+                "fits-only-if", f"{where} fits only if {conditions}, of {usable:.1f} usable; as the config alone says "
+                f"it needs {row.per_gpu.total / GiB:.1f} GiB ({assumed})",
+                f"make sure the training script does so, or say what it does: --script TRAIN.py, "
+                f"{', '.join(_FLAG_OF[key] for key in unknown)}", None))
+        elif precision == "fp32" and "precision" not in unknown and \
+                plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version).fits:
+            bf16 = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
+            findings.append(finding(
+                "fp32-does-not-fit", f"fp32: {where} needs {row.per_gpu.total / GiB:.1f} GiB per GPU of "
+                f"{usable:.1f} usable ({assumed}); bf16 needs {bf16.per_gpu.total / GiB:.1f}",
+                "set mixed_precision: bf16 (or bf16=True in the Trainer's arguments)", "mixed_precision"))
         else:
             findings.append(finding(
-                "does-not-fit", f"{where} needs {row.per_gpu.total / GiB:.1f} GiB per GPU of "
-                f"{hardware.usable_bytes / GiB:.1f} usable at micro-batch 1",
+                "does-not-fit", f"{where} needs {(lower or row).per_gpu.total / GiB:.1f} GiB per GPU of {usable:.1f} "
+                f"usable ({', '.join(_stated(best, context)) if lower is not None else assumed})",
                 "`fsdp-presets plan` / `fsdp-presets generate` for what fits (activation checkpointing, offload, "
                 "more GPUs)", None))
     if precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
@@ -223,21 +272,68 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     return findings
 
 
-def _training_shape(config, fsdp, context) -> TrainingShape:
-    """Micro-batch 1 at the sequence length and precision of the file (header, --seq-len)."""
+_FLAG_OF = {"activation_checkpointing": "--activation-checkpointing on|off", "precision": "--precision bf16|fp32",
+            "seq_len": "--seq-len N", "micro_batch": "--micro-batch N"}
+
+
+def _training_inputs(config, fsdp, context):
+    """The training shape the memory rules plan with, the assumptions in words, and the inputs
+    that are not known: ``{field: (its most favourable value, "the condition in words")}``.
+
+    Each input comes from where it lives: the command's flags, then ``--script`` (Trainer/SFTConfig
+    arguments), then the file (its keys, a generated preset's header). Unknown: activation
+    checkpointing and bf16 when the file leaves them to the script and no script or flag says;
+    the sequence length and micro-batch when nothing says (2048 and 1 are assumed, and stated)."""
     profile = context.model.profile
-    metadata_request = (context.metadata or {}).get("request") or {}
+    script = context.script
+    request = (context.metadata or {}).get("request") or {}
     summary = (context.metadata or {}).get("summary") or {}
-    seq_len = context.seq_len or summary.get("seq_len") or metadata_request.get("seq_len") or DEFAULT_SEQ_LEN
+    unknown = {}
+    seq_len = context.seq_len or (script.seq_len if script else None) or summary.get("seq_len") or \
+        request.get("seq_len")
+    if not seq_len:
+        seq_len = DEFAULT_SEQ_LEN
     if profile.dims.max_position_embeddings:
         seq_len = min(seq_len, profile.dims.max_position_embeddings)
-    precision = {"no": "fp32", "fp8": "bf16"}.get(str(config.get("mixed_precision", "no")).lower(),
-                                                  str(config.get("mixed_precision", "no")).lower())
-    if precision not in ("bf16", "fp16", "fp32"):
-        precision = "fp32"
-    return TrainingShape(seq_len=seq_len, micro_batch=1, precision=precision,
-                         activation_checkpointing=bool(_boolean(fsdp.get(K.activation_checkpointing, False))),
-                         offload=bool(_boolean(fsdp.get(K.offload_params, False))), lora=lora_shape(context))
+    micro_batch = context.micro_batch or (script.micro_batch if script else None) or summary.get("micro_batch") or 1
+    checkpointing = context.activation_checkpointing
+    if checkpointing is None:
+        checkpointing = bool(_boolean(fsdp.get(K.activation_checkpointing, False))) or bool(
+            script and script.gradient_checkpointing_line)
+        if not checkpointing and script is None and not context.metadata:
+            unknown["activation_checkpointing"] = (True, "the script turns on gradient checkpointing")
+    written = config.get("mixed_precision", "no")
+    precision = context.precision or (script.precision if script and script.precision else None)
+    if precision is None:
+        precision = {"fp8": "bf16", "bf16": "bf16", "fp16": "fp16"}.get(str(written).lower(), "fp32")
+        if precision == "fp32" and script is None and not context.metadata:
+            unknown["precision"] = ("bf16", "it trains in bf16 (bf16=True in the Trainer's arguments)")
+    lora = lora_shape(context)
+    if lora is not None and lora.method == "qlora" and context.precision is None:
+        # transformers' Trainer sets FSDP's mixed precision to the 4-bit base's storage dtype
+        # (update_fsdp_plugin_peft): a bf16-stored base computes in bf16 whatever mixed_precision says.
+        precision = "fp16" if precision == "fp16" else "bf16"
+        unknown.pop("precision", None)
+    shape = TrainingShape(seq_len=seq_len, micro_batch=micro_batch, precision=precision,
+                          activation_checkpointing=checkpointing,
+                          offload=bool(_boolean(fsdp.get(K.offload_params, False))), lora=lora)
+    return shape, _stated(shape, context), unknown
+
+
+def _stated(shape, context) -> list[str]:
+    """The shape's inputs in words, for a verdict's message."""
+    words = [f"sequence {shape.seq_len}", f"micro-batch {shape.micro_batch}", shape.precision,
+             "activation checkpointing" if shape.activation_checkpointing else "no activation checkpointing"]
+    if shape.offload:
+        words.append("CPU offload")
+    if shape.lora is not None:
+        words.append(f"{shape.lora.method} r {shape.lora.r}")
+    return words
+
+
+def _training_shape(config, fsdp, context) -> TrainingShape:
+    """The training shape of :func:`_training_inputs` alone."""
+    return _training_inputs(config, fsdp, context)[0]
 
 
 def _hybrid_fits(config, fsdp, context, processes, machines) -> bool | None:

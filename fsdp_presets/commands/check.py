@@ -9,7 +9,10 @@ The file is loaded the way ``accelerate launch`` loads it (and the FSDP plugin b
 checked against accelerate's own key lists, the model and the planner. With a model, accelerate's
 own FSDP preparation of it runs under a fake process group (a few seconds, no weights, no GPU:
 :mod:`fsdp_presets.check.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
-launch. Each finding has a stable rule id (:data:`fsdp_presets.check.lint.RULES`). Exit status: 0 no errors
+launch. Each finding has a stable rule id (:data:`fsdp_presets.check.lint.RULES`) and a severity: error (the
+launch fails or silently trains something else), warning (a real risk for the stated use), note, info
+(accelerate's own defaults and style: counted on one line, shown with --verbose). With ``--script TRAIN.py``
+the training script is read statically (:mod:`fsdp_presets.check.script`). Exit status: 0 no errors
 (warnings and notes do not fail), 1 errors, 2 bad input.
 """
 
@@ -31,7 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_device(parser, default_help=": the preset's header, else gpu")
     arguments.add_gpu_memory(parser, default_help=", or the preset's; for the planner rules")
     arguments.add_host_memory(parser, default_help=", or the preset's; for the state-dict, loading and offload rules")
-    arguments.add_seq_len(parser, default_help=", or the preset's; for the planner rules")
+    arguments.add_seq_len(parser, default_help=", or the script's, or the preset's; for the planner rules")
+    arguments.add_micro_batch(parser, default_help="the script's, or the preset's, else 1; for the planner rules")
+    arguments.add_precision(parser, default_help="; check: the script's bf16/fp16, else the file's mixed_precision")
+    arguments.add_savers(parser, with_offload=False, default_text="the file's fsdp_activation_checkpointing, or the "
+                         "script's gradient checkpointing")
     arguments.add_gpus(parser, metavar="N", help_text="processes of the whole job for a file without num_processes "
                        "(what `accelerate launch --num_processes` will pass); without it such a file gets no GPU "
                        "count or memory verdict")
@@ -40,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_method_arguments(parser, method_help="the training method, for the memory and LoRA "
                          "rules: full, lora or qlora (default: a generated preset's; otherwise unknown, and "
                          "full-fine-tuning memory verdicts are one warning, not errors)")
+    add("--script", metavar="TRAIN.py", help="the training script the config launches: read statically (never "
+        "imported or run) for the traps a config alone cannot show and for the memory rules' inputs (Trainer/SFTConfig "
+        "arguments: bf16, gradient checkpointing, batch, max length, 4-bit loading)")
+    add("--verbose", action="store_true", help="also print accelerate's own defaults and style (info findings)")
     add("--no-probe", action="store_true", help="skip running accelerate's FSDP preparation of the model under a "
         "fake process group")
     add("--list-rules", action="store_true", help="list the rule ids and exit")
@@ -69,6 +80,14 @@ def run(args: argparse.Namespace) -> int:
         lora = lora_from_args(args)
     except UsageError as error:
         problems.append(str(error))
+    script = None
+    if args.script:
+        from fsdp_presets.check.script import read_script
+
+        try:
+            script = read_script(args.script)
+        except UsageError as error:
+            problems.append(str(error))
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -88,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
             facts, model_note = _model_from_header(path, cache, model_facts)
         context = CheckContext(model=facts, device=args.device, gpu_memory_gib=args.gpu_memory,
                                host_memory_gib=args.host_memory, seq_len=args.seq_len, gpus=args.gpus,
-                               method=args.method, lora=lora)
+                               method=args.method, lora=lora, micro_batch=args.micro_batch, script=script,
+                               precision=None if args.precision in (None, "auto") else args.precision,
+                               activation_checkpointing={"on": True, "off": False}.get(args.activation_checkpointing))
         report, view = check_file(path, context=context, prove_wrapping=not args.no_probe)
         failed = failed or not report.ok
         document = report.to_json()
@@ -102,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             "wrap_probe": view.probe.to_json() if view.probe is not None else None,
         }
         documents.append(document)
-        lines += _human(report, view, facts, model_note)
+        lines += _human(report, view, facts, model_note, verbose=args.verbose)
     if args.json:
         print(json.dumps({"ok": not failed, "files": documents}, indent=2))
     else:
@@ -134,7 +155,7 @@ def _model_from_header(path, cache: dict, model_facts):
     return facts, note or f"model: {source} (named in the file's header)"
 
 
-def _human(report, view, facts, model_note) -> list[str]:
+def _human(report, view, facts, model_note, *, verbose: bool = False) -> list[str]:
     errors, warnings = len(report.errors), len(report.warnings)
     status = "ok" if report.ok else "FAILED"
     counts = f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}"
@@ -149,30 +170,18 @@ def _human(report, view, facts, model_note) -> list[str]:
         elif probe is not None and not probe.error:
             lines.append(f"  accelerate's FSDP preparation of the model (fake process group): {probe.unit_summary()}")
     for item in report.findings:
-        if item.severity == "note":
+        if item.severity == "info" and not verbose:
             continue
+        if item.rule == "wrap-probe-skipped" and view is not None:
+            continue  # said on the "wrapping not proved" line above
         where = f" [{item.key}]" if item.key else ""
         lines.append(f"  {item.severity:7} {item.rule}{where}: {item.message}")
         lines.append(f"          fix: {item.fix}")
-    if report.notes:
-        # accelerate's own defaults: one short line, not a finding each
-        lines.append("  note: " + "; ".join(_note(item) for item in report.notes))
+    if report.infos and not verbose:
+        # accelerate's own defaults and style: one short line, not a finding each
+        lines.append(f"  ({len(report.infos)} of accelerate's own defaults not shown: " + ", ".join(
+            sorted({item.rule for item in report.infos})) + "; --verbose shows them)")
     return lines
-
-
-def _note(item) -> str:
-    from fsdp_presets.schema import K
-
-    short = {
-        "fsdp-version-missing": f"no {K.version} (FSDP1, accelerate's default)",
-        "wrap-classes-unset": "wrap classes from the model's _no_split_modules",
-        "num-processes-unset": "num_processes comes from the launch command (--gpus N here for the GPU count and "
-                               "memory rules)",
-        "ignored-default": f"{(item.key or '').split('.')[-1]} is not applied, but what applies is the same",
-    }.get(item.rule)
-    if short is None:
-        short = item.message
-    return f"{short} [{item.rule}]"
 
 
 def _summary(view, facts) -> str:

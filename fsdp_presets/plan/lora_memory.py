@@ -114,13 +114,41 @@ class LoraUnit:
     """QLoRA: elements of the widest Linear weight, dequantized for compute one at a time."""
 
 
+_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
 def _base_bytes_per_param(shape: TrainingShape) -> int:
-    """The frozen base's storage: the compute dtype (bf16 under bf16; fp32 under fp32)."""
+    """The frozen base's storage: the dtype it was loaded in when known (PEFT's LoRA example loads
+    it in fp32 under bf16 mixed precision); else LoRA in the compute dtype, and QLoRA in bf16, its
+    quant storage dtype, whatever mixed_precision says (transformers' Trainer sets FSDP's mixed
+    precision to the storage dtype: ``update_fsdp_plugin_peft``)."""
+    lora = shape.lora
+    if lora is not None and lora.base_dtype:
+        return _DTYPE_BYTES[lora.base_dtype]
+    if lora is not None and lora.method == "qlora":
+        return 2
     return shape.compute_bytes
 
 
 def _quantized_bytes(params: int, lora: LoraShape) -> int:
-    return math.ceil(params * (NF4_BYTES_PER_PARAM + QUANT_CONSTANT_BITS[lora.double_quant] / 8))
+    """The packed 4-bit weights: what FSDP shards (a float tensor in the quant storage dtype)."""
+    return math.ceil(params * NF4_BYTES_PER_PARAM)
+
+
+def quant_constant_bytes(profile: ModelProfile, lora: LoraShape) -> int:
+    """QLoRA's quantization constants (absmax, and the double-quantization state) of the whole
+    model. They live in bitsandbytes' ``quant_state``, an attribute of each ``Params4bit``, not an
+    FSDP parameter: every rank holds all of them on its GPU, unsharded and never offloaded
+    (bitsandbytes restores them from the module after FSDP flattens the weight:
+    ``fix_4bit_weight_quant_state_from_module``)."""
+    if lora is None or lora.method != "qlora":
+        return 0
+    quantized = 0
+    for unit in profile.units:
+        linears = block_linears(profile, unit.cls)
+        quantized += unit.count * min(sum(linear.in_features * linear.out_features for linear in linears),
+                                      unit.params_each)
+    return math.ceil(quantized * QUANT_CONSTANT_BITS[lora.double_quant] / 8)
 
 
 def lora_units(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> list[LoraUnit]:
@@ -155,7 +183,8 @@ def adapter_params(profile: ModelProfile, shape: TrainingShape) -> int:
 
 def base_storage_bytes(profile: ModelProfile, shape: TrainingShape) -> int:
     """The whole frozen base as stored (bf16, or 4-bit packed plus constants)."""
-    return sum(unit.count * unit.base_bytes for unit in lora_units(profile, shape, 2))
+    return sum(unit.count * unit.base_bytes for unit in lora_units(profile, shape, 2)) + \
+        quant_constant_bytes(profile, shape.lora)
 
 
 def lora_model_state_bytes(profile: ModelProfile, shape: TrainingShape, shard_world_size: int,
@@ -202,7 +231,9 @@ def lora_peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_versi
     units = lora_units(profile, shape, fsdp_version)
     activations = lora_activation_bytes(profile, shape, micro_batch)
     adapters = sum(unit.count * unit.adapter_params for unit in units)
-    dequantized = max((unit.largest_dequantized for unit in units), default=0) * c
+    # One Linear's weight dequantized for compute, and every quantization constant (replicated).
+    dequantized = max((unit.largest_dequantized for unit in units), default=0) * c + \
+        quant_constant_bytes(profile, shape.lora)
     accumulated = 0
     if shape.grad_accum > 1 and not shape.reduce_every_micro_batch and fsdp_version is not None:
         accumulated = adapters * (STORED_PARAM_BYTES if c == 4 else ACCUMULATED_GRAD_BYTES[fsdp_version])

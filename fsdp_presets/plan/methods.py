@@ -34,6 +34,8 @@ def add_method_arguments(parser: argparse.ArgumentParser, *, method_help: str | 
     add("--lora-dropout", type=arguments.lora_dropout, help="dropout on the LoRA path (default 0)")
     add("--lora-target-modules", metavar="NAMES", help="comma-separated Linear names to adapt, or all-linear "
         "(default: the attention and MLP projections of the model's block)")
+    add("--lora-base-dtype", choices=("bf16", "fp16", "fp32"), help="the frozen base's dtype as loaded "
+        "(from_pretrained(dtype=...)); default: the compute dtype for lora, bf16 storage for qlora")
 
 
 def lora_from_args(args: argparse.Namespace, profile=None):
@@ -43,7 +45,9 @@ def lora_from_args(args: argparse.Namespace, profile=None):
     method = getattr(args, "method", None) or "full"
     given = [flag for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
                                       ("--lora-dropout", args.lora_dropout),
-                                      ("--lora-target-modules", args.lora_target_modules)) if value is not None]
+                                      ("--lora-target-modules", args.lora_target_modules),
+                                      ("--lora-base-dtype", getattr(args, "lora_base_dtype", None)))
+             if value is not None]
     if method == "full":
         if given:
             raise UsageError(f"{', '.join(given)} given with --method full; add --method lora or --method qlora")
@@ -57,7 +61,8 @@ def lora_from_args(args: argparse.Namespace, profile=None):
             raise UsageError(f"--lora-target-modules {args.lora_target_modules!r}: give Linear names separated by "
                              "commas, such as q_proj,v_proj, or all-linear")
     lora = LoraShape(method=method, r=DEFAULT_LORA_R if args.lora_r is None else args.lora_r, alpha=args.lora_alpha,
-                     dropout=0.0 if args.lora_dropout is None else args.lora_dropout, target_modules=targets)
+                     dropout=0.0 if args.lora_dropout is None else args.lora_dropout, target_modules=targets,
+                     base_dtype=getattr(args, "lora_base_dtype", None))
     if profile is not None:
         unknown = unknown_target_modules(profile, lora)
         if unknown:

@@ -220,6 +220,9 @@ class LoraShape:
     attention and MLP projections)."""
     double_quant: bool = False
     """QLoRA: bitsandbytes ``bnb_4bit_use_double_quant`` (off in the recipes)."""
+    base_dtype: Literal["bf16", "fp16", "fp32"] | None = None
+    """The frozen base's dtype as loaded (``from_pretrained(dtype=...)``; QLoRA: its non-quantized
+    weights, the ``bnb_4bit_quant_storage`` dtype). None: LoRA in the compute dtype, QLoRA in bf16."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -231,6 +234,8 @@ class LoraShape:
             problems.append(f"--lora-alpha must be a positive number, got {self.alpha}")
         if not (math.isfinite(self.dropout) and 0 <= self.dropout < 1):
             problems.append(f"--lora-dropout must be in [0, 1), got {self.dropout}")
+        if self.base_dtype not in (None, "bf16", "fp16", "fp32"):
+            problems.append(f"--lora-base-dtype must be bf16, fp16 or fp32, got {self.base_dtype}")
         if self.target_modules is not None and not self.target_modules:
             problems.append("--lora-target-modules is empty: give names such as q_proj,v_proj or all-linear")
         if problems:
@@ -243,6 +248,6 @@ class LoraShape:
     def to_json(self) -> dict:
         return {"method": self.method, "r": self.r, "alpha": self.lora_alpha, "dropout": self.dropout,
                 "target_modules": None if self.target_modules is None else list(self.target_modules),
-                "double_quant": self.double_quant}
+                "double_quant": self.double_quant, "base_dtype": self.base_dtype}
 
 

@@ -128,9 +128,8 @@ def _value_fits(key: str, value: Any) -> bool:
         return _boolean(value) is not None
     if key == K.min_num_params:
         return _whole(value) is not None
-    allowed = _enumerations().get(key)
-    if allowed is not None:
-        return str(value).upper() in allowed
+    if key in _enumerations():
+        return enumeration_name(key, value) is not None
     return True
 
 
@@ -156,6 +155,43 @@ def _strategy_name(value: Any) -> str | None:
         return FSDP_SHARDING_STRATEGY[_whole(value) - 1]
     text = str(value).upper().lstrip("_")  # torch's enum spells it _HYBRID_SHARD_ZERO2; accelerate takes both
     return text if text in FSDP_SHARDING_STRATEGY else None
+
+
+def enumeration_name(key: str, value: Any) -> str | None:
+    """An ``fsdp_config`` enumeration value as accelerate's plugin reads it, as its upper-case name:
+    the name in any case, or (sharding strategy, backward prefetch, state-dict type) torch's 1-based
+    enum value, as a number or a string of digits (``fsdp_sharding_strategy: 1`` is FULL_SHARD);
+    None when accelerate would refuse it (a YAML boolean included)."""
+    if isinstance(value, bool):
+        return None
+    if key == K.sharding_strategy:
+        return _strategy_name(value)
+    allowed = _enumerations().get(key, ())
+    number = _whole(value)
+    indexed = {K.backward_prefetch: 2, K.state_dict_type: 3}.get(key, 0)  # torch's BackwardPrefetch, StateDictType
+    if number is not None:
+        return allowed[number - 1] if 1 <= number <= indexed else None
+    text = str(value).strip().upper()
+    return text if text in allowed else None
+
+
+def canonical_fsdp(fsdp: dict) -> dict:
+    """``fsdp_config`` (keys already prefixed) with every value accelerate parses in its canonical
+    form: enumeration names, booleans, whole-number version; values it refuses stay as written (the
+    ``invalid-value`` rule reports them)."""
+    enumerations = _enumerations()
+    canonical = {}
+    for key, value in fsdp.items():
+        if key in enumerations and value is not None:
+            value = enumeration_name(key, value) or value
+        elif key in _BOOLEAN_FSDP_KEYS and _boolean(value) is not None:
+            value = _boolean(value)
+        elif key in (K.version, K.min_num_params) and _whole(value) is not None:
+            value = _whole(value)
+        elif key == K.reshard_after_forward and not isinstance(value, bool):
+            value = _boolean(value) if _boolean(value) is not None else (_strategy_name(value) or value)
+        canonical[key] = value
+    return canonical
 
 
 # --------------------------------------------------------------------------- accelerate's view
