@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{rule:34} {severity:8} {what}")
         return 0
     problems = [] if args.configs else ["give at least one CONFIG.yaml"]
-    missing = [path for path in args.configs if not Path(path).is_file()]
+    missing = [path for path in args.configs if not Path(path).exists()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")
     from fsdp_presets.plan.methods import lora_from_args
@@ -114,11 +114,12 @@ def _model_from_header(path, cache: dict, model_facts):
     """The model a generated preset names in its metadata line, when it can be profiled here."""
     from pathlib import Path
 
-    from fsdp_presets.plan.emit import read_metadata
     from fsdp_presets.errors import UsageError
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.plan.emit import read_metadata
 
     try:
-        metadata = read_metadata(Path(path).read_text(encoding="utf-8")) or {}
+        metadata = read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}
     except (OSError, UnicodeDecodeError):
         return None, None
     source = (metadata.get("request") or {}).get("model")
