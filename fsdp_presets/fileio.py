@@ -12,6 +12,7 @@ SHA-256 digests that run.json and checkpoint manifests record.
 - **Units for people** (:func:`format_bytes`, :func:`byte_unit`, :func:`format_count`, :data:`GiB`,
   :data:`MiB`): bytes in binary units as the planner counts (decimal for traffic), parameter counts.
   Every command, message and preset header formats bytes and counts with these.
+- **Printing names** (:func:`printable`): control characters of a name shown escaped.
 - **Digests** (:func:`sha256_file`, :func:`sha256_files`, :func:`config_digest`).
 - **Bounded reads** (:func:`read_regular_bytes`, :func:`read_regular_text`, :func:`load_yaml_data`): a file a user or a
   checkpoint names is read only when it is a regular file (a FIFO would block forever,
@@ -245,6 +246,16 @@ def format_bytes(count: float, *, binary: bool = True, digits: int | None = None
         return f"{count:.0f} B"
     name, size = byte_unit(abs(count), binary=binary)
     return f"{count / size:.{digits}f} {name}"
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on one terminal line: control and format characters (escape sequences,
+    carriage returns, newlines, right-to-left overrides) written as ``\\x1b``, ``\\r``, ``\\u202e``. File
+    names from a checkpoint go through it, so no name can redraw what a command prints."""
+    import unicodedata
+
+    return "".join(character.encode("unicode_escape").decode("ascii") if unicodedata.category(character)[0] == "C"
+                   else character for character in text)
 
 
 def format_count(count: float, *, compact: bool = False) -> str:
