@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     cache: dict = {}
     documents, failed, lines = [], False, []
     for path in args.configs:
+        _refuse_another_method(path, args.method)
         facts, model_note = explicit, None
         if facts is None:
             facts, model_note = _model_from_header(path, cache, model_facts)
@@ -108,6 +109,24 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(lines))
     return 1 if failed else 0
+
+
+def _refuse_another_method(path, method) -> None:
+    """``--method`` that is not the one a generated preset was decided for: its memory verdicts would
+    be of another training (a full fine-tuning preset checked as QLoRA fits, and trains, nothing)."""
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.plan.emit import read_metadata
+
+    try:
+        request = (read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}).get("request")
+    except (OSError, UnicodeDecodeError):
+        return
+    decided = (request.get("method") or "full") if isinstance(request, dict) else None
+    if method and decided and method != decided:
+        raise UsageError(f"--method {method} disagrees with {path}, a preset generated for {decided} (its header "
+                         f"says so): check it with --method {decided}, or generate a preset for {method} "
+                         f"(fsdp-presets generate ... --method {method})")
 
 
 def _model_from_header(path, cache: dict, model_facts):
