@@ -378,6 +378,7 @@ MALFORMED = {
     "no-step": (lambda manifest: manifest.pop("step"), "no step"),
     "digest-number": (_set("config_digest", 7), "config_digest 7 is not a string"),
     "not-an-object": (lambda manifest: manifest.clear() or None, "no step"),
+    "impossible-step": (_set("step", 10**15), "manifest.json says step 1000000000000000, the folder is step-00000003"),
 }
 
 
