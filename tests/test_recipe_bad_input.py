@@ -55,6 +55,16 @@ def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
         fit_head(["fish", "law"], ["law"], "d")
 
 
+def test_null_labels_are_refused_not_made_a_class(tmp_path):
+    from fsdp_presets.train.data import _check_classification_columns, load_records
+
+    data = tmp_path / "labels.jsonl"
+    data.write_text("".join(json.dumps({"text": f"verse {index}", "label": [None, "law", "poetry"][index % 3]}) + "\n"
+                            for index in range(9)))
+    with pytest.raises(UsageError, match="3 of 9 records have no label"):
+        _check_classification_columns(load_records(data), "--data", data)
+
+
 def test_the_full_fault_makes_the_kernel_say_enospc_only_under_its_folder(tmp_path, monkeypatch):
     import builtins
 
