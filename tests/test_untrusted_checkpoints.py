@@ -431,6 +431,18 @@ def test_a_finished_model_without_checkpoints_is_not_retrained(tmp_path):
 
 
 # ---- the run lock ----
+def test_another_max_steps_says_what_it_does_to_the_schedule(tmp_path):
+    from fsdp_presets.checkpoint.run_folder import schedule_change_note
+
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 100, "lr_scheduler": "cosine"}))
+    longer = schedule_change_note(tmp_path, 200, {"lr_scheduler": "cosine"})
+    assert "rebuilt to decay over 200 steps" in longer and "higher than the old one" in longer
+    assert "--max-steps 100 to keep the schedule" in longer
+    assert "lower than the old one" in schedule_change_note(tmp_path, 50, {"lr_scheduler": "linear"})
+    assert schedule_change_note(tmp_path, 100, {"lr_scheduler": "cosine"}) is None
+    assert schedule_change_note(tmp_path, 200, {"lr_scheduler": "constant_with_warmup"}) is None
+
+
 def test_the_lock_rule(tmp_path):
     from fsdp_presets.checkpoint.run_folder import _lock_problem, _process_start
 
