@@ -12,6 +12,7 @@ import sys
 from fsdp_presets import __version__
 from fsdp_presets.commands import COMMANDS
 from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import printable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except UsageError as error:
-        print(f"fsdp-presets {args.command}: error: {error}", file=sys.stderr)
+        print(f"fsdp-presets {args.command}: error: {printable(str(error))}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`fsdp-presets plan ... --json | head`): not an error of ours.

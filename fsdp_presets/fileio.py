@@ -12,7 +12,11 @@ SHA-256 digests that run.json and checkpoint manifests record.
 - **Units for people** (:func:`format_bytes`, :func:`byte_unit`, :func:`format_count`, :data:`GiB`,
   :data:`MiB`): bytes in binary units as the planner counts (decimal for traffic), parameter counts.
   Every command, message and preset header formats bytes and counts with these.
+- **Printing names** (:func:`printable`): control characters of a name shown escaped.
 - **Digests** (:func:`sha256_file`, :func:`sha256_files`, :func:`config_digest`).
+- **Bounded reads** (:func:`read_regular_bytes`, :func:`read_regular_text`, :func:`load_yaml_data`): a file a user or a
+  checkpoint names is read only when it is a regular file (a FIFO would block forever,
+  ``/dev/zero`` never ends) and no larger than the reader's limit, checked before reading.
 """
 
 from __future__ import annotations
@@ -36,6 +40,71 @@ _CHUNK_BYTES = 1 << 20  # 1 MiB reads: large enough for disk throughput, small e
 # Keys of a transformers config that change with the library or the folder, not with the model.
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype", "_commit_hash",
                          "architectures", "use_cache")
+
+
+class UnreadableFile(OSError):
+    """A file refused before reading: not a regular file, or larger than its reader's limit."""
+
+
+def read_regular_bytes(path: str | os.PathLike, *, limit: int) -> bytes:
+    """The bytes of ``path`` when it is a regular file (after links) of at most ``limit`` bytes;
+    otherwise :class:`UnreadableFile` (an ``OSError``) naming what it is. At most ``limit + 1``
+    bytes are ever read, so a file that grows while read is refused too."""
+    import stat
+
+    path = Path(path)
+    with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            kind = ("a directory" if stat.S_ISDIR(status.st_mode) else "a FIFO" if stat.S_ISFIFO(status.st_mode)
+                    else "a device" if stat.S_ISCHR(status.st_mode) or stat.S_ISBLK(status.st_mode)
+                    else "a socket" if stat.S_ISSOCK(status.st_mode) else "not a regular file")
+            raise UnreadableFile(f"{path} is {kind}, not a regular file; pass a file")
+        if status.st_size > limit:
+            raise UnreadableFile(f"{path} holds {format_bytes(status.st_size)}, more than the "
+                                 f"{format_bytes(limit)} this reader accepts")
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise UnreadableFile(f"{path} grew past the {format_bytes(limit)} this reader accepts while read")
+    return data
+
+
+def read_regular_text(path: str | os.PathLike, *, limit: int) -> str:
+    """:func:`read_regular_bytes` decoded as UTF-8 (``UnicodeDecodeError`` when it is not)."""
+    return read_regular_bytes(path, limit=limit).decode("utf-8")
+
+
+CONFIG_MAX_BYTES = 16 * 1024**2
+"""Largest JSON config read (a model's ``config.json``, a checkpoint's JSON files): 16 MiB. The
+largest published ``config.json`` files (with id-to-label tables) are a few hundred KiB."""
+YAML_MAX_BYTES = 1024**2
+"""Largest accelerate config (or preset) read: 1 MiB. A generated preset is about 3 KiB."""
+YAML_MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists admitted in a YAML config (accelerate's nest 3 deep)."""
+
+
+def load_yaml_data(text: str) -> Any:
+    """``yaml.safe_load`` of ``text`` (at most :data:`YAML_MAX_BYTES`) with no anchors or aliases
+    (a few of them make a "billion laughs": gigabytes from a few lines) and at most
+    :data:`YAML_MAX_DEPTH` levels of nesting; a refused text raises ``yaml.YAMLError`` saying why,
+    checked on the parser's events before any value is built."""
+    import yaml
+
+    if len(text) > YAML_MAX_BYTES:
+        raise yaml.YAMLError(f"it holds {format_bytes(len(text))}, more than the {format_bytes(YAML_MAX_BYTES)} a "
+                             "config may hold")
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.YAMLError("it uses YAML anchors or aliases (&name, *name), which a config never needs; "
+                                 "write each value out")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > YAML_MAX_DEPTH:
+                raise yaml.YAMLError(f"it nests deeper than {YAML_MAX_DEPTH} levels, which a config never does")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+    return yaml.safe_load(text)
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -177,6 +246,16 @@ def format_bytes(count: float, *, binary: bool = True, digits: int | None = None
         return f"{count:.0f} B"
     name, size = byte_unit(abs(count), binary=binary)
     return f"{count / size:.{digits}f} {name}"
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print on one terminal line: control and format characters (escape sequences,
+    carriage returns, newlines, right-to-left overrides) written as ``\\x1b``, ``\\r``, ``\\u202e``. File
+    names from a checkpoint go through it, so no name can redraw what a command prints."""
+    import unicodedata
+
+    return "".join(character.encode("unicode_escape").decode("ascii") if unicodedata.category(character)[0] == "C"
+                   else character for character in text)
 
 
 def format_count(count: float, *, compact: bool = False) -> str:

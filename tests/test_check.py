@@ -181,3 +181,22 @@ def test_no_gpu_count_verdict_without_num_processes(tmp_path):
     report, _ = check_file(_write(tmp_path, config), context=CheckContext(model=facts(LLAMA_70B), method="full",
                                                                        gpus=2))
     assert "does-not-fit" in report.rules()
+
+
+def test_an_absurd_process_count_is_refused_as_launcher_refuses_it(tmp_path):
+    from fsdp_presets.arguments import MAX_GPUS
+
+    path = tmp_path / "absurd.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 1000000000000\n"
+                    "num_machines: 1\nfsdp_config:\n  fsdp_version: 2\n")
+    report, _ = check_file(path)
+    assert any(item.rule == "invalid-value" and f"num_processes 1000000000000 is more than {MAX_GPUS}" in item.message
+               for item in report.errors), report.errors
+
+
+def test_a_method_other_than_the_presets_is_refused_in_one_line(capsys):
+    preset = Path(__file__).parents[1] / "accelerate_configs" / "llama-3.1-70b_1x8.yaml"
+    assert cli.main(["check", str(preset), "--method", "qlora", "--no-probe"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert "--method qlora disagrees with" in error and "a preset generated for full" in error
+    assert len(error.splitlines()) == 1

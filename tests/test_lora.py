@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -205,11 +206,17 @@ def test_export_command_writes_a_peft_folder_from_a_lora_checkpoint(lora_runs, t
     import torch
     from safetensors.torch import load_file
 
-    checkpoint = lora_runs["fsdp1"] / "checkpoints" / f"step-{STEPS:08d}"
+    from test_untrusted_checkpoints import plant_code_references
+
+    checkpoint = tmp_path / "step"  # with an attacker's tokenizer code and auto_map in model_config/
+    shutil.copytree(lora_runs["fsdp1"] / "checkpoints" / f"step-{STEPS:08d}", checkpoint)
+    plant_code_references(checkpoint)
     output = tmp_path / "adapter"
     result = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "export", str(checkpoint), "--output",
                              str(output)], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0, result.stderr
+    assert not list(output.glob("*.py")) and "dropped auto_map from tokenizer_config.json" in result.stdout
+    assert "auto_map" not in json.loads((output / "tokenizer_config.json").read_text())
     written = load_file(output / "adapter_model.safetensors")
     final = load_file(lora_runs["fsdp1"] / "final" / "adapter_model.safetensors")
     assert sorted(written) == sorted(final) and written

@@ -55,6 +55,16 @@ def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
         fit_head(["fish", "law"], ["law"], "d")
 
 
+def test_null_labels_are_refused_not_made_a_class(tmp_path):
+    from fsdp_presets.train.data import _check_classification_columns, load_records
+
+    data = tmp_path / "labels.jsonl"
+    data.write_text("".join(json.dumps({"text": f"verse {index}", "label": [None, "law", "poetry"][index % 3]}) + "\n"
+                            for index in range(9)))
+    with pytest.raises(UsageError, match="3 of 9 records have no label"):
+        _check_classification_columns(load_records(data), "--data", data)
+
+
 def test_the_full_fault_makes_the_kernel_say_enospc_only_under_its_folder(tmp_path, monkeypatch):
     import builtins
 
@@ -169,6 +179,46 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
     assert not (tmp_path / "three").exists() and not (tmp_path / "five").exists()
     exported = json.loads((tmp_path / "new-head" / "final" / "config.json").read_text())
     assert exported["id2label"] == {"0": "gospels", "1": "law", "2": "letters"}
+
+
+def test_lora_flags_need_peft_and_the_plan_bound_on_the_rank(monkeypatch):
+    import argparse
+    import importlib.util
+
+    from fsdp_presets.arguments import MAX_LORA_R
+    from fsdp_presets.train import lora
+
+    def flags(**given):
+        values = {"lora_r": 8, "lora_alpha": None, "lora_target_modules": None, "export_merged": False,
+                  "lora_dropout": 0.0, "load_in_4bit": False}
+        return argparse.Namespace(**{**values, **given})
+
+    with pytest.raises(UsageError, match=f"--lora-r {MAX_LORA_R + 1} is out of range; give a whole number from 1 to"):
+        lora.settings(flags(lora_r=MAX_LORA_R + 1))
+    assert lora.settings(flags(lora_r=MAX_LORA_R))["r"] == MAX_LORA_R
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "peft" else real(name, *rest))
+    with pytest.raises(UsageError, match="need peft: pip install"):
+        lora.settings(flags())
+
+
+@pytest.mark.slow
+def test_lora_target_modules_that_match_nothing_are_refused_in_one_line(models, tmp_path):
+    def args(name, *extra):
+        return ["--model", str(models["llama"]), "--data", str(SFT_TRAIN), "--output-dir", str(tmp_path / name),
+                "--seq-len", "32", "--max-steps", "1", "--lora-r", "4", *extra]
+
+    cases = {"--lora-target-modules: q_prj match no module of the model (its linear layers: q_proj":
+             args("typo", "--lora-target-modules", "q_proj,q_prj")}
+    codes, errors, _ = drive_recipe(CAUSAL_LM, [*cases.values(), args("applied", "--lora-target-modules", "q_proj")])
+    assert codes == [2, 0]
+    for expected, part in zip(cases, errors):
+        lines = error_lines(part)
+        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
+        assert TRACEBACK not in part
+    assert not (tmp_path / "typo").exists()
+    recorded = json.loads((tmp_path / "applied" / "run.json").read_text())
+    assert recorded["lora"]["target_modules"] == ["q_proj"], recorded.get("lora")
 
 
 # ---- launches ----

@@ -237,8 +237,114 @@ def test_an_export_holds_only_files_it_wrote(checkpoint, tmp_path, capsys):
     assert cli.main(["export", str(checkpoint), "--output", str(output)]) == 0
     written = sorted(path.name for path in output.iterdir())
     assert all(not path.is_symlink() and path.is_file() for path in output.iterdir())
-    assert written == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                       "tokenizer_config.json"], written
+    assert written == ["config.json", "fsdp_presets_export.json", "generation_config.json", "model.safetensors",
+                       "tokenizer.json", "tokenizer_config.json"], written
+
+
+def plant_code_references(checkpoint: Path) -> None:
+    """An attacker's tokenizer code in model_config/, and auto_map entries naming it."""
+    config_dir = checkpoint / "model_config"
+    (config_dir / "tokenization_evil.py").write_text("import os; os.system('touch pwned')\n")
+    for name, entry in (("config.json", {"AutoModelForCausalLM": "tokenization_evil.Evil"}),
+                        ("tokenizer_config.json", {"AutoTokenizer": ["tokenization_evil.Evil", None]})):
+        document = json.loads((config_dir / name).read_text())
+        (config_dir / name).write_text(json.dumps({**document, "auto_map": entry}))
+    from transformers import AutoConfig
+
+    from fsdp_presets.fileio import config_digest
+
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    manifest["config_digest"] = config_digest(AutoConfig.from_pretrained(config_dir))  # the attacker's too
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    recompute_manifest(checkpoint)
+
+
+def test_an_export_drops_code_references_unless_asked_and_never_copies_code(checkpoint, tmp_path, capsys):
+    plant_code_references(checkpoint)
+    output, kept = tmp_path / "hf", tmp_path / "kept"
+    assert cli.main(["export", str(checkpoint), "--output", str(output)]) == 0
+    said = capsys.readouterr().out
+    assert "dropped auto_map from config.json" in said and "--keep-code-references keeps it" in said
+    assert not list(output.glob("*.py"))
+    for name in ("config.json", "tokenizer_config.json"):
+        assert "auto_map" not in json.loads((output / name).read_text()), name
+    assert cli.main(["export", str(checkpoint), "--output", str(kept), "--keep-code-references"]) == 0
+    assert "auto_map" in json.loads((kept / "config.json").read_text()) and not list(kept.glob("*.py"))
+
+
+def test_export_force_never_replaces_a_model_folder_that_looks_like_an_export(checkpoint, tmp_path, capsys):
+    exported = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    users = tmp_path / "base-model"  # a user's model folder: config, weights, a README
+    users.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(exported / name, users / name)
+    (users / "README.md").write_text("my notes")
+    before = tree_digest(users)
+    capsys.readouterr()
+    assert cli.main(["export", str(checkpoint), "--output", str(users), "--force"]) == 2
+    error = capsys.readouterr().err
+    assert "was not written by fsdp-presets export" in error and "holds an export" not in error, error
+    assert tree_digest(users) == before
+    (exported / "README.md").write_text("added by hand")  # an export the user added to is theirs now
+    assert cli.main(["export", str(checkpoint), "--output", str(exported), "--force"]) == 2
+    assert (exported / "README.md").read_text() == "added by hand"
+
+
+def test_import_refuses_a_link_out_of_the_model_folder_and_follows_a_cache_layout(checkpoint, tmp_path, capsys):
+    exported = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password")
+    (exported / "chat_template.jinja").symlink_to(secret)
+    capsys.readouterr()
+    assert cli.main(["import", str(exported), "--output", str(tmp_path / "start")]) == 2
+    error = capsys.readouterr().err
+    assert f"{exported / 'chat_template.jinja'} is a symbolic link to {secret}" in error
+    assert len(error.strip().splitlines()) == 1 and not (tmp_path / "start").exists()
+    (exported / "chat_template.jinja").unlink()
+    # a Hugging Face cache: snapshots/REV/name -> ../../blobs/HASH of the same cache
+    cache = tmp_path / "hub" / "models--org--tiny"
+    (cache / "blobs").mkdir(parents=True)
+    snapshot = cache / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for path in exported.iterdir():
+        blob = cache / "blobs" / hashlib.sha256(path.name.encode()).hexdigest()
+        shutil.copyfile(path, blob)
+        (snapshot / path.name).symlink_to(Path("../../blobs") / blob.name)
+    assert cli.main(["import", str(snapshot), "--output", str(tmp_path / "from-cache")]) == 0
+
+
+def test_import_of_a_truncated_config_is_one_line(checkpoint, tmp_path, capsys):
+    exported = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    (exported / "config.json").write_text((exported / "config.json").read_text()[:40])
+    capsys.readouterr()
+    assert cli.main(["import", str(exported), "--output", str(tmp_path / "start")]) == 2
+    error = capsys.readouterr().err
+    assert "config.json: cannot be read as a model config" in error and len(error.strip().splitlines()) == 1
+
+
+def test_names_from_a_checkpoint_cannot_redraw_the_terminal(checkpoint, capsys):
+    spoof = "x\x1b[2K\r  integrity   OK: every file matches\n"
+    (checkpoint / "model_config" / spoof).write_text("")
+    assert cli.main(["inspect-checkpoint", str(checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "DAMAGED" in out
+    assert "x\\x1b[2K\\r" in out  # shown, escaped
+
+
+@pytest.mark.parametrize("command", ["inspect-checkpoint", "export"])
+def test_a_metadata_pickle_nested_too_deep_is_refused_in_one_line(checkpoint, tmp_path, capsys, command):
+    """Allowed types only, 200,000 deep: unpickled, the set hashing the nested tuple overflows the C
+    stack (exit 139)."""
+    metadata = checkpoint / DCP_MODEL / DCP_METADATA
+    metadata.write_bytes(b"\x80\x04cbuiltins\nfrozenset\n)" + b"\x85" * 200_000 + b"\x85\x85R.")
+    recompute_manifest(checkpoint)
+    argv = [command, str(checkpoint)] + (["--output", str(tmp_path / "hf")] if command == "export" else [])
+    assert cli.main(argv) in (1, 2)
+    said = capsys.readouterr()
+    assert "nests deeper than 64 levels" in said.out + said.err
 
 
 def test_a_custom_state_pickle_is_refused_even_when_listed(checkpoint):
@@ -272,6 +378,7 @@ MALFORMED = {
     "no-step": (lambda manifest: manifest.pop("step"), "no step"),
     "digest-number": (_set("config_digest", 7), "config_digest 7 is not a string"),
     "not-an-object": (lambda manifest: manifest.clear() or None, "no step"),
+    "impossible-step": (_set("step", 10**15), "manifest.json says step 1000000000000000, the folder is step-00000003"),
 }
 
 
@@ -324,6 +431,18 @@ def test_a_finished_model_without_checkpoints_is_not_retrained(tmp_path):
 
 
 # ---- the run lock ----
+def test_another_max_steps_says_what_it_does_to_the_schedule(tmp_path):
+    from fsdp_presets.checkpoint.run_folder import schedule_change_note
+
+    (tmp_path / "run.json").write_text(json.dumps({"max_steps": 100, "lr_scheduler": "cosine"}))
+    longer = schedule_change_note(tmp_path, 200, {"lr_scheduler": "cosine"})
+    assert "rebuilt to decay over 200 steps" in longer and "higher than the old one" in longer
+    assert "--max-steps 100 to keep the schedule" in longer
+    assert "lower than the old one" in schedule_change_note(tmp_path, 50, {"lr_scheduler": "linear"})
+    assert schedule_change_note(tmp_path, 100, {"lr_scheduler": "cosine"}) is None
+    assert schedule_change_note(tmp_path, 200, {"lr_scheduler": "constant_with_warmup"}) is None
+
+
 def test_the_lock_rule(tmp_path):
     from fsdp_presets.checkpoint.run_folder import _lock_problem, _process_start
 

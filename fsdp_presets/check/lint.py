@@ -102,17 +102,18 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
 
     import yaml
 
+    from fsdp_presets.fileio import YAML_MAX_BYTES, load_yaml_data, read_regular_text
     from fsdp_presets.preset.emit import read_metadata
 
     report = CheckReport(path=str(path))
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = read_regular_text(path, limit=YAML_MAX_BYTES)
     except (OSError, UnicodeDecodeError) as error:
         report.findings.append(finding("yaml-invalid", f"cannot read {path}: {error}", "pass an accelerate config "
                                        "file"))
         return report, None
     try:
-        config = yaml.safe_load(text)
+        config = load_yaml_data(text)
     except yaml.YAMLError as error:
         report.findings.append(finding("yaml-invalid", f"not valid YAML: {' '.join(str(error).split())}",
                                        "fix the YAML syntax"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_presets.arguments import MAX_GPUS
 from fsdp_presets.preset.accelerate_view import (
     _BOOLEAN_FSDP_KEYS,
     _boolean,
@@ -70,6 +71,11 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             "step, which slows training", "set debug: false (keep it for a short run that hunts a shape mismatch)",
             "debug"))
     processes, machines = _whole(config.get("num_processes", 1)), _whole(config.get("num_machines", 1))
+    for key, count in (("num_processes", processes), ("num_machines", machines)):
+        if count is not None and count > MAX_GPUS:  # the bound `launcher` and `plan --gpus` apply
+            findings.append(finding("invalid-value", f"{key} {count} is more than {MAX_GPUS}, beyond any cluster",
+                                    f"set {key} to the job's real count", key))
+    processes, machines = (None if count is not None and count > MAX_GPUS else count for count in (processes, machines))
     if "num_processes" not in config and str(config.get("distributed_type", "")) == "FSDP":
         processes = context.gpus
         findings.append(finding(

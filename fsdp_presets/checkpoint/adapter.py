@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
+from typing import Callable
 
-from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL, ADAPTER_WEIGHTS,
-                                            GENERATION_CONFIG, HF_CONFIG, MODEL_CONFIG)
+from fsdp_presets.checkpoint.layout import ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL, ADAPTER_WEIGHTS, MODEL_CONFIG
 from fsdp_presets.errors import UsageError
 
 _KEY = re.compile(r"^[A-Za-z0-9_.]{1,500}$")
@@ -27,9 +26,12 @@ def is_adapter_checkpoint(folder: str | os.PathLike) -> bool:
     return (Path(folder) / ADAPTER_MODEL).is_dir()
 
 
-def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str) -> tuple[int, int]:
+def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str,
+                              log: Callable[[str], None] = print) -> tuple[int, int]:
     """Write a PEFT folder from a LoRA checkpoint (already verified) into ``staging``: returns
-    (tensors, bytes). Key names come from the checkpoint's model_config/adapter_keys.json."""
+    (tensors, bytes). Key names come from the checkpoint's model_config/adapter_keys.json. Nothing
+    is copied: the adapter config is written from its parsed dict, the tokenizer by transformers
+    from the tokenizer it loads (without remote code) out of model_config/."""
     import torch
     from safetensors.torch import save_file
 
@@ -58,7 +60,18 @@ def export_checkpoint_adapter(checkpoint: Path, staging: Path, *, dtype: str) ->
     staging.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (staging / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2, sort_keys=True))
-    for path in config_dir.iterdir():  # the tokenizer files
-        if path.is_file() and path.name not in (ADAPTER_KEYS, ADAPTER_CONFIG, HF_CONFIG, GENERATION_CONFIG):
-            shutil.copyfile(path, staging / path.name)
+    _write_tokenizer(config_dir, staging, log)
     return len(tensors), sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+
+
+def _write_tokenizer(config_dir: Path, staging: Path, log: Callable[[str], None]) -> None:
+    """The tokenizer of ``config_dir`` saved by transformers into ``staging`` (no remote code)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config_dir, trust_remote_code=False)
+    except Exception as error:
+        log(f"export: no tokenizer written: none loads from {config_dir} without running its code "
+            f"({type(error).__name__})")
+        return
+    tokenizer.save_pretrained(staging)

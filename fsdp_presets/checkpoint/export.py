@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.checkpoint.adapter import export_checkpoint_adapter, is_adapter_checkpoint
+from fsdp_presets.checkpoint.export_files import finish_export_folder
 from fsdp_presets.checkpoint.files import (CheckpointFiles, TensorInfo, WeightReader, find_checkpoint_files,
                                            model_reader)
 from fsdp_presets.checkpoint.hf_model import (DTYPES, ExpectedTensors, ModelFiles, Verification, VerificationFailed,
@@ -92,10 +93,13 @@ def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _
 
 def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, *, dtype: str = "fp32",
                       max_shard_size: str = "5GB", model: str | None = None, verify: bool = False,
-                      force: bool = False, log: Callable[[str], None] = print) -> ExportReport:
+                      force: bool = False, keep_code_references: bool = False,
+                      log: Callable[[str], None] = print) -> ExportReport:
     """Write the Hugging Face folder ``output`` from a recipe checkpoint (see the module
     docstring). With ``verify``, the written folder is compared with the checkpoint before it is
-    put in place; a failed verification leaves no output and returns the report with it."""
+    put in place; a failed verification leaves no output and returns the report with it. Code
+    references (``auto_map``) are dropped unless ``keep_code_references``
+    (:mod:`fsdp_presets.checkpoint.export_files`)."""
     import torch
 
     if dtype not in DTYPES:
@@ -104,7 +108,8 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     output = Path(output)
     check_output(output, kind="export", force=force, source=Path(checkpoint))
     if is_adapter_checkpoint(checkpoint):
-        return _export_adapter(Path(checkpoint), output, dtype=dtype, verify=verify, force=force, log=log)
+        return _export_adapter(Path(checkpoint), output, dtype=dtype, verify=verify, force=force,
+                               keep_code_references=keep_code_references, log=log)
     plan = plan_export(checkpoint, model=model)
     target = getattr(torch, DTYPES[dtype])
     written = plan.expected.written
@@ -119,6 +124,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
         else:
             shards, total, largest = _export_streamed(plan, staging, target, max_shard_size)
         _write_model_files(plan, staging, target)
+        finish_export_folder(staging, keep_code_references=keep_code_references, log=log)
         report = ExportReport(output=output, layout=plan.files.layout, dtype=dtype, shards=shards, tensors=len(written),
                               bytes=total, tied=tied, streamed=not plan.expected.conversion,
                               largest_shard_bytes=largest, model_files=f"{plan.model.folder} ({plan.model.origin})")
@@ -130,7 +136,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
 
 
 def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool, force: bool,
-                    log: Callable[[str], None]) -> ExportReport:
+                    keep_code_references: bool, log: Callable[[str], None]) -> ExportReport:
     """A LoRA checkpoint (trainable weights only) as a PEFT folder: adapter_config.json,
     adapter_model.safetensors and the tokenizer (:func:`fsdp_presets.checkpoint.adapter.export_checkpoint_adapter`)."""
     from fsdp_presets.checkpoint.manager import checkpoint_verdict
@@ -144,7 +150,8 @@ def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool,
                          "another checkpoint)")
     log(f"export: {checkpoint / ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
     with staged_folder(output, kind="export", force=force) as staging:
-        tensors, total = export_checkpoint_adapter(checkpoint, staging, dtype=dtype)
+        tensors, total = export_checkpoint_adapter(checkpoint, staging, dtype=dtype, log=log)
+        finish_export_folder(staging, keep_code_references=keep_code_references, log=log)
     return ExportReport(output=output, layout="adapter", dtype=dtype, shards=[ADAPTER_WEIGHTS],
                         tensors=tensors, bytes=total, tied=[], streamed=False, largest_shard_bytes=total,
                         model_files=f"{checkpoint / MODEL_CONFIG} (adapter_config.json)")

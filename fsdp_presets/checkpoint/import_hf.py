@@ -65,11 +65,16 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
     hf_dir, output = Path(hf_dir), Path(output)
     if not (hf_dir / HF_CONFIG).is_file():
         raise UsageError(f"{hf_dir}: no {HF_CONFIG} (give a Hugging Face model folder)")
+    refuse_links_out(hf_dir)
     check_output(output, kind="import", force=force, source=hf_dir)
     weight_files = hf_weight_files(hf_dir)
     for file in weight_files:  # open each file before anything else: a damaged one is named here
         SafetensorsReader([file]) if file.suffix == WEIGHTS_SUFFIX else TorchFileReader(file)
-    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    try:
+        config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    except Exception as error:  # truncated JSON, an unknown model_type, a value of the wrong type
+        raise UsageError(f"{hf_dir / HF_CONFIG}: cannot be read as a model config ({type(error).__name__}: "
+                         f"{' '.join(str(error).split())[:300]}); nothing was written") from None
     model_files = ModelFiles(folder=hf_dir, origin="the imported folder", config=config)
     tokenizer, generation_config = tokenizer_and_generation_config(model_files, required=False)
     hf_logging.disable_progress_bar()
@@ -118,6 +123,34 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
             if not report.verification.passed:
                 raise VerificationFailed(report)
     return report
+
+
+def refuse_links_out(hf_dir: Path) -> None:
+    """Refuse a model folder with a symbolic link that resolves outside it, or an entry that is not
+    a regular file or folder (a FIFO, a device): import reads every file it finds, and what it
+    reads reaches the checkpoint and the next export. Links inside the folder are fine, and so are
+    those of a Hugging Face cache (``models--ORG--NAME/snapshots/REV/x`` -> ``../../blobs/HASH``
+    of the same cache)."""
+    import stat
+
+    root = hf_dir.resolve()
+    allowed = [root]
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        allowed.append(root.parent.parent / "blobs")
+    for directory, folders, names in os.walk(hf_dir):
+        for name in folders + names:
+            path = Path(directory) / name
+            target = path.resolve()
+            if path.is_symlink() and not any(target == base or base in target.parents for base in allowed):
+                raise UsageError(f"{path} is a symbolic link to {target}, outside {hf_dir}; import reads only files "
+                                 "of the model folder (copy the file in, or drop the link); nothing was written")
+            try:
+                mode = os.stat(path).st_mode
+            except OSError as error:
+                raise UsageError(f"{path}: cannot be read ({error.strerror}); nothing was written") from None
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                raise UsageError(f"{path} is not a regular file; a model folder holds only files and folders "
+                                 "(nothing was written)")
 
 
 def import_or_report(*args, **kwargs) -> ImportReport:

@@ -25,6 +25,7 @@ from typing import Any
 
 from fsdp_presets.checkpoint.files import CheckpointFiles, RankFile, find_checkpoint_files, rank_files
 from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import printable
 
 
 @dataclass(kw_only=True)
@@ -232,4 +233,4 @@ def summary_lines(summary: CheckpointSummary) -> list[str]:
             lines.append(f"    {label:<8} {totals['files']} files, {totals['tensors']} tensors, {totals['bytes']:,} bytes")
     for answer in summary.resume:
         lines.append(f"  resume at {answer.gpus} GPU(s): {'yes' if answer.possible else 'no'}: {answer.reason}")
-    return lines
+    return [printable(line) for line in lines]  # names come from the checkpoint: none may redraw the terminal

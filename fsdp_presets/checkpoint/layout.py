@@ -98,6 +98,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_KEYS = "adapter_keys.json"
 """In a LoRA checkpoint's ``model_config/``: checkpoint tensor name -> key in ``adapter_model.safetensors``."""
+EXPORT_RECORD = "fsdp_presets_export.json"
+"""In an export's folder: the files ``export`` wrote there; ``--force`` replaces only a folder that
+holds it and nothing it does not list."""
 
 
 def step_folder_name(step: int) -> str:

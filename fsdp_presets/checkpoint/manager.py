@@ -89,6 +89,8 @@ def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True)
         manifest = Manifest.read(folder)
     except (ValueError, TypeError, OSError) as error:
         return Verdict(manifest=None, problem=f"unreadable {MANIFEST} ({str(error)[:300]})")
+    if manifest.kind != IMPORTED_KIND and step_of(folder.name) not in (None, manifest.step):  # named by its step
+        return Verdict(manifest=manifest, problem=f"{MANIFEST} says step {manifest.step}, the folder is {folder.name}")
     for relative in sorted(manifest.files):
         problem = inside_path_problem(relative)
         if problem:

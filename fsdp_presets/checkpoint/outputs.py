@@ -7,7 +7,7 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, Literal
 
-from fsdp_presets.checkpoint.layout import ADAPTER_CONFIG, HF_CONFIG, WEIGHTS_SUFFIX, retired_sibling, staging_sibling
+from fsdp_presets.checkpoint.layout import EXPORT_RECORD, retired_sibling, staging_sibling
 from fsdp_presets.errors import UsageError, disk_full_cause, disk_full_message
 from fsdp_presets.fileio import staged_folder as _staged_folder
 
@@ -15,19 +15,17 @@ OutputKind = Literal["export", "import"]
 
 
 def _made_by(output: Path, kind: OutputKind) -> bool:
-    """True when ``output`` looks like what ``kind`` writes, so ``--force`` may replace it: an
-    export is a flat Hugging Face folder with config.json and safetensors weights; an import is a
-    checkpoint whose manifest says ``"kind": "imported"``."""
+    """True when ``output`` is what ``kind`` writes, so ``--force`` may replace it: an export is a
+    folder with the export's record of its files and only those (a model folder that merely looks
+    like one is not); an import is a checkpoint whose manifest says ``"kind": "imported"``."""
+    from fsdp_presets.checkpoint.export_files import is_export_folder
     from fsdp_presets.checkpoint.manifest import is_imported
 
     if not output.is_dir() or output.is_symlink():
         return False
     if kind == "import":
         return is_imported(output)
-    entries = list(output.iterdir())
-    return (((output / HF_CONFIG).is_file() or (output / ADAPTER_CONFIG).is_file())  # HF or PEFT folder
-            and any(entry.suffix == WEIGHTS_SUFFIX for entry in entries)
-            and not any(entry.is_dir() or entry.is_symlink() for entry in entries))
+    return is_export_folder(output)
 
 
 def check_output(output: Path, *, kind: OutputKind = "export", force: bool = False,
@@ -50,8 +48,9 @@ def check_output(output: Path, *, kind: OutputKind = "export", force: bool = Fal
     if made:
         raise UsageError(f"--output {output} already holds {what}; pass --force to replace it, or choose a new "
                          "folder (nothing was written)")
-    raise UsageError(f"--output {output} exists, is not empty and is not {what} this command wrote; choose a new "
-                     f"folder (nothing was written{', and --force replaces only such a folder' if force else ''})")
+    mark = f"no {EXPORT_RECORD} listing its files" if kind == "export" else "its manifest is not an import's"
+    raise UsageError(f"--output {output} exists, is not empty and was not written by fsdp-presets {kind} ({mark}); "
+                     f"choose a new folder (nothing was written{', and --force replaces only such a folder' if force else ''})")
 
 
 @contextlib.contextmanager

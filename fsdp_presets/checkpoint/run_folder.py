@@ -160,6 +160,26 @@ def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: 
     return folder
 
 
+# --lr-scheduler values whose learning rate at a step depends on --max-steps (the decay's length)
+_DECAYS_OVER_MAX_STEPS = ("cosine", "linear")
+
+
+def schedule_change_note(root: str | os.PathLike, max_steps: int, settings: dict[str, Any]) -> str | None:
+    """What continuing the run in ``root`` with another ``--max-steps`` does to its learning-rate
+    schedule (None when nothing): a decaying schedule is rebuilt over the new length, so from the
+    resumed step the rate follows the new curve, higher (longer run) or lower (shorter) than the old
+    curve gave at that step."""
+    recorded = read_run_json(root) or {}
+    before, scheduler = recorded.get("max_steps"), settings.get("lr_scheduler")
+    if type(before) is not int or before == max_steps or scheduler not in _DECAYS_OVER_MAX_STEPS:
+        return None
+    direction = "higher" if max_steps > before else "lower"
+    return (f"--max-steps {max_steps}, the run was launched with {before}: its {scheduler} learning-rate schedule is "
+            f"rebuilt to decay over {max_steps} steps, so from the resumed step (after warm-up) the learning rate "
+            f"is the new schedule's, {direction} than the old one gave there; relaunch with --max-steps {before} "
+            "to keep the schedule")
+
+
 def write_run_json(folder: RunFolder, record: dict[str, Any]) -> None:
     """Write run.json atomically (main process only)."""
     folder.root.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,11 @@ What this module does about each:
   ``torch.distributed.checkpoint.metadata`` dataclasses, ``_StorageInfo``, ``torch.Size``, dtypes,
   layouts, paths); anything else is refused before it is looked up, so nothing of the file runs.
   :func:`read_dcp_metadata` then checks the structure (every shard file a plain name inside the
-  folder, offsets and lengths non-negative integers).
+  folder, offsets and lengths non-negative integers). Before unpickling, the file must be a regular
+  file of at most :data:`~fsdp_presets.checkpoint.pickle_bounds.METADATA_MAX_BYTES` (256 MiB) and
+  its opcode stream nest at most :data:`~fsdp_presets.checkpoint.pickle_bounds.METADATA_MAX_DEPTH`
+  (64) levels (:func:`~fsdp_presets.checkpoint.pickle_bounds.check_pickle_bounds`), and
+  ``bytearray`` is admitted only from bytes: what it builds is in proportion to the file.
 - :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` are torch's reader and planner with
   those two reads replaced (metadata through the allow-list, bytes items with
   ``weights_only=True``); the project's own DCP reads use them.
@@ -46,7 +50,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from fsdp_presets.checkpoint.layout import DCP_METADATA
+from fsdp_presets.checkpoint.pickle_bounds import (METADATA_MAX_BYTES, PickleOutOfBounds, bytearray_of_data,
+                                                   check_pickle_bounds)
 from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import read_regular_bytes
 
 # A DCP shard file name as torch writes it (``__<rank>_<n>.distcp``); the index may name no other.
 DCP_SHARD_FILE = re.compile(r"^__\d+_\d+\.distcp$")
@@ -83,8 +90,9 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
             allowed[(module, name)] = pathlib.PurePosixPath if "Posix" in name or name == "Path" else \
                 pathlib.PureWindowsPath
     allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
-    for name in ("set", "frozenset", "complex", "bytearray"):
+    for name in ("set", "frozenset", "complex"):
         allowed[("builtins", name)] = getattr(__import__("builtins"), name)
+    allowed[("builtins", "bytearray")] = bytearray_of_data
     return allowed
 
 
@@ -122,9 +130,14 @@ def _refusal(path: Path, why: str) -> UnsafeCheckpointError:
 
 
 def loads_metadata(data: bytes, path: Path):
-    """Unpickle the bytes of a DCP ``.metadata`` through the allow-list and check its structure."""
+    """Unpickle the bytes of a DCP ``.metadata`` through the allow-list and check its structure;
+    a pickle out of bounds (:func:`check_pickle_bounds`) is refused before any of it is unpickled."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    try:
+        check_pickle_bounds(data)
+    except PickleOutOfBounds as error:
+        raise _refusal(path, str(error)) from None
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except pickle.UnpicklingError as error:
@@ -175,10 +188,17 @@ def _check_metadata_structure(metadata, path: Path) -> None:
 
 def read_dcp_metadata(folder: Path):
     """The ``Metadata`` of a DCP folder, read through the allow-list (see :func:`loads_metadata`)."""
-    path = Path(folder) / DCP_METADATA
-    if not path.is_file():
+    return loads_metadata(read_metadata_bytes(Path(folder) / DCP_METADATA), Path(folder) / DCP_METADATA)
+
+
+def read_metadata_bytes(path: Path) -> bytes:
+    """The bytes of a ``.metadata`` file: a regular file of at most ``METADATA_MAX_BYTES``."""
+    if not path.exists():
         raise UsageError(f"{path}: missing; the DCP folder has no index of its shards")
-    return loads_metadata(path.read_bytes(), path)
+    try:
+        return read_regular_bytes(path, limit=METADATA_MAX_BYTES)
+    except OSError as error:
+        raise UsageError(f"{error}; the DCP folder's index cannot be read") from None
 
 
 def load_torch_bytes(data: bytes | io.BytesIO, where: str) -> Any:
@@ -273,8 +293,7 @@ def _safe_classes():
             from torch.distributed.checkpoint.metadata import StorageMeta
 
             path = Path(self._get_metadata_path(kwargs.get("rank")))
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = loads_metadata(stream.read(), path)
+            metadata = loads_metadata(read_metadata_bytes(path), path)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{rule:34} {severity:8} {what}")
         return 0
     problems = [] if args.configs else ["give at least one CONFIG.yaml"]
-    missing = [path for path in args.configs if not Path(path).is_file()]
+    missing = [path for path in args.configs if not Path(path).exists()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")
     from fsdp_presets.plan.methods import lora_from_args
@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
     cache: dict = {}
     documents, failed, lines = [], False, []
     for path in args.configs:
+        _refuse_another_method(path, args.method)
         facts, model_note = explicit, None
         if facts is None:
             facts, model_note = _model_from_header(path, cache, model_facts)
@@ -131,15 +132,34 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _refuse_another_method(path, method) -> None:
+    """``--method`` that is not the one a generated preset was decided for: its memory verdicts would
+    be of another training (a full fine-tuning preset checked as QLoRA fits, and trains, nothing)."""
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.preset.emit import read_metadata
+
+    try:
+        request = (read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}).get("request")
+    except (OSError, UnicodeDecodeError):
+        return
+    decided = (request.get("method") or "full") if isinstance(request, dict) else None
+    if method and decided and method != decided:
+        raise UsageError(f"--method {method} disagrees with {path}, a preset generated for {decided} (its header "
+                         f"says so): check it with --method {decided}, or generate a preset for {method} "
+                         f"(fsdp-presets generate ... --method {method})")
+
+
 def _model_from_header(path, cache: dict, model_facts):
     """The model a generated preset names in its metadata line, when it can be profiled here."""
     from pathlib import Path
 
-    from fsdp_presets.preset.emit import read_metadata
     from fsdp_presets.errors import UsageError
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.preset.emit import read_metadata
 
     try:
-        metadata = read_metadata(Path(path).read_text(encoding="utf-8")) or {}
+        metadata = read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}
     except (OSError, UnicodeDecodeError):
         return None, None
     source = (metadata.get("request") or {}).get("model")

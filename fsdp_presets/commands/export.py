@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="MODEL_DIR",
                         help="model folder for config and tokenizer (default: the checkpoint's model_config/, "
                         "else the model in the run's run.json)")
+    parser.add_argument("--keep-code-references", action="store_true",
+                        help="keep auto_map (names of the model's Python files) in the written configs; by default "
+                        "it is dropped, and no Python file is ever written")
     add_conversion_flags(parser, verb="export",
                          verify_help="load both sides, compare logits on a fixed batch; exit 1 beyond the dtype's tolerance")
 
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = convert.export_or_report(args.checkpoint, args.output, dtype=args.dtype,
                                       max_shard_size=args.max_shard_size, model=args.model, verify=args.verify,
-                                      force=args.force, log=(lambda message: None) if args.json else print)
+                                      force=args.force, keep_code_references=args.keep_code_references,
+                                      log=(lambda message: None) if args.json else print)
 
     def written() -> list[str]:
         lines = [f"wrote {report.output}: {len(report.shards)} safetensors file(s), {report.tensors} tensors, "

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_presets.errors import UsageError, closest_names, unknown_name_message
+from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text
 
 if TYPE_CHECKING:  # heavy imports stay out of module import time (the CLI imports us lazily)
     from transformers import PretrainedConfig, PreTrainedModel
@@ -31,7 +32,7 @@ def _looks_like_path(source: str) -> bool:
 def _read_config_json(path: Path) -> dict:
     """The parsed config.json, or a UsageError naming what is wrong with it."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path, limit=CONFIG_MAX_BYTES)
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read {path}: {error}") from None
     try:

@@ -39,10 +39,11 @@ def rescale_source(path) -> tuple[dict | None, str | None]:
     """``(metadata, problem)`` of a preset to rescale (``generate --from PATH``): the header's
     ``# fsdp-presets:`` metadata of an FSDP preset with its request and global batch, or a
     problem saying why the file cannot be rescaled."""
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
     from fsdp_presets.preset.emit import read_metadata
 
     try:
-        old = read_metadata(Path(path).read_text(encoding="utf-8"))
+        old = read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES))
     except (OSError, UnicodeDecodeError) as error:
         return None, f"--from {path}: cannot read it ({error})"
     if old is None or old.get("kind") != "fsdp" or not isinstance(old.get("request"), dict) or \

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from fsdp_presets.errors import UsageError, unknown_name_message
+from fsdp_presets.fileio import YAML_MAX_BYTES, load_yaml_data, read_regular_bytes, read_regular_text
 from fsdp_presets.preset.quoting import comment_text, shell_word
 
 LauncherKind = Literal["slurm", "torchrun", "accelerate"]
@@ -175,10 +176,12 @@ def job_from_config(config_file: str | os.PathLike, *, command, nodes: int | Non
 
     path = Path(config_file)
     if config is None:
-        if not path.is_file():
+        if not path.exists():
             raise UsageError(f"{path}: no such accelerate config")
         try:
-            config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            config = load_yaml_data(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}
+        except OSError as error:
+            raise UsageError(f"cannot read {path}: {error}") from None
         except (yaml.YAMLError, UnicodeDecodeError) as error:
             raise UsageError(f"{path} is not valid YAML ({error})") from None
     if not isinstance(config, dict):
@@ -455,7 +458,8 @@ def check_launcher_output(path: str | os.PathLike, *, config_file: str | os.Path
     if force or not (path.exists() or path.is_symlink()):
         return
     try:
-        ours = not path.is_symlink() and is_generated_launcher(path.read_text(encoding="utf-8", errors="replace"))
+        ours = not path.is_symlink() and is_generated_launcher(
+            read_regular_bytes(path, limit=YAML_MAX_BYTES).decode("utf-8", errors="replace"))
     except OSError:
         ours = False
     if not ours:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN
 from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
 
 NOT_REHEARSED = ("FSDP1 and DDP are not rehearsed (torch's FSDP memory tracker follows FSDP2 only); the "
                  "planner's figures for them are estimates")
@@ -35,7 +36,7 @@ def request_from_preset(path, *, overriding: list[str]) -> tuple:
         raise UsageError(f"{', '.join(overriding)}: a preset file fixes these; rehearse the model with the flags "
                          f"instead (fsdp-presets rehearse MODEL --gpus N ...)")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_text(path, limit=YAML_MAX_BYTES)
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"cannot read {path}: {error}") from None
     metadata = read_metadata(text)

@@ -251,6 +251,10 @@ def _check_classification_columns(records, flag: str, path) -> None:
         raise UsageError(f"{flag} {path} has columns {records.column_names}, missing {missing}; "
                          "classification data needs `text` and `label` columns")
     _require_string_columns(records, ("text",), flag, path, "")
+    unlabelled = sum(label is None for label in records["label"])
+    if unlabelled:  # str(None) would make "None" a class of its own (a new head would learn it)
+        raise UsageError(f"{flag} {path}: {unlabelled} of {len(records)} records have no label (null); give every "
+                         "record a label, or leave those records out")
 
 
 def fit_head(data_labels: list[str], head_labels: list[str], data) -> list[str]:

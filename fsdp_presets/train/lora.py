@@ -38,6 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+from fsdp_presets.arguments import MAX_LORA_R
 from fsdp_presets.errors import UsageError
 from fsdp_presets.schema import K
 
@@ -73,8 +74,8 @@ def settings(args) -> dict[str, Any] | None:
         return None
     r = 16 if args.lora_r is None else args.lora_r
     problems = []
-    if r < 1:
-        problems.append(f"--lora-r {r} must be >= 1")
+    if not 1 <= r <= MAX_LORA_R:  # the bound `plan` and `generate` apply (fsdp_presets.arguments.lora_rank)
+        problems.append(f"--lora-r {r} is out of range; give a whole number from 1 to {MAX_LORA_R}, such as 16")
     alpha = float(2 * r if args.lora_alpha is None else args.lora_alpha)
     if not alpha > 0:
         problems.append(f"--lora-alpha {alpha} must be > 0")
@@ -88,8 +89,11 @@ def settings(args) -> dict[str, Any] | None:
                             "q_proj,v_proj or all-linear")
     if problems:
         raise UsageError("; ".join(problems))
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise UsageError("--lora-r and --load-in-4bit need peft: pip install -e '.[lora]' (scripts/setup.sh does)")
     if args.load_in_4bit:
-        import importlib.util
 
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UsageError("--load-in-4bit needs bitsandbytes: pip install -e '.[lora]' (scripts/setup.sh does)")
@@ -120,6 +124,16 @@ def default_targets(model) -> list[str]:
     return names or ["all-linear"]
 
 
+def unmatched_targets(model, targets: list[str]) -> list[str]:
+    """The names of ``targets`` that no module name of ``model`` ends with (peft's rule: the name, or
+    a dotted suffix of it); none for ``all-linear``."""
+    if targets == ["all-linear"]:
+        return []
+    names = [name for name, _ in model.named_modules()]
+    return [target for target in targets
+            if not any(name == target or name.endswith(f".{target}") for name in names)]
+
+
 def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, mixed_precision: str = "no",
                **kwargs):
     """The model to train: ``model_class.from_pretrained(path)`` wrapped by peft when ``lora`` (its
@@ -144,6 +158,10 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
 
     targets = lora["target_modules"] or default_targets(model)
     lora["target_modules"] = targets
+    unmatched = unmatched_targets(model, targets)
+    if unmatched:  # peft adapts the names that match and ignores the others: a typo would train less
+        raise UsageError(f"--lora-target-modules: {', '.join(unmatched)} match no module of the model (its linear "
+                         f"layers: {', '.join(default_targets(model))}); correct the names or leave them out")
     config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
                         target_modules="all-linear" if targets == ["all-linear"] else targets,
                         task_type=task_type, bias="none")

@@ -34,7 +34,8 @@ from fsdp_presets.checkpoint import resume as checkpoint_resume
 from fsdp_presets.checkpoint.layout import MODEL_CONFIG
 from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest
 from fsdp_presets.checkpoint.run_folder import (RunFolder, acquire_run_lock, check_output_dir, distributed_settings,
-                                                launch_config_file, training_settings, write_run_json)
+                                                launch_config_file, schedule_change_note, training_settings,
+                                                write_run_json)
 from fsdp_presets.fileio import config_digest, sha256_files
 from fsdp_presets.train import interrupts, loop, startup
 from fsdp_presets.train import lora as recipe_lora
@@ -273,6 +274,8 @@ def start(args, *, recipe: str) -> RecipeRun:
     method = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
     settings["lora"] = dict(method) if method else None  # LoRA/QLoRA: a continued run keeps it
     folder = check_output_dir(args.output_dir, identity, args.resume, settings)
+    if args.resume != "none" and (note := schedule_change_note(folder.root, args.max_steps, settings)):
+        say(f"note: {note}")
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(folder, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
     config = loop.load_model_config(args.model)  # never runs code from the model folder
