@@ -13,6 +13,12 @@ Points (where the code calls :func:`fault_point`):
     temporary folder and before the manifest is written and the folder committed.
 ``save``
     The same, before anything of the save is written (the folder of the files is the temporary one).
+``async-save``
+    :class:`fsdp_presets.checkpoint.async_save.CheckpointSaver` (``--async-save``), after the small
+    files of the save were written and before the model and optimizer shards are written in the
+    background (the folder is the temporary one: ``full`` makes the background write fail).
+``save-in-flight``
+    The same, at the end of a later step while that save is in flight and not yet committed.
 ``export``
     :func:`fsdp_presets.train.final_model.export_model`, before the main process writes the Hugging Face folder.
 

@@ -213,25 +213,38 @@ class CheckpointManager:
         """Save the accelerate state of every prepared object, commit it as ``step-NNNNNNNN``
         and prune. ``write_extra(folder)`` runs on the main process before hashing (e.g. to add
         the model config and tokenizer, so a checkpoint is self-describing). Collective."""
+        temporary = self.begin_save(step)
+        try:
+            if self.state is not None:
+                self.state.save(temporary)
+            else:
+                self.accelerator.save_state(str(temporary))
+            if self.accelerator.is_main_process and write_extra is not None:
+                write_extra(temporary)
+        except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
+            self._stop_if_disk_full(error, step=step, temporary=temporary)
+            raise
+        return self.commit(temporary, step=step, samples_consumed=samples_consumed)[0]
+
+    def begin_save(self, step: int) -> Path:
+        """The empty temporary folder of the save of ``step`` (an older one of that step removed),
+        on every rank once the main process made it. Collective."""
         accelerator = self.accelerator
         temporary = temporary_step_folder(self.directory, step)
-        committed = self.directory / step_folder_name(step)
         if accelerator.is_main_process:
             self.directory.mkdir(parents=True, exist_ok=True)
             if temporary.exists():
                 _remove_tree(temporary)
         accelerator.wait_for_everyone()
         fault_point("save", step=step, rank=accelerator.process_index, folder=temporary)
-        try:
-            if self.state is not None:
-                self.state.save(temporary)
-            else:
-                accelerator.save_state(str(temporary))
-            if accelerator.is_main_process and write_extra is not None:
-                write_extra(temporary)
-        except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
-            self._stop_if_disk_full(error, step=step, temporary=temporary)
-            raise
+        return temporary
+
+    def commit(self, temporary: Path, *, step: int, samples_consumed: int) -> tuple[Path, int]:
+        """Once every rank's files of the save are in ``temporary``: hash them (every rank a share),
+        write the manifest, rename the folder to ``step-NNNNNNNN`` (the commit) and prune. Returns
+        the committed folder and its bytes (on the main process; 0 elsewhere). Collective."""
+        accelerator = self.accelerator
+        committed = self.directory / step_folder_name(step)
         accelerator.wait_for_everyone()
         fault_point("during-save", step=step, rank=accelerator.process_index)
 
@@ -244,6 +257,7 @@ class CheckpointManager:
         hashed = [(relative, sha256_file(temporary / relative), (temporary / relative).stat().st_size)
                   for relative in mine]
         hashed = gather_object(hashed) if accelerator.num_processes > 1 else hashed
+        total_bytes = 0
         if accelerator.is_main_process:
             manifest = Manifest(
                 step=step, samples_consumed=samples_consumed,
@@ -254,6 +268,7 @@ class CheckpointManager:
                 versions=_library_versions(), created_unix=time.time(), training=self.training,
                 kind=ADAPTER_KIND if self.training else TRAINING_KIND,
             )
+            total_bytes = sum(size for _, _, size in hashed)
             try:
                 write_json_atomic(temporary / MANIFEST, asdict(manifest))
             except OSError as error:
@@ -265,7 +280,13 @@ class CheckpointManager:
             self._fsync_directory()
             self._prune()
         accelerator.wait_for_everyone()
-        return committed
+        return committed, total_bytes
+
+    def abandon(self, temporary: Path) -> None:
+        """Remove the unfinished folder of a save that failed (main process); the committed
+        checkpoints are untouched."""
+        if self.accelerator.is_main_process and temporary.exists():
+            _remove_tree(temporary)
 
     def _stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
         """A full disk during a save: remove the unfinished folder (the space it took is freed, and

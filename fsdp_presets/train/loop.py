@@ -55,6 +55,8 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
     add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     add("--keep-last", type=int, default=2, help="committed checkpoints to keep")
+    add("--async-save", action="store_true", help="write checkpoints in the background (FSDP2, sharded): "
+        "training waits only while this rank's shards are copied to host memory")
     add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
         "PATH (a checkpoints/step-NNNNNNNN folder) or none")
     add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")

@@ -1,5 +1,5 @@
-"""``metrics.jsonl``: one JSON object per optimizer step (``kind: train``) and per evaluation
-(``kind: eval``), written by the main process and flushed line by line so that a killed run
+"""``metrics.jsonl``: one JSON object per optimizer step (``kind: train``), per evaluation
+(``kind: eval``) and per committed checkpoint save (``kind: save``), written by the main process and flushed line by line so that a killed run
 loses at most the line being written.
 
 On resume the lines after the resumed checkpoint's step are dropped (the file is rewritten
@@ -71,3 +71,9 @@ class MetricsLog:
         """One evaluation after ``step`` optimizer steps (0: before training). Extra values:
         ``perplexity`` (causal LM), ``accuracy`` (classification), ``token_accuracy``."""
         self._append({"kind": "eval", "step": step, "eval_loss": eval_loss, **values})
+
+    def log_save(self, *, step: int, async_: bool, blocked_s: float, total_s: float, bytes: int) -> None:
+        """One committed checkpoint of step ``step``: ``async`` (written in the background),
+        ``blocked_s`` (training time rank 0 lost to it), ``total_s`` (until committed), ``bytes``."""
+        self._append({"kind": "save", "step": step, "async": async_, "blocked_s": blocked_s, "total_s": total_s,
+                      "bytes": bytes})

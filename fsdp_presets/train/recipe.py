@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.checkpoint import resume as checkpoint_resume
+from fsdp_presets.checkpoint.async_save import CheckpointSaver, check_async_save
 from fsdp_presets.checkpoint.layout import MODEL_CONFIG
 from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest
 from fsdp_presets.checkpoint.run_folder import (RunFolder, acquire_run_lock, check_output_dir, distributed_settings,
@@ -73,6 +74,8 @@ class RecipeRun:
     """Made by :meth:`resume`."""
     metrics: MetricsLog | None = None
     """Made by :meth:`resume`."""
+    saver: CheckpointSaver | None = None
+    """Made by :meth:`resume`: every save, synchronous or in the background (--async-save)."""
     _live: dict[str, Any] = field(default_factory=dict)
     """The model, evaluation, LoRA key map and progress bar, until :meth:`finish` lets them go."""
 
@@ -108,6 +111,8 @@ class RecipeRun:
             config_digest=digest, distributed=self.distributed, log=say,
             training=self.lora,  # LoRA/QLoRA: trainable weights only, the base from --model
             state=recipe_lora.TrainableState(accelerator, model, optimizer) if self.lora else None)
+        if args.async_save:
+            check_async_save(accelerator, lora=bool(self.lora))
         resume_from = self.checkpoints.resolve(args.resume, max_steps=args.max_steps)
         if resume_from is not None and checkpoint_resume.is_imported(resume_from):  # weights only
             checkpoint_resume.load_imported(model, resume_from, config_digest=digest)
@@ -136,6 +141,8 @@ class RecipeRun:
                 "resumed_from": str(resume_from) if resume_from else None, **(record or {})})
         self.metrics = MetricsLog(self.folder.metrics, enabled=accelerator.is_main_process,
                                   keep_through_step=self.step)
+        self.saver = CheckpointSaver(manager=self.checkpoints, background=args.async_save,
+                                     on_saved=self.metrics.log_save)
 
     # ---- train ----
     def begin_training(self, evaluate: Callable[[], dict[str, float]], *, shown: str) -> None:
@@ -200,7 +207,11 @@ class RecipeRun:
         stopping = interrupts.requested(accelerator)  # a Ctrl-C on any rank: save this step, then stop
         if stopping or step == args.max_steps or (args.save_every and step % args.save_every == 0):
             startup.check_weights_finite(accelerator, live["model"], self.checkpoints, step=step)
-            saved = self.checkpoints.save(step=step, samples_consumed=self.samples, write_extra=self._write_model_config)
+            # --async-save: returns once the shards are staged; the final and a Ctrl-C save are committed here
+            saved = self.saver.save(step=step, samples_consumed=self.samples, write_extra=self._write_model_config,
+                                    wait=stopping or step == args.max_steps)
+        else:
+            self.saver.poll(step=step)  # --async-save: commit the save in flight once every rank's write is done
         if stopping:
             interrupts.stop(accelerator, saved, step=step)
 
@@ -227,6 +238,7 @@ class RecipeRun:
         folder; with --export-merged also ``merged/``), then the plots. Collective."""
         accelerator, args, model = self.accelerator, self.args, self._live["model"]
         self._live["progress"].close()
+        self.saver.wait()  # a save still in flight is committed before the export
         if self.lora:
             recipe_lora.export_adapter(accelerator, model, self.tokenizer, self.folder.final,
                                        key_map=self._live["key_map"], lora=self.lora, base_path=args.model,
@@ -235,6 +247,8 @@ class RecipeRun:
         else:
             export_model(accelerator, model, self.tokenizer, self.folder.final)
         if accelerator.is_main_process:
+            if self.saver.summary():
+                self.say(self.saver.summary())
             plots = plot_run(self.folder.root)
             self.say(f"done: model in {self.folder.final}, metrics in {self.folder.metrics}, "
                      f"plots {', '.join(map(str, plots))}")
@@ -242,8 +256,10 @@ class RecipeRun:
     def finish(self) -> None:
         """Let go of the model, optimizer state and evaluation, then end the process group (the
         recipe drops its own references first; see :func:`fsdp_presets.train.loop.finish`)."""
+        if self.saver is not None:
+            self.saver.wait()  # a clean exit never leaves a save in flight
         self._live.clear()
-        self.checkpoints = None
+        self.checkpoints = self.saver = None
         loop.finish(self.accelerator)
 
 

@@ -1,0 +1,253 @@
+"""Checkpoint saves that do not stop training (``--async-save``), and the record of every save.
+
+A synchronous save (:meth:`CheckpointManager.save`) stops every rank until the last byte is on
+disk. With ``--async-save`` a save of step N:
+
+1. writes the small files at once, through accelerate's own writer (``save_accelerator_state``:
+   scheduler, every rank's random state, the gradient scaler) and the model config (main process);
+2. takes the rank's model and optimizer state dicts the way accelerate's ``save_fsdp_model`` and
+   ``save_fsdp_optimizer`` do (FSDP2, ``SHARDED_STATE_DICT``: this rank's shards), and hands each to
+   ``torch.distributed.checkpoint.async_save`` into accelerate's folders (``pytorch_model_fsdp_0/``,
+   ``optimizer_0/``), so ``accelerator.load_state`` reads the checkpoint as if ``save_state`` wrote
+   it. ``async_save`` copies (stages) the tensors into host memory before it returns, so the files
+   hold step N's values while training moves on; a background thread writes them;
+3. returns to training. At the end of each later step the ranks ask each other (one small
+   all-reduce) whether every rank's write finished; when it has, the save is committed exactly as a
+   synchronous one (:meth:`CheckpointManager.commit`: hashes, manifest, one rename, pruning, which
+   keeps the new checkpoint, so the last committed one is never removed).
+
+At most one save is in flight: the next save, the final save, a Ctrl-C save, the export and the end
+of the run wait for it first. A background write that fails on any rank is reported on every rank
+(a :class:`Finding`, exit 1) naming the last committed checkpoint, which ``--resume auto`` continues
+from; the unfinished folder has no manifest, so nothing would ever resume from it.
+
+NOTE: each background write runs on a gloo process group of its own (one for the model, one for the
+optimizer, created once on every rank): ``async_save`` on the training's own group hangs, because
+the write's collectives and the step's interleave on one group (FIELD-NOTES, measured 2026-12-04).
+
+Each save is one ``kind: save`` line in metrics.jsonl (:meth:`MetricsLog.log_save`): ``blocked_s``
+is the training time rank 0 lost to it, ``total_s`` the time until it was committed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER
+from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
+from fsdp_presets.errors import Finding, UsageError, disk_full_cause, disk_full_message, raise_on_every_rank
+from fsdp_presets.faults import fault_point
+
+
+def async_save_problem(accelerator, *, lora: bool) -> str | None:
+    """Why this run cannot save asynchronously, or None: the background write is DCP's, so the run
+    must be FSDP2 with ``SHARDED_STATE_DICT`` training every weight."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type.value != "FSDP" or plugin is None:
+        return ("--async-save needs an FSDP accelerate config (sharded DCP checkpoints); this run is "
+                f"{accelerator.distributed_type.value}: drop --async-save or launch with an FSDP2 config")
+    state_dict_type = str(getattr(plugin.state_dict_type, "name", plugin.state_dict_type))
+    if plugin.fsdp_version != 2 or not state_dict_type.endswith("SHARDED_STATE_DICT"):
+        return (f"--async-save needs FSDP2 with SHARDED_STATE_DICT; this run is FSDP{plugin.fsdp_version} with "
+                f"{state_dict_type}: drop --async-save or generate an FSDP2 config (fsdp-presets generate)")
+    if lora:
+        return ("--async-save saves every weight's shards and this is a LoRA/QLoRA run (trainable weights only, "
+                "small and quick to save): drop --async-save")
+    return None
+
+
+@dataclass(kw_only=True)
+class _InFlight:
+    step: int
+    samples_consumed: int
+    temporary: Path
+    futures: list[Any]
+    started: float
+    blocked_s: float
+
+
+@dataclass(kw_only=True)
+class CheckpointSaver:
+    """Every save of a run, synchronous or in the background (one instance per process)."""
+
+    manager: CheckpointManager
+    """Writes, commits and prunes the checkpoints."""
+    background: bool
+    """``--async-save``: write model and optimizer shards in the background."""
+    on_saved: Callable[..., None]
+    """Called with ``step, async_, blocked_s, total_s, bytes`` once a save is committed (the metrics line)."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per committed save of this process (for the summary)."""
+    _groups: list[Any] = field(default_factory=list)
+    _in_flight: _InFlight | None = None
+
+    def __post_init__(self) -> None:
+        if self.background:
+            import torch.distributed as dist
+
+            # One group per concurrent background write (model, optimizer), created once on every rank.
+            self._groups = [dist.new_group(backend="gloo") for _ in range(2)]
+
+    @property
+    def accelerator(self):
+        return self.manager.accelerator
+
+    # ---- save ----
+    def save(self, *, step: int, samples_consumed: int, write_extra: Callable[[Path], None] | None,
+             wait: bool) -> Path | None:
+        """Save step ``step`` (after any save in flight is committed). Synchronous, or with
+        ``--async-save`` in the background; ``wait`` (the final save, Ctrl-C) commits it before
+        returning. Returns the committed folder, or None while the write is in flight. Collective."""
+        self.wait()
+        started = time.perf_counter()
+        if not self.background:
+            committed, size = self.manager.commit(self._write_sync(step, write_extra), step=step,
+                                                  samples_consumed=samples_consumed)
+            elapsed = time.perf_counter() - started
+            self._record(step=step, background=False, blocked_s=elapsed, total_s=elapsed, size=size)
+            return committed
+        temporary = self.manager.begin_save(step)
+        try:
+            futures = self._start_background(temporary, step=step, write_extra=write_extra)
+        except BaseException as error:
+            self.manager._stop_if_disk_full(error, step=step, temporary=temporary)
+            raise
+        self._in_flight = _InFlight(step=step, samples_consumed=samples_consumed, temporary=temporary,
+                                    futures=futures, started=started, blocked_s=time.perf_counter() - started)
+        return self.wait() if wait else None
+
+    def _write_sync(self, step: int, write_extra) -> Path:
+        manager = self.manager
+        temporary = manager.begin_save(step)
+        try:
+            if manager.state is not None:
+                manager.state.save(temporary)
+            else:
+                self.accelerator.save_state(str(temporary))
+            if self.accelerator.is_main_process and write_extra is not None:
+                write_extra(temporary)
+        except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
+            manager._stop_if_disk_full(error, step=step, temporary=temporary)
+            raise
+        return temporary
+
+    def _start_background(self, temporary: Path, *, step: int, write_extra) -> list[Any]:
+        """The small files now; the model and optimizer shards staged and handed to DCP's writer."""
+        import torch.distributed.checkpoint as dcp
+        from accelerate.checkpointing import save_accelerator_state
+        from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        accelerator = self.accelerator
+        temporary.mkdir(parents=True, exist_ok=True)  # every rank: save_state makes it too
+        # What save_state writes besides the FSDP model and optimizer (scheduler, random states, scaler).
+        save_accelerator_state(str(temporary), [], [], accelerator._schedulers, accelerator._dataloaders,
+                               accelerator.state.process_index, accelerator.step, accelerator.scaler)
+        if accelerator.is_main_process and write_extra is not None:
+            write_extra(temporary)
+        fault_point("async-save", step=step, rank=accelerator.process_index, folder=temporary)
+        options = _prepare_sd_options(accelerator.state.fsdp_plugin)
+        [model], [optimizer] = accelerator._models, accelerator._optimizers
+        model_state = _get_model_state_dict(model, sd_options=options)
+        optimizer_state = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=options)
+        futures = []
+        for (key, state, name), group in zip((("model", model_state, DCP_MODEL),
+                                              ("optimizer", optimizer_state, DCP_OPTIMIZER)), self._groups):
+            (temporary / name).mkdir(parents=True, exist_ok=True)
+            futures.append(dcp.async_save({key: state}, storage_writer=dcp.FileSystemWriter(temporary / name),
+                                          process_group=group))
+        return futures
+
+    # ---- commit ----
+    def poll(self, *, step: int) -> None:
+        """At the end of step ``step``: commit the save in flight if every rank's write has finished.
+        Collective (one small all-reduce while a save is in flight, nothing otherwise)."""
+        if self._in_flight is None:
+            return
+        fault_point("save-in-flight", step=step, rank=self.accelerator.process_index)
+        local = 1.0 if all(future.done() for future in self._in_flight.futures) else 0.0
+        if self._agree(local, reduction="min") > 0:
+            self.wait()
+
+    def wait(self) -> Path | None:
+        """Wait for the save in flight, if any, and commit it; returns the committed folder (None
+        when nothing was in flight). A write that failed on any rank stops the run on every rank
+        (:class:`Finding`) naming the last committed checkpoint. Collective."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return None
+        failure: BaseException | None = None
+        for future in in_flight.futures:
+            try:
+                future.result()
+            except BaseException as error:  # noqa: BLE001 (reported on every rank below)
+                failure = failure or error
+        if self._agree(1.0 if failure else 0.0, reduction="max") > 0:
+            self._stop(in_flight, failure)
+        committed, size = self.manager.commit(in_flight.temporary, step=in_flight.step,
+                                              samples_consumed=in_flight.samples_consumed)
+        self._record(step=in_flight.step, background=True, blocked_s=in_flight.blocked_s,
+                     total_s=time.perf_counter() - in_flight.started, size=size)
+        return committed
+
+    def _stop(self, in_flight: _InFlight, failure: BaseException | None) -> None:
+        from accelerate.utils import gather_object
+
+        accelerator = self.accelerator
+        mine = f"rank {accelerator.process_index}: {_first_line(failure)}" if failure else None
+        reports = gather_object([mine]) if accelerator.num_processes > 1 else [mine]
+        first = next((report for report in reports if report), "unknown error")
+        self.manager.abandon(in_flight.temporary)
+        accelerator.wait_for_everyone()
+        previous = committed_checkpoints(self.manager.directory)
+        kept = (f"The last committed checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
+                if previous else "No earlier checkpoint exists in this run (--resume auto starts from step 0).")
+        cause = disk_full_cause(failure, in_flight.temporary) if failure else None
+        what = f"writing the checkpoint of step {in_flight.step} in the background"
+        message = (disk_full_message(cause, what, self.manager.directory, kept=kept) if cause else
+                   f"{what} failed ({first}); the run stopped and its unfinished folder was removed. {kept} "
+                   "Fix the cause (a writable --output-dir with space), then run the same command again")
+        raise_on_every_rank(accelerator, message, error=Finding)
+
+    def _agree(self, local: float, *, reduction: str) -> float:
+        accelerator = self.accelerator
+        if accelerator.num_processes == 1:
+            return local
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor(local, dtype=torch.float64, device=accelerator.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN if reduction == "min" else dist.ReduceOp.MAX)
+        return value.item()
+
+    def _record(self, *, step: int, background: bool, blocked_s: float, total_s: float, size: int) -> None:
+        record = {"step": step, "async_": background, "blocked_s": blocked_s, "total_s": total_s, "bytes": size}
+        self.records.append(record)
+        self.on_saved(**record)
+
+    def summary(self) -> str | None:
+        """One line about this run's saves (main process values), or None when none was made."""
+        if not self.records:
+            return None
+        from fsdp_presets.fileio import format_bytes
+
+        count = len(self.records)
+        blocked = sum(record["blocked_s"] for record in self.records) / count
+        total = sum(record["total_s"] for record in self.records) / count
+        mode = "in the background (--async-save)" if self.background else "synchronously"
+        return (f"saves: {count} {mode}, training blocked {blocked:.2f} s per save on average, "
+                f"{total:.2f} s until committed, {format_bytes(self.records[-1]['bytes'])} each")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    detail = text[0] if text else ""
+    return f"{type(error).__name__}: {detail[:300]}" if detail else type(error).__name__
+
+
+def check_async_save(accelerator, *, lora: bool) -> None:
+    """Refuse ``--async-save`` where it cannot work (every rank decides alike; exit 2)."""
+    raise_on_every_rank(accelerator, async_save_problem(accelerator, lora=lora), error=UsageError)

@@ -1,0 +1,168 @@
+"""Checkpoints written in the background (``--async-save``), with real 2-process FSDP2 launches.
+
+One chain of launches is shared: the causal LM of tests/checkpoint_runs.py (steps 1-10, a save every
+2 steps) with ``--async-save``, SIGKILLed at the end of step 5 while the save of step 4 is in flight,
+then resumed by the same command. The synchronous, uninterrupted reference run of
+tests/checkpoint_runs.py (shared with the convert and reshard tests) is what it must equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from types import SimpleNamespace
+
+import pytest
+
+import checkpoint_runs as runs
+from fsdp_harness.launch import launch_command, launch_env, run_launch
+from fsdp_presets.checkpoint.async_save import async_save_problem
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, DCP_METADATA, MANIFEST, temporary_step_folder
+from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
+from fsdp_presets.compare.records import load_run
+from fsdp_presets.faults import FAULT_ENV
+from fsdp_presets.train.metrics import read_metrics, train_losses
+from recipe_helpers import CAUSAL_LM, FSDP2_CONFIG, REPO, causal_lm_args, launch_recipe, tree_digest
+
+KILLED_AT = 5  # the end of step 5: the save of step 4 is in flight, step 2 is the last committed
+
+
+def error_lines(text: str) -> list[str]:
+    return [line[line.index("causal_lm.py: error:"):] for line in text.splitlines() if "causal_lm.py: error:" in line]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return runs.base(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reference(root):
+    return runs.reference_run(root)
+
+
+@pytest.fixture(scope="module")
+def chain(root):
+    """The async run: leg 1 killed while a background write is in flight (what it left), leg 2 resumed."""
+    run_dir = root / "async-killed-resumed"
+    config = runs.fsdp_config(root, 2)
+    args = causal_lm_args(runs.tiny_model(root), run_dir, *runs.SCHEDULE, "--max-steps", runs.REFERENCE_STEPS,
+                          "--async-save")
+    killed = run_launch(config, CAUSAL_LM, args, num_processes=2, cwd=REPO,
+                        env={FAULT_ENV: f"kill-save-in-flight:step={KILLED_AT}"})
+    checkpoints = run_dir / CHECKPOINTS
+    left = SimpleNamespace(result=killed, folders=sorted(os.listdir(checkpoints)),
+                           metrics=read_metrics(run_dir / "metrics.jsonl"),
+                           unfinished=tree_digest(temporary_step_folder(checkpoints, 4)))
+    resumed = launch_recipe(config, CAUSAL_LM, args, processes=2)
+    return SimpleNamespace(run_dir=run_dir, killed=left, resumed=resumed)
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_background_write_resumes_from_the_previous_committed_checkpoint(chain):
+    killed = chain.killed
+    assert killed.result.returncode != 0 and f"[fault] kill at save-in-flight, step {KILLED_AT}" in killed.result.stdout
+    # Step 4's folder was left without a manifest (written or not): never a checkpoint --resume auto picks.
+    assert killed.folders == sorted([temporary_step_folder(chain.run_dir / CHECKPOINTS, 4).name, "step-00000002"])
+    assert MANIFEST not in killed.unfinished and "scheduler.bin" in killed.unfinished
+    assert [(line["step"], line["async"]) for line in killed.metrics if line["kind"] == "save"] == [(2, True)]
+    checkpoints = chain.run_dir / CHECKPOINTS
+    assert f"checkpoint: ignoring {temporary_step_folder(checkpoints, 4)}" in chain.resumed.stdout
+    assert f"resumed from {checkpoints / 'step-00000002'}: step 2," in chain.resumed.stdout
+    assert [step for step, _ in committed_checkpoints(checkpoints)] == [2, 4, 6, 8, 10]
+    assert not [name for name in os.listdir(checkpoints) if name.startswith(".")]
+
+
+@pytest.mark.slow
+def test_async_losses_are_bitwise_those_of_the_synchronous_uninterrupted_run(chain, reference):
+    expected = train_losses(reference / "metrics.jsonl")
+    assert sorted(expected) == list(range(1, runs.REFERENCE_STEPS + 1))
+    before_kill = {line["step"]: line["loss"] for line in chain.killed.metrics if line["kind"] == "train"}
+    assert sorted(before_kill) == list(range(1, KILLED_AT + 1))
+    assert before_kill == {step: expected[step] for step in before_kill}  # while saves were in flight
+    assert train_losses(chain.run_dir / "metrics.jsonl") == expected  # across the kill and the resume
+    assert [line["async"] for line in read_metrics(reference / "metrics.jsonl") if line["kind"] == "save"] == [False] * 5
+
+
+@pytest.mark.slow
+def test_each_async_checkpoint_holds_its_steps_state_although_training_moved_on(chain, reference):
+    lines = read_metrics(chain.run_dir / "metrics.jsonl")
+    position = {(line["kind"], line["step"]): index for index, line in enumerate(lines)}
+    for step in (2, 4, 6, 8, 10):
+        name = f"step-{step:08d}"
+        saved, synchronous = chain.run_dir / CHECKPOINTS / name, reference / CHECKPOINTS / name
+        assert checkpoint_verdict(saved).ok
+        # Shards, scheduler, random states and model config byte for byte those of the synchronous
+        # save of the same step (DCP's .metadata and the manifest record other bookkeeping).
+        differ = {relative for relative in tree_digest(synchronous)
+                  if relative != MANIFEST and not relative.endswith(DCP_METADATA)}
+        assert {relative: digest for relative, digest in tree_digest(saved).items() if relative in differ} == \
+            {relative: digest for relative, digest in tree_digest(synchronous).items() if relative in differ}
+        assert any(relative.endswith(".distcp") for relative in differ)
+        record = next(line for line in lines if line["kind"] == "save" and line["step"] == step)
+        assert record["async"] is True and 0 < record["blocked_s"] <= record["total_s"]
+        assert record["bytes"] == sum(entry["bytes"] for entry in
+                                      json.loads((saved / MANIFEST).read_text())["files"].values())
+        if step < runs.REFERENCE_STEPS:  # committed only after the next step had trained (the final save waits)
+            order = position if step > 2 else {(line["kind"], line["step"]): index  # step 2: leg 1 (the resume
+                                               for index, line in enumerate(chain.killed.metrics)}  # kept its line)
+            assert order[("save", step)] > order[("train", step + 1)]
+    assert "saves: 4 in the background (--async-save)" in chain.resumed.stdout
+    assert load_run(chain.run_dir).series["loss"] == load_run(reference).series["loss"]  # save lines are skipped
+
+
+@pytest.mark.slow
+def test_a_failed_background_write_stops_the_run_in_one_line_naming_the_last_checkpoint(root, tmp_path):
+    output = tmp_path / "run"
+    args = causal_lm_args(runs.tiny_model(root), output, "--max-steps", 6, "--save-every", 2, "--async-save")
+    # Rank 1's background write of step 4 hits a full disk (the kernel's ENOSPC through DCP's writer).
+    result = run_launch(FSDP2_CONFIG, CAUSAL_LM, args, num_processes=2, cwd=REPO,
+                        env={FAULT_ENV: "full-async-save:step=4:rank=1"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    step_2 = output / CHECKPOINTS / "step-00000002"
+    assert error_lines(result.stderr) == [
+        f"causal_lm.py: error: disk full (ENOSPC) while writing the checkpoint of step 4 in the background in "
+        f"{output / CHECKPOINTS}: no space left on that file system. The last committed checkpoint, {step_2}, is "
+        "intact and --resume auto continues from it. Free space there (delete old runs or checkpoints, lower "
+        "--keep-last) or give an --output-dir on a larger disk, then run the same command again"]
+    assert os.listdir(output / CHECKPOINTS) == ["step-00000002"] and checkpoint_verdict(step_2).ok
+    assert not (output / "final").exists() and "Traceback" not in result.stdout
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_in_flight_save_ends_with_it_committed(root, tmp_path):
+    output = tmp_path / "run"
+    args = causal_lm_args(runs.tiny_model(root), output, "--max-steps", 40, "--save-every", 1, "--keep-last", 2,
+                          "--async-save")
+    launcher = subprocess.Popen(launch_command(FSDP2_CONFIG, CAUSAL_LM, args), cwd=REPO, env=launch_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and launcher.poll() is None:
+        if any(line["kind"] == "save" for line in read_metrics(output / "metrics.jsonl")):
+            break  # a save every step: from here on one is always in flight between steps
+        time.sleep(0.05)
+    os.killpg(launcher.pid, signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr[-3000:]
+    [line] = error_lines(stderr)
+    step = int(line.split("after step ")[1].split(":")[0])
+    checkpoints = output / CHECKPOINTS
+    assert f"saved {checkpoints / f'step-{step:08d}'}; run the same command again" in line
+    assert sorted(os.listdir(checkpoints)) == [f"step-{saved:08d}" for saved in (step - 1, step)]  # nothing half-written
+    assert all(checkpoint_verdict(folder).ok for _, folder in committed_checkpoints(checkpoints))
+    saves = [line["step"] for line in read_metrics(output / "metrics.jsonl") if line["kind"] == "save"]
+    assert saves == list(range(1, step + 1))  # every save it began was committed, the in-flight one included
+
+
+def test_async_save_is_refused_where_dcp_cannot_write_in_the_background():
+    def accelerator(kind, version=2, state_dict_type="SHARDED_STATE_DICT"):
+        plugin = SimpleNamespace(fsdp_version=version, state_dict_type=state_dict_type) if kind == "FSDP" else None
+        return SimpleNamespace(distributed_type=SimpleNamespace(value=kind), state=SimpleNamespace(fsdp_plugin=plugin))
+
+    assert async_save_problem(accelerator("FSDP"), lora=False) is None
+    assert async_save_problem(accelerator("MULTI_CPU"), lora=False).startswith("--async-save needs an FSDP")
+    assert "FSDP1 with FULL_STATE_DICT" in async_save_problem(accelerator("FSDP", 1, "FULL_STATE_DICT"), lora=False)
+    assert "LoRA" in async_save_problem(accelerator("FSDP"), lora=True)
