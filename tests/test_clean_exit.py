@@ -21,7 +21,7 @@ from fsdp_harness.launch import run_launch
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 from recipe_helpers import CAUSAL_LM, SFT_TRAIN
 
-WORKER = WORKERS / "no_end_training.py"
+WORKER = WORKERS / "script_endings.py"
 
 
 @pytest.fixture(scope="module")
