@@ -56,6 +56,7 @@ def install(accelerator=None) -> None:
                                     os.environ.get("FSDP_PRESETS_CPU_PATCHES_OFF", "").split(",")}:
         return
     _track_accelerators()
+    _collect_before_destroy()
     _note_uncaught_exceptions()
     atexit.register(_tear_down)
     _installed = True
@@ -79,6 +80,42 @@ def _track_accelerators() -> None:
     Accelerator.__init__ = __init__
 
 
+def _collect_before_destroy() -> None:
+    """``accelerator.end_training()`` (and ``Trainer.end()``, which calls it) destroy the default
+    group through ``PartialState.destroy_process_group`` while the script still holds its prepared
+    model and optimizer: gloo then aborted the process at exit in 2 of 6 FSDP1 launches here. The
+    same release and collection as the exit handler's, first, removes it (docs/benchmarks.md)."""
+    from accelerate.state import PartialState
+
+    original = PartialState.destroy_process_group
+    if getattr(original, "_fsdp_presets_patch", False):
+        return
+
+    def destroy_process_group(self, group=None):
+        import torch.distributed as dist
+
+        if group is None and dist.is_available() and dist.is_initialized():
+            _release_and_collect()
+        return original(self, group)
+
+    destroy_process_group.__wrapped__ = original
+    destroy_process_group.__doc__ = original.__doc__
+    destroy_process_group._fsdp_presets_patch = True
+    PartialState.destroy_process_group = destroy_process_group
+
+
+def _release_and_collect() -> None:
+    """Drop what accelerate still references of everything it prepared, then collect garbage:
+    tensors and work objects that hold gloo buffers go while the group still exists."""
+    for accelerator in list(_accelerators):
+        # The lists accelerate keeps of everything it prepared (what free_memory() clears),
+        # without free_memory's device cache calls.
+        for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
+            if isinstance(getattr(accelerator, name, None), list):
+                setattr(accelerator, name, [])
+    gc.collect()
+
+
 def _note_uncaught_exceptions() -> None:
     previous = sys.excepthook
 
@@ -96,13 +133,7 @@ def _tear_down() -> None:
 
     if _failed or not (dist.is_available() and dist.is_initialized()):
         return
-    for accelerator in list(_accelerators):
-        # The lists accelerate keeps of everything it prepared (what free_memory() clears),
-        # without free_memory's device cache calls.
-        for name in ("_models", "_optimizers", "_schedulers", "_dataloaders"):
-            if isinstance(getattr(accelerator, name, None), list):
-                setattr(accelerator, name, [])
-    gc.collect()
+    _release_and_collect()
     try:
         dist.destroy_process_group()
     except Exception as error:  # exiting anyway: say why the group could not be closed

@@ -30,6 +30,11 @@ with ENOSPC, so the real error travels the real writers: DCP, ``torch.save``, tr
     FSDP_PRESETS_FAULT=full-save:step=4:rank=1            # rank 1's part of the step-4 save hits a full disk
     FSDP_PRESETS_FAULT=full-export                        # the final export hits a full disk
 
+``stall`` holds the process :data:`STALL_S` seconds at the point (a slow save, so that a drill can
+send a signal while it is in progress)::
+
+    FSDP_PRESETS_FAULT=stall-during-save:step=4          # rank 0 holds 8 s inside the save of step 4
+
 Without the variable nothing happens.
 """
 
@@ -42,7 +47,9 @@ import signal
 from pathlib import Path
 
 FAULT_ENV = "FSDP_PRESETS_FAULT"
-ACTIONS = ("kill", "raise", "full")
+ACTIONS = ("kill", "raise", "full", "stall")
+STALL_S = 8.0
+"""How long ``stall`` holds the process at its point: a slow save, long enough to signal it there."""
 FULL_DEVICE = "/dev/full"  # every write fails with ENOSPC (Linux, macOS has none)
 
 
@@ -71,6 +78,11 @@ def fault_point(point: str, *, step: int | None, rank: int, folder: str | os.Pat
     print(f"[fault] {action} at {point}, step {step}, rank {rank} ({FAULT_ENV})", flush=True)
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "stall":
+        import time
+
+        time.sleep(STALL_S)
+        return
     if action == "full" and folder is not None:
         _fill_disk(Path(folder))
         return

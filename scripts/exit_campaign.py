@@ -1,24 +1,29 @@
-"""Exit campaign: launch a user script that never calls ``end_training`` many times; every launch
-must exit 0.
+"""Exit campaign: launch small user scripts with each way a script ends, under DDP, FSDP1 and FSDP2;
+every finished training must exit 0.
 
-    python scripts/exit_campaign.py [--launches 100] [--processes 2] [--fix-off] [--doc docs/benchmarks.md]
+    python scripts/exit_campaign.py [--launches 50] [--busy 2] [--endings none,end-training,...]
+        [--strategies ddp,fsdp1,fsdp2] [--fix-off] [--doc docs/benchmarks.md]
 
-Each launch runs ``tests/workers/no_end_training.py`` (``enable_cpu_fsdp()``, a tiny Llama,
-3 FSDP2 steps, then the script simply ends with the process group alive) through
-``accelerate launch`` with ``--processes`` gloo processes, one after another. A launch passes when
-the launcher exits 0, every rank printed that it trained, and nobody printed gloo's exit abort
-("terminate called without an active exception"). ``--fix-off`` runs the same launches with the
-exit handler of :mod:`fsdp_presets.clean_exit` switched off, for comparison.
+Each launch runs ``tests/workers/script_endings.py --ending ENDING`` (``enable_cpu_fsdp()``, a tiny
+Llama, 3 steps, then ``none``: the script just returns; ``end-training``: ``accelerator.end_training()``;
+``delete``: ``del model, optimizer`` then ``end_training()``; ``trainer-end``: a ``transformers.Trainer``
+trains and ``trainer.end()``) through ``accelerate launch`` with 2 gloo processes. ``--launches`` is per
+ending and strategy; the cells take turns, so a campaign cut short still covers each of them. A
+launch passes when the launcher exits 0, every rank printed that it trained, and nobody printed
+gloo's exit abort ("terminate called without an active exception"). ``--busy K`` keeps K other
+CPU-bound processes running during the campaign (a loaded host makes the abort likelier).
+``--fix-off`` switches :mod:`fsdp_presets.clean_exit` off, for comparison.
 
-Results: ``WORK_DIR/exit_campaign.json`` and, unless ``--no-doc``, the ``exit-campaign`` section
-of ``docs/benchmarks.md`` (rewritten in place). Exit status 1 when any launch failed. About 6 s
-per launch on an idle 2-core host (100 launches: about 10 minutes).
+Results: ``WORK_DIR/exit_campaign.json`` and, unless ``--no-doc``, the ``exit-campaign`` section of
+``docs/benchmarks.md`` (rewritten in place). Exit status 1 when any launch failed. About 6-12 s per
+launch on a 2-core host (``trainer-end`` about twice that).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import subprocess
@@ -32,100 +37,125 @@ from fsdp_presets.clean_exit import CLEAN_EXIT
 
 REPO = Path(__file__).resolve().parent.parent
 
-WORKER = REPO / "tests" / "workers" / "no_end_training.py"
+WORKER = REPO / "tests" / "workers" / "script_endings.py"
+ENDINGS = ("none", "end-training", "delete", "trainer-end")
+STRATEGIES = ("ddp", "fsdp1", "fsdp2")
 DOC = REPO / "docs" / "benchmarks.md"
 SECTION = "exit-campaign"
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
-def write_config(directory: Path, processes: int) -> Path:
-    """An FSDP2 accelerate config as `accelerate config` writes it (the harness's writer)."""
-    return write_accelerate_config(directory / "fsdp2.yaml", num_processes=processes)
+def write_config(directory: Path, strategy: str, processes: int) -> Path:
+    """An accelerate config as `accelerate config` writes it (the harness's writer)."""
+    if strategy == "ddp":
+        return write_accelerate_config(directory / "ddp.yaml", num_processes=processes, distributed_type="MULTI_GPU")
+    return write_accelerate_config(directory / f"{strategy}.yaml", num_processes=processes,
+                                   fsdp={"version": int(strategy[-1])})
 
 
-def one_launch(config: Path, processes: int, fix_off: bool) -> dict:
+def one_launch(config: Path, ending: str, processes: int, fix_off: bool) -> dict:
     env = launch_env({"FSDP_PRESETS_CPU_PATCHES_OFF": CLEAN_EXIT} if fix_off else None)
-    command = launch_command(config, WORKER)
+    command = launch_command(config, WORKER, ["--ending", ending])
     started = time.perf_counter()
-    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
+    completed = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600,
                                stdin=subprocess.DEVNULL, cwd=REPO)
     output = completed.stdout + completed.stderr
-    trained = output.count(" trained, distributed type FSDP")
+    trained = output.count(" trained, distributed type ")
     aborted = GLOO_EXIT_ABORT in output
     ok = completed.returncode == 0 and trained == processes and not aborted
     return {"returncode": completed.returncode, "ranks_trained": trained, "gloo_abort": aborted,
-            "group_destroyed_at_exit": output.count("process group at exit: destroyed"),
-            "seconds": round(time.perf_counter() - started, 2), "ok": ok,
-            "tail": "" if ok else output[-3000:]}
+            "seconds": round(time.perf_counter() - started, 2), "ok": ok, "tail": "" if ok else output[-3000:]}
+
+
+def _spin(_: int) -> None:
+    while True:
+        pass
 
 
 def render(summary: dict) -> str:
-    failed = [launch for launch in summary["launches"] if not launch["ok"]]
-    codes = sorted({launch["returncode"] for launch in failed})
     lines = [
-        "## Exit campaign: scripts that never call end_training",
+        "## Exit campaign: every way a script ends",
         "",
-        f"`python scripts/exit_campaign.py --launches {summary['launches_asked']}"
-        f"{' --fix-off' if summary['fix_off'] else ''}`: {summary['launches_asked']} consecutive "
-        f"{summary['processes']}-process FSDP2 launches of `tests/workers/no_end_training.py` (enable_cpu_fsdp, "
-        "3 steps, the script ends without `accelerator.end_training()`), "
-        f"exit handler {'off' if summary['fix_off'] else 'on'}.",
+        f"`python scripts/exit_campaign.py --launches {summary['launches_asked']} --busy {summary['busy']}"
+        f"{' --fix-off' if summary['fix_off'] else ''}`: {summary['processes']}-process launches of "
+        "`tests/workers/script_endings.py` (enable_cpu_fsdp, a tiny Llama, 3 steps) for each ending and strategy, "
+        f"taking turns, with {summary['busy']} other CPU-bound processes running; exit handler and "
+        f"collection before `destroy_process_group` {'off' if summary['fix_off'] else 'on'}. Endings: `none` (the "
+        "script returns), `end-training` (`accelerator.end_training()`), `delete` (`del model, optimizer`, then "
+        "`end_training()`), `trainer-end` (a `Trainer` trains, then `trainer.end()`).",
         "",
-        "| launches | exit 0 | failed | gloo abort | group destroyed at exit (ranks) | seconds per launch (median) |",
-        "|---:|---:|---:|---:|---:|---:|",
-        f"| {len(summary['launches'])} | {len(summary['launches']) - len(failed)} | {len(failed)}"
-        f"{' (exit ' + ', '.join(map(str, codes)) + ')' if failed else ''} "
-        f"| {sum(launch['gloo_abort'] for launch in summary['launches'])} "
-        f"| {sum(launch['group_destroyed_at_exit'] for launch in summary['launches'])} "
-        f"| {summary['median_seconds']:.1f} |",
-        "",
-        f"Measured {summary['date']} on {summary['host']} (torch {summary['torch']}, accelerate "
-        f"{summary['accelerate']}), load average {summary['load_before']:.1f} before and "
-        f"{summary['load_after']:.1f} after (a shared host: other work was running). Without the exit handler "
-        "(`FSDP_PRESETS_CPU_PATCHES_OFF=clean-exit`) the same script died with SIGABRT at exit in 1 launch of "
-        "about 20 on this host (`terminate called without an active exception`, launcher exit status 1); "
-        "`tests/test_clean_exit.py` shows the group is still alive at exit then and destroyed with the handler.",
+        "| ending | strategy | launches | exit 0 | gloo abort | seconds per launch (median) |",
+        "|---|---|---:|---:|---:|---:|",
     ]
+    for cell in summary["cells"]:
+        launches = cell["launches"]
+        if not launches:
+            continue
+        seconds = sorted(launch["seconds"] for launch in launches)
+        failed = [launch for launch in launches if not launch["ok"]]
+        codes = sorted({launch["returncode"] for launch in failed})
+        lines.append(f"| {cell['ending']} | {cell['strategy']} | {len(launches)} | {len(launches) - len(failed)}"
+                     f"{' (failed: exit ' + ', '.join(map(str, codes)) + ')' if failed else ''} "
+                     f"| {sum(launch['gloo_abort'] for launch in launches)} | {seconds[len(seconds) // 2]:.1f} |")
+    lines += ["", f"Measured {summary['date']} on {summary['host']} (torch {summary['torch']}, accelerate "
+              f"{summary['accelerate']}), load average {summary['load_before']:.1f} before and "
+              f"{summary['load_after']:.1f} after (a shared host: other work was running too)."]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--launches", type=int, default=100)
+    parser.add_argument("--launches", type=int, default=50, help="launches per ending and strategy")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--endings", default=",".join(ENDINGS), help=f"comma-separated, of {', '.join(ENDINGS)}")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {', '.join(STRATEGIES)}")
+    parser.add_argument("--busy", type=int, default=2, help="other CPU-bound processes kept running meanwhile")
     parser.add_argument("--fix-off", action="store_true", help="switch the exit handler off (comparison)")
     parser.add_argument("--work-dir", help="where exit_campaign.json goes (default: a temporary folder)")
     parser.add_argument("--doc", default=str(DOC), help="markdown file whose exit-campaign section is rewritten")
     parser.add_argument("--no-doc", action="store_true", help="write no documentation")
     args = parser.parse_args(argv)
-    if args.launches < 1 or args.processes < 2:
-        parser.error("--launches must be >= 1 and --processes >= 2")
+    endings, strategies = args.endings.split(","), args.strategies.split(",")
+    if args.launches < 1 or args.processes < 2 or args.busy < 0:
+        parser.error("--launches must be >= 1, --processes >= 2 and --busy >= 0")
+    if set(endings) - set(ENDINGS) or set(strategies) - set(STRATEGIES):
+        parser.error(f"--endings takes {', '.join(ENDINGS)}; --strategies takes {', '.join(STRATEGIES)}")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="exit-campaign-"))
     work.mkdir(parents=True, exist_ok=True)
-    config = write_config(work, args.processes)
+    configs = {strategy: write_config(work, strategy, args.processes) for strategy in strategies}
 
     import accelerate
     import torch
 
     load_before = os.getloadavg()[0]
-    launches = []
-    for index in range(1, args.launches + 1):
-        result = one_launch(config, args.processes, args.fix_off)
-        launches.append(result)
-        status = "ok" if result["ok"] else f"FAILED (exit {result['returncode']}, abort {result['gloo_abort']})"
-        print(f"launch {index}/{args.launches}: {status}, {result['seconds']:.1f} s", flush=True)
-    seconds = sorted(launch["seconds"] for launch in launches)
-    summary = {"launches_asked": args.launches, "processes": args.processes, "fix_off": args.fix_off,
-               "date": time.strftime("%Y-%m-%d", time.gmtime()), "host": f"{platform.machine()} "
-               f"{os.cpu_count()} cores", "torch": torch.__version__,
-               "accelerate": accelerate.__version__, "load_before": load_before,
-               "load_after": os.getloadavg()[0],
-               "median_seconds": seconds[len(seconds) // 2], "launches": launches}
+    cells = [{"ending": ending, "strategy": strategy, "launches": []} for ending in endings for strategy in strategies]
+    summary = {"launches_asked": args.launches, "processes": args.processes, "busy": args.busy,
+               "fix_off": args.fix_off, "date": time.strftime("%Y-%m-%d", time.gmtime()),
+               "host": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
+               "accelerate": accelerate.__version__, "load_before": load_before, "cells": cells}
+    spinners = [multiprocessing.Process(target=_spin, args=(index,), daemon=True) for index in range(args.busy)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        for round_index in range(1, args.launches + 1):
+            for cell in cells:
+                result = one_launch(configs[cell["strategy"]], cell["ending"], args.processes, args.fix_off)
+                cell["launches"].append(result)
+                status = "ok" if result["ok"] else f"FAILED (exit {result['returncode']}, abort {result['gloo_abort']})"
+                print(f"round {round_index}/{args.launches} {cell['ending']} {cell['strategy']}: {status}, "
+                      f"{result['seconds']:.1f} s", flush=True)
+    except KeyboardInterrupt:
+        print("stopped: the launches done so far are reported", flush=True)
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+    summary["load_after"] = os.getloadavg()[0]
     (work / "exit_campaign.json").write_text(json.dumps(summary, indent=1))
+    launches = [launch for cell in cells for launch in cell["launches"]]
     failed = sum(not launch["ok"] for launch in launches)
     print(f"{len(launches) - failed}/{len(launches)} launches exited 0 without an abort "
           f"(results: {work / 'exit_campaign.json'})", flush=True)
-    if not args.no_doc:
+    if not args.no_doc and launches:
         doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(SECTION, render(summary)))
         print(f"wrote the {SECTION} section of {args.doc}", flush=True)
     return 1 if failed else 0

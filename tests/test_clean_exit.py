@@ -1,4 +1,5 @@
-"""Clean exits: a script that never calls ``end_training`` exits 0 (fsdp_presets.clean_exit), and
+"""Clean exits: a finished training exits 0 whatever the script's ending (no ``end_training``,
+``accelerator.end_training()``, objects deleted first, ``trainer.end()``: fsdp_presets.clean_exit), and
 what a usage error (exit status 2) looks like through a multi-process ``accelerate launch``.
 
 The abort this prevents is a race at interpreter exit (1 launch in about 20 here without the
@@ -21,7 +22,7 @@ from fsdp_harness.launch import run_launch
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
 from recipe_helpers import CAUSAL_LM, SFT_TRAIN
 
-WORKER = WORKERS / "no_end_training.py"
+WORKER = WORKERS / "script_endings.py"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def config(tmp_path_factory):
 
 @pytest.mark.slow
 def test_script_without_end_training_exits_0_with_the_group_destroyed(config):
-    result = run_launch(config, WORKER).check()
+    result = run_launch(config, WORKER, ["--ending", "none"]).check()
     output = result.stdout + result.stderr
     assert GLOO_EXIT_ABORT not in output
     assert output.count(" trained, distributed type FSDP") == 2
@@ -40,7 +41,7 @@ def test_script_without_end_training_exits_0_with_the_group_destroyed(config):
 
 @pytest.mark.slow
 def test_without_the_exit_handler_the_group_is_alive_at_exit(config):
-    result = run_launch(config, WORKER, env={"FSDP_PRESETS_CPU_PATCHES_OFF": CLEAN_EXIT})
+    result = run_launch(config, WORKER, ["--ending", "none"], env={"FSDP_PRESETS_CPU_PATCHES_OFF": CLEAN_EXIT})
     output = result.stdout + result.stderr
     assert output.count(" trained, distributed type FSDP") == 2
     assert output.count("process group at exit: alive") == 2, output[-3000:]
@@ -56,6 +57,40 @@ def test_check_launch_installs_the_handler_and_a_single_process_exits_quietly():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["False", "True"]
     assert "not destroyed" not in result.stderr
+
+
+def test_end_training_collects_garbage_while_the_group_still_exists():
+    """What removes the abort when a script calls ``end_training()`` with its model alive: garbage
+    that references the group is collected before accelerate destroys it (one process, gloo)."""
+    code = ("import gc, os, torch.distributed as dist, fsdp_presets\n"
+            "from accelerate import Accelerator\n"
+            "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(__import__('fsdp_harness.launch').launch"
+            ".free_port()), RANK='0', WORLD_SIZE='1', LOCAL_RANK='0')\n"
+            "fsdp_presets.enable_cpu_fsdp()\n"
+            "dist.init_process_group('gloo')\n"
+            "accelerator = Accelerator()\n"
+            "class Cycle:\n"
+            "    def __del__(self): print('collected with the group', dist.is_initialized(), flush=True)\n"
+            "gc.disable(); cycle = Cycle(); cycle.me = cycle; del cycle\n"
+            "accelerator.end_training()\n"
+            "print('after end_training', dist.is_initialized(), flush=True)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[:2] == ["collected with the group True", "after end_training False"], result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending, strategy", [("end-training", "ddp"), ("delete", "fsdp1"), ("trainer-end", "fsdp2")])
+def test_a_finished_training_exits_0_whatever_the_scripts_ending(ending, strategy, tmp_path):
+    """Real launches (not forked) of a user-style script; scripts/exit_campaign.py repeats every
+    ending under every strategy (docs/benchmarks.md)."""
+    config = (accelerate_config(tmp_path, "ddp", distributed_type="MULTI_GPU") if strategy == "ddp"
+              else accelerate_config(tmp_path, strategy, fsdp={"version": int(strategy[-1])}))
+    result = run_launch(config, WORKER, ["--ending", ending], forked=False).check()
+    output = result.stdout + result.stderr
+    assert GLOO_EXIT_ABORT not in output
+    assert output.count(" trained, distributed type ") == 2
+    assert output.count("process group at exit: destroyed") == 2, output[-3000:]
 
 
 @pytest.mark.slow

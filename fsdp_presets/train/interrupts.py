@@ -12,6 +12,7 @@ collective). Instead:
 - once :func:`defer` is called (the training loop), a SIGINT only sets a flag; at the end of every
   optimizer step the ranks agree on it (:func:`requested`, one small all-reduce), save a
   checkpoint of that step together and stop with :class:`Interrupted` (exit 130 = 128 + SIGINT).
+  SIGTERM and SIGUSR1 (preemption) take the same path: :mod:`fsdp_presets.train.preemption`.
   ``--resume auto`` continues from that checkpoint. A second Ctrl-C, more than
   :data:`REPEAT_GRACE_S` after the first, stops at once (the save already committed stays valid;
   one cut short is ignored by ``--resume auto``).
@@ -56,15 +57,10 @@ def defer() -> None:
     _state["deferring"] = True
 
 
-def requested(accelerator) -> bool:
-    """Whether any rank got a Ctrl-C (collective: every rank calls it at the same step and gets
-    the same answer)."""
-    import torch
-
-    local = 1.0 if _state["first_at"] is not None else 0.0
-    if accelerator.num_processes == 1:
-        return bool(local)
-    return accelerator.reduce(torch.tensor(local, device=accelerator.device), reduction="sum").item() > 0
+def pending() -> bool:
+    """Whether this process got a Ctrl-C since :func:`defer` (the ranks agree on it together with
+    preemption: :func:`fsdp_presets.train.preemption.agree`)."""
+    return _state["first_at"] is not None
 
 
 def stop(accelerator, checkpoint, *, step: int) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from fsdp_presets.arguments import RECIPE_SEQ_LEN
 from fsdp_presets.errors import UsageError
+from fsdp_presets.train import preemption
 # The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync, param_groups, scalar  # noqa: F401
 
@@ -60,6 +61,9 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
         "PATH (a checkpoints/step-NNNNNNNN folder) or none")
     add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")
+    add("--preempt-signals", default=preemption.DEFAULT_SIGNALS,
+        help="signals that save the step reached and stop the run (exit 75; docs/runbook.md), comma-separated, "
+        "or none")
     add("--fsdp-reduce-dtype", choices=("fp32", "bf16"),
         help="dtype FSDP reduces gradients in (default: accelerate's, which follows "
         "mixed_precision; no accelerate config key sets it)")
@@ -86,6 +90,10 @@ def check_common_args(args: argparse.Namespace) -> None:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")
     if args.keep_last < 1:
         problems.append("--keep-last must be >= 1")
+    try:
+        preemption.parse_signals(args.preempt_signals)
+    except UsageError as error:
+        problems.append(str(error))
     if args.learning_rate <= 0:
         problems.append("--learning-rate must be > 0")
     if not 0 <= args.seed < 2**32:  # numpy's and torch's seeding accept 0 .. 2**32 - 1
@@ -231,7 +239,7 @@ def finish(accelerator) -> None:
 def run_recipe(main: Callable[[], None]) -> int:
     """Run a recipe's ``main`` and turn the ways it stops into one line on stderr and an exit
     status: bad input 2 (:class:`UsageError`), a finding about the run 1 (:class:`Finding`: it
-    diverged, the disk is full), Ctrl-C 130. The main process prints what every rank shares; an
+    diverged, the disk is full), Ctrl-C 130, a preemption signal 75 (:data:`preemption.PREEMPTED_EXIT`). The main process prints what every rank shares; an
     error marked :func:`fsdp_presets.errors.rank_local` is printed by the rank it concerns."""
     from fsdp_presets.train import interrupts
     from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message
@@ -246,6 +254,8 @@ def run_recipe(main: Callable[[], None]) -> int:
         return _report(error, 1)
     except interrupts.Interrupted as error:
         return _report(error, 130)
+    except preemption.Preempted as error:
+        return _report(error, preemption.PREEMPTED_EXIT)
     except KeyboardInterrupt:
         return _report(interrupts.Interrupted("interrupted (Ctrl-C) before training started: nothing was trained "
                                               "or half-written; run the same command again to start"), 130)

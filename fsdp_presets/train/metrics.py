@@ -1,5 +1,6 @@
 """``metrics.jsonl``: one JSON object per optimizer step (``kind: train``), per evaluation
-(``kind: eval``) and per committed checkpoint save (``kind: save``), written by the main process and flushed line by line so that a killed run
+(``kind: eval``), per committed checkpoint save (``kind: save``) and, when a run stopped on a preemption
+signal, one ``kind: preempted`` line, written by the main process and flushed line by line so that a killed run
 loses at most the line being written.
 
 On resume the lines after the resumed checkpoint's step are dropped (the file is rewritten
@@ -66,6 +67,11 @@ class MetricsLog:
         self._append({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
                       "samples_seen": samples_seen})
+
+    def log_preempted(self, *, step: int, signal: str | None, checkpoint: str | None) -> None:
+        """The run stopped on a preemption signal after ``step`` optimizer steps, ``checkpoint``
+        holding that step (None: nothing to save, no step trained since the last one)."""
+        self._append({"kind": "preempted", "step": step, "signal": signal, "checkpoint": checkpoint})
 
     def log_eval(self, *, step: int, eval_loss: float, **values: float) -> None:
         """One evaluation after ``step`` optimizer steps (0: before training). Extra values:

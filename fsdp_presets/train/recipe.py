@@ -33,12 +33,13 @@ from typing import Any, Callable
 from fsdp_presets.checkpoint import resume as checkpoint_resume
 from fsdp_presets.checkpoint.async_save import CheckpointSaver, check_async_save
 from fsdp_presets.checkpoint.layout import MODEL_CONFIG
-from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest
+from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest, committed_checkpoints
 from fsdp_presets.checkpoint.run_folder import (RunFolder, acquire_run_lock, check_output_dir, distributed_settings,
                                                 launch_config_file, schedule_change_note, training_settings,
                                                 write_run_json)
+from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import config_digest, sha256_files
-from fsdp_presets.train import interrupts, loop, startup
+from fsdp_presets.train import interrupts, loop, preemption, startup
 from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_model import export_model
 from fsdp_presets.train.metrics import MetricsLog
@@ -154,6 +155,8 @@ class RecipeRun:
             results = evaluate()
             self.metrics.log_eval(step=0, **results)
             self.say(f"before training: {self._describe(results)}")
+        if preemption.should_stop(self.accelerator):  # signalled while loading or evaluating: nothing new to save
+            self._preempted(None)
         self._live["model"].train()
         interrupts.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
         from tqdm.auto import tqdm
@@ -204,16 +207,32 @@ class RecipeRun:
             self.metrics.log_eval(step=step, **results)
             if accelerator.is_main_process:
                 progress.write(f"step {step}: {self._describe(results)}")
-        stopping = interrupts.requested(accelerator)  # a Ctrl-C on any rank: save this step, then stop
-        if stopping or step == args.max_steps or (args.save_every and step % args.save_every == 0):
+        # Ctrl-C or a preemption signal on any rank (one all-reduce): save this step, then stop.
+        stopping, preempted = preemption.agree(accelerator, interrupts.pending(), preemption.received() is not None)
+        if stopping or preempted or step == args.max_steps or (args.save_every and step % args.save_every == 0):
             startup.check_weights_finite(accelerator, live["model"], self.checkpoints, step=step)
-            # --async-save: returns once the shards are staged; the final and a Ctrl-C save are committed here
+            # --async-save: returns once the shards are staged; the final, a Ctrl-C and a preemption save
+            # are committed here
             saved = self.saver.save(step=step, samples_consumed=self.samples, write_extra=self._write_model_config,
-                                    wait=stopping or step == args.max_steps)
+                                    wait=stopping or preempted or step == args.max_steps)
+            if not (stopping or preempted):  # a signal during the save: this step is saved, stop now
+                stopping, preempted = preemption.agree(accelerator, interrupts.pending(),
+                                                       preemption.received() is not None)
+                if stopping or preempted:
+                    saved = self.saver.wait() or saved  # --async-save: the save in flight is committed first
         else:
             self.saver.poll(step=step)  # --async-save: commit the save in flight once every rank's write is done
+        if preempted:
+            self._preempted(saved)
         if stopping:
             interrupts.stop(accelerator, saved, step=step)
+
+    def _preempted(self, saved) -> None:
+        """The metrics line, then :class:`~fsdp_presets.train.preemption.Preempted` (exit 75)."""
+        checkpoint = saved if saved is not None else dict(committed_checkpoints(self.checkpoints.directory)).get(self.step)
+        self.metrics.log_preempted(step=self.step, signal=preemption.received(),
+                                   checkpoint=str(checkpoint) if checkpoint else None)
+        preemption.stop(self.accelerator, step=self.step, checkpoint=checkpoint)
 
     def _describe(self, results: dict[str, float]) -> str:
         shown = self._live["shown"]
@@ -274,6 +293,10 @@ def start(args, *, recipe: str) -> RecipeRun:
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
+    try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/preemption.py)
+        preemption.install(preemption.parse_signals(args.preempt_signals))
+    except UsageError:
+        pass  # refused with the other flags by startup.check_start
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
     fsdp_presets.check_launch(accelerator)
