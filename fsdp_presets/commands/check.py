@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model a generated preset names in its header")
     add("--json", action="store_true", help="print the findings as JSON")
     from fsdp_presets import arguments  # the flags every command shares: one type, default and check each
+    from fsdp_presets.schema import K
 
     arguments.add_device(parser, default_help=": the preset's header, else gpu")
     arguments.add_gpu_memory(parser, default_help=", or the preset's; for the planner rules")
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_seq_len(parser, default_help=", or the script's, or the preset's; for the planner rules")
     arguments.add_micro_batch(parser, default_help="the script's, or the preset's, else 1; for the planner rules")
     arguments.add_precision(parser, default_help="; check: the script's bf16/fp16, else the file's mixed_precision")
-    arguments.add_savers(parser, with_offload=False, default_text="the file's fsdp_activation_checkpointing, or the "
+    arguments.add_savers(parser, with_offload=False, default_text=f"the file's {K.activation_checkpointing}, or the "
                          "script's gradient checkpointing")
     arguments.add_gpus(parser, metavar="N", help_text="processes of the whole job for a file without num_processes "
                        "(what `accelerate launch --num_processes` will pass); without it such a file gets no GPU "
