@@ -204,3 +204,15 @@ def test_spellings_accelerate_refuses_are_errors(tmp_path, top, fsdp, rule):
         [item] = [i for i in report.findings if i.rule == rule]
         assert "YAML" in item.message and "quote it" in item.fix
         assert "accelerate-rejects" not in report.rules()  # one problem, one finding
+
+
+def test_accelerate_defaults_are_one_line_unless_verbose(tmp_path, capsys):
+    config = mutate(drop_fsdp=("fsdp_version", "fsdp_transformer_layer_cls_to_wrap", "fsdp_reshard_after_forward"))(
+        copy.deepcopy(GOOD))
+    path = _write(tmp_path, config)
+    assert cli.main(["check", path, "--no-probe"]) == 0  # info never fails the check
+    quiet = capsys.readouterr().out
+    assert "fsdp-version-missing" in quiet and "--verbose shows them" in quiet and "info " not in quiet
+    assert cli.main(["check", path, "--no-probe", "--verbose"]) == 0
+    verbose = capsys.readouterr().out
+    assert "info    fsdp-version-missing" in verbose and "info    wrap-classes-unset" in verbose

@@ -202,8 +202,9 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
                                                                  "missing)" if K.state_dict_type not in fsdp
                                                                  else ""),
-            f"set {K.state_dict_type}: SHARDED_STATE_DICT (export full weights afterwards with accelerate "
-            "merge-weights)", fsdp_where(K.state_dict_type)))
+            f"set {K.state_dict_type}: SHARDED_STATE_DICT (export full weights afterwards with `fsdp-presets export` "
+            "or accelerate merge-weights; a Trainer/TRL script then needs callbacks=[fsdp_presets.FSDPPresetsCallback()], "
+            "or its save_model writes no weights)", fsdp_where(K.state_dict_type)))
     if device == "gpu" and _boolean(fsdp.get(K.cpu_ram_efficient_loading, True)) is False:
         weight_bytes = 4 if profile.structure.get("config_dtype") in (None, "float32") else 2
         need = per_node * profile.total_params * weight_bytes
