@@ -106,20 +106,27 @@ def read_script(path: str | os.PathLike) -> ScriptFacts:
     """Read ``path`` statically; raises :class:`UsageError` (one line) when it cannot be read as Python."""
     name = os.fspath(path)
     try:
-        info = os.stat(name)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; the type is checked on what was opened
+        descriptor = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
         raise UsageError(f"--script {name}: {error.strerror or error}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"--script {name}: not a regular file; give the training script (a .py file)")
-    if info.st_size > MAX_SCRIPT_BYTES:
-        raise UsageError(f"--script {name}: {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} a training "
-                         "script is allowed here; give the script itself")
     try:
-        with open(name, "rb") as handle:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"--script {name}: not a regular file; give the training script (a .py file)")
+        if info.st_size > MAX_SCRIPT_BYTES:
+            raise UsageError(f"--script {name}: {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} a training "
+                             "script is allowed here; give the script itself")
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
             data = handle.read(MAX_SCRIPT_BYTES + 1)
-        text = data[:MAX_SCRIPT_BYTES].decode("utf-8")
+        if len(data) > MAX_SCRIPT_BYTES:
+            raise UsageError(f"--script {name}: more than the {MAX_SCRIPT_BYTES} bytes a training script is allowed "
+                             "here; give the script itself")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"--script {name}: cannot read it as UTF-8 text ({error})") from None
+    finally:
+        os.close(descriptor)
     return read_source(text, path=name)
 
 
