@@ -111,6 +111,12 @@ def test_the_script_decides_the_memory_verdict(tmp_path):
     fp32 = check_file(config, context=CheckContext(**base, script=plain))[0]
     [flat] = [item for item in fp32.findings if item.rule == "does-not-fit"]  # known inputs: a flat verdict
     assert "fp32" in flat.message and "no activation checkpointing" in flat.message
+    # a script that takes its settings from the command line (PEFT's train.py: --bf16 True
+    # --gradient_checkpointing True in the shell script) leaves them open: "fits only if" again
+    parsed = read_source("from transformers import HfArgumentParser, TrainingArguments\n"
+                         "args, = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()\n")
+    assert parsed.parses_arguments
+    assert "fits-only-if" in check_file(config, context=CheckContext(**base, script=parsed))[0].rules()
 
 
 def test_model_moved_before_prepare_and_after(tmp_path):

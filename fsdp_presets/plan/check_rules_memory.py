@@ -290,6 +290,9 @@ def _training_inputs(config, fsdp, context):
     request = (context.metadata or {}).get("request") or {}
     summary = (context.metadata or {}).get("summary") or {}
     unknown = {}
+    # what neither the flags, the script's literals nor a generated header say is decided elsewhere:
+    # by the script (none given), or by its command line (a script that parses its arguments)
+    open_ended = (script is None or script.parses_arguments) and not context.metadata
     seq_len = context.seq_len or (script.seq_len if script else None) or summary.get("seq_len") or \
         request.get("seq_len")
     if not seq_len:
@@ -301,13 +304,13 @@ def _training_inputs(config, fsdp, context):
     if checkpointing is None:
         checkpointing = bool(_boolean(fsdp.get(K.activation_checkpointing, False))) or bool(
             script and script.gradient_checkpointing_line)
-        if not checkpointing and script is None and not context.metadata:
+        if not checkpointing and open_ended:
             unknown["activation_checkpointing"] = (True, "the script turns on gradient checkpointing")
     written = config.get("mixed_precision", "no")
     precision = context.precision or (script.precision if script and script.precision else None)
     if precision is None:
         precision = {"fp8": "bf16", "bf16": "bf16", "fp16": "fp16"}.get(str(written).lower(), "fp32")
-        if precision == "fp32" and script is None and not context.metadata:
+        if precision == "fp32" and open_ended:
             unknown["precision"] = ("bf16", "it trains in bf16 (bf16=True in the Trainer's arguments)")
     lora = lora_shape(context)
     if lora is not None and lora.method == "qlora" and context.precision is None:

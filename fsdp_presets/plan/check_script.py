@@ -78,6 +78,9 @@ class ScriptFacts:
     """``bf16``/``fp16``/``fp32`` from ``from_pretrained(dtype=torch.X)`` (or ``torch_dtype=``)."""
     double_quant: bool = False
     """``bnb_4bit_use_double_quant=True``."""
+    parses_arguments: bool = False
+    """The script takes its settings from the command line (``HfArgumentParser``, ``TrlParser``,
+    ``parse_args``): what it does not write as a literal is decided at launch, so still unknown."""
 
     @property
     def method(self) -> str | None:
@@ -165,6 +168,9 @@ def read_source(text: str, *, path: str = "<script>") -> ScriptFacts:
                 moves.append(node.lineno)
         if called == "add_argument":
             _flag_default(node, facts)
+        if called in ("HfArgumentParser", "TrlParser", "parse_args", "parse_args_into_dataclasses",
+                      "parse_args_and_config"):
+            facts.parses_arguments = True
         for keyword in node.keywords:
             _keyword(keyword, node.lineno, facts, called)
     if prepare_lines:
