@@ -221,7 +221,7 @@ def test_fp8_is_a_launch_requirement_not_a_verdict_on_this_machine(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", sorted(set(MODELS) - {"llama70b_training_test_fsdp_config.yaml"}))  # peft's 70B is proved
 def test_real_config_wrapping_is_proved(name):
     # accelerate's own preparation of the recipe's model under the file's settings: no crash, the
     # decoder layers are units, every parameter is in one.
