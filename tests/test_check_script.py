@@ -89,7 +89,10 @@ def test_a_trainer_script_clears_the_fsdp1_lora_warnings_it_does_not_have(tmp_pa
     assert {"lora-fsdp1-orig-params", "qlora-full-state-dict"} <= alone
     with_script = check_file(config, context=CheckContext(script=read_source(SFT_SCRIPT)))[0].rules()
     assert not {"lora-fsdp1-orig-params", "qlora-full-state-dict"} & with_script
-    assert "qlora-fsdp1" in with_script  # the script says qlora: the FSDP1 warning stays
+    # PEFT's documented FSDP1 QLoRA path (a Trainer, bf16 quant storage): nothing to warn about
+    assert "qlora-fsdp1" not in with_script and "qlora-fsdp1" in alone
+    uint8 = read_source(SFT_SCRIPT.replace("bnb_4bit_quant_storage=torch.bfloat16", "bnb_4bit_quant_storage=torch.uint8"))
+    assert "qlora-fsdp1" in check_file(config, context=CheckContext(script=uint8))[0].rules()
 
 
 def test_the_script_decides_the_memory_verdict(tmp_path):

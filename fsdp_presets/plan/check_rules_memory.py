@@ -72,7 +72,11 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             f"set {K.version}: 2 (fsdp-presets generate --method " + method + f"), or {K.use_orig_params}: true "
             f"and peft's {PEFT_WRAP_POLICY}(model) on the plugin before prepare, with the optimizer built after "
             "preparing the model", fsdp_where(K.use_orig_params)))
-    if method == "qlora" and version == 1:
+    # PEFT's documented FSDP1 QLoRA path: a Trainer (peft's wrap policy, mixed precision set to the
+    # storage dtype) over a base stored in a float dtype.
+    float_storage = context.script is not None and (context.script.quant_storage or "").startswith(
+        ("bfloat16", "float16", "float32"))
+    if method == "qlora" and version == 1 and not (trainer and float_storage):
         findings.append(finding(
             "qlora-fsdp1", "QLoRA under FSDP1: FSDP1 flattens each unit into one tensor of one dtype, which works "
             "only when the whole unit shares it: bnb_4bit_quant_storage=bfloat16 with norms and adapters in bf16 "
