@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_seq_len(parser, default_help=", or the script's, or the preset's; for the planner rules")
     arguments.add_micro_batch(parser, default_help="the script's, or the preset's, else 1; for the planner rules")
     arguments.add_precision(parser, default_help="; check: the script's bf16/fp16, else the file's mixed_precision")
-    arguments.add_savers(parser, with_offload=False, default_text="the file's fsdp_activation_checkpointing, or the "
+    from fsdp_presets.plan.schema import K
+
+    arguments.add_savers(parser, with_offload=False, default_text=f"the file's {K.activation_checkpointing}, or the "
                          "script's gradient checkpointing")
     arguments.add_gpus(parser, metavar="N", help_text="processes of the whole job for a file without num_processes "
                        "(what `accelerate launch --num_processes` will pass); without it such a file gets no GPU "

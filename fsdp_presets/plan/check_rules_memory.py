@@ -61,7 +61,7 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             f"gradients for the whole flat parameter, frozen weights included{extra}; torch's FSDP documentation "
             "advises against mixing them for this reason", f"set {K.version}: 2 (fsdp-presets generate --method "
             f"{method}); under FSDP1, a Trainer/TRL script avoids it (it wraps the adapters as units of their own: "
-            "pass --script to say so), a plain accelerate loop needs peft's fsdp_auto_wrap_policy(model) on the "
+            f"pass --script to say so), a plain accelerate loop needs peft's {PEFT_WRAP_POLICY}(model) on the "
             "plugin before prepare", fsdp_where(K.use_orig_params)))
     if version == 1 and orig_params is False and not trainer:
         findings.append(finding(
