@@ -89,7 +89,10 @@ def test_a_trainer_script_clears_the_fsdp1_lora_warnings_it_does_not_have(tmp_pa
     assert {"lora-fsdp1-orig-params", "qlora-full-state-dict"} <= alone
     with_script = check_file(config, context=CheckContext(script=read_source(SFT_SCRIPT)))[0].rules()
     assert not {"lora-fsdp1-orig-params", "qlora-full-state-dict"} & with_script
-    assert "qlora-fsdp1" in with_script  # the script says qlora: the FSDP1 warning stays
+    # PEFT's documented FSDP1 QLoRA path (a Trainer, bf16 quant storage): nothing to warn about
+    assert "qlora-fsdp1" not in with_script and "qlora-fsdp1" in alone
+    uint8 = read_source(SFT_SCRIPT.replace("bnb_4bit_quant_storage=torch.bfloat16", "bnb_4bit_quant_storage=torch.uint8"))
+    assert "qlora-fsdp1" in check_file(config, context=CheckContext(script=uint8))[0].rules()
 
 
 def test_the_script_decides_the_memory_verdict(tmp_path):
@@ -111,6 +114,12 @@ def test_the_script_decides_the_memory_verdict(tmp_path):
     fp32 = check_file(config, context=CheckContext(**base, script=plain))[0]
     [flat] = [item for item in fp32.findings if item.rule == "does-not-fit"]  # known inputs: a flat verdict
     assert "fp32" in flat.message and "no activation checkpointing" in flat.message
+    # a script that takes its settings from the command line (PEFT's train.py: --bf16 True
+    # --gradient_checkpointing True in the shell script) leaves them open: "fits only if" again
+    parsed = read_source("from transformers import HfArgumentParser, TrainingArguments\n"
+                         "args, = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()\n")
+    assert parsed.parses_arguments
+    assert "fits-only-if" in check_file(config, context=CheckContext(**base, script=parsed))[0].rules()
 
 
 def test_model_moved_before_prepare_and_after(tmp_path):
@@ -204,3 +213,15 @@ def test_spellings_accelerate_refuses_are_errors(tmp_path, top, fsdp, rule):
         [item] = [i for i in report.findings if i.rule == rule]
         assert "YAML" in item.message and "quote it" in item.fix
         assert "accelerate-rejects" not in report.rules()  # one problem, one finding
+
+
+def test_accelerate_defaults_are_one_line_unless_verbose(tmp_path, capsys):
+    config = mutate(drop_fsdp=("fsdp_version", "fsdp_transformer_layer_cls_to_wrap", "fsdp_reshard_after_forward"))(
+        copy.deepcopy(GOOD))
+    path = _write(tmp_path, config)
+    assert cli.main(["check", path, "--no-probe"]) == 0  # info never fails the check
+    quiet = capsys.readouterr().out
+    assert "fsdp-version-missing" in quiet and "--verbose shows them" in quiet and "info " not in quiet
+    assert cli.main(["check", path, "--no-probe", "--verbose"]) == 0
+    verbose = capsys.readouterr().out
+    assert "info    fsdp-version-missing" in verbose and "info    wrap-classes-unset" in verbose

@@ -84,6 +84,8 @@ RULES = MappingProxyType({
                                               "the whole model before FSDP shards it (--script)"),
     "trust-remote-code": ("note", "trust_remote_code=True: the model repository's own code runs on every rank "
                                   "(--script)"),
+    "prefetch-key-not-applied": ("warning", "a misspelt or old prefetch key (fsdp_backward_prefetch_policy): the "
+                                            "prefetch asked for is not applied (slower, the same training)"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 

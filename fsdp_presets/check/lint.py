@@ -11,7 +11,8 @@ reports each problem as a :class:`Finding` (stable rule id, severity, message, f
 The yardstick is accelerate 1.16's own behaviour: what accelerate accepts *and applies* is not an
 error, even where it is not the newest spelling (``fsdp_reshard_after_forward: FULL_SHARD`` in an
 FSDP1 file is what ``accelerate config`` writes); findings on defaults accelerate itself writes are
-notes (severity ``note``, printed as one line); a fix is always one accelerate accepts; nothing
+``info`` (counted on one line, listed with ``check --verbose``); errors are only for what fails or
+silently trains something else, warnings for real risks; a fix is always one accelerate accepts; nothing
 depends on the checking machine (fp8 says what the training nodes need), and without
 ``num_processes`` there is no GPU count or memory verdict.
 
@@ -34,8 +35,9 @@ Rule ids are stable (the docs cite them): see :data:`RULES`.
 Where the pieces live: :mod:`~fsdp_presets.check.findings` (rules table, findings, context,
 report), :mod:`~fsdp_presets.preset.accelerate_view` (accelerate's key lists, value parsing, its view
 of a file), :mod:`~fsdp_presets.check.rules_keys` (keys and values, :func:`lint_config`),
-:mod:`~fsdp_presets.check.rules_memory` (layout, LoRA, device and memory); this module checks a
-file. Key names come from :mod:`fsdp_presets.schema`.
+:mod:`~fsdp_presets.check.rules_memory` (layout, LoRA, device and memory),
+:mod:`~fsdp_presets.check.script` (``--script``: a static read of the training script and its
+rules); this module checks a file. Key names come from :mod:`fsdp_presets.schema`.
 """
 
 from __future__ import annotations

@@ -256,6 +256,9 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
                     f"delete {key} and set {twin}: {value!r} if that is what you meant (renaming it would write "
                     f"{twin} twice)", where))
             continue
+        if key not in known and twin is None and _prefetch_twin(key, known):
+            findings.append(_prefetch_not_applied(key, value, _prefetch_twin(key, known), where, version))
+            continue
         if key not in known:
             findings.append(_unknown_key("unknown-fsdp-key", FSDP_CONFIG, key, known, "accelerate ignores it "
                                          "silently, so the setting you meant is not applied", where, value))
@@ -283,6 +286,33 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
         findings.append(finding("invalid-value", "LOCAL_STATE_DICT does not exist in FSDP2 (accelerate raises)",
                                 "use SHARDED_STATE_DICT", fsdp_where(K.state_dict_type)))
     return findings
+
+
+_PREFETCH_DEFAULTS = {K.backward_prefetch: "NO_PREFETCH", K.forward_prefetch: False}
+"""What accelerate 1.16's FSDP1 plugin applies when the prefetch keys are absent."""
+
+
+def _prefetch_twin(key, known) -> str | None:
+    """The prefetch key a misspelt or old one stands for (``fsdp_backward_prefetch_policy``)."""
+    guesses = _close(str(key), known, limit=1)
+    return guesses[0] if guesses and guesses[0] in _PREFETCH_DEFAULTS else None
+
+
+def _prefetch_not_applied(key, value, twin: str, where: str, version) -> Finding:
+    """Prefetching changes speed, never what is trained: a prefetch key accelerate does not read is
+    a warning, and nothing to do when it asks for what applies anyway."""
+    asked = canonical_fsdp({twin: value}).get(twin)
+    if version == 2:
+        return finding("ignored-default", f"{key}: {value!r} is not read by accelerate, and FSDP2 has no such setting "
+                       "(it prefetches on its own)", "nothing to do (or remove it)", where)
+    if asked == _PREFETCH_DEFAULTS[twin]:
+        return finding("ignored-default", f"{key}: {value!r} is not read by accelerate (the key is {twin}); what "
+                       f"applies without it is the same ({_PREFETCH_DEFAULTS[twin]})", "nothing to do (or remove it)",
+                       where)
+    return finding("prefetch-key-not-applied", f"{key} is not a key accelerate reads (its name is {twin}): the "
+                   f"prefetch it asks for ({value}) is not applied, so FSDP runs with {_PREFETCH_DEFAULTS[twin]}: "
+                   "slower overlap of communication and compute, the same training",
+                   f"rename it to {twin!r}", where)
 
 
 def _fsdp1_key_under_fsdp2(fsdp: dict, key: str, value: Any, where: str) -> list[Finding]:

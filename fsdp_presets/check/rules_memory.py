@@ -72,7 +72,11 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             f"set {K.version}: 2 (fsdp-presets generate --method " + method + f"), or {K.use_orig_params}: true "
             f"and peft's {PEFT_WRAP_POLICY}(model) on the plugin before prepare, with the optimizer built after "
             "preparing the model", fsdp_where(K.use_orig_params)))
-    if method == "qlora" and version == 1:
+    # PEFT's documented FSDP1 QLoRA path: a Trainer (peft's wrap policy, mixed precision set to the
+    # storage dtype) over a base stored in a float dtype.
+    float_storage = context.script is not None and (context.script.quant_storage or "").startswith(
+        ("bfloat16", "float16", "float32"))
+    if method == "qlora" and version == 1 and not (trainer and float_storage):
         findings.append(finding(
             "qlora-fsdp1", "QLoRA under FSDP1: FSDP1 flattens each unit into one tensor of one dtype, which works "
             "only when the whole unit shares it: bnb_4bit_quant_storage=bfloat16 with norms and adapters in bf16 "
@@ -202,8 +206,9 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             f"--host-memory {context.host_gib:g} GiB" + (" (it is also accelerate's default when the key is "
                                                                  "missing)" if K.state_dict_type not in fsdp
                                                                  else ""),
-            f"set {K.state_dict_type}: SHARDED_STATE_DICT (export full weights afterwards with accelerate "
-            "merge-weights)", fsdp_where(K.state_dict_type)))
+            f"set {K.state_dict_type}: SHARDED_STATE_DICT (export full weights afterwards with `fsdp-presets export` "
+            "or accelerate merge-weights; a Trainer/TRL script then needs callbacks=[fsdp_presets.FSDPPresetsCallback()], "
+            "or its save_model writes no weights)", fsdp_where(K.state_dict_type)))
     if device == "gpu" and _boolean(fsdp.get(K.cpu_ram_efficient_loading, True)) is False:
         weight_bytes = 4 if profile.structure.get("config_dtype") in (None, "float32") else 2
         need = per_node * profile.total_params * weight_bytes
@@ -289,6 +294,9 @@ def _training_inputs(config, fsdp, context):
     request = (context.metadata or {}).get("request") or {}
     summary = (context.metadata or {}).get("summary") or {}
     unknown = {}
+    # what neither the flags, the script's literals nor a generated header say is decided elsewhere:
+    # by the script (none given), or by its command line (a script that parses its arguments)
+    open_ended = (script is None or script.parses_arguments) and not context.metadata
     seq_len = context.seq_len or (script.seq_len if script else None) or summary.get("seq_len") or \
         request.get("seq_len")
     if not seq_len:
@@ -300,13 +308,13 @@ def _training_inputs(config, fsdp, context):
     if checkpointing is None:
         checkpointing = bool(_boolean(fsdp.get(K.activation_checkpointing, False))) or bool(
             script and script.gradient_checkpointing_line)
-        if not checkpointing and script is None and not context.metadata:
+        if not checkpointing and open_ended:
             unknown["activation_checkpointing"] = (True, "the script turns on gradient checkpointing")
     written = config.get("mixed_precision", "no")
     precision = context.precision or (script.precision if script and script.precision else None)
     if precision is None:
         precision = {"fp8": "bf16", "bf16": "bf16", "fp16": "fp16"}.get(str(written).lower(), "fp32")
-        if precision == "fp32" and script is None and not context.metadata:
+        if precision == "fp32" and open_ended:
             unknown["precision"] = ("bf16", "it trains in bf16 (bf16=True in the Trainer's arguments)")
     lora = lora_shape(context)
     if lora is not None and lora.method == "qlora" and context.precision is None:

@@ -78,6 +78,9 @@ class ScriptFacts:
     """``bf16``/``fp16``/``fp32`` from ``from_pretrained(dtype=torch.X)`` (or ``torch_dtype=``)."""
     double_quant: bool = False
     """``bnb_4bit_use_double_quant=True``."""
+    parses_arguments: bool = False
+    """The script takes its settings from the command line (``HfArgumentParser``, ``TrlParser``,
+    ``parse_args``): what it does not write as a literal is decided at launch, so still unknown."""
 
     @property
     def method(self) -> str | None:
@@ -106,20 +109,27 @@ def read_script(path: str | os.PathLike) -> ScriptFacts:
     """Read ``path`` statically; raises :class:`UsageError` (one line) when it cannot be read as Python."""
     name = os.fspath(path)
     try:
-        info = os.stat(name)
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; the type is checked on what was opened
+        descriptor = os.open(name, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as error:
         raise UsageError(f"--script {name}: {error.strerror or error}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise UsageError(f"--script {name}: not a regular file; give the training script (a .py file)")
-    if info.st_size > MAX_SCRIPT_BYTES:
-        raise UsageError(f"--script {name}: {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} a training "
-                         "script is allowed here; give the script itself")
     try:
-        with open(name, "rb") as handle:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError(f"--script {name}: not a regular file; give the training script (a .py file)")
+        if info.st_size > MAX_SCRIPT_BYTES:
+            raise UsageError(f"--script {name}: {info.st_size} bytes, more than the {MAX_SCRIPT_BYTES} a training "
+                             "script is allowed here; give the script itself")
+        with os.fdopen(descriptor, "rb", closefd=False) as handle:
             data = handle.read(MAX_SCRIPT_BYTES + 1)
-        text = data[:MAX_SCRIPT_BYTES].decode("utf-8")
+        if len(data) > MAX_SCRIPT_BYTES:
+            raise UsageError(f"--script {name}: more than the {MAX_SCRIPT_BYTES} bytes a training script is allowed "
+                             "here; give the script itself")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise UsageError(f"--script {name}: cannot read it as UTF-8 text ({error})") from None
+    finally:
+        os.close(descriptor)
     return read_source(text, path=name)
 
 
@@ -158,6 +168,9 @@ def read_source(text: str, *, path: str = "<script>") -> ScriptFacts:
                 moves.append(node.lineno)
         if called == "add_argument":
             _flag_default(node, facts)
+        if called in ("HfArgumentParser", "TrlParser", "parse_args", "parse_args_into_dataclasses",
+                      "parse_args_and_config"):
+            facts.parses_arguments = True
         for keyword in node.keywords:
             _keyword(keyword, node.lineno, facts, called)
     if prepare_lines:
