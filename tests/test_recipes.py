@@ -35,11 +35,14 @@ from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, 
                             SFT_TRAIN, causal_lm_args, drive_recipe, offline_env, rank_pid, tree_digest)
 
 STEPS = runs.REFERENCE_STEPS
-TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs
+TIMING = ("tokens_per_s", "step_time_s")  # the only training fields allowed to differ between runs
+SAVE_COST = ("blocked_s", "total_s", "bytes")  # a save line's wall time, and its size (the manifest's times)
 
 
 def comparable(run_dir: Path) -> list[dict]:
-    return [{key: value for key, value in record.items() if key not in TIMING}
+    """Every metrics line without what differs between two runs of the same training."""
+    return [{key: value for key, value in record.items()
+             if key not in TIMING and not (record.get("kind") == "save" and key in SAVE_COST)}
             for record in read_metrics(run_dir / "metrics.jsonl")]
 
 
