@@ -11,6 +11,7 @@ that exist, a finished run relaunched with other settings, an FSDP checkpoint un
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import io
@@ -511,6 +512,41 @@ def test_a_full_disk_during_export_or_import_says_so_and_leaves_nothing(checkpoi
     assert cli.main(["import", str(checkpoint.parent / "hf"), "--output", str(small_disk / "start")]) == 2
     assert "disk full (ENOSPC) while writing" in capsys.readouterr().err
     assert os.listdir(small_disk) == []
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """``ulimit -f`` for this process while inside (Python ignores SIGXFSZ: a write past it is EFBIG)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+
+def test_a_file_size_limit_or_a_read_only_target_is_one_line_and_leaves_nothing(checkpoint, tmp_path, small_disk,
+                                                                                 capsys):
+    source, target = tmp_path / "hf", tmp_path / "out"
+    assert cli.main(["export", str(checkpoint), "--output", str(source)]) == 0
+    target.mkdir()
+    capsys.readouterr()
+    for command, origin in (("export", checkpoint), ("import", source)):
+        with file_size_limit(64 * 1024):
+            status = cli.main([command, str(origin), "--output", str(target / command)])
+        error = capsys.readouterr().err.strip()
+        assert status == 2 and "file too large (EFBIG) while writing" in error and len(error.splitlines()) == 1, error
+        assert os.listdir(target) == []
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        for command, origin in (("export", checkpoint), ("import", source)):
+            assert cli.main([command, str(origin), "--output", str(small_disk / command)]) == 2
+            error = capsys.readouterr().err.strip()
+            assert "read-only file system (EROFS)" in error and len(error.splitlines()) == 1, error
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
 
 
 # ---- the recipes ----
