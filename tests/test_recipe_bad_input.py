@@ -55,6 +55,22 @@ def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
         fit_head(["fish", "law"], ["law"], "d")
 
 
+def test_malformed_environment_variables_are_found_at_start(monkeypatch):
+    from fsdp_presets.train.startup import environment_problem
+
+    for name in ("FSDP_PRESETS_FAULT", "FSDP_PRESETS_STARTUP_TIMEOUT_S", "FSDP_PRESETS_UNTESTED_ACCELERATE"):
+        monkeypatch.delenv(name, raising=False)
+    assert environment_problem() is None
+    monkeypatch.setenv("FSDP_PRESETS_FAULT", "kill-during-save:step=six")
+    monkeypatch.setenv("FSDP_PRESETS_STARTUP_TIMEOUT_S", "ten")
+    problem = environment_problem()
+    assert "FSDP_PRESETS_FAULT='kill-during-save:step=six': unknown field 'step=six'" in problem
+    assert "FSDP_PRESETS_STARTUP_TIMEOUT_S='ten': give a number of seconds" in problem
+    assert problem.endswith("fix or unset the variable") and "\n" not in problem
+    monkeypatch.setenv("FSDP_PRESETS_FAULT", ":")
+    assert "expected ACTION-POINT" in environment_problem()
+
+
 def test_null_labels_are_refused_not_made_a_class(tmp_path):
     from fsdp_presets.train.data import _check_classification_columns, load_records
 
