@@ -71,6 +71,24 @@ def test_malformed_environment_variables_are_found_at_start(monkeypatch):
     assert "expected ACTION-POINT" in environment_problem()
 
 
+def test_a_model_config_that_is_truncated_linked_out_hostile_or_endless_is_one_line(tmp_path):
+    from fsdp_presets.train.loop import load_model_config
+
+    cases = {"truncated": '{"model_type": "llama", "hidden', "hostile": '{"model_type": "$(touch pwned)"}'}
+    for name, text in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    for name, target in (("linked-out", "/etc/passwd"), ("endless", "/dev/zero")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").symlink_to(target)
+    expected = {"truncated": "is not a valid JSON file", "hostile": "an architecture this transformers does not know",
+                "linked-out": "is not a valid JSON file", "endless": "is a device, not a regular file"}
+    for name, message in expected.items():
+        with pytest.raises(UsageError, match=message):
+            load_model_config(str(tmp_path / name))
+    assert not (tmp_path / "pwned").exists()
+
+
 def test_null_labels_are_refused_not_made_a_class(tmp_path):
     from fsdp_presets.train.data import _check_classification_columns, load_records
 

@@ -111,10 +111,17 @@ def load_model_config(model: str) -> Any:
     refused in one line: the recipes never pass ``trust_remote_code=True``."""
     from transformers import AutoConfig
 
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_bytes
+
     try:
+        if (Path(model) / "config.json").exists():  # a FIFO or /dev/zero there would hang transformers' read
+            read_regular_bytes(Path(model) / "config.json", limit=CONFIG_MAX_BYTES)
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except OSError as error:  # unreadable, truncated or not JSON (a link to another file)
+        raise UsageError(f"--model {model}: {' '.join(str(error).split())[:300]}; give a model folder with a "
+                         "complete config.json") from None
     except ValueError as error:
-        if "trust_remote_code" not in str(error) and "model_type" not in str(error):
+        if not any(text in str(error) for text in ("trust_remote_code", "model_type", "model type")):
             raise
         raise UsageError(f"--model {model}: its config needs code from the model folder or an architecture this "
                          "transformers does not know, and the recipes never run code from a model folder. Use a "
