@@ -89,6 +89,24 @@ def test_a_model_config_that_is_truncated_linked_out_hostile_or_endless_is_one_l
     assert not (tmp_path / "pwned").exists()
 
 
+def test_a_model_without_the_configs_wrap_class_is_named_with_its_own(models):
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_presets.train.lora import check_wrap_classes
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["llama"]))
+    gpt2_preset = SimpleNamespace(transformer_cls_names_to_wrap=["GPT2Block"], auto_wrap_policy="transformer_based_wrap")
+    with pytest.raises(UsageError, match="wraps GPT2Block, which LlamaForCausalLM does not have \\(its block class: "
+                                         "LlamaDecoderLayer\\).*regenerate it"):
+        check_wrap_classes(gpt2_preset, model)
+    check_wrap_classes(SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"], auto_wrap_policy=None), model)
+    check_wrap_classes(None, model)  # DDP
+
+
 def test_null_labels_are_refused_not_made_a_class(tmp_path):
     from fsdp_presets.train.data import _check_classification_columns, load_records
 
