@@ -274,6 +274,20 @@ def test_lora_target_modules_that_match_nothing_are_refused_in_one_line(models, 
 
 
 # ---- launches ----
+@pytest.mark.slow
+def test_bad_data_rank_0_finds_first_leaves_the_other_ranks_without_a_traceback(models, tmp_path):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(SFT_TRAIN.read_text().replace("Moses", "Mos\u00e9s").encode("latin-1", "replace"))
+    result = run_launch(FSDP2_CONFIG, CAUSAL_LM, ["--model", str(models["llama"]), "--data", str(latin1),
+                                                  "--output-dir", str(tmp_path / "out"), "--max-steps", "1",
+                                                  "--seq-len", "32"], num_processes=2, cwd=REPO, timeout=300)
+    assert result.returncode != 0
+    assert f"--data {latin1} is not UTF-8 text" in result.stderr
+    assert "Connection closed by peer" not in result.stderr and "[rank1]: Traceback" not in result.stderr, \
+        result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 PER_RANK = """
 import json, os, runpy, sys
 argv = sys.argv[1:]

@@ -259,6 +259,16 @@ def run_recipe(main: Callable[[], None]) -> int:
         if cause is None:
             raise
         return _report(Finding(disk_full_message(cause, "writing the run's files", "the run folder")), 1)
+    except RuntimeError as error:  # gloo's DistBackendError: another rank left (it printed why), e.g. rank 0
+        if not any(text in str(error) for text in _PEER_LEFT_TEXT):  # stopping in main_process_first on bad data
+            raise
+        from fsdp_presets.errors import rank_local
+
+        return _report(rank_local(Finding(f"rank {os.environ.get('RANK', '?')} stopped: another process of the job "
+                                          "left first (its message says why)"), print_here=True), 1)
+
+
+_PEER_LEFT_TEXT = ("Connection closed by peer", "Connection reset by peer")
 
 
 def _report(error: BaseException, status: int) -> int:
