@@ -335,6 +335,23 @@ def test_names_from_a_checkpoint_cannot_redraw_the_terminal(checkpoint, capsys):
     assert "x\\x1b[2K\\r" in out  # shown, escaped
 
 
+def test_a_stored_item_claiming_more_bytes_than_its_file_is_refused_before_reading(checkpoint, capsys):
+    """An optimizer item (param_groups, stored as bytes) whose index entry claims 2^50 bytes: read as
+    listed, it is a 1 PiB allocation (MemoryError)."""
+    import dataclasses
+
+    folder = checkpoint / DCP_OPTIMIZER
+    metadata = read_dcp_metadata(folder)
+    index, info = next((index, info) for index, info in metadata.storage_data.items()
+                       if "param_groups" in index.fqn)
+    metadata.storage_data[index] = dataclasses.replace(info, length=2**50)
+    (folder / DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    recompute_manifest(checkpoint)
+    assert cli.main(["inspect-checkpoint", str(checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "past the end of the file" in out, out
+
+
 @pytest.mark.parametrize("command", ["inspect-checkpoint", "export"])
 def test_a_metadata_pickle_nested_too_deep_is_refused_in_one_line(checkpoint, tmp_path, capsys, command):
     """Allowed types only, 200,000 deep: unpickled, the set hashing the nested tuple overflows the C
