@@ -89,16 +89,17 @@ def test_a_model_config_that_is_truncated_linked_out_hostile_or_endless_is_one_l
     assert not (tmp_path / "pwned").exists()
 
 
-def test_a_model_without_the_configs_wrap_class_is_named_with_its_own(models):
+def test_a_model_without_the_configs_wrap_class_is_named_with_its_own():
     from types import SimpleNamespace
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from fsdp_presets.train.lora import check_wrap_classes
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models["llama"]))
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
     gpt2_preset = SimpleNamespace(transformer_cls_names_to_wrap=["GPT2Block"], auto_wrap_policy="transformer_based_wrap")
     with pytest.raises(UsageError, match="wraps GPT2Block, which LlamaForCausalLM does not have \\(its block class: "
                                          "LlamaDecoderLayer\\).*regenerate it"):
