@@ -274,7 +274,9 @@ _PEER_LEFT_TEXT = ("Connection closed by peer", "Connection reset by peer")
 def _report(error: BaseException, status: int) -> int:
     printed_here = getattr(error, "print_on_this_rank", None)
     if printed_here if printed_here is not None else int(os.environ.get("RANK", "0")) == 0:
-        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+        from fsdp_presets.fileio import printable  # names from a checkpoint may hold control characters
+
+        print(f"{Path(sys.argv[0]).name}: error: {printable(str(error))}", file=sys.stderr, flush=True)
     return status
 
 
