@@ -52,8 +52,12 @@ def rank_local(error: Exception, *, print_here: bool) -> Exception:
 
 
 # ---- disk full ----
-_DISK_FULL_ERRNOS = (28, 122)  # ENOSPC, EDQUOT (Linux errno numbers; the same on macOS for ENOSPC)
-_DISK_FULL_TEXT = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded")
+# ENOSPC, EDQUOT, and the two other ways a file system refuses a write: EFBIG (a file past the
+# process's `ulimit -f` or the file system's largest file) and EROFS (Linux errno numbers).
+_DISK_FULL_ERRNOS = (28, 122, 27, 30)
+_DISK_FULL_TEXT = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded",
+                   "File too large", "os error 27", "code: 27", "FileTooLarge",
+                   "Read-only file system", "os error 30", "code: 30", "ReadOnlyFilesystem")
 # torch.save to a path (accelerate's optimizer.bin, scheduler.bin, random states) writes through its
 # own C++ stream, which reports a full disk as a failed position check ("[enforce fail at
 # inline_container.cc] unexpected pos 576 vs 534"), never as ENOSPC: read as a full disk only when
@@ -105,6 +109,14 @@ def disk_full_message(cause: BaseException, what: str, where, *, kept: str = "")
     """One line: the disk is full, while doing ``what`` in ``where``, what was kept, and the fix."""
     path = getattr(cause, "filename", None)
     written = f" (writing {path})" if path else ""
+    text = str(cause)
+    if getattr(cause, "errno", None) == 27 or any(part in text for part in _DISK_FULL_TEXT[4:8]):
+        return (f"file too large (EFBIG) while {what} in {where}{written}: a file passed the size limit of this "
+                f"process (ulimit -f) or of that file system. {kept + ' ' if kept else ''}Raise the limit (ulimit -f "
+                "unlimited), lower --max-shard-size, or write to another file system, then run the same command again")
+    if getattr(cause, "errno", None) == 30 or any(part in text for part in _DISK_FULL_TEXT[8:]):
+        return (f"read-only file system (EROFS) while {what} in {where}{written}. {kept + ' ' if kept else ''}Give "
+                "an output folder on a writable file system, then run the same command again")
     return (f"disk full (ENOSPC) while {what} in {where}{written}: no space left on that file system. "
             f"{kept + ' ' if kept else ''}Free space there (delete old runs or checkpoints, lower --keep-last) "
             "or give an --output-dir on a larger disk, then run the same command again")

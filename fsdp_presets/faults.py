@@ -67,6 +67,21 @@ def _parse(spec: str) -> tuple[str, str, dict[str, int]] | None:
     return action, point, values
 
 
+def fault_spec_problem() -> str | None:
+    """What is wrong with ``FSDP_PRESETS_FAULT`` (None when unset or well-formed): checked at start,
+    so a typo is not found only when the fault point is reached."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return None
+    try:
+        _parse(spec)
+    except ValueError as error:
+        text = str(error)
+        return text if text.startswith(FAULT_ENV) else (f"{FAULT_ENV}={spec!r}: expected ACTION-POINT[:step=N]"
+                                                         f"[:rank=R], ACTION one of {ACTIONS}")
+    return None
+
+
 def fault_point(point: str, *, step: int | None, rank: int, folder: str | os.PathLike | None = None) -> None:
     """Act here if ``FSDP_PRESETS_FAULT`` names this point, step and rank (rank 0 by default)."""
     spec = os.environ.get(FAULT_ENV)

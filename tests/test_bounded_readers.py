@@ -88,3 +88,14 @@ def test_commands_refuse_a_fifo_config_in_one_line(tmp_path, capsys, monkeypatch
     output = capsys.readouterr()
     assert status in (1, 2)
     assert "is a FIFO, not a regular file" in output.out + output.err
+
+
+def test_a_manifest_nested_too_deep_or_too_large_is_unreadable_not_a_crash(tmp_path):
+    from fsdp_presets.checkpoint.manager import checkpoint_verdict
+
+    folder = tmp_path / "step-00000001"
+    folder.mkdir()
+    (folder / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "unreadable manifest.json (invalid manifest: nested too deep)" in checkpoint_verdict(folder).problem
+    (folder / "manifest.json").write_text(" " * (CONFIG_MAX_BYTES + 1))
+    assert "more than the 16.0 MiB this reader accepts" in checkpoint_verdict(folder).problem

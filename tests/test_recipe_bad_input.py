@@ -55,6 +55,59 @@ def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
         fit_head(["fish", "law"], ["law"], "d")
 
 
+def test_malformed_environment_variables_are_found_at_start(monkeypatch):
+    from fsdp_presets.train.startup import environment_problem
+
+    for name in ("FSDP_PRESETS_FAULT", "FSDP_PRESETS_STARTUP_TIMEOUT_S", "FSDP_PRESETS_UNTESTED_ACCELERATE"):
+        monkeypatch.delenv(name, raising=False)
+    assert environment_problem() is None
+    monkeypatch.setenv("FSDP_PRESETS_FAULT", "kill-during-save:step=six")
+    monkeypatch.setenv("FSDP_PRESETS_STARTUP_TIMEOUT_S", "ten")
+    problem = environment_problem()
+    assert "FSDP_PRESETS_FAULT='kill-during-save:step=six': unknown field 'step=six'" in problem
+    assert "FSDP_PRESETS_STARTUP_TIMEOUT_S='ten': give a number of seconds" in problem
+    assert problem.endswith("fix or unset the variable") and "\n" not in problem
+    monkeypatch.setenv("FSDP_PRESETS_FAULT", ":")
+    assert "expected ACTION-POINT" in environment_problem()
+
+
+def test_a_model_config_that_is_truncated_linked_out_hostile_or_endless_is_one_line(tmp_path):
+    from fsdp_presets.train.loop import load_model_config
+
+    cases = {"truncated": '{"model_type": "llama", "hidden', "hostile": '{"model_type": "$(touch pwned)"}'}
+    for name, text in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+    for name, target in (("linked-out", "/etc/passwd"), ("endless", "/dev/zero")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").symlink_to(target)
+    expected = {"truncated": "is not a valid JSON file", "hostile": "an architecture this transformers does not know",
+                "linked-out": "is not a valid JSON file", "endless": "is a device, not a regular file"}
+    for name, message in expected.items():
+        with pytest.raises(UsageError, match=message):
+            load_model_config(str(tmp_path / name))
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_model_without_the_configs_wrap_class_is_named_with_its_own():
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fsdp_presets.train.lora import check_wrap_classes
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    gpt2_preset = SimpleNamespace(transformer_cls_names_to_wrap=["GPT2Block"], auto_wrap_policy="transformer_based_wrap")
+    with pytest.raises(UsageError, match="wraps GPT2Block, which LlamaForCausalLM does not have \\(its block class: "
+                                         "LlamaDecoderLayer\\).*regenerate it"):
+        check_wrap_classes(gpt2_preset, model)
+    check_wrap_classes(SimpleNamespace(transformer_cls_names_to_wrap=["LlamaDecoderLayer"], auto_wrap_policy=None), model)
+    check_wrap_classes(None, model)  # DDP
+
+
 def test_null_labels_are_refused_not_made_a_class(tmp_path):
     from fsdp_presets.train.data import _check_classification_columns, load_records
 
@@ -222,6 +275,20 @@ def test_lora_target_modules_that_match_nothing_are_refused_in_one_line(models, 
 
 
 # ---- launches ----
+@pytest.mark.slow
+def test_bad_data_rank_0_finds_first_leaves_the_other_ranks_without_a_traceback(models, tmp_path):
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(SFT_TRAIN.read_text().replace("Moses", "Mos\u00e9s").encode("latin-1", "replace"))
+    result = run_launch(FSDP2_CONFIG, CAUSAL_LM, ["--model", str(models["llama"]), "--data", str(latin1),
+                                                  "--output-dir", str(tmp_path / "out"), "--max-steps", "1",
+                                                  "--seq-len", "32"], num_processes=2, cwd=REPO, timeout=300)
+    assert result.returncode != 0
+    assert f"--data {latin1} is not UTF-8 text" in result.stderr
+    assert "Connection closed by peer" not in result.stderr and "[rank1]: Traceback" not in result.stderr, \
+        result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 PER_RANK = """
 import json, os, runpy, sys
 argv = sys.argv[1:]

@@ -11,6 +11,7 @@ that exist, a finished run relaunched with other settings, an FSDP checkpoint un
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import io
@@ -334,6 +335,23 @@ def test_names_from_a_checkpoint_cannot_redraw_the_terminal(checkpoint, capsys):
     assert "x\\x1b[2K\\r" in out  # shown, escaped
 
 
+def test_a_stored_item_claiming_more_bytes_than_its_file_is_refused_before_reading(checkpoint, capsys):
+    """An optimizer item (param_groups, stored as bytes) whose index entry claims 2^50 bytes: read as
+    listed, it is a 1 PiB allocation (MemoryError)."""
+    import dataclasses
+
+    folder = checkpoint / DCP_OPTIMIZER
+    metadata = read_dcp_metadata(folder)
+    index, info = next((index, info) for index, info in metadata.storage_data.items()
+                       if "param_groups" in index.fqn)
+    metadata.storage_data[index] = dataclasses.replace(info, length=2**50)
+    (folder / DCP_METADATA).write_bytes(pickle.dumps(metadata))
+    recompute_manifest(checkpoint)
+    assert cli.main(["inspect-checkpoint", str(checkpoint)]) == 1
+    out = capsys.readouterr().out
+    assert "DAMAGED" in out and "past the end of the file" in out, out
+
+
 @pytest.mark.parametrize("command", ["inspect-checkpoint", "export"])
 def test_a_metadata_pickle_nested_too_deep_is_refused_in_one_line(checkpoint, tmp_path, capsys, command):
     """Allowed types only, 200,000 deep: unpickled, the set hashing the nested tuple overflows the C
@@ -511,6 +529,41 @@ def test_a_full_disk_during_export_or_import_says_so_and_leaves_nothing(checkpoi
     assert cli.main(["import", str(checkpoint.parent / "hf"), "--output", str(small_disk / "start")]) == 2
     assert "disk full (ENOSPC) while writing" in capsys.readouterr().err
     assert os.listdir(small_disk) == []
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """``ulimit -f`` for this process while inside (Python ignores SIGXFSZ: a write past it is EFBIG)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)
+
+
+def test_a_file_size_limit_or_a_read_only_target_is_one_line_and_leaves_nothing(checkpoint, tmp_path, small_disk,
+                                                                                 capsys):
+    source, target = tmp_path / "hf", tmp_path / "out"
+    assert cli.main(["export", str(checkpoint), "--output", str(source)]) == 0
+    target.mkdir()
+    capsys.readouterr()
+    for command, origin in (("export", checkpoint), ("import", source)):
+        with file_size_limit(64 * 1024):
+            status = cli.main([command, str(origin), "--output", str(target / command)])
+        error = capsys.readouterr().err.strip()
+        assert status == 2 and "file too large (EFBIG) while writing" in error and len(error.splitlines()) == 1, error
+        assert os.listdir(target) == []
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    try:
+        for command, origin in (("export", checkpoint), ("import", source)):
+            assert cli.main([command, str(origin), "--output", str(small_disk / command)]) == 2
+            error = capsys.readouterr().err.strip()
+            assert "read-only file system (EROFS)" in error and len(error.splitlines()) == 1, error
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
 
 
 # ---- the recipes ----

@@ -125,15 +125,32 @@ class Manifest:
 
     @classmethod
     def read(cls, folder: str | os.PathLike) -> "Manifest":
-        """Load ``folder/manifest.json`` (raises ``ValueError``/``OSError`` when missing or bad)."""
-        return cls.from_json(json.loads((Path(folder) / MANIFEST).read_text()))
+        """Load ``folder/manifest.json`` (raises ``ValueError``/``OSError`` when missing or bad; see
+        :func:`read_manifest_text` for its bounds)."""
+        return cls.from_json(_parse(read_manifest_text(folder)))
+
+
+def read_manifest_text(folder: str | os.PathLike) -> str:
+    """The text of ``folder/manifest.json``: a regular file of at most ``CONFIG_MAX_BYTES`` (16 MiB;
+    a manifest lists a few files per rank, about 150 bytes each)."""
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text
+
+    return read_regular_text(Path(folder) / MANIFEST, limit=CONFIG_MAX_BYTES)
+
+
+def _parse(text: str) -> Any:
+    """JSON, with a nesting too deep for the parser (``RecursionError``) read as bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("invalid manifest: nested too deep") from None
 
 
 def read_manifest_json(folder: str | os.PathLike) -> dict[str, Any] | None:
     """The raw ``manifest.json`` of a checkpoint folder (every key, also those :class:`Manifest`
     does not know), or None when there is none or it is not a JSON object."""
     try:
-        payload = json.loads((Path(folder) / MANIFEST).read_text())
+        payload = _parse(read_manifest_text(folder))
     except (OSError, ValueError):
         return None
     return payload if isinstance(payload, dict) else None

@@ -221,10 +221,16 @@ def vet_dcp_folder(folder: Path):
     folder = Path(folder)
     metadata = read_dcp_metadata(folder)
     byte_items = {fqn for fqn, item in metadata.state_dict_metadata.items() if isinstance(item, BytesStorageMetadata)}
+    sizes: dict[str, int] = {}
     for index, info in sorted(metadata.storage_data.items(), key=lambda pair: (pair[1].relative_path, pair[1].offset)):
+        path = folder / info.relative_path
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = path.stat().st_size if path.is_file() else -1
+        if info.offset + info.length > sizes[info.relative_path]:  # refused before any read allocates it
+            raise UsageError(f"{path}: truncated or missing ({folder / DCP_METADATA} lists {index.fqn} at bytes "
+                             f"{info.offset}..{info.offset + info.length}, past the end of the file)")
         if index.fqn not in byte_items:
             continue
-        path = folder / info.relative_path
         try:
             with open(path, "rb") as handle:
                 handle.seek(info.offset)

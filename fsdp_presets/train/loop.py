@@ -121,10 +121,17 @@ def load_model_config(model: str) -> Any:
     refused in one line: the recipes never pass ``trust_remote_code=True``."""
     from transformers import AutoConfig
 
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_bytes
+
     try:
+        if (Path(model) / "config.json").exists():  # a FIFO or /dev/zero there would hang transformers' read
+            read_regular_bytes(Path(model) / "config.json", limit=CONFIG_MAX_BYTES)
         return AutoConfig.from_pretrained(model, trust_remote_code=False)
+    except OSError as error:  # unreadable, truncated or not JSON (a link to another file)
+        raise UsageError(f"--model {model}: {' '.join(str(error).split())[:300]}; give a model folder with a "
+                         "complete config.json") from None
     except ValueError as error:
-        if "trust_remote_code" not in str(error) and "model_type" not in str(error):
+        if not any(text in str(error) for text in ("trust_remote_code", "model_type", "model type")):
             raise
         raise UsageError(f"--model {model}: its config needs code from the model folder or an architecture this "
                          "transformers does not know, and the recipes never run code from a model folder. Use a "
@@ -264,12 +271,24 @@ def run_recipe(main: Callable[[], None]) -> int:
         if cause is None:
             raise
         return _report(Finding(disk_full_message(cause, "writing the run's files", "the run folder")), 1)
+    except RuntimeError as error:  # gloo's DistBackendError: another rank left (it printed why), e.g. rank 0
+        if not any(text in str(error) for text in _PEER_LEFT_TEXT):  # stopping in main_process_first on bad data
+            raise
+        from fsdp_presets.errors import rank_local
+
+        return _report(rank_local(Finding(f"rank {os.environ.get('RANK', '?')} stopped: another process of the job "
+                                          "left first (its message says why)"), print_here=True), 1)
+
+
+_PEER_LEFT_TEXT = ("Connection closed by peer", "Connection reset by peer")
 
 
 def _report(error: BaseException, status: int) -> int:
     printed_here = getattr(error, "print_on_this_rank", None)
     if printed_here if printed_here is not None else int(os.environ.get("RANK", "0")) == 0:
-        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+        from fsdp_presets.fileio import printable  # names from a checkpoint may hold control characters
+
+        print(f"{Path(sys.argv[0]).name}: error: {printable(str(error))}", file=sys.stderr, flush=True)
     return status
 
 

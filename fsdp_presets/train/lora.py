@@ -206,11 +206,30 @@ def adapter_key_map(model) -> dict[str, str]:
     return {name: by_id[id(param)] for name, param in trainable.items() if id(param) in by_id}
 
 
+def check_wrap_classes(plugin, model) -> None:
+    """The block classes the accelerate config wraps must be in the model (accelerate raises
+    "Could not find the transformer layer class" deep in ``prepare`` otherwise): refused on every
+    rank naming both, before anything is wrapped."""
+    wanted = getattr(plugin, "transformer_cls_names_to_wrap", None) if plugin is not None else None
+    policy = str(getattr(plugin, "auto_wrap_policy", "") or "").lower()
+    if not wanted or "size" in policy or "no_wrap" in policy:  # the classes are used by transformer wrapping only
+        return
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        blocks = [name for name in getattr(model, "_no_split_modules", None) or [] if name in present]
+        raise UsageError(f"the accelerate config wraps {', '.join(missing)}, which {type(model).__name__} does not "
+                         f"have (its block class: {', '.join(blocks) or 'unknown'}); the config was made for another "
+                         "model: regenerate it for this one (fsdp-presets generate MODEL ...), or set "
+                         f"{K.transformer_layer_cls_to_wrap} to its block class")
+
+
 def prepare(accelerator, model, build_optimizer: Callable[[Any], tuple[Any, Any]], *, lora: dict[str, Any] | None):
     """``accelerator.prepare`` in the order that trains right on FSDP1, FSDP2 and DDP; returns
     ``(model, optimizer, scheduler)``. ``build_optimizer(model)`` returns (optimizer, scheduler).
     Without ``lora`` (full fine-tuning): built first, prepared together, as always."""
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
+    check_wrap_classes(plugin, model)
     if lora is not None and lora["method"] == "qlora" and plugin is not None and plugin.fsdp_version == 1:
         raise UsageError(f"--load-in-4bit needs FSDP2 ({K.version}: 2 in the accelerate config): FSDP1 flattens each "
                          "unit into one tensor of one dtype, and the 4-bit base (stored as bfloat16) shares its units "

@@ -44,12 +44,38 @@ def check_start(accelerator, args) -> None:
     :class:`UsageError` (exit 2) on every rank when any rank has a problem or the ranks disagree."""
     from fsdp_presets.train.loop import check_common_args
 
-    problem = None
+    problem = environment_problem()
     try:
         check_common_args(args)
     except UsageError as error:
-        problem = str(error)
+        problem = "; ".join(filter(None, (problem, str(error))))
     agree_at_start(accelerator, problem=problem, settings=_settings(args))
+
+
+def environment_problem() -> str | None:
+    """What is wrong with the ``FSDP_PRESETS_*`` variables this rank was started with (None: nothing),
+    so that a malformed one stops every rank at start, not at the save or fault point that reads it."""
+    from fsdp_presets.cpu_fsdp import UNTESTED_ACCELERATE_OK
+    from fsdp_presets.faults import fault_spec_problem
+
+    problems = [fault_spec_problem()]
+    if os.environ.get(STARTUP_TIMEOUT_ENV) is not None and _startup_timeout_s(None) is None:
+        problems.append(f"{STARTUP_TIMEOUT_ENV}={os.environ[STARTUP_TIMEOUT_ENV]!r}: give a number of seconds "
+                        "above 0, such as 600")
+    if os.environ.get(UNTESTED_ACCELERATE_OK, "1") not in ("0", "1", ""):
+        problems.append(f"{UNTESTED_ACCELERATE_OK}={os.environ[UNTESTED_ACCELERATE_OK]!r}: give 1 (or leave it unset)")
+    problems = [problem for problem in problems if problem]
+    return "; ".join(problems) + "; fix or unset the variable" if problems else None
+
+
+def _startup_timeout_s(default: float | None = STARTUP_TIMEOUT_S) -> float | None:
+    """``FSDP_PRESETS_STARTUP_TIMEOUT_S`` as seconds; ``default`` when unset or malformed (a
+    malformed value is reported by :func:`environment_problem`)."""
+    try:
+        value = float(os.environ.get(STARTUP_TIMEOUT_ENV, STARTUP_TIMEOUT_S))
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value > 0 else default
 
 
 def _settings(args) -> dict[str, Any]:
@@ -111,7 +137,7 @@ def exchange(payload: dict[str, Any], *, rank: int, world_size: int, timeout_s: 
 
     global _store_round
     _store_round += 1
-    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get(STARTUP_TIMEOUT_ENV, STARTUP_TIMEOUT_S))
+    timeout_s = timeout_s if timeout_s is not None else _startup_timeout_s()
     try:
         store = dist.distributed_c10d._get_default_store()  # private in torch 2.13: fall back if it goes
     except Exception:
