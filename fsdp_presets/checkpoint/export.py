@@ -86,7 +86,7 @@ def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _
     reader = model_reader(files)
     expected = expected_tensors(model_files.config)
     check_tensors(reader.entries(), expected, files.model, model_files)
-    tokenizer, generation_config = tokenizer_and_generation_config(model_files, required=True)
+    tokenizer, generation_config = tokenizer_and_generation_config(model_files, required=False)
     return _ExportPlan(files=files, reader=reader, model=model_files, expected=expected, tokenizer=tokenizer,
                        generation_config=generation_config)
 
@@ -115,8 +115,9 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
     written = plan.expected.written
     tied = [name for name in plan.expected.all if name not in written]
     log(f"export: {plan.files.model} ({plan.files.layout} layout, {len(written)} tensors"
-        f"{f', {len(tied)} tied left out' if tied else ''}) -> {output} as {dtype}; config and tokenizer from "
-        f"{plan.model.folder} ({plan.model.origin})")
+        f"{f', {len(tied)} tied left out' if tied else ''}) -> {output} as {dtype}; config "
+        f"{'and tokenizer ' if plan.tokenizer is not None else ''}from {plan.model.folder} ({plan.model.origin})"
+        f"{'' if plan.tokenizer is not None else '; no tokenizer there, so the folder holds none (weights need none)'}")
     report = None
     with staged_folder(output, kind="export", force=force) as staging:
         if plan.expected.conversion:

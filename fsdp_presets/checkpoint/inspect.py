@@ -205,6 +205,9 @@ def summary_lines(summary: CheckpointSummary) -> list[str]:
     lines = [f"checkpoint {summary.checkpoint}"]
     if summary.kind == "imported":
         lines.append("  kind        imported Hugging Face weights (no optimizer state: a resumed run starts at step 0)")
+    elif summary.kind == "trainer":
+        lines.append("  kind        transformers Trainer checkpoint (committed by fsdp_presets.FSDPPresetsCallback; "
+                     "resume it with trainer.train(resume_from_checkpoint=...))")
     elif summary.kind == "adapter":
         lines.append("  kind        LoRA adapter (trainable weights and their optimizer state; the base reloads from "
                      "--model)")

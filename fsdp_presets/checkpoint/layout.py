@@ -23,6 +23,11 @@ A checkpoint folder (``step-NNNNNNNN``, or the output of ``fsdp-presets import``
     model_config/                            config, generation config, tokenizer (+ LoRA: adapter_config.json,
                                              adapter_keys.json)
 
+A ``transformers.Trainer`` run with ``fsdp_presets.FSDPPresetsCallback`` keeps Trainer's own folder
+names (``OUTPUT_DIR/checkpoint-N/``, its ``rng_state_<rank>.pth`` and ``trainer_state.json``); the
+callback adds run.json, metrics.jsonl and a ``trainer``-kind manifest.json to each checkpoint, and
+replaces Trainer's pickled ``training_args.bin`` there by ``training_args.json``.
+
 The accelerate names are accelerate 1.x's (``FSDP_MODEL_NAME``, ``OPTIMIZER_NAME``,
 ``RNG_STATE_NAME``, ``SAFE_WEIGHTS_NAME`` in ``accelerate.utils.constants``); this module spells
 them rather than importing accelerate so that reading a checkpoint stays cheap.
@@ -146,6 +151,23 @@ def run_json_of(checkpoint: str | os.PathLike) -> Path:
 def rng_state_file(rank: int) -> str:
     """``random_states_<rank>.pkl``."""
     return f"{RNG_STATE_PREFIX}{rank}.pkl"
+
+
+# ---- names transformers.Trainer writes (transformers 5.x, trainer.py / trainer_utils.py) ----
+TRAINER_CHECKPOINT_PATTERN = re.compile(r"^checkpoint-(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+TRAINER_ARGS_PICKLE = "training_args.bin"
+TRAINER_ARGS_JSON = "training_args.json"
+
+
+def trainer_checkpoint_name(step: int) -> str:
+    """``checkpoint-<step>``: Trainer's checkpoint folder of optimizer step ``step``."""
+    return f"checkpoint-{step}"
+
+
+def trainer_rng_state_file(rank: int, world_size: int) -> str:
+    """Trainer's per-rank RNG file: ``rng_state.pth`` for one process, else ``rng_state_<rank>.pth``."""
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
 
 
 def rng_state_rank(name: str) -> int | None:

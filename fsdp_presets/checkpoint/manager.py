@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 from fsdp_presets.checkpoint.layout import (DELETING_PREFIX, FINAL, MANIFEST, STEP_PATTERN,  # noqa: F401
                                             TEMPORARY_STEP_PREFIX, deleting_name, rng_state_file, step_folder_name,
-                                            step_of, temporary_step_folder)
+                                            step_of, temporary_step_folder, trainer_rng_state_file)
 from fsdp_presets.checkpoint.manifest import (ADAPTER_KIND, IMPORTED_KIND, MANIFEST_FORMAT,  # noqa: F401
-                                              TRAINING_KIND, Manifest, inside_path_problem)
+                                              TRAINER_KIND, TRAINING_KIND, Manifest, inside_path_problem)
 from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
                                  raise_on_every_rank)
 from fsdp_presets.faults import fault_point
@@ -108,8 +108,9 @@ def checkpoint_verdict(folder: str | os.PathLike, *, check_pickles: bool = True)
         if sha256_file(path) != expected["sha256"]:
             return Verdict(manifest=manifest, problem=f"file {relative} does not match its SHA-256 in the manifest")
     if manifest.kind != IMPORTED_KIND:
-        missing = [rng_state_file(rank) for rank in range(manifest.world_size)
-                   if rng_state_file(rank) not in manifest.files]
+        rng_name = ((lambda rank: trainer_rng_state_file(rank, manifest.world_size)) if manifest.kind == TRAINER_KIND
+                    else rng_state_file)
+        missing = [rng_name(rank) for rank in range(manifest.world_size) if rng_name(rank) not in manifest.files]
         if missing:
             return Verdict(manifest=manifest, problem=f"{', '.join(missing[:4])} missing: the random state of "
                                                       f"{len(missing)} of the {manifest.world_size} ranks that saved it")

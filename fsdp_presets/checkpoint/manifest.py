@@ -4,7 +4,9 @@ Format 2 (written now) records the checkpoint's ``kind`` and ``format``:
 
 - ``training``: a recipe's full state (model, optimizer, scheduler, every rank's random state);
 - ``adapter``: a LoRA/QLoRA recipe's state, trainable weights only (the base reloads from ``--model``);
-- ``imported``: model weights only, written by ``fsdp-presets import`` (step 0, no optimizer).
+- ``imported``: model weights only, written by ``fsdp-presets import`` (step 0, no optimizer);
+- ``trainer``: a ``transformers.Trainer`` checkpoint (``checkpoint-N``) committed by
+  ``fsdp_presets.FSDPPresetsCallback`` (Trainer's file names; model files as accelerate writes them).
 
 Format 1 (before the kind was recorded) is still read: its kind is inferred as it always was, from
 the ``"kind": "imported"`` key an import wrote and from the ``training`` entry of a LoRA run
@@ -24,9 +26,9 @@ from fsdp_presets.checkpoint.layout import MANIFEST
 
 MANIFEST_FORMAT = 2
 """The format written now; 1 is the format without ``kind`` (read, never written)."""
-Kind = Literal["training", "adapter", "imported"]
-TRAINING_KIND, ADAPTER_KIND, IMPORTED_KIND = "training", "adapter", "imported"
-KINDS: tuple[str, ...] = (TRAINING_KIND, ADAPTER_KIND, IMPORTED_KIND)
+Kind = Literal["training", "adapter", "imported", "trainer"]
+TRAINING_KIND, ADAPTER_KIND, IMPORTED_KIND, TRAINER_KIND = "training", "adapter", "imported", "trainer"
+KINDS: tuple[str, ...] = (TRAINING_KIND, ADAPTER_KIND, IMPORTED_KIND, TRAINER_KIND)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 

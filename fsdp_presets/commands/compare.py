@@ -33,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     for option, path, suffix in (("--plot", args.plot, ".png"), ("--report", args.report, ".md")):
         if path is not None and not path.lower().endswith(suffix):
             raise UsageError(f"{option} needs a {suffix} file name (got {path!r})")
-    baseline = compare.load_run(args.baseline)
-    candidate = compare.load_run(args.candidate)
+    baseline, candidate = compare.load_pair(args.baseline, args.candidate)
     comparison = compare.compare_runs(baseline, candidate, tolerance)
     if args.plot:
         compare.write_plot(comparison, args.plot)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RUN_JSON, step_in_path
+from fsdp_presets.compare.trainer_log import read_trainer_log, trainer_state_file
 from fsdp_presets.errors import UsageError
 
 METRICS_FILE = METRICS
@@ -42,6 +43,9 @@ class RunRecord:
     """Metric name -> {step: value}; only metrics the file records."""
     notes: list[str] = field(default_factory=list)
     """Things worth saying about the file that did not stop the comparison."""
+    averaged_steps: int | None = None
+    """Read from Trainer's own log (:mod:`fsdp_presets.compare.trainer_log`): each loss is the mean
+    over this many steps (``logging_steps``); None for a metrics.jsonl (exact per step)."""
 
     def __post_init__(self) -> None:
         if not self.series.get("loss"):
@@ -116,14 +120,19 @@ def is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def load_run(path: str | os.PathLike) -> RunRecord:
-    """Read a run folder (or a metrics.jsonl file and the run.json beside it).
+def load_run(path: str | os.PathLike, *, prefer_trainer_log: bool = False) -> RunRecord:
+    """Read a run folder (or a metrics.jsonl file and the run.json beside it). A Trainer output
+    folder without metrics.jsonl (or any with ``prefer_trainer_log``) is read from Trainer's log.
 
     Raises UsageError, listing every problem found, when the run cannot be compared.
     """
     given = Path(path)
     if given.is_dir():
         folder, metrics_path = given, given / METRICS_FILE
+        if not metrics_path.is_file() and not prefer_trainer_log:
+            prefer_trainer_log = trainer_state_file(given) is not None
+        if prefer_trainer_log:
+            return _load_trainer_log(given)
         if not metrics_path.is_file():
             raise UsageError(
                 f"{given} holds no {METRICS_FILE}; give a run folder written by a recipe "
@@ -211,6 +220,39 @@ def load_run(path: str | os.PathLike) -> RunRecord:
         shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
         raise UsageError(f"cannot read run {given}: " + "; ".join(shown))
     return RunRecord(path=folder, metrics_path=metrics_path, info=info, series=series, notes=notes)
+
+
+def _load_trainer_log(folder: Path) -> RunRecord:
+    """A Trainer/TRL output folder read from its trainer_state.json (see :mod:`.trainer_log`)."""
+    state = trainer_state_file(folder)
+    if state is None:
+        raise UsageError(f"{folder} holds no {METRICS_FILE} and no Trainer trainer_state.json; give a run folder "
+                         f"written by a recipe, a Trainer output folder, or a {METRICS_FILE} file")
+    series, logging_steps = read_trainer_log(state)
+    if not series.get("loss"):
+        raise UsageError(f"cannot read run {folder}: {state} logs no training loss")
+    info = None
+    if (folder / RUN_FILE).is_file():
+        try:
+            info = json.loads((folder / RUN_FILE).read_text())
+        except ValueError:
+            info = None
+    note = (f"read from Trainer's log {state}: each loss is the mean over logging_steps={logging_steps} steps "
+            "(a float32 sum), steps between log lines are not compared")
+    return RunRecord(path=folder, metrics_path=state, info=info if isinstance(info, dict) else None,
+                     series=series, notes=[note], averaged_steps=logging_steps)
+
+
+def load_pair(baseline: str | os.PathLike, candidate: str | os.PathLike) -> tuple[RunRecord, RunRecord]:
+    """Both runs; when one is read from Trainer's log and the other folder has one too, that one is
+    read from its Trainer log as well, so both losses are averaged over the same steps."""
+    runs = [load_run(baseline), load_run(candidate)]
+    averaged = [run.averaged_steps is not None for run in runs]
+    if any(averaged) and not all(averaged):
+        index = averaged.index(False)
+        if runs[index].path.is_dir() and trainer_state_file(runs[index].path) is not None:
+            runs[index] = load_run(runs[index].path, prefer_trainer_log=True)
+    return runs[0], runs[1]
 
 
 def check_comparable(baseline: RunRecord, candidate: RunRecord) -> list[str]:

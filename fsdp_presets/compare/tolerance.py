@@ -21,6 +21,7 @@ from fsdp_presets.errors import UsageError
 # gradient synchronisation move grad_norm by 5.6e-5 at step 1 and the loss by 1.5e-6 or more from
 # step 2.
 FP32_RELATIVE_TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5}
+FP32_EPSILON = 2.0 ** -23
 
 # NOTE: the sharded norm's round-off grows with the model: on SmolLM2-135M (fp32, no clipping)
 # FSDP2 and DDP logged norms 1.5e-5 apart while every loss and eval loss was bitwise equal. When
@@ -104,13 +105,17 @@ def auto_tolerance(baseline: RunRecord, candidate: RunRecord) -> Tolerance:
             source=f"auto for {names}: {BF16_TOLERANCE_SOURCE}{note}",
         )
     unknown = None in precisions
+    averaged = max(run.averaged_steps or 0 for run in (baseline, candidate))
     return Tolerance(
-        loss=FP32_RELATIVE_TOLERANCE["loss"],
+        # Trainer's log: the window's losses summed in a float32 tensor, each addition rounding once.
+        loss=FP32_RELATIVE_TOLERANCE["loss"] + averaged * FP32_EPSILON,
         grad_norm=FP32_RELATIVE_TOLERANCE["grad_norm"],
         source=(
             "auto for fp32: loss 1e-6 relative (about 8 ulp of fp32, epsilon 1.19e-7), grad_norm 1e-5 "
             "(its sharded computation rounds differently)"
             + (" (a run's precision is unknown: fp32 assumed; pass --tolerance for a bf16 run)" if unknown else "")
+            + (f"; loss read from Trainer's log, averaged over logging_steps={averaged} steps in a float32 sum: "
+               f"{averaged} x 1.19e-7 added for that sum's rounding" if averaged else "")
         ),
     )
 

@@ -1,0 +1,278 @@
+"""``FSDPPresetsCallback``: a ``transformers.Trainer`` (or TRL trainer) script launched with a
+preset gets what the recipes give, with one added line::
+
+    from fsdp_presets import FSDPPresetsCallback
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[FSDPPresetsCallback()])
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml train.py
+
+- Made before the ``Trainer``, it switches on real FSDP on a CPU-only host
+  (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses a launch whose
+  processes would each train alone (:func:`fsdp_presets.check_launch`).
+- ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
+  the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
+  silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
+  user's ``save_model`` the plugin is switched to FULL_STATE_DICT, whose gather
+  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload.
+- ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them: one line per
+  optimizer step with the exact loss (not rounded nor averaged over ``logging_steps``), gradient
+  norm, learning rate, tokens per second and the step's wall time, so ``fsdp-presets compare``
+  reads the run.
+- every ``checkpoint-N`` Trainer writes gets a ``trainer``-kind manifest (SHA-256 of every file,
+  step, samples, world size), so ``fsdp-presets inspect-checkpoint`` verifies it and ``export``
+  takes it; Trainer's pickled ``training_args.bin`` is replaced there by ``training_args.json``
+  (a checkpoint holds data only: a pickle runs code when loaded).
+- ``trainer.train(resume_from_checkpoint=...)`` at another process count keeps the global batch
+  (it changes ``gradient_accumulation_steps`` and says so), or refuses in one line saying how.
+
+NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
+gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
+finds its Trainer once, at ``on_init_end`` (called at the end of ``Trainer.__init__``), and wraps
+five of that instance's methods (``train``, ``training_step``, ``_maybe_log_save_evaluate``,
+``save_model``, ``_save_checkpoint``): the class and other Trainers are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from transformers import Trainer, TrainerCallback
+
+from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
+                                            trainer_checkpoint_name)
+from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
+from fsdp_presets.checkpoint.resume import accumulation_for
+from fsdp_presets.checkpoint.run_folder import RunFolder, distributed_settings, launch_config_file, write_run_json
+from fsdp_presets.errors import raise_on_every_rank
+from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
+from fsdp_presets.train.metrics import MetricsLog
+
+
+def _calling_trainer() -> Trainer | None:
+    """The Trainer whose ``__init__`` is running the callback event (see the module's NOTE)."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _lora_settings(model) -> dict[str, Any] | None:
+    """The method and LoRA shape of a peft model (as the recipes record them), None otherwise."""
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return None
+    config = peft_config.get("default") or next(iter(peft_config.values()))
+    targets = getattr(config, "target_modules", None)
+    quantized = bool(getattr(getattr(model, "config", None), "quantization_config", None))
+    return {"method": "qlora" if quantized else "lora", "r": getattr(config, "r", None),
+            "alpha": float(getattr(config, "lora_alpha", 0) or 0), "dropout": float(getattr(config, "lora_dropout", 0)),
+            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
+
+
+def _number(value) -> float | None:
+    """A float from a tensor (DTensor included), a number, or None."""
+    if value is None:
+        return None
+    if hasattr(value, "full_tensor"):
+        value = value.full_tensor()
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+class FSDPPresetsCallback(TrainerCallback):
+    """The recipes' guarantees for a Trainer/TRL script (see the module docstring)."""
+
+    def __init__(self) -> None:
+        from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
+
+        enable_cpu_fsdp()  # before the Trainer builds its Accelerator
+        self.trainer: Trainer | None = None
+        self.metrics: MetricsLog | None = None
+        self._step_loss = 0.0
+        self._step_tokens = 0.0
+        self._step_started: float | None = None
+        self._logged_step = 0
+
+    # ---- attach ----
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = _calling_trainer()
+        if trainer is None:
+            raise RuntimeError("FSDPPresetsCallback: no Trainer found calling on_init_end; pass the callback to "
+                               "Trainer(callbacks=[FSDPPresetsCallback()])")
+        if self.trainer is trainer:
+            return control
+        self.trainer = trainer
+        from fsdp_presets.cpu_fsdp import check_launch
+
+        check_launch(trainer.accelerator)  # N processes that would each train alone: refused
+        for name in ("train", "training_step", "_maybe_log_save_evaluate", "save_model", "_save_checkpoint"):
+            setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
+        return control
+
+    @property
+    def _accelerator(self):
+        return self.trainer.accelerator
+
+    def _say(self, message: str) -> None:
+        if self._accelerator.is_main_process:
+            print(f"fsdp-presets: {message}", flush=True)
+
+    def _global_batch(self) -> int:
+        args = self.trainer.args
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self._data_parallel_size()
+
+    def _data_parallel_size(self) -> int:
+        return distributed_settings(self._accelerator)["data_parallel_size"]
+
+    # ---- train: resume check, run.json, metrics log ----
+    def _train(self, original, resume_from_checkpoint=None, *args, **kwargs):
+        trainer = self.trainer
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(trainer.args.output_dir)
+        step = 0
+        if checkpoint:
+            step = self._keep_global_batch(Path(checkpoint))
+        output = Path(trainer.args.output_dir)
+        if self._accelerator.is_main_process:
+            model = trainer.model
+            settings = distributed_settings(self._accelerator)
+            write_run_json(RunFolder(root=output), {
+                "recipe": type(trainer).__name__, "model": str(getattr(model.config, "_name_or_path", "") or ""),
+                "seed": trainer.args.seed, "learning_rate": trainer.args.learning_rate,
+                "lr_scheduler": str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type)),
+                "warmup_steps": trainer.args.warmup_steps, "weight_decay": trainer.args.weight_decay,
+                "max_grad_norm": trainer.args.max_grad_norm, "training": _lora_settings(model),
+                "max_steps": trainer.args.max_steps, "micro_batch_size": trainer.args.per_device_train_batch_size,
+                "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+                "global_batch_samples": self._global_batch(), **settings,
+                "accelerate_config": launch_config_file(), "resumed_from": str(checkpoint) if checkpoint else None})
+        self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
+        self._logged_step = step
+        return original(resume_from_checkpoint, *args, **kwargs)
+
+    def _keep_global_batch(self, checkpoint: Path) -> int:
+        """The checkpoint's step; on another process count, the gradient accumulation that keeps its
+        global batch (or :class:`UsageError` on every rank saying how)."""
+        try:
+            saved = Manifest.read(checkpoint)
+        except (OSError, ValueError):
+            self._say(f"{checkpoint} has no {MANIFEST} (not written with FSDPPresetsCallback): its global batch is "
+                      "unknown and not checked")
+            return 0
+        if saved.step <= 0 or saved.samples_consumed % saved.step:
+            return saved.step
+        recorded = saved.samples_consumed // saved.step
+        args = self.trainer.args
+        if recorded == self._global_batch():
+            return saved.step
+        data_parallel = self._data_parallel_size()
+        accumulation = accumulation_for(recorded, micro_batch_size=args.per_device_train_batch_size,
+                                        data_parallel_size=data_parallel)
+        if accumulation is None:
+            raise_on_every_rank(self._accelerator, (
+                f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
+                f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes cannot "
+                f"split; set per_device_train_batch_size so that it times {data_parallel} divides {recorded}, or "
+                f"launch {saved.world_size} processes as it was saved"))
+        self._say(f"resume from {checkpoint}: global batch kept at {recorded} samples: gradient_accumulation_steps "
+                  f"{args.gradient_accumulation_steps} -> {accumulation} for {data_parallel} processes x "
+                  f"per_device_train_batch_size {args.per_device_train_batch_size} (saved by {saved.world_size})")
+        args.gradient_accumulation_steps = accumulation
+        return saved.step
+
+    # ---- every micro-batch and every optimizer step ----
+    def _training_step(self, original, model, inputs, *args, **kwargs):
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        loss = original(model, inputs, *args, **kwargs)
+        self._step_loss = self._step_loss + loss.detach().float()
+        mask = inputs.get("attention_mask") if hasattr(inputs, "get") else None
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        self._step_tokens += float(mask.sum()) if mask is not None else float(ids.numel()) if ids is not None else 0.0
+        return loss
+
+    def _maybe_log_save_evaluate(self, original, tr_loss, grad_norm, *args, **kwargs):
+        trainer = self.trainer
+        step = trainer.state.global_step
+        if step > self._logged_step and self._step_started is not None:
+            import torch
+
+            # The step's loss as Trainer sums it over micro-batches, averaged over the ranks as its log
+            # does, but for this one step and unrounded; tokens summed over the ranks.
+            local = torch.stack([torch.as_tensor(self._step_loss, dtype=torch.float64).detach().cpu().reshape(()),
+                                 torch.tensor(self._step_tokens, dtype=torch.float64)]).to(self._accelerator.device)
+            total = self._accelerator.reduce(local, reduction="sum").cpu()
+            step_time = time.perf_counter() - self._step_started
+            learning_rate = kwargs.get("learning_rate")
+            self.metrics.log_train(
+                step=step, loss=float(total[0]) / self._accelerator.num_processes,
+                lr=float(learning_rate if learning_rate is not None else trainer._get_learning_rate()),
+                grad_norm=_number(grad_norm), tokens_per_s=float(total[1]) / step_time, step_time_s=step_time,
+                samples_seen=step * self._global_batch())
+            self._logged_step = step
+        self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
+        return original(tr_loss, grad_norm, *args, **kwargs)
+
+    # ---- saves ----
+    def _save_model(self, original, output_dir=None, _internal_call=False):
+        trainer = self.trainer
+        plugin = getattr(self._accelerator.state, "fsdp_plugin", None)
+        if _internal_call or not trainer.is_fsdp_enabled or plugin is None or \
+                "FULL_STATE_DICT" in str(plugin.state_dict_type):
+            return original(output_dir, _internal_call)
+        previous = plugin.state_dict_type
+        self._say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
+                  f"{getattr(previous, 'name', previous)}, under which Trainer writes no weights; gathering the full "
+                  "state dict to rank 0 with CPU offload (accelerate get_state_dict, FULL_STATE_DICT) for this save")
+        plugin.set_state_dict_type("FULL_STATE_DICT")
+        try:
+            return original(output_dir, _internal_call)
+        finally:
+            plugin.set_state_dict_type(previous)
+
+    def _save_checkpoint(self, original, model, trial, *args, **kwargs):
+        original(model, trial, *args, **kwargs)
+        trainer, accelerator = self.trainer, self._accelerator
+        step = trainer.state.global_step
+        folder = Path(trainer._get_output_dir(trial=trial)) / trainer_checkpoint_name(step)
+        accelerator.wait_for_everyone()  # every rank's files (its RNG state, its DCP shards) are written
+        if accelerator.is_main_process and folder.is_dir():
+            self._commit(folder, step)
+        accelerator.wait_for_everyone()
+
+    def _commit(self, folder: Path, step: int) -> None:
+        """Write ``manifest.json`` into a checkpoint Trainer finished (main process)."""
+        import accelerate
+        import torch
+        import transformers
+
+        trainer = self.trainer
+        pickled = folder / TRAINER_ARGS_PICKLE
+        if pickled.is_file():  # data only: the settings as JSON instead of a pickle of TrainingArguments
+            write_text_atomic(folder / TRAINER_ARGS_JSON, trainer.args.to_json_string())
+            pickled.unlink()
+        files = {}
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and path.name != MANIFEST:
+                files[str(path.relative_to(folder))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        settings = distributed_settings(self._accelerator)
+        model = self._accelerator.unwrap_model(trainer.model)
+        manifest = Manifest(
+            step=step, samples_consumed=step * self._global_batch(), world_size=settings["world_size"],
+            distributed_type=settings["distributed_type"], fsdp=settings["fsdp"],
+            config_digest=config_digest(model.config), files=files, kind=TRAINER_KIND,
+            versions={"torch": torch.__version__, "accelerate": accelerate.__version__,
+                      "transformers": transformers.__version__},
+            created_unix=time.time(), training=_lora_settings(model))
+        write_json_atomic(folder / MANIFEST, asdict(manifest))
+

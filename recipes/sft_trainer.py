@@ -1,0 +1,81 @@
+"""Supervised fine-tuning with TRL's SFTTrainer under a preset, on the data and flags of
+recipes/causal_lm.py, with fsdp_presets.FSDPPresetsCallback (run.json, metrics.jsonl, verified
+checkpoints, a complete final/ under any state-dict type, the global batch kept on resume).
+
+    accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/sft_trainer.py \
+        --model runs/models/smollm2-135m-instruct --data data/kjv_sft/train.jsonl \
+        --output-dir runs/sft-trl --max-steps 20 --seq-len 64 [--lora-r 8] [--load-in-4bit]
+
+Data: JSONL with `prompt`/`response` (the prompt is masked out of the loss: TRL's prompt-completion
+format) or `text`. One sample per row, truncated to --seq-len tokens (no packing).
+Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoint-N/, final/}. Restarting the same command
+continues from the last checkpoint (--resume auto). Needs the `trl` extra (scripts/setup.sh installs
+it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
+--export-merged.
+"""
+
+from pathlib import Path
+
+from datasets import load_dataset
+from transformers import AutoModelForCausalLM
+from transformers.trainer_utils import get_last_checkpoint
+
+from fsdp_presets import FSDPPresetsCallback
+from fsdp_presets.errors import UsageError
+from fsdp_presets.train import loop
+from fsdp_presets.train import lora as recipe_lora
+
+
+def parse_args():
+    return loop.recipe_argument_parser(__doc__).parse_args()  # the flags of causal_lm.py
+
+
+def main():
+    args = parse_args()
+    loop.check_common_args(args)
+    unsupported = [flag for flag, value in (("--reduce-every-micro-batch", args.reduce_every_micro_batch),
+                                            ("--fsdp-reduce-dtype", args.fsdp_reduce_dtype),
+                                            ("--export-merged", args.export_merged)) if value]
+    if unsupported:
+        raise UsageError(f"{', '.join(unsupported)}: not available with SFTTrainer; use recipes/causal_lm.py")
+    lora = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
+    callback = FSDPPresetsCallback()  # before the trainer: real FSDP on a CPU-only host too
+    from trl import SFTConfig, SFTTrainer
+
+    # ---- data: prompt/response -> TRL's prompt/completion (the prompt is not trained on) ----
+    dataset = load_dataset("json", data_files=args.data, split="train")
+    if "response" in dataset.column_names:
+        dataset = dataset.rename_column("response", "completion")
+    eval_dataset = None
+    if args.eval_data:
+        eval_dataset = load_dataset("json", data_files=args.eval_data, split="train")
+        if "response" in eval_dataset.column_names:
+            eval_dataset = eval_dataset.rename_column("response", "completion")
+        if args.max_eval_samples:
+            eval_dataset = eval_dataset.select(range(min(args.max_eval_samples, len(eval_dataset))))
+
+    # ---- model (LoRA: a peft model; QLoRA: its 4-bit base) ----
+    model = recipe_lora.load_model(AutoModelForCausalLM, args.model, lora, task_type="CAUSAL_LM")
+
+    # ---- train ----
+    config = SFTConfig(
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.micro_batch_size,
+        per_device_eval_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        learning_rate=args.learning_rate, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        lr_scheduler_type=args.lr_scheduler, max_grad_norm=args.max_grad_norm, max_length=args.seq_len,
+        save_strategy="steps", save_steps=args.save_every or args.max_steps, save_total_limit=args.keep_last,
+        eval_strategy="steps" if eval_dataset is not None and args.eval_every else "no",
+        eval_steps=args.eval_every or None, logging_steps=1, seed=args.seed, data_seed=args.seed, report_to=[],
+        bf16=False, disable_tqdm=True)  # precision: the preset's mixed_precision
+    trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
+                         callbacks=[callback])
+    resume = {"auto": get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None,
+              "none": None}.get(args.resume, args.resume)
+    trainer.train(resume_from_checkpoint=resume)
+
+    # ---- save: a Hugging Face folder (LoRA: the PEFT adapter) ----
+    trainer.save_model(f"{args.output_dir}/final")
+
+
+if __name__ == "__main__":
+    raise SystemExit(loop.run_recipe(main))

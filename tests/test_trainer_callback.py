@@ -1,0 +1,209 @@
+"""FSDPPresetsCallback on users' own Trainer and TRL scripts (tests/workers/trainer_user.py,
+tests/workers/sft_lora_user.py), launched for real (``accelerate launch``, not forked: these are the
+user-facing proofs) under presets made by ``fsdp-presets generate --device cpu --gpus 2 --baseline
+ddp``: FSDP2, FSDP1 and the DDP baseline train alike, ``save_model`` writes a loadable folder whose
+logits equal DDP's, ``compare`` reads the runs with and without the callback and catches a planted
+learning-rate change, every ``checkpoint-N`` verifies, ``export`` needs only a config, and a resume
+on another process count keeps the global batch.
+
+The launches are shared by the tests (module-scoped fixtures): 6 launches of ~5-40 s each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_harness.launch import run_launch
+from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RUN_JSON, TRAINER_ARGS_PICKLE, trainer_checkpoint_name
+from fsdp_presets.cli import main as cli_main
+from recipe_helpers import REPO, SFT_TRAIN, tiny_llama
+
+from conftest import GLOO_EXIT_ABORT
+
+TRAINER_SCRIPT = REPO / "tests" / "workers" / "trainer_user.py"
+SFT_SCRIPT = REPO / "tests" / "workers" / "sft_lora_user.py"
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+pytestmark = pytest.mark.slow
+
+
+def _launch(config: Path, script: Path, model: Path, output: Path, *extra, processes: int | None = None,
+            check: bool = True):
+    result = run_launch(config, script, ["--model", str(model), "--data", str(SFT_TRAIN), "--output-dir", str(output),
+                                         *map(str, extra)], num_processes=processes, cwd=REPO, forked=False)
+    if check:
+        result.check()
+        assert GLOO_EXIT_ABORT not in result.stderr
+    return result
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory) -> dict[str, Path]:
+    """The tiny model and the three presets, as a user makes them."""
+    root = tmp_path_factory.mktemp("trainer_presets")
+    model = tiny_llama(root / "model")
+    assert cli_main(["generate", str(model), "--device", "cpu", "--gpus", "2", "--baseline", "ddp", "--precision",
+                     "fp32", "-o", str(root / "fsdp2.yaml")]) == 0
+    assert cli_main(["generate", str(model), "--device", "cpu", "--gpus", "2", "--fsdp-version", "1", "--precision",
+                     "fp32", "-o", str(root / "fsdp1.yaml")]) == 0
+    return {"model": model, "fsdp2": root / "fsdp2.yaml", "ddp": root / "fsdp2.ddp.yaml", "fsdp1": root / "fsdp1.yaml"}
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(presets, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("trainer_runs")
+    runs = {}
+    for name in ("ddp", "fsdp2", "fsdp1"):
+        runs[name] = root / name
+        result = _launch(presets[name], TRAINER_SCRIPT, presets["model"], runs[name])
+        if name != "ddp":
+            assert "gathering the full state dict to rank 0 with CPU offload" in result.stdout
+    return runs
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_presets.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+
+
+def _logits(folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.arange(1, 17).reshape(2, 8)).logits
+
+
+def _adapter_logits(base: Path, folder: Path):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), folder).eval()
+    with torch.no_grad():
+        return model(torch.arange(1, 17).reshape(2, 8)).logits
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {line["step"]: line["loss"] for line in map(json.loads, (run / METRICS).read_text().splitlines())
+            if line["kind"] == "train"}
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
+def test_trainer_losses_and_saved_model_equal_ddp(trainer_runs, name):
+    import torch
+
+    ddp, run = _losses(trainer_runs["ddp"]), _losses(trainer_runs[name])
+    assert sorted(run) == list(range(1, 7)) and sorted(ddp) == sorted(run)
+    for step in ddp:
+        assert run[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
+    assert ddp[6] < ddp[1]  # it learned
+    record = json.loads((trainer_runs[name] / RUN_JSON).read_text())
+    assert record["distributed_type"] == "FSDP" and record["global_batch_samples"] == 8
+    assert record["fsdp"]["state_dict_type"] == "SHARDED_STATE_DICT"
+    torch.testing.assert_close(_logits(trainer_runs[name] / "final"), _logits(trainer_runs["ddp"] / "final"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_compare_with_and_without_the_callback_and_a_planted_lr_change(trainer_runs, tmp_path):
+    assert _cli("compare", str(trainer_runs["ddp"]), str(trainer_runs["fsdp2"])).returncode == 0
+    # A folder written without the callback: Trainer's checkpoint only (no metrics.jsonl, no run.json).
+    without = tmp_path / "without_callback"
+    shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(6), without / trainer_checkpoint_name(6))
+    result = _cli("compare", str(trainer_runs["ddp"]), str(without))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Trainer's log" in result.stdout and "logging_steps=2" in result.stdout
+    # The learning rate of one step changed: caught from both kinds of record.
+    planted = tmp_path / "planted"
+    shutil.copytree(trainer_runs["fsdp2"], planted)
+    lines = [json.loads(line) for line in (planted / METRICS).read_text().splitlines()]
+    lines[3]["lr"] *= 1.5
+    (planted / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert _cli("compare", str(trainer_runs["ddp"]), str(planted)).returncode == 1
+    state = without / trainer_checkpoint_name(6) / "trainer_state.json"
+    payload = json.loads(state.read_text())
+    payload["log_history"][1]["learning_rate"] *= 1.5
+    state.write_text(json.dumps(payload))
+    assert _cli("compare", str(trainer_runs["ddp"]), str(without)).returncode == 1
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "fsdp1"])
+def test_every_checkpoint_verifies_and_holds_no_pickled_arguments(trainer_runs, name):
+    for step in (3, 6):
+        checkpoint = trainer_runs[name] / trainer_checkpoint_name(step)
+        assert (checkpoint / MANIFEST).is_file() and not (checkpoint / TRAINER_ARGS_PICKLE).exists()
+        result = _cli("inspect-checkpoint", str(checkpoint))
+        assert result.returncode == 0 and "integrity   OK" in result.stdout, result.stdout + result.stderr
+    # A changed byte is caught.
+    damaged = trainer_runs[name].parent / f"{name}-damaged"
+    shutil.copytree(trainer_runs[name] / trainer_checkpoint_name(6), damaged)
+    state = damaged / "trainer_state.json"
+    state.write_text(state.read_text().replace('"global_step": 6', '"global_step": 7'))
+    assert "DAMAGED" in _cli("inspect-checkpoint", str(damaged)).stdout
+
+
+def test_export_from_a_config_only_folder(trainer_runs, presets, tmp_path):
+    import torch
+
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(presets["model"] / "config.json", config_only)
+    output = tmp_path / "exported"
+    result = _cli("export", str(trainer_runs["fsdp2"] / trainer_checkpoint_name(6)), "--output", str(output),
+                  "--model", str(config_only))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "no tokenizer there" in result.stdout
+    torch.testing.assert_close(_logits(output), _logits(trainer_runs["ddp"] / "final"), rtol=1e-5, atol=1e-5)
+
+
+def test_resume_on_one_process_keeps_the_global_batch(trainer_runs, presets, tmp_path):
+    run = tmp_path / "resumed"
+    run.mkdir()
+    shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(3), run / trainer_checkpoint_name(3))
+    result = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", processes=1)
+    assert "global batch kept at 8 samples: gradient_accumulation_steps 2 -> 4" in result.stdout
+    record = json.loads((run / RUN_JSON).read_text())
+    assert record["world_size"] == 1 and record["gradient_accumulation_steps"] == 4
+    assert record["global_batch_samples"] == 8
+    assert sorted(_losses(run)) == [4, 5, 6]
+    # A batch size that cannot keep it is refused in one line, before training.
+    refused = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", "--batch-size", "3", processes=1,
+                      check=False)
+    assert refused.returncode != 0
+    assert "cannot split" in refused.stdout + refused.stderr
+
+
+@pytest.fixture(scope="module")
+def sft_runs(presets, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sft_runs")
+    runs = {name: root / name for name in ("ddp", "fsdp2")}
+    for name, run in runs.items():
+        _launch(presets[name], SFT_SCRIPT, presets["model"], run)
+    return runs
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install --no-deps trl==1.16.0)")
+def test_sft_lora_adapter_and_losses_equal_ddp(sft_runs, presets):
+    import torch
+
+    ddp, fsdp2 = _losses(sft_runs["ddp"]), _losses(sft_runs["fsdp2"])
+    assert sorted(fsdp2) == sorted(ddp) == list(range(1, 7))
+    for step in ddp:
+        assert fsdp2[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
+    for run in sft_runs.values():
+        assert (run / "final" / "adapter_model.safetensors").is_file()
+        assert _cli("inspect-checkpoint", str(run / trainer_checkpoint_name(6))).returncode == 0
+        assert json.loads((run / RUN_JSON).read_text())["training"]["method"] == "lora"
+    fsdp2_logits = _adapter_logits(presets["model"], sft_runs["fsdp2"] / "final")
+    torch.testing.assert_close(fsdp2_logits, _adapter_logits(presets["model"], sft_runs["ddp"] / "final"),
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.equal(fsdp2_logits, _logits(presets["model"]))  # the adapter is not zero
+    assert _cli("compare", str(sft_runs["ddp"]), str(sft_runs["fsdp2"])).returncode == 0

@@ -1,0 +1,48 @@
+"""A user's own Trainer script (full fine-tuning), as Trainer users write them, plus the one line
+that gives it the project's guarantees (marked below).
+
+    accelerate launch --config_file PRESET.yaml tests/workers/trainer_user.py \
+        --model MODEL_DIR --data train.jsonl --output-dir OUT [--max-steps 6] [--resume]
+"""
+
+import argparse
+
+from datasets import load_dataset
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
+                          TrainingArguments)
+
+from fsdp_presets import FSDPPresetsCallback  # the added line (1/2)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model", required=True)
+parser.add_argument("--data", required=True)
+parser.add_argument("--output-dir", required=True)
+parser.add_argument("--max-steps", type=int, default=6)
+parser.add_argument("--save-steps", type=int, default=3)
+parser.add_argument("--learning-rate", type=float, default=3e-3)
+parser.add_argument("--batch-size", type=int, default=2)
+parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--no-callback", action="store_true")
+args = parser.parse_args()
+
+callbacks = [] if args.no_callback else [FSDPPresetsCallback()]  # the added line (2/2)
+
+tokenizer = AutoTokenizer.from_pretrained(args.model)
+if tokenizer.pad_token is None:
+    tokenizer.pad_token = tokenizer.eos_token
+dataset = load_dataset("json", data_files=args.data, split="train")
+dataset = dataset.map(lambda row: tokenizer(row["prompt"] + row["response"], truncation=True, max_length=32),
+                      remove_columns=dataset.column_names)
+
+model = AutoModelForCausalLM.from_pretrained(args.model)
+training_args = TrainingArguments(
+    output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
+    gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+    warmup_steps=2, weight_decay=0.1, logging_steps=2, save_steps=args.save_steps, save_strategy="steps",
+    report_to=[], seed=0, data_seed=0, disable_tqdm=True, use_cpu=True,
+)
+trainer = Trainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
+                  data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=callbacks)
+trainer.train(resume_from_checkpoint=True if args.resume else None)
+trainer.save_model(f"{args.output_dir}/final")
