@@ -60,7 +60,7 @@ def test_the_save_cost_follows_the_per_rank_model_state_of_each_strategy():
 @pytest.mark.parametrize("model,gpus,nodes", [("llama-3.1-8b", 8, 1), ("llama-3.1-70b", 64, 8)])
 def test_plan_prints_the_save_interval_with_mtbf(capsys, model, gpus, nodes):
     assert main(["plan", f"model_configs/{model}", "--gpus", str(gpus), "--nodes", str(nodes), "--mtbf", "24",
-                 "--step-time", "10"]) == 0
+                 "--seconds-per-step", "10"]) == 0
     printed = capsys.readouterr().out
     assert "save interval (Young/Daly, sqrt(2 x save cost x MTBF), MTBF 24 h" in printed
     assert "  sync: save every " in printed and "--async-save: save every " in printed

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint write bandwidth per node in GB/s (default 2, an assumed figure: measure yours)")
     parser.add_argument("--mtbf", type=float, metavar="HOURS",
                         help="mean time between failures of the whole job: print the save interval (Young/Daly)")
-    parser.add_argument("--step-time", type=float, metavar="SECONDS",
+    parser.add_argument("--seconds-per-step", type=float, metavar="SECONDS",
                         help="seconds per optimizer step, to give the save interval in steps")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--diagram", metavar="FILE.png", help="draw per-GPU memory and the unit split to this file")
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     except UsageError as error:
         problems.append(str(error))
     for flag, value in (("--storage-bandwidth", args.storage_bandwidth), ("--mtbf", args.mtbf),
-                        ("--step-time", args.step_time)):
+                        ("--seconds-per-step", args.seconds_per_step)):
         if value is not None and not (value > 0 and value < float("inf")):
             problems.append(f"{flag} {value}: give a positive number")
     if problems:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_plan(memory_plan, profile, source=args.model))
         print("\n".join(["", *format_save_costs(memory_plan, storage_bytes_per_s=storage, mtbf_hours=args.mtbf,
-                                                 step_time_s=args.step_time)]))
+                                                 step_time_s=args.seconds_per_step)]))
         if chosen:
             print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
         if seq_note:

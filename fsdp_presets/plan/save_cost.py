@@ -144,7 +144,7 @@ def format_save_costs(memory_plan, *, storage_bytes_per_s: float, mtbf_hours: fl
         interval = young_daly_interval(cost_s=blocked, mtbf_s=mtbf_s, durable_s=durable, step_time_s=step_time_s)
         every = (f"every {interval.interval_steps} steps ({describe_duration(interval.interval_s)} at "
                  f"{step_time_s:g} s per step)" if interval.interval_steps is not None else
-                 f"every {describe_duration(interval.interval_s)} (give --step-time SECONDS for steps)")
+                 f"every {describe_duration(interval.interval_s)} (give --seconds-per-step SECONDS for steps)")
         lines.append(f"  {name}: save {every}; a failure loses {describe_duration(interval.loss_per_failure_s)} of "
                      f"training on average; saves take {100 * interval.overhead:.2g}% of training time")
     return lines
