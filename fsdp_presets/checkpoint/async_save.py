@@ -26,7 +26,8 @@ optimizer, created once on every rank): ``async_save`` on the training's own gro
 the write's collectives and the step's interleave on one group (FIELD-NOTES, measured 2026-12-04).
 
 Each save is one ``kind: save`` line in metrics.jsonl (:meth:`MetricsLog.log_save`): ``blocked_s``
-is the training time rank 0 lost to it, ``total_s`` the time until it was committed.
+is the training time rank 0 lost to it (the small files and the staging copy, then, at the commit,
+any wait for the writes and the hashing and manifest), ``total_s`` the time until it was committed.
 """
 
 from __future__ import annotations
@@ -179,6 +180,7 @@ class CheckpointSaver:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return None
+        waited_from = time.perf_counter()
         failure: BaseException | None = None
         for future in in_flight.futures:
             try:
@@ -189,8 +191,9 @@ class CheckpointSaver:
             self._stop(in_flight, failure)
         committed, size = self.manager.commit(in_flight.temporary, step=in_flight.step,
                                               samples_consumed=in_flight.samples_consumed)
-        self._record(step=in_flight.step, background=True, blocked_s=in_flight.blocked_s,
-                     total_s=time.perf_counter() - in_flight.started, size=size)
+        now = time.perf_counter()  # waiting for the writes and the commit (hashing, manifest) block training too
+        self._record(step=in_flight.step, background=True, blocked_s=in_flight.blocked_s + now - waited_from,
+                     total_s=now - in_flight.started, size=size)
         return committed
 
     def _stop(self, in_flight: _InFlight, failure: BaseException | None) -> None:
