@@ -28,7 +28,8 @@ the write's collectives and the step's interleave on one group (FIELD-NOTES, mea
 
 Each save is one ``kind: save`` line in metrics.jsonl (:meth:`MetricsLog.log_save`): ``blocked_s``
 is the training time rank 0 lost to it (the small files and the staging copy, then, at the commit,
-any wait for the writes and the hashing and manifest), ``total_s`` the time until it was committed.
+any wait for the background work, the manifest and the rename), ``total_s`` the time until it was
+committed.
 """
 
 from __future__ import annotations
