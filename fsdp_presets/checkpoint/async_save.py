@@ -87,6 +87,7 @@ class CheckpointSaver:
     """One entry per committed save of this process (for the summary)."""
     _groups: list[Any] = field(default_factory=list)
     _worker: Any = None
+    _writers: dict[str, Any] = field(default_factory=dict)
     _in_flight: _InFlight | None = None
 
     def __post_init__(self) -> None:
@@ -148,6 +149,7 @@ class CheckpointSaver:
 
     def _start_background(self, temporary: Path, *, step: int, write_extra) -> list[Any]:
         """The small files now; the model and optimizer shards staged and handed to DCP's writer."""
+        import torch
         import torch.distributed.checkpoint as dcp
         from accelerate.checkpointing import save_accelerator_state
         from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options
@@ -169,8 +171,19 @@ class CheckpointSaver:
         for (key, state, name), group in zip((("model", model_state, DCP_MODEL),
                                               ("optimizer", optimizer_state, DCP_OPTIMIZER)), self._groups):
             (temporary / name).mkdir(parents=True, exist_ok=True)
+            # One DCP stager per folder kind for the whole run (host memory, no pinning on a CPU-only
+            # host), which keeps its copies' storage between saves: no fresh allocation of the rank's
+            # shards per save. Safe: the next save stages only after this one's write finished (wait()).
+            stager = self._writers.get(name)
+            if stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                on_gpu = torch.cuda.is_available()
+                stager = self._writers[name] = DefaultStager(StagingOptions(
+                    use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                    use_non_blocking_copy=False))
             futures.append(dcp.async_save({key: state}, storage_writer=dcp.FileSystemWriter(temporary / name),
-                                          process_group=group))
+                                          async_stager=stager, process_group=group))
         return futures
 
     # ---- commit ----
@@ -213,6 +226,9 @@ class CheckpointSaver:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+        for stager in self._writers.values():
+            stager.close()
+        self._writers.clear()
 
     def _stop(self, in_flight: _InFlight, failure: BaseException | None) -> None:
         from accelerate.utils import gather_object
