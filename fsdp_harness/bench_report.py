@@ -239,7 +239,7 @@ def default_gpu_section() -> str:
         "FLOPs utilisation and peak memory against the planner."))
 
 
-OTHER_SECTIONS = ("side-by-side", "step-profile", "exit-campaign")
+OTHER_SECTIONS = ("side-by-side", "step-profile", "exit-campaign", "async-save")
 """Sections of docs/benchmarks.md that other scripts write (``bench.py --side-by-side``:
 ``fsdp_harness.step_bench``; ``scripts/exit_campaign.py``); a full run keeps them."""
 

@@ -11,10 +11,11 @@ disk. With ``--async-save`` a save of step N:
    ``optimizer_0/``), so ``accelerator.load_state`` reads the checkpoint as if ``save_state`` wrote
    it. ``async_save`` copies (stages) the tensors into host memory before it returns, so the files
    hold step N's values while training moves on; a background thread writes them;
-3. returns to training. At the end of each later step the ranks ask each other (one small
-   all-reduce) whether every rank's write finished; when it has, the save is committed exactly as a
-   synchronous one (:meth:`CheckpointManager.commit`: hashes, manifest, one rename, pruning, which
-   keeps the new checkpoint, so the last committed one is never removed).
+3. returns to training. In the background each rank waits for both writes, then hashes its share
+   of the files for the manifest. At the end of each later step the ranks ask each other (one small
+   all-reduce) whether every rank is done; when all are, the save is committed as a synchronous one
+   (:meth:`CheckpointManager.commit`: manifest, one rename, pruning, which keeps the new checkpoint,
+   so the last committed one is never removed).
 
 At most one save is in flight: the next save, the final save, a Ctrl-C save, the export and the end
 of the run wait for it first. A background write that fails on any rank is reported on every rank
@@ -26,7 +27,9 @@ optimizer, created once on every rank): ``async_save`` on the training's own gro
 the write's collectives and the step's interleave on one group (FIELD-NOTES, measured 2026-12-04).
 
 Each save is one ``kind: save`` line in metrics.jsonl (:meth:`MetricsLog.log_save`): ``blocked_s``
-is the training time rank 0 lost to it, ``total_s`` the time until it was committed.
+is the training time rank 0 lost to it (the small files and the staging copy, then, at the commit,
+any wait for the background work, the manifest and the rename), ``total_s`` the time until it was
+committed.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER
-from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
+from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints, hash_share
 from fsdp_presets.errors import Finding, UsageError, disk_full_cause, disk_full_message, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 
@@ -64,7 +67,8 @@ class _InFlight:
     step: int
     samples_consumed: int
     temporary: Path
-    futures: list[Any]
+    written: Any
+    """The background work: both DCP writes, then this rank's share of the hashing (a future)."""
     started: float
     blocked_s: float
 
@@ -82,6 +86,8 @@ class CheckpointSaver:
     records: list[dict[str, Any]] = field(default_factory=list)
     """One entry per committed save of this process (for the summary)."""
     _groups: list[Any] = field(default_factory=list)
+    _worker: Any = None
+    _writers: dict[str, Any] = field(default_factory=dict)
     _in_flight: _InFlight | None = None
 
     def __post_init__(self) -> None:
@@ -90,6 +96,10 @@ class CheckpointSaver:
 
             # One group per concurrent background write (model, optimizer), created once on every rank.
             self._groups = [dist.new_group(backend="gloo") for _ in range(2)]
+            from concurrent.futures import ThreadPoolExecutor
+
+            # Waits for both writes, then hashes this rank's share of the files for the manifest.
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
 
     @property
     def accelerator(self):
@@ -115,8 +125,11 @@ class CheckpointSaver:
         except BaseException as error:
             self.manager._stop_if_disk_full(error, step=step, temporary=temporary)
             raise
+        accelerator = self.accelerator
+        written = self._worker.submit(_write_then_hash, futures, temporary, rank=accelerator.process_index,
+                                      world_size=accelerator.num_processes)
         self._in_flight = _InFlight(step=step, samples_consumed=samples_consumed, temporary=temporary,
-                                    futures=futures, started=started, blocked_s=time.perf_counter() - started)
+                                    written=written, started=started, blocked_s=time.perf_counter() - started)
         return self.wait() if wait else None
 
     def _write_sync(self, step: int, write_extra) -> Path:
@@ -136,6 +149,7 @@ class CheckpointSaver:
 
     def _start_background(self, temporary: Path, *, step: int, write_extra) -> list[Any]:
         """The small files now; the model and optimizer shards staged and handed to DCP's writer."""
+        import torch
         import torch.distributed.checkpoint as dcp
         from accelerate.checkpointing import save_accelerator_state
         from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options
@@ -157,8 +171,19 @@ class CheckpointSaver:
         for (key, state, name), group in zip((("model", model_state, DCP_MODEL),
                                               ("optimizer", optimizer_state, DCP_OPTIMIZER)), self._groups):
             (temporary / name).mkdir(parents=True, exist_ok=True)
+            # One DCP stager per folder kind for the whole run (host memory, no pinning on a CPU-only
+            # host), which keeps its copies' storage between saves: no fresh allocation of the rank's
+            # shards per save. Safe: the next save stages only after this one's write finished (wait()).
+            stager = self._writers.get(name)
+            if stager is None:
+                from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+                on_gpu = torch.cuda.is_available()
+                stager = self._writers[name] = DefaultStager(StagingOptions(
+                    use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
+                    use_non_blocking_copy=False))
             futures.append(dcp.async_save({key: state}, storage_writer=dcp.FileSystemWriter(temporary / name),
-                                          process_group=group))
+                                          async_stager=stager, process_group=group))
         return futures
 
     # ---- commit ----
@@ -168,7 +193,7 @@ class CheckpointSaver:
         if self._in_flight is None:
             return
         fault_point("save-in-flight", step=step, rank=self.accelerator.process_index)
-        local = 1.0 if all(future.done() for future in self._in_flight.futures) else 0.0
+        local = 1.0 if self._in_flight.written.done() else 0.0
         if self._agree(local, reduction="min") > 0:
             self.wait()
 
@@ -179,19 +204,31 @@ class CheckpointSaver:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             return None
+        waited_from = time.perf_counter()
         failure: BaseException | None = None
-        for future in in_flight.futures:
-            try:
-                future.result()
-            except BaseException as error:  # noqa: BLE001 (reported on every rank below)
-                failure = failure or error
+        hashed = None
+        try:
+            hashed = in_flight.written.result()
+        except BaseException as error:  # noqa: BLE001 (reported on every rank below)
+            failure = error
         if self._agree(1.0 if failure else 0.0, reduction="max") > 0:
             self._stop(in_flight, failure)
         committed, size = self.manager.commit(in_flight.temporary, step=in_flight.step,
-                                              samples_consumed=in_flight.samples_consumed)
-        self._record(step=in_flight.step, background=True, blocked_s=in_flight.blocked_s,
-                     total_s=time.perf_counter() - in_flight.started, size=size)
+                                              samples_consumed=in_flight.samples_consumed, hashed=hashed)
+        now = time.perf_counter()  # waiting for the writes and the commit (hashing, manifest) block training too
+        self._record(step=in_flight.step, background=True, blocked_s=in_flight.blocked_s + now - waited_from,
+                     total_s=now - in_flight.started, size=size)
         return committed
+
+    def close(self) -> None:
+        """The end of the run: commit the save in flight, if any, and end the background thread. Collective."""
+        self.wait()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        for stager in self._writers.values():
+            stager.close()
+        self._writers.clear()
 
     def _stop(self, in_flight: _InFlight, failure: BaseException | None) -> None:
         from accelerate.utils import gather_object
@@ -240,6 +277,20 @@ class CheckpointSaver:
         mode = "in the background (--async-save)" if self.background else "synchronously"
         return (f"saves: {count} {mode}, training blocked {blocked:.2f} s per save on average, "
                 f"{total:.2f} s until committed, {format_bytes(self.records[-1]['bytes'])} each")
+
+
+def _write_then_hash(futures: list[Any], folder: Path, *, rank: int, world_size: int) -> list[tuple[str, str, int]]:
+    """In the background: wait for both DCP writes (each returns once every rank's files and the
+    metadata are written), then hash this rank's share of the now complete folder."""
+    failure = None
+    for future in futures:
+        try:
+            future.result()
+        except BaseException as error:  # noqa: BLE001 (the first one is reported)
+            failure = failure or error
+    if failure is not None:
+        raise failure
+    return hash_share(folder, rank=rank, world_size=world_size)
 
 
 def _first_line(error: BaseException) -> str:

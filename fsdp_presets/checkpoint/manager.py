@@ -164,6 +164,14 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
     return sorted(found)
 
 
+def hash_share(folder: Path, *, rank: int, world_size: int) -> list[tuple[str, str, int]]:
+    """``(relative path, SHA-256, bytes)`` of every ``world_size``-th file of a complete save folder,
+    starting at ``rank``: this rank's share of the manifest's hashing."""
+    relative_paths = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
+    return [(relative, sha256_file(folder / relative), (folder / relative).stat().st_size)
+            for relative in relative_paths[rank::world_size]]
+
+
 def _library_versions() -> dict[str, str]:
     import accelerate
     import torch
@@ -240,10 +248,12 @@ class CheckpointManager:
         fault_point("save", step=step, rank=accelerator.process_index, folder=temporary)
         return temporary
 
-    def commit(self, temporary: Path, *, step: int, samples_consumed: int) -> tuple[Path, int]:
-        """Once every rank's files of the save are in ``temporary``: hash them (every rank a share),
-        write the manifest, rename the folder to ``step-NNNNNNNN`` (the commit) and prune. Returns
-        the committed folder and its bytes (on the main process; 0 elsewhere). Collective."""
+    def commit(self, temporary: Path, *, step: int, samples_consumed: int,
+               hashed: list[tuple[str, str, int]] | None = None) -> tuple[Path, int]:
+        """Once every rank's files of the save are in ``temporary``: hash them (every rank a share;
+        ``hashed``: this rank's share already hashed, by :func:`hash_share`), write the manifest,
+        rename the folder to ``step-NNNNNNNN`` (the commit) and prune. Returns the committed folder
+        and its bytes (on the main process; 0 elsewhere). Collective."""
         accelerator = self.accelerator
         committed = self.directory / step_folder_name(step)
         accelerator.wait_for_everyone()
@@ -252,11 +262,8 @@ class CheckpointManager:
         # Every rank hashes every world_size-th file; the main process gathers the results.
         from accelerate.utils import gather_object
 
-        relative_paths = sorted(str(path.relative_to(temporary)) for path in temporary.rglob("*")
-                                if path.is_file())
-        mine = relative_paths[accelerator.process_index::accelerator.num_processes]
-        hashed = [(relative, sha256_file(temporary / relative), (temporary / relative).stat().st_size)
-                  for relative in mine]
+        if hashed is None:
+            hashed = hash_share(temporary, rank=accelerator.process_index, world_size=accelerator.num_processes)
         hashed = gather_object(hashed) if accelerator.num_processes > 1 else hashed
         total_bytes = 0
         if accelerator.is_main_process:

@@ -40,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_method_arguments(parser)
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
                         help="fused (SDPA/FlashAttention, default) or eager attention (stores s x s scores)")
+    parser.add_argument("--storage-bandwidth", type=float, metavar="GB/s", default=None,
+                        help="checkpoint write bandwidth per node in GB/s (default 2, an assumed figure: measure yours)")
+    parser.add_argument("--mtbf", type=float, metavar="HOURS",
+                        help="mean time between failures of the whole job: print the save interval (Young/Daly)")
+    parser.add_argument("--seconds-per-step", type=float, metavar="SECONDS",
+                        help="seconds per optimizer step, to give the save interval in steps")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--diagram", metavar="FILE.png", help="draw per-GPU memory and the unit split to this file")
     arguments.add_trust_remote_code(parser)
@@ -85,8 +91,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except UsageError as error:
         problems.append(str(error))
+    for flag, value in (("--storage-bandwidth", args.storage_bandwidth), ("--mtbf", args.mtbf),
+                        ("--seconds-per-step", args.seconds_per_step)):
+        if value is not None and not (value > 0 and value < float("inf")):
+            problems.append(f"{flag} {value}: give a positive number")
     if problems:
         raise UsageError("; ".join(problems))
+    from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, format_save_costs, save_cost
+
+    storage = (args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9
 
     from fsdp_presets.preset.generate import load_profile
 
@@ -106,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
         document["model"] = {"source": args.model, "architecture": profile.architecture,
                              "total_params": profile.total_params}
         document["settings_chosen"] = chosen
+        document["saves"] = {"storage_bytes_per_s": storage, "strategies": [
+            vars(save_cost(strategy, hardware, storage_bytes_per_s=storage)) for strategy in memory_plan.strategies]}
         if shape.lora is not None:
             from fsdp_presets.plan.planner import adapter_params, base_storage_bytes, default_target_modules
 
@@ -117,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         print(format_plan(memory_plan, profile, source=args.model))
+        print("\n".join(["", *format_save_costs(memory_plan, storage_bytes_per_s=storage, mtbf_hours=args.mtbf,
+                                                 step_time_s=args.seconds_per_step)]))
         if chosen:
             print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
         if seq_note:

@@ -276,7 +276,7 @@ class RecipeRun:
         """Let go of the model, optimizer state and evaluation, then end the process group (the
         recipe drops its own references first; see :func:`fsdp_presets.train.loop.finish`)."""
         if self.saver is not None:
-            self.saver.wait()  # a clean exit never leaves a save in flight
+            self.saver.close()  # a clean exit never leaves a save in flight
         self._live.clear()
         self.checkpoints = self.saver = None
         loop.finish(self.accelerator)
