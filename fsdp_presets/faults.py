@@ -15,6 +15,8 @@ Points (where the code calls :func:`fault_point`):
     The same, before anything of the save is written (the folder of the files is the temporary one).
 ``export``
     :func:`fsdp_presets.train.final_model.export_model`, before the main process writes the Hugging Face folder.
+``evaluation``
+    :meth:`fsdp_presets.train.recipe.RecipeRun.end_step`, before an evaluation after step N.
 
 The action is ``kill`` (SIGKILL: no handler, no cleanup, like the out-of-memory killer),
 ``raise`` (a ``RuntimeError``) or ``full`` (a full disk: from that point on, every file this

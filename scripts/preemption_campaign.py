@@ -6,8 +6,9 @@ mid-evaluation, mid-save), relaunch it, and check that nothing is lost.
 Each trial launches ``recipes/causal_lm.py`` (a tiny Llama, 2 gloo processes, 16 steps, an evaluation
 every 3 steps, a checkpoint every 4) and sends SIGTERM to the ``accelerate launch`` process, as
 ``scancel`` or a time limit does: at a random delay after a random step (the moment lands in a step,
-an evaluation or a save), or, every third trial, inside the save of step 8 (held there by the
-``stall-during-save`` fault). A trial passes when the launcher exits within torchrun's 30 s grace, the
+an evaluation or a save), or, in every second and third trial of three, as an evaluation starts
+(after step 6) or inside the save of step 8 (held there by the ``stall-evaluation`` and
+``stall-during-save`` faults). A trial passes when the launcher exits within torchrun's 30 s grace, the
 newest committed checkpoint is the step the run reached (at most 1 step lost), metrics.jsonl has its
 ``preempted`` line, and the same command relaunched (``--resume auto``) finishes with losses equal,
 bitwise, to an uninterrupted run of the same strategy.
@@ -31,6 +32,7 @@ from pathlib import Path
 from fsdp_harness import doc_sections
 from fsdp_harness.launch import launch_command, launch_env, write_accelerate_config
 from fsdp_harness.tiny_model import write_tiny_model
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS
 from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics, train_losses
@@ -57,32 +59,36 @@ def run(command: list[str], log: Path, env=None) -> int:
                               stdin=subprocess.DEVNULL, timeout=900).returncode
 
 
-def trial(config: Path, model: Path, output: Path, reference: dict, rng: random.Random, mid_save: bool) -> dict:
+HELD = {"mid-evaluation": ("stall-evaluation:step=6", "[fault] stall at evaluation", "as the evaluation after step 6 starts"),
+        "mid-save": ("stall-during-save:step=8", "[fault] stall at during-save", "inside the save of step 8")}
+
+
+def trial(config: Path, model: Path, output: Path, reference: dict, rng: random.Random, held: str | None) -> dict:
     command = launch_command(config, RECIPE, recipe_args(model, output))
     log = output.with_suffix(".log")
-    env = launch_env({FAULT_ENV: "stall-during-save:step=8"} if mid_save else None)
+    env = launch_env({FAULT_ENV: HELD[held][0]} if held else None)
     with open(log, "w") as handle:
         launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
     after_step, delay = rng.randint(2, STEPS - 4), rng.uniform(0.0, 0.3)
-    moment = "inside the save of step 8" if mid_save else f"{delay:.2f} s after step {after_step}"
+    moment = HELD[held][2] if held else f"{delay:.2f} s after step {after_step}"
     deadline = time.monotonic() + 600
     while launcher.poll() is None and time.monotonic() < deadline:
-        if mid_save:
-            if "[fault] stall at during-save" in log.read_text():
+        if held:
+            if HELD[held][1] in log.read_text():
                 break
-        elif max(train_losses(output / "metrics.jsonl"), default=0) >= after_step:
+        elif max(train_losses(output / METRICS), default=0) >= after_step:
             time.sleep(delay)
             break
         time.sleep(0.02)
-    reached = max(train_losses(output / "metrics.jsonl"), default=0)
+    reached = max(train_losses(output / METRICS), default=0)
     os.kill(launcher.pid, signal.SIGTERM)
     signalled = time.monotonic()
     code = launcher.wait(timeout=120)
     stop_s = time.monotonic() - signalled
-    last = max(train_losses(output / "metrics.jsonl"), default=0)
-    preempted = [record for record in read_metrics(output / "metrics.jsonl") if record.get("kind") == "preempted"]
-    committed = committed_checkpoints(output / "checkpoints")
+    last = max(train_losses(output / METRICS), default=0)
+    preempted = [record for record in read_metrics(output / METRICS) if record.get("kind") == "preempted"]
+    committed = committed_checkpoints(output / CHECKPOINTS)
     newest = committed[-1][0] if committed else None
     problems = []
     if code != 128 + signal.SIGTERM:
@@ -96,7 +102,7 @@ def trial(config: Path, model: Path, output: Path, reference: dict, rng: random.
     resumed = run(command, log)
     if resumed != 0:
         problems.append(f"relaunch exit status {resumed}")
-    if train_losses(output / "metrics.jsonl") != reference:
+    if train_losses(output / METRICS) != reference:
         problems.append("losses differ from the uninterrupted run")
     return {"moment": moment, "step_seen_at_signal": reached, "preempted_at": newest, "last_logged": last,
             "stop_s": round(stop_s, 2), "launcher_status": code, "ok": not problems, "problems": problems}
@@ -106,7 +112,8 @@ def render(summary: dict) -> str:
     lines = ["## Preemption campaign: SIGTERM at random moments, then --resume auto", "",
              f"`python scripts/preemption_campaign.py --trials {summary['trials_asked']}`: 2-process launches of "
              f"`recipes/causal_lm.py` (tiny Llama, {STEPS} steps, evaluation every 3, checkpoint every 4), SIGTERM "
-             "to the `accelerate launch` process at a random moment (every third trial inside the save of step 8), "
+             "to the `accelerate launch` process at a random moment, or as the evaluation after step 6 starts, or inside the "
+             "save of step 8 (the three take turns), "
              "then the same command again.", "",
              "| strategy | trials | passed | steps lost (max) | signal to launcher exit, s (median / max) | moments |",
              "|---|---:|---:|---:|---:|---|"]
@@ -152,9 +159,9 @@ def main(argv=None) -> int:
             reference_dir = work / f"reference-{strategy}"
             if run(launch_command(config, RECIPE, recipe_args(model, reference_dir)), work / f"{strategy}.log"):
                 raise SystemExit(f"the uninterrupted {strategy} run failed: see {work / f'{strategy}.log'}")
-            reference = train_losses(reference_dir / "metrics.jsonl")
+            reference = train_losses(reference_dir / METRICS)
             for index in range(args.trials):
-                result = trial(config, model, work / f"{strategy}-{index}", reference, rng, mid_save=index % 3 == 2)
+                result = trial(config, model, work / f"{strategy}-{index}", reference, rng, held=(None, "mid-evaluation", "mid-save")[index % 3])
                 summary["strategies"][strategy].append(result)
                 print(f"{strategy} trial {index + 1}/{args.trials}: {'ok' if result['ok'] else 'FAILED'} "
                       f"({result['moment']}: preempted at {result['preempted_at']}, {result['stop_s']} s) "
