@@ -21,6 +21,8 @@ Points (where the code calls :func:`fault_point`):
     The same, at the end of a later step while that save is in flight and not yet committed.
 ``export``
     :func:`fsdp_presets.train.final_model.export_model`, before the main process writes the Hugging Face folder.
+``evaluation``
+    :meth:`fsdp_presets.train.recipe.RecipeRun.end_step`, before an evaluation after step N.
 
 The action is ``kill`` (SIGKILL: no handler, no cleanup, like the out-of-memory killer),
 ``raise`` (a ``RuntimeError``) or ``full`` (a full disk: from that point on, every file this

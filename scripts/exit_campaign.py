@@ -79,7 +79,7 @@ def render(summary: dict) -> str:
         f"`python scripts/exit_campaign.py --launches {summary['launches_asked']} --busy {summary['busy']}"
         f"{' --fix-off' if summary['fix_off'] else ''}`: {summary['processes']}-process launches of "
         "`tests/workers/script_endings.py` (enable_cpu_fsdp, a tiny Llama, 3 steps) for each ending and strategy, "
-        f"taking turns, with {summary['busy']} other CPU-bound processes running; exit handler and "
+        f"taking turns, with {summary['busy'] or 'no'} extra CPU-bound processes started by the campaign; exit handler and "
         f"collection before `destroy_process_group` {'off' if summary['fix_off'] else 'on'}. Endings: `none` (the "
         "script returns), `end-training` (`accelerator.end_training()`), `delete` (`del model, optimizer`, then "
         "`end_training()`), `trainer-end` (a `Trainer` trains, then `trainer.end()`).",
@@ -99,7 +99,9 @@ def render(summary: dict) -> str:
                      f"| {sum(launch['gloo_abort'] for launch in launches)} | {seconds[len(seconds) // 2]:.1f} |")
     lines += ["", f"Measured {summary['date']} on {summary['host']} (torch {summary['torch']}, accelerate "
               f"{summary['accelerate']}), load average {summary['load_before']:.1f} before and "
-              f"{summary['load_after']:.1f} after (a shared host: other work was running too)."]
+              f"{summary['load_after']:.1f} after (a shared host: other work was running too). The full check is "
+              "`--launches 50 --busy 2` (50 launches of every ending under every strategy, two CPU-bound processes "
+              f"beside them); this run made {summary['launches_asked']} of each."]
     return "\n".join(lines)
 
 

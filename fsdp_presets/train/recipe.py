@@ -38,6 +38,7 @@ from fsdp_presets.checkpoint.run_folder import (RunFolder, acquire_run_lock, che
                                                 launch_config_file, schedule_change_note, training_settings,
                                                 write_run_json)
 from fsdp_presets.errors import UsageError
+from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
 from fsdp_presets.train import interrupts, loop, preemption, startup
 from fsdp_presets.train import lora as recipe_lora
@@ -203,6 +204,7 @@ class RecipeRun:
         startup.stop_if_diverged(accelerator, self.checkpoints, step=step, loss=loss, grad_norm=grad_norm,
                                  learning_rate=args.learning_rate)  # NaN/inf: exit 1, nothing saved
         if step == args.max_steps or (args.eval_every and step % args.eval_every == 0):
+            fault_point("evaluation", step=step, rank=self.rank)  # drills only (FSDP_PRESETS_FAULT)
             results = live["evaluate"]()
             self.metrics.log_eval(step=step, **results)
             if accelerator.is_main_process:
