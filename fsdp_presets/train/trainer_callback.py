@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -48,7 +49,7 @@ from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import RunFolder, distributed_settings, launch_config_file, write_run_json
-from fsdp_presets.errors import raise_on_every_rank
+from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
 from fsdp_presets.train.metrics import MetricsLog
 
@@ -178,12 +179,16 @@ class FSDPPresetsCallback(TrainerCallback):
         data_parallel = self._data_parallel_size()
         accumulation = accumulation_for(recorded, micro_batch_size=args.per_device_train_batch_size,
                                         data_parallel_size=data_parallel)
-        if accumulation is None:
-            raise_on_every_rank(self._accelerator, (
-                f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
-                f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes cannot "
-                f"split; set per_device_train_batch_size so that it times {data_parallel} divides {recorded}, or "
-                f"launch {saved.world_size} processes as it was saved"))
+        if accumulation is None:  # one line on the main process and exit 2 on every rank, as the recipes do
+            message = (f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
+                       f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes "
+                       f"cannot split; set per_device_train_batch_size so that it times {data_parallel} divides "
+                       f"{recorded}, or launch {saved.world_size} processes as it was saved (nothing was written)")
+            if self._accelerator.is_main_process:
+                print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(COLLECTIVE_EXIT_DELAY_S)
+            raise SystemExit(2)
         self._say(f"resume from {checkpoint}: global batch kept at {recorded} samples: gradient_accumulation_steps "
                   f"{args.gradient_accumulation_steps} -> {accumulation} for {data_parallel} processes x "
                   f"per_device_train_batch_size {args.per_device_train_batch_size} (saved by {saved.world_size})")
