@@ -40,7 +40,8 @@ TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ be
 
 def comparable(run_dir: Path) -> list[dict]:
     return [{key: value for key, value in record.items() if key not in TIMING}
-            for record in read_metrics(run_dir / "metrics.jsonl")]
+            for record in read_metrics(run_dir / "metrics.jsonl")
+            if record["kind"] != "save"]  # a save's line is timings and sizes (a kill moves it): not training
 
 
 def train_steps(run_dir: Path) -> list[int]:
