@@ -158,7 +158,11 @@ def render(report: dict) -> str:
         f"({len(background['step_s_in_flight'])} steps) | {report['in_flight_step_ratio']:.2f} |",
         "",
         "Ratios: mean blocked time async / sync; median step time with a write in flight / median of the other "
-        "steps (both kinds of launch). The planner's figures for the presets "
+        "steps (both kinds of launch). What stays: training does not wait for the write; what costs: on this "
+        "host training and the background write (DCP serialising and writing each rank's shards, a thread per "
+        "folder) share the same 2 cores, so the steps that overlap a write are slower and the blocked time "
+        "includes the staging copy and the commit competing with them. On a GPU host the step runs on the "
+        "GPU while the host writes. The planner's figures for the presets "
         "(`fsdp-presets plan MODEL --gpus N --mtbf 24 --seconds-per-step S`, recommended strategy):",
         "",
         *planner_figures(),

@@ -35,15 +35,13 @@ from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, 
                             SFT_TRAIN, causal_lm_args, drive_recipe, offline_env, rank_pid, tree_digest)
 
 STEPS = runs.REFERENCE_STEPS
-TIMING = ("tokens_per_s", "step_time_s")  # the only training fields allowed to differ between runs
-SAVE_COST = ("blocked_s", "total_s", "bytes")  # a save line's wall time, and its size (the manifest's times)
+TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs
 
 
 def comparable(run_dir: Path) -> list[dict]:
-    """Every metrics line without what differs between two runs of the same training."""
-    return [{key: value for key, value in record.items()
-             if key not in TIMING and not (record.get("kind") == "save" and key in SAVE_COST)}
-            for record in read_metrics(run_dir / "metrics.jsonl")]
+    return [{key: value for key, value in record.items() if key not in TIMING}
+            for record in read_metrics(run_dir / "metrics.jsonl")
+            if record["kind"] != "save"]  # a save's line is timings and sizes (a kill moves it): not training
 
 
 def train_steps(run_dir: Path) -> list[int]:

@@ -41,9 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention", choices=("fused", "eager"), default="fused",
                         help="fused (SDPA/FlashAttention, default) or eager attention (stores s x s scores)")
     parser.add_argument("--storage-bandwidth", type=float, metavar="GB/s", default=None,
-                        help="checkpoint write bandwidth per node in GB/s (default 2, an assumed figure: measure yours)")
+                        help="checkpoint write bandwidth per node in GB/s (default 2, an assumed figure: measure yours); "
+                        "prints what a save costs per strategy")
     parser.add_argument("--mtbf", type=float, metavar="HOURS",
-                        help="mean time between failures of the whole job: print the save interval (Young/Daly)")
+                        help="mean time between failures of the whole job: print what a save costs per strategy and the save "
+                        "interval (Young/Daly)")
     parser.add_argument("--seconds-per-step", type=float, metavar="SECONDS",
                         help="seconds per optimizer step, to give the save interval in steps")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -132,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         print(format_plan(memory_plan, profile, source=args.model))
-        print("\n".join(["", *format_save_costs(memory_plan, storage_bytes_per_s=storage, mtbf_hours=args.mtbf,
-                                                 step_time_s=args.seconds_per_step)]))
+        if args.mtbf is not None or args.storage_bandwidth is not None:  # the save cost and interval
+            print("\n".join(["", *format_save_costs(memory_plan, storage_bytes_per_s=storage, mtbf_hours=args.mtbf,
+                                                     step_time_s=args.seconds_per_step)]))
         if chosen:
             print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
         if seq_note:
