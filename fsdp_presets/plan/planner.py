@@ -54,7 +54,8 @@ import dataclasses
 from fsdp_presets.arguments import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, BlockActivations,
-                                           activation_bytes, activation_bytes_per_layer, block_activations,
+                                           activation_bytes, activation_bytes_per_layer, activation_source,
+                                           block_activations,
                                            logits_bytes, mlp_width)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import format_bytes
@@ -235,7 +236,16 @@ def _strategy_plan(
         max_micro_batch=_max_micro_batch(total_at, hardware.usable_bytes),
         comm=comm,
         notes=tuple(notes),
+        source=_source(profile, shape, fsdp_version),
     )
+
+
+def _source(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> str:
+    """``composed from a rehearsal`` for FSDP2 rows with this model's rehearsed activation terms;
+    ``estimated`` otherwise (family constants, or FSDP1/DDP, which torch's tracker cannot follow)."""
+    if fsdp_version == 2 and activation_source(profile, shape) == "composed from a rehearsal":
+        return "composed from a rehearsal"
+    return "estimated"
 
 
 def _max_micro_batch(total_at, usable: int) -> int:
