@@ -37,6 +37,10 @@ class BlockActivations:
     length they were rehearsed at (the block coefficient holds that length's attention terms)."""
     rehearsed_precision: str | None = None
     """With :attr:`rehearsed_seq_len`: the precision rehearsed."""
+    in_block: float | None = None
+    """Rehearsed, where a model peaks inside a block's backward (mixture-of-experts): bytes per
+    token and hidden unit held there besides the other blocks' saved activations (that block's own
+    activations and backward temporaries, what lives outside the blocks); None: not measured."""
 
 
 _REHEARSED = "fsdp-presets rehearse model_configs/{model} --gpus 8 --seq-len {seq} (FULL_SHARD, bf16, micro-batch 1) "
@@ -165,6 +169,19 @@ def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: i
         else activation_bytes_per_layer(profile, shape, b))
     return blocks + math.ceil(tokens_hidden * family.outside) + logits_bytes(profile, shape, b)
 
+
+
+def in_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
+    """Activations and temporaries inside a block's backward, where rehearsed
+    (:attr:`BlockActivations.in_block`): the other blocks' saved activations plus what that block
+    holds. None where not measured (the planner then adds its estimate of the block's temporaries)."""
+    family = block_activations(profile, shape)
+    if family.in_block is None:
+        return None
+    tokens_hidden = _tokens_hidden(profile, shape, micro_batch)
+    others = (math.ceil(tokens_hidden * family.checkpointed) if shape.activation_checkpointing
+              else activation_bytes_per_layer(profile, shape, micro_batch))
+    return max(0, profile.dims.num_layers - 1) * others + math.ceil(tokens_hidden * family.in_block)
 
 
 def mlp_width(profile: ModelProfile) -> int:

@@ -33,10 +33,16 @@ CACHE_ENV = "FSDP_PRESETS_CACHE"
 """Where the cache lives (a folder), or ``off``."""
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
-CACHE_FORMAT = 1
+CACHE_FORMAT = 3
 """Bumped when what a cache entry holds changes (older entries are then ignored)."""
 REHEARSED_WORLD_SIZE = 8
 """Fake ranks of the rehearsal (activations do not depend on it; the shards stay small)."""
+FIRST_BLOCK_COUNTS = (2, 3)
+"""Blocks of the first two rehearsals (2, not 1: a model whose first block differs, DeepSeek's dense
+first layers, keeps it in both, and the difference is a repeated block)."""
+OUTSIDE_ESTIMATE = 8.13
+"""Bytes per token and hidden unit outside the blocks where no run measured them (the families'
+measured value, :data:`fsdp_presets.plan.activations.BLOCK_ACTIVATIONS`)."""
 _EXCLUDED_CATEGORIES = ("params", "grads", "optimizer", "unsharded params", "unsharded grads")
 
 
@@ -87,50 +93,73 @@ def _layers(config, count: int):
     return truncated
 
 
+def _peaks_in_a_block(where: str) -> bool:
+    """Whether a rehearsal's peak is past the loss's backward, in backward (the op decides: the
+    module names torch's tracker reports are not reliable inside nested FSDP units)."""
+    at_loss = any(mark in where for mark in ("_log_softmax_backward", "nll_loss", "lm_head"))
+    return where.startswith("backward") and not at_loss
+
+
 def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = False) -> dict:
-    """Rehearse ``config`` with 1 and 2 blocks (see the module notes) and return the cache entry:
-    ``per_block`` and ``rest`` in bytes at micro-batch 1, with how they were measured."""
+    """Rehearse ``config`` with 2 and 3 blocks (see the module notes; with 4 too where the peaks of
+    those two are not in the same place) and return the cache entry: bytes at micro-batch 1."""
     from fsdp_presets.plan.rehearsal import rehearse
     from fsdp_presets.plan.rehearse_request import config_env, decide_unchecked, request_from_flags
     from fsdp_presets.plan.profile import build_meta_model, profile_module
 
-    one = _layers(config, 1)
-    profile = profile_module(build_meta_model(one, trust_remote_code=trust_remote_code))
+    profile = profile_module(build_meta_model(_layers(config, 2), trust_remote_code=trust_remote_code))
     request = request_from_flags("rehearsed-config", gpus=REHEARSED_WORLD_SIZE, seq_len=seq_len,
                                  precision=precision, strategy="full")
     preset, _ = decide_unchecked(profile, request)
     env = config_env(preset)
-    held, seconds = [], 0.0
-    for count in (1, 2):
+    runs, seconds = [], 0.0
+    for count in FIRST_BLOCK_COUNTS + (FIRST_BLOCK_COUNTS[-1] + 1,):
+        if len(runs) == len(FIRST_BLOCK_COUNTS) and runs[0]["in_block"] == runs[1]["in_block"]:
+            break
         with warnings.catch_warnings():  # accelerate's thread-count and torch's module-tracker advice: noise here
             warnings.simplefilter("ignore", UserWarning)
             result = rehearse(_layers(config, count), env, world_size=REHEARSED_WORLD_SIZE, seq_len=seq_len,
                               micro_batch=1, iterations=1, trust_remote_code=trust_remote_code)
-        held.append(sum(value for name, value in result.peak_by_category.items() if name not in _EXCLUDED_CATEGORIES))
+        held = sum(value for name, value in result.peak_by_category.items() if name not in _EXCLUDED_CATEGORIES)
+        runs.append({"blocks": count, "held": held, "in_block": _peaks_in_a_block(result.peak_where),
+                     "where": result.peak_where})
         seconds += result.seconds
-    per_block = max(0, held[1] - held[0])
+    first, last = runs[-2], runs[-1]
+    per_block = max(0, last["held"] - first["held"])
     return {"format": CACHE_FORMAT, "seq_len": seq_len, "precision": precision,
             "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
-            "per_block": per_block, "rest": max(0, held[0] - per_block), "seconds": round(seconds, 1),
-            "measured": f"rehearsed with 1 and 2 blocks (FSDP2 FULL_SHARD, {precision}, seq {seq_len}, micro-batch 1):"
-                        f" activations and temporaries {held[0]} and {held[1]} bytes at the peak"}
+            "per_block": per_block, "runs": runs, "seconds": round(seconds, 1),
+            "measured": f"rehearsed with {', '.join(str(run['blocks']) for run in runs)} blocks (FSDP2 FULL_SHARD, "
+                        f"{precision}, seq {seq_len}, micro-batch 1): activations and temporaries "
+                        f"{', '.join(str(run['held']) for run in runs)} bytes at the peaks"}
 
 
 def terms_from_entry(entry: dict):
-    """The :class:`~fsdp_presets.plan.activations.BlockActivations` of a cache entry."""
+    """The :class:`~fsdp_presets.plan.activations.BlockActivations` of a cache entry: ``saved`` from
+    the difference per block; ``outside``/``logits`` from a run that peaked at the loss, ``in_block``
+    from one that peaked inside a block (the family estimates where no run did)."""
     from fsdp_presets.plan.activations import LOGITS_BYTES_AT_PEAK, BlockActivations
 
     seq_len, hidden, vocab = entry["seq_len"], entry["hidden_size"], entry["vocab_size"]
     compute_bytes = 4 if entry["precision"] == "fp32" else 2
     tokens_hidden = seq_len * hidden * compute_bytes / 2
-    logits_bytes = seq_len * vocab * LOGITS_BYTES_AT_PEAK
-    rest = entry["rest"]
-    if rest >= logits_bytes:
-        logits, outside = float(LOGITS_BYTES_AT_PEAK), (rest - logits_bytes) / tokens_hidden
-    else:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
-        logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
-    return BlockActivations(saved=entry["per_block"] / tokens_hidden, checkpointed=2.0, outside=outside,
-                            logits=logits, measured=entry["measured"], rehearsed_seq_len=seq_len,
+    per_block = entry["per_block"]
+    at_loss = [run for run in entry["runs"] if not run["in_block"]]
+    in_block = [run for run in entry["runs"] if run["in_block"]]
+    logits, outside = float(LOGITS_BYTES_AT_PEAK), OUTSIDE_ESTIMATE
+    if at_loss:
+        rest = max(0, at_loss[-1]["held"] - at_loss[-1]["blocks"] * per_block)
+        logits_bytes = seq_len * vocab * LOGITS_BYTES_AT_PEAK
+        if rest >= logits_bytes:
+            outside = (rest - logits_bytes) / tokens_hidden
+        else:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
+            logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
+    own = None
+    if in_block:
+        run = in_block[-1]
+        own = max(0, run["held"] - (run["blocks"] - 1) * per_block) / tokens_hidden
+    return BlockActivations(saved=per_block / tokens_hidden, checkpointed=2.0, outside=outside, logits=logits,
+                            in_block=own, measured=entry["measured"], rehearsed_seq_len=seq_len,
                             rehearsed_precision=entry["precision"])
 
 
