@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
+    shape, terms_note = with_rehearsed_terms(args.model, shape, trust_remote_code=args.trust_remote_code)
     memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape, checkpointing=checkpointing,
                                                 offload=offload)
 
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         document["settings_chosen"] = chosen
         document["saves"] = {"storage_bytes_per_s": storage, "strategies": [
             vars(save_cost(strategy, hardware, storage_bytes_per_s=storage)) for strategy in memory_plan.strategies]}
+        document["activation_terms"] = terms_note
         if shape.lora is not None:
             from fsdp_presets.plan.planner import adapter_params, base_storage_bytes, default_target_modules
 
@@ -141,9 +143,39 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
         if seq_note:
             print(f"note: {seq_note}")
+        print(f"activations: {terms_note['source']}: {terms_note['how']}")
         if args.diagram:
             print(f"diagram: {args.diagram}")
     return 0
+
+
+def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False):
+    """``(shape, note)``: ``shape`` with this model's own activation terms from a short, cached
+    rehearsal (:mod:`fsdp_presets.plan.measured_activations`) where one applies and can run, and
+    ``note`` (``source``: ``composed from a rehearsal`` or ``estimated``; ``how``) saying which."""
+    from fsdp_presets.plan.measured_activations import cache_dir, rehearsed_block_activations
+
+    if shape.lora is not None:
+        return shape, {"source": "estimated", "how": "LoRA/QLoRA terms from the family constants (rehearsals run "
+                       "full fine-tuning only)"}
+    if shape.attention != "fused":
+        return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
+                       "runs the model's own attention)"}
+    from fsdp_presets.model.profile import load_config
+
+    try:
+        config = load_config(source, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - any config the rehearsal cannot load: estimate, and say why
+        return shape, {"source": "estimated", "how": f"family constants: no config to rehearse ({error})"}
+    terms, problem = rehearsed_block_activations(config, seq_len=shape.seq_len, precision=shape.precision,
+                                                 trust_remote_code=trust_remote_code)
+    if terms is None:
+        return shape, {"source": "estimated", "how": f"family constants ({problem})"}
+    folder = cache_dir()
+    return shape.replace(measured=terms), {
+        "source": "composed from a rehearsal",
+        "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
+               f"estimated (cache: {folder if folder is not None else 'off'})"}
 
 
 # --------------------------------------------------------------------------- human output
@@ -171,7 +203,7 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
     comm_name, comm_unit = byte_unit(max(s.comm.total for s in memory_plan.strategies), binary=False)
     lines.append(f"per GPU in {memory_name}; comm = {comm_name} each GPU sends per step")
     headers = ["strategy", "params", "grads", "optim", "activ", "buffers", "total", "fits", "max mb",
-               "comm", "inter-node"]
+               "comm", "inter-node", "how"]
     rows = []
     for strategy in memory_plan.strategies:
         per_gpu = strategy.per_gpu
@@ -184,8 +216,9 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
             str(strategy.max_micro_batch),
             f"{strategy.comm.total / comm_unit:.2f}",
             f"{strategy.comm.inter_node / comm_unit:.2f}",
+            "composed" if strategy.source == "composed from a rehearsal" else "estimated",
         ])
-    lines += text_table(headers, rows, right=set(range(1, len(headers))))
+    lines += text_table(headers, rows, right=set(range(1, len(headers) - 1)))
     notes = sorted({note for strategy in memory_plan.strategies for note in strategy.notes})
     lines += [f"note: {note}" for note in notes]
     lines.append("")

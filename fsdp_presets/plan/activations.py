@@ -32,6 +32,15 @@ class BlockActivations:
     families whose attention is eager in transformers (Gemma 2's soft-capping), 0 for SDPA."""
     measured: str
     """The rehearsals that produced the numbers, and what they measured."""
+    rehearsed_seq_len: int | None = None
+    """Set for a model's own terms (:mod:`fsdp_presets.plan.measured_activations`): the sequence
+    length they were rehearsed at (the block coefficient holds that length's attention terms)."""
+    rehearsed_precision: str | None = None
+    """With :attr:`rehearsed_seq_len`: the precision rehearsed."""
+    in_block: float | None = None
+    """Rehearsed, where a model peaks inside a block's backward (mixture-of-experts): bytes per
+    token and hidden unit held there besides the other blocks' saved activations (that block's own
+    activations and backward temporaries, what lives outside the blocks); None: not measured."""
 
 
 _REHEARSED = "fsdp-presets rehearse model_configs/{model} --gpus 8 --seq-len {seq} (FULL_SHARD, bf16, micro-batch 1) "
@@ -81,8 +90,30 @@ backward computes from it (8). Measured: 8B at 8 GPUs, seq 4096: 1.96 GiB saved 
 temporaries for 525M logits. (The bf16 logits and their fp32 copy are freed by then.)"""
 
 
-def block_activations(profile: ModelProfile) -> BlockActivations:
-    """The family's measured :class:`BlockActivations`, or the largest measured ones."""
+def rehearsed_terms(profile: ModelProfile, shape: TrainingShape | None) -> BlockActivations | None:
+    """``shape.measured`` where it applies to this shape: the same sequence length and precision,
+    fused attention, full fine-tuning."""
+    measured = getattr(shape, "measured", None)
+    if (measured is None or shape.lora is not None or shape.attention != "fused"
+            or measured.rehearsed_seq_len != shape.seq_len or measured.rehearsed_precision != shape.precision):
+        return None
+    return measured
+
+
+def activation_source(profile: ModelProfile, shape: TrainingShape) -> str:
+    """How the activation terms of ``shape`` are obtained: ``composed from a rehearsal`` of this
+    model, or ``estimated`` from the family constants (:data:`BLOCK_ACTIVATIONS`)."""
+    if rehearsed_terms(profile, shape) is not None:
+        return "composed from a rehearsal"
+    return "estimated"
+
+
+def block_activations(profile: ModelProfile, shape: TrainingShape | None = None) -> BlockActivations:
+    """The model's own rehearsed terms for ``shape`` (:func:`rehearsed_terms`), else the
+    family's measured :class:`BlockActivations`, else the largest measured ones."""
+    own = rehearsed_terms(profile, shape)
+    if own is not None:
+        return own
     known = BLOCK_ACTIVATIONS.get(profile.model_type)
     if known is not None:
         return known
@@ -110,7 +141,7 @@ def activation_bytes_per_layer(profile: ModelProfile, shape: TrainingShape, micr
     [Korthikanti] Eq. 1 gives 34 for a GPT layer (4h GELU MLP); a Llama block measures ~54
     (SwiGLU's three 3.5h-wide tensors, the fp32 upcast inside RMSNorm, rotary embeddings)."""
     s, a, h = shape.seq_len, profile.dims.num_attention_heads, profile.dims.hidden_size
-    family = block_activations(profile)
+    family = block_activations(profile, shape)
     coefficient = family.saved + (5 * a * s / h if shape.attention == "eager" and not family.attention_scores else 0)
     scores = family.attention_scores * a * s * s * micro_batch * shape.compute_bytes / 2
     return math.ceil(_tokens_hidden(profile, shape, micro_batch) * coefficient + scores)
@@ -118,7 +149,7 @@ def activation_bytes_per_layer(profile: ModelProfile, shape: TrainingShape, micr
 
 def logits_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
     """Logits and the loss's fp32 tensors at the peak (:data:`LOGITS_BYTES_AT_PEAK` per element)."""
-    per_element = block_activations(profile).logits
+    per_element = block_activations(profile, shape).logits
     return math.ceil(shape.seq_len * micro_batch * profile.dims.vocab_size * per_element)
 
 
@@ -130,7 +161,7 @@ def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: i
     Under activation checkpointing the peak is still there: recomputing one block later in
     backward needs less than the logits' loss tensors free by then (measured for 8B and 70B)."""
     b = shape.micro_batch if micro_batch is None else micro_batch
-    family = block_activations(profile)
+    family = block_activations(profile, shape)
     per_block = family.checkpointed if shape.activation_checkpointing else family.saved
     tokens_hidden = _tokens_hidden(profile, shape, b)
     blocks = profile.dims.num_layers * (
@@ -138,6 +169,19 @@ def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: i
         else activation_bytes_per_layer(profile, shape, b))
     return blocks + math.ceil(tokens_hidden * family.outside) + logits_bytes(profile, shape, b)
 
+
+
+def in_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
+    """Activations and temporaries inside a block's backward, where rehearsed
+    (:attr:`BlockActivations.in_block`): the other blocks' saved activations plus what that block
+    holds. None where not measured (the planner then adds its estimate of the block's temporaries)."""
+    family = block_activations(profile, shape)
+    if family.in_block is None:
+        return None
+    tokens_hidden = _tokens_hidden(profile, shape, micro_batch)
+    others = (math.ceil(tokens_hidden * family.checkpointed) if shape.activation_checkpointing
+              else activation_bytes_per_layer(profile, shape, micro_batch))
+    return max(0, profile.dims.num_layers - 1) * others + math.ceil(tokens_hidden * family.in_block)
 
 
 def mlp_width(profile: ModelProfile) -> int:

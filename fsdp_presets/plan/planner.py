@@ -54,7 +54,9 @@ import dataclasses
 from fsdp_presets.arguments import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, BlockActivations,
-                                           activation_bytes, activation_bytes_per_layer, block_activations,
+                                           activation_bytes, activation_bytes_per_layer, activation_source,
+                                           in_block_activation_bytes,
+                                           block_activations,
                                            logits_bytes, mlp_width)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import format_bytes
@@ -174,10 +176,14 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     # Under activation checkpointing the block in backward first recomputes its full activations.
     recomputed = activation_bytes_per_layer(profile, shape, micro_batch) if shape.activation_checkpointing else 0
     block_temporaries = 2 * shape.seq_len * micro_batch * mlp_width(profile) * c
+    # FSDP2 reshards the tail kept gathered through forward after its own backward, before any
+    # block's (rehearsed: StarCoder2 peaks in a block's backward with two blocks gathered, no tail).
+    tail_resharded = kept if fsdp_version == 2 and name != "SHARD_GRAD_OP" else 0
+    own = in_block_activation_bytes(profile, shape, micro_batch)  # rehearsed for this model, where it peaks there
     in_block = PerGpuBytes(params=state.params, grads=reduced_shards, optimizer=state.optimizer,
-                           activations=activations - logits_bytes(profile, shape, micro_batch) + recomputed
-                           + block_temporaries,
-                           buffers=gathered_in_block * c + largest * c + accumulated)
+                           activations=own if own is not None else activations - logits_bytes(profile, shape, micro_batch)
+                           + recomputed + block_temporaries,
+                           buffers=(gathered_in_block - tail_resharded) * c + largest * c + accumulated)
     # The end of backward: every gradient shard exists (the backward of the embedding, with the
     # last blocks gathered). Sharded states dominate here when they are large beside the
     # activations: fused experts over more ranks than experts (rehearsed: Mixtral-8x7B at 32
@@ -235,7 +241,16 @@ def _strategy_plan(
         max_micro_batch=_max_micro_batch(total_at, hardware.usable_bytes),
         comm=comm,
         notes=tuple(notes),
+        source=_source(profile, shape, fsdp_version),
     )
+
+
+def _source(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> str:
+    """``composed from a rehearsal`` for FSDP2 rows with this model's rehearsed activation terms;
+    ``estimated`` otherwise (family constants, or FSDP1/DDP, which torch's tracker cannot follow)."""
+    if fsdp_version == 2 and activation_source(profile, shape) == "composed from a rehearsal":
+        return "composed from a rehearsal"
+    return "estimated"
 
 
 def _max_micro_batch(total_at, usable: int) -> int:

@@ -121,6 +121,10 @@ class StrategyPlan:
     """Communication per GPU per optimizer step."""
     notes: tuple[str, ...] = ()
     """Caveats that apply to this row (e.g. offload not available)."""
+    source: str = "estimated"
+    """How the figures were obtained: ``composed from a rehearsal`` (this model's own activation
+    terms, :mod:`fsdp_presets.plan.measured_activations`, composed for a strategy a rehearsal can
+    follow) or ``estimated`` (family constants, or a strategy no rehearsal follows)."""
 
     @property
     def label(self) -> str:
@@ -136,6 +140,7 @@ class StrategyPlan:
             "per_gpu_bytes": self.per_gpu.to_json(),
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
+            "source": self.source,
             "comm_bytes_per_step": self.comm.to_json(),
             "notes": list(self.notes),
         }

@@ -151,6 +151,10 @@ class TrainingShape:
     whole model), ``grad_accum`` times the gradient communication."""
     lora: "LoraShape | None" = None
     """LoRA or QLoRA (:class:`LoraShape`); None for full fine-tuning."""
+    measured: object = None
+    """The model's own activation terms (a :class:`fsdp_presets.plan.activations.BlockActivations`
+    read off a short rehearsal, :mod:`fsdp_presets.plan.measured_activations`), used where its
+    ``seq_len`` and ``precision`` are this shape's; None: the family constants."""
 
     @property
     def method(self) -> str:

@@ -1,0 +1,198 @@
+"""A model's own activation terms for the planner, read off a short rehearsal of that exact config
+and cached on disk::
+
+    terms, problem = rehearsed_block_activations(config, seq_len=4096, precision="bf16")
+    shape = shape.replace(measured=terms)      # the planner composes them (plan/activations.py)
+
+The rehearsal (:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks,
+micro-batch 1, one step) runs the config twice, with 1 and 2 blocks at full width and the real
+sequence length, embedding and head. At the peak (the loss's backward) what is neither model
+state nor gathered parameters is activations and temporaries; the difference between the two
+runs is one block's saved activations (``saved``), the rest with one block taken off is the
+logits' loss tensors and what lives outside the blocks (``logits``, ``outside``). These are the
+same quantities :data:`~fsdp_presets.plan.activations.BLOCK_ACTIVATIONS` holds for the families
+measured by hand ("with N and 2 layers"), now measured for every model. The planner scales them
+to any micro-batch, layer count, GPU count, strategy, accumulation and checkpointing setting.
+
+The cache: one JSON file per config, sequence length and precision (and torch/transformers
+versions) under ``$FSDP_PRESETS_CACHE`` when set, else ``$XDG_CACHE_HOME/fsdp-presets`` (else
+``~/.cache/fsdp-presets``), in ``activations/``. ``FSDP_PRESETS_CACHE=off`` turns the cache off
+(every plan rehearses again). ``FSDP_PRESETS_PLAN_REHEARSAL=off`` turns the rehearsal off: the
+planner then uses the family constants and says so ("estimated").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from pathlib import Path
+
+CACHE_ENV = "FSDP_PRESETS_CACHE"
+"""Where the cache lives (a folder), or ``off``."""
+REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
+"""``off``: never rehearse for a plan (family constants only)."""
+CACHE_FORMAT = 3
+"""Bumped when what a cache entry holds changes (older entries are then ignored)."""
+REHEARSED_WORLD_SIZE = 8
+"""Fake ranks of the rehearsal (activations do not depend on it; the shards stay small)."""
+FIRST_BLOCK_COUNTS = (2, 3)
+"""Blocks of the first two rehearsals (2, not 1: a model whose first block differs, DeepSeek's dense
+first layers, keeps it in both, and the difference is a repeated block)."""
+OUTSIDE_ESTIMATE = 8.13
+"""Bytes per token and hidden unit outside the blocks where no run measured them (the families'
+measured value, :data:`fsdp_presets.plan.activations.BLOCK_ACTIVATIONS`)."""
+_EXCLUDED_CATEGORIES = ("params", "grads", "optimizer", "unsharded params", "unsharded grads")
+
+
+def cache_dir() -> Path | None:
+    """The cache folder, or None when ``FSDP_PRESETS_CACHE=off``."""
+    chosen = os.environ.get(CACHE_ENV, "").strip()
+    if chosen.lower() == "off":
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
+    return Path(base) / "fsdp-presets"
+
+
+def config_key(config, *, seq_len: int, precision: str) -> str:
+    """Hash of everything the terms depend on: the config without its layer count (the terms are
+    per block), the sequence length, the precision and the library versions."""
+    import torch
+    import transformers
+
+    described = {key: value for key, value in config.to_dict().items()
+                 if key not in ("num_hidden_layers", "_name_or_path", "transformers_version", "layer_types")}
+    text = json.dumps({"config": described, "seq_len": seq_len, "precision": precision, "format": CACHE_FORMAT,
+                       "torch": torch.__version__, "transformers": transformers.__version__},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def _read_cached(path: Path) -> dict | None:
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) and entry.get("format") == CACHE_FORMAT else None
+
+
+def _layers(config, count: int):
+    """A copy of ``config`` with ``count`` blocks (``layer_types`` cut to match)."""
+    import copy
+
+    truncated = copy.deepcopy(config)
+    truncated.num_hidden_layers = count
+    layer_types = getattr(truncated, "layer_types", None)
+    if isinstance(layer_types, list) and len(layer_types) >= 2:
+        # Keep one block of each attention kind the model has in the 2-block run (hybrid
+        # attention: Gemma-2/3's sliding and full layers differ only in their mask).
+        truncated.layer_types = layer_types[:count]
+    return truncated
+
+
+def _peaks_in_a_block(where: str) -> bool:
+    """Whether a rehearsal's peak is past the loss's backward, in backward (the op decides: the
+    module names torch's tracker reports are not reliable inside nested FSDP units)."""
+    at_loss = any(mark in where for mark in ("_log_softmax_backward", "nll_loss", "lm_head"))
+    return where.startswith("backward") and not at_loss
+
+
+def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = False) -> dict:
+    """Rehearse ``config`` with 2 and 3 blocks (see the module notes; with 4 too where the peaks of
+    those two are not in the same place) and return the cache entry: bytes at micro-batch 1."""
+    from fsdp_presets.rehearse.rehearsal import rehearse
+    from fsdp_presets.preset.rehearse_request import config_env, decide_unchecked, request_from_flags
+    from fsdp_presets.model.profile import build_meta_model, profile_module
+
+    profile = profile_module(build_meta_model(_layers(config, 2), trust_remote_code=trust_remote_code))
+    request = request_from_flags("rehearsed-config", gpus=REHEARSED_WORLD_SIZE, seq_len=seq_len,
+                                 precision=precision, strategy="full")
+    preset, _ = decide_unchecked(profile, request)
+    env = config_env(preset)
+    runs, seconds = [], 0.0
+    for count in FIRST_BLOCK_COUNTS + (FIRST_BLOCK_COUNTS[-1] + 1,):
+        if len(runs) == len(FIRST_BLOCK_COUNTS) and runs[0]["in_block"] == runs[1]["in_block"]:
+            break
+        with warnings.catch_warnings():  # accelerate's thread-count and torch's module-tracker advice: noise here
+            warnings.simplefilter("ignore", UserWarning)
+            result = rehearse(_layers(config, count), env, world_size=REHEARSED_WORLD_SIZE, seq_len=seq_len,
+                              micro_batch=1, iterations=1, trust_remote_code=trust_remote_code)
+        held = sum(value for name, value in result.peak_by_category.items() if name not in _EXCLUDED_CATEGORIES)
+        runs.append({"blocks": count, "held": held, "in_block": _peaks_in_a_block(result.peak_where),
+                     "where": result.peak_where})
+        seconds += result.seconds
+    first, last = runs[-2], runs[-1]
+    per_block = max(0, last["held"] - first["held"])
+    return {"format": CACHE_FORMAT, "seq_len": seq_len, "precision": precision,
+            "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
+            "per_block": per_block, "runs": runs, "seconds": round(seconds, 1),
+            "measured": f"rehearsed with {', '.join(str(run['blocks']) for run in runs)} blocks (FSDP2 FULL_SHARD, "
+                        f"{precision}, seq {seq_len}, micro-batch 1): activations and temporaries "
+                        f"{', '.join(str(run['held']) for run in runs)} bytes at the peaks"}
+
+
+def terms_from_entry(entry: dict):
+    """The :class:`~fsdp_presets.plan.activations.BlockActivations` of a cache entry: ``saved`` from
+    the difference per block; ``outside``/``logits`` from a run that peaked at the loss, ``in_block``
+    from one that peaked inside a block (the family estimates where no run did)."""
+    from fsdp_presets.plan.activations import LOGITS_BYTES_AT_PEAK, BlockActivations
+
+    seq_len, hidden, vocab = entry["seq_len"], entry["hidden_size"], entry["vocab_size"]
+    compute_bytes = 4 if entry["precision"] == "fp32" else 2
+    tokens_hidden = seq_len * hidden * compute_bytes / 2
+    per_block = entry["per_block"]
+    at_loss = [run for run in entry["runs"] if not run["in_block"]]
+    in_block = [run for run in entry["runs"] if run["in_block"]]
+    logits, outside = float(LOGITS_BYTES_AT_PEAK), OUTSIDE_ESTIMATE
+    if at_loss:
+        rest = max(0, at_loss[-1]["held"] - at_loss[-1]["blocks"] * per_block)
+        logits_bytes = seq_len * vocab * LOGITS_BYTES_AT_PEAK
+        if rest >= logits_bytes:
+            outside = (rest - logits_bytes) / tokens_hidden
+        else:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
+            logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
+    own = None
+    if in_block:
+        run = in_block[-1]
+        own = max(0, run["held"] - (run["blocks"] - 1) * per_block) / tokens_hidden
+    return BlockActivations(saved=per_block / tokens_hidden, checkpointed=2.0, outside=outside, logits=logits,
+                            in_block=own, measured=entry["measured"], rehearsed_seq_len=seq_len,
+                            rehearsed_precision=entry["precision"])
+
+
+def rehearsed_block_activations(config, *, seq_len: int, precision: str, trust_remote_code: bool = False):
+    """``(BlockActivations or None, problem or None)``: the model's own terms, from the cache or a
+    new rehearsal (then cached); None and why where a rehearsal cannot run (the planner then
+    estimates from the family constants)."""
+    if os.environ.get(REHEARSAL_ENV, "").strip().lower() == "off":
+        return None, f"{REHEARSAL_ENV}=off"
+    if not getattr(config, "vocab_size", None) or not getattr(config, "hidden_size", None) or \
+            not getattr(config, "num_hidden_layers", None):
+        return None, "not a decoder with hidden_size, num_hidden_layers and vocab_size in its config"
+    folder = cache_dir()
+    path = None
+    if folder is not None:
+        path = folder / "activations" / f"{config_key(config, seq_len=seq_len, precision=precision)}.json"
+        entry = _read_cached(path)
+        if entry is not None:
+            return terms_from_entry(entry), None
+    try:
+        entry = measure(config, seq_len=seq_len, precision=precision, trust_remote_code=trust_remote_code)
+    except Exception as error:  # any model the rehearsal cannot run: the planner falls back, and says why
+        return None, f"the rehearsal could not run ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
+    if path is not None:
+        from fsdp_presets.fileio import write_json_atomic
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(path, entry)
+        except OSError:
+            pass  # a read-only cache: the terms are still used, the next plan rehearses again
+    return terms_from_entry(entry), None
+
+
+__all__ = ["CACHE_ENV", "REHEARSAL_ENV", "cache_dir", "config_key", "measure", "rehearsed_block_activations",
+           "terms_from_entry"]

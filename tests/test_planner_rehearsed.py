@@ -1,0 +1,99 @@
+"""The planner's activation terms read off a short rehearsal of the model's own config
+(fsdp_presets/plan/measured_activations.py) against a full rehearsal of the same config, on
+families the project keeps no constants for. Published configs, cut to 4 blocks and a 1024-token
+sequence so the suite stays fast: the planner composes per-block terms, so a 4-block model tests
+the composition as a 40-block one does (scripts/planner_accuracy.py runs full sizes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
+
+FAMILIES = {
+    # model_type: published config values (the model's config.json), layers cut to 4
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False},
+    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "hidden_size": 6144, "intermediate_size": 24576,
+                   "num_attention_heads": 48, "num_key_value_heads": 4, "vocab_size": 49152,
+                   "max_position_embeddings": 16384, "use_bias": True, "sliding_window": 4096},
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 100352,
+              "max_position_embeddings": 4096},
+    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+                    "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "num_attention_heads": 16,
+                    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 163840},
+}
+LAYERS, SEQ, GPUS = 4, 1024, 8
+
+
+@pytest.fixture(scope="module")
+def rehearsal_cache(tmp_path_factory):
+    """Rehearsals on, the cache in a temporary folder (never the user's)."""
+    folder = tmp_path_factory.mktemp("fsdp-presets-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FSDP_PRESETS_CACHE", str(folder))
+        patch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "on")
+        yield folder
+
+
+def _model_folder(tmp_path, model_type):
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "num_hidden_layers": LAYERS,
+                                                    **FAMILIES[model_type]}), encoding="utf-8")
+    return str(folder)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, monkeypatch, model_type):
+    from fsdp_presets.commands.plan import with_rehearsed_terms
+    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+    from fsdp_presets.preset.rehearse_request import rehearse_request, request_from_flags
+
+    assert model_type not in BLOCK_ACTIVATIONS  # a family the planner had no constants for
+    source = _model_folder(tmp_path, model_type)
+    shape, note = with_rehearsed_terms(source, TrainingShape(seq_len=SEQ))
+    assert note["source"] == "composed from a rehearsal", note
+    assert list((rehearsal_cache / "activations").glob("*.json"))  # cached under the chosen folder
+    row = plan(_profile(source), Hardware(gpus=GPUS, gpu_memory_bytes=80 * GiB), shape).get("FULL_SHARD", 2)
+    assert row.source == "composed from a rehearsal"
+    document, _, _ = rehearse_request(request_from_flags(source, gpus=GPUS, seq_len=SEQ, gpu_memory_gib=80),
+                                      source=source, preset_file=False)
+    rehearsed = document["rehearsal"]["per_gpu_peak_bytes"]
+    assert abs(row.per_gpu.total - rehearsed) / rehearsed < 0.10, (row.per_gpu, document["rehearsal"], shape.measured)
+    assert (row.per_gpu.total <= 80 * GiB * 0.9) == (rehearsed <= 80 * GiB * 0.9)  # the same verdict
+    if model_type == "qwen3":
+        _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch)
+
+
+def _profile(source):
+    from fsdp_presets.preset.generate import load_profile
+
+    return load_profile(source)
+
+
+def _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch):
+    """A second plan of the same config reads the cache; with the cache off it rehearses again;
+    with rehearsals off it estimates, and says so."""
+    from fsdp_presets.commands.plan import with_rehearsed_terms
+    from fsdp_presets.plan import measured_activations
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("rehearsed again")
+
+    monkeypatch.setattr(measured_activations, "measure", refuse)
+    again, note = with_rehearsed_terms(source, shape.replace(measured=None))
+    assert again.measured == shape.measured and note["source"] == "composed from a rehearsal"
+    monkeypatch.setenv("FSDP_PRESETS_CACHE", "off")
+    _, note = with_rehearsed_terms(source, shape.replace(measured=None))
+    assert note["source"] == "estimated" and "rehearsed again" in note["how"]
+    monkeypatch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "off")
+    _, note = with_rehearsed_terms(source, shape.replace(measured=None))
+    assert note == {"source": "estimated", "how": "family constants (FSDP_PRESETS_PLAN_REHEARSAL=off)"}
