@@ -19,7 +19,7 @@ from fsdp_harness.launch import write_accelerate_config
 # processes (kill a rank, Ctrl-C) launch for real; FSDP_HARNESS_FORKED_LAUNCH=0 makes every launch real.
 os.environ.setdefault(FORKED_LAUNCH, "1")
 
-# `plan` rehearses each model's activation terms on first use (fsdp_presets/plan/measured_activations.py).
+# `plan` rehearses each model's activation terms on first use (fsdp_presets/preset/measured_activations.py).
 # The suite plans with the family constants, as before, and never touches the user's cache; the
 # tests of the rehearsed terms (tests/test_planner_rehearsed.py) turn it on with a temporary cache.
 os.environ["FSDP_PRESETS_PLAN_REHEARSAL"] = "off"

@@ -1,5 +1,5 @@
 """The planner's activation terms read off a short rehearsal of the model's own config
-(fsdp_presets/plan/measured_activations.py) against a full rehearsal of the same config, on
+(fsdp_presets/preset/measured_activations.py) against a full rehearsal of the same config, on
 families the project keeps no constants for. Published configs, cut to 4 blocks and a 1024-token
 sequence so the suite stays fast: the planner composes per-block terms, so a 4-block model tests
 the composition as a 40-block one does (scripts/planner_accuracy.py runs full sizes)."""
@@ -83,7 +83,7 @@ def _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch):
     """A second plan of the same config reads the cache; with the cache off it rehearses again;
     with rehearsals off it estimates, and says so."""
     from fsdp_presets.commands.plan import with_rehearsed_terms
-    from fsdp_presets.plan import measured_activations
+    from fsdp_presets.preset import measured_activations
 
     def refuse(*args, **kwargs):
         raise RuntimeError("rehearsed again")

@@ -151,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
 
 def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False):
     """``(shape, note)``: ``shape`` with this model's own activation terms from a short, cached
-    rehearsal (:mod:`fsdp_presets.plan.measured_activations`) where one applies and can run, and
+    rehearsal (:mod:`fsdp_presets.preset.measured_activations`) where one applies and can run, and
     ``note`` (``source``: ``composed from a rehearsal`` or ``estimated``; ``how``) saying which."""
-    from fsdp_presets.plan.measured_activations import cache_dir, rehearsed_block_activations
+    from fsdp_presets.preset.measured_activations import cache_dir, rehearsed_block_activations
 
     if shape.lora is not None:
         return shape, {"source": "estimated", "how": "LoRA/QLoRA terms from the family constants (rehearsals run "

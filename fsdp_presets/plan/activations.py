@@ -33,7 +33,7 @@ class BlockActivations:
     measured: str
     """The rehearsals that produced the numbers, and what they measured."""
     rehearsed_seq_len: int | None = None
-    """Set for a model's own terms (:mod:`fsdp_presets.plan.measured_activations`): the sequence
+    """Set for a model's own terms (:mod:`fsdp_presets.preset.measured_activations`): the sequence
     length they were rehearsed at (the block coefficient holds that length's attention terms)."""
     rehearsed_precision: str | None = None
     """With :attr:`rehearsed_seq_len`: the precision rehearsed."""

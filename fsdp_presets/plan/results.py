@@ -123,7 +123,7 @@ class StrategyPlan:
     """Caveats that apply to this row (e.g. offload not available)."""
     source: str = "estimated"
     """How the figures were obtained: ``composed from a rehearsal`` (this model's own activation
-    terms, :mod:`fsdp_presets.plan.measured_activations`, composed for a strategy a rehearsal can
+    terms, :mod:`fsdp_presets.preset.measured_activations`, composed for a strategy a rehearsal can
     follow) or ``estimated`` (family constants, or a strategy no rehearsal follows)."""
 
     @property

@@ -153,7 +153,7 @@ class TrainingShape:
     """LoRA or QLoRA (:class:`LoraShape`); None for full fine-tuning."""
     measured: object = None
     """The model's own activation terms (a :class:`fsdp_presets.plan.activations.BlockActivations`
-    read off a short rehearsal, :mod:`fsdp_presets.plan.measured_activations`), used where its
+    read off a short rehearsal, :mod:`fsdp_presets.preset.measured_activations`), used where its
     ``seq_len`` and ``precision`` are this shape's; None: the family constants."""
 
     @property

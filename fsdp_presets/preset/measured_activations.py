@@ -4,7 +4,9 @@ and cached on disk::
     terms, problem = rehearsed_block_activations(config, seq_len=4096, precision="bf16")
     shape = shape.replace(measured=terms)      # the planner composes them (plan/activations.py)
 
-The rehearsal (:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks,
+It lives with the presets because the rehearsal runs the accelerate config a preset decision
+writes for the model (the planner itself only composes the terms it is given). The rehearsal
+(:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks,
 micro-batch 1, one step) runs the config twice, with 1 and 2 blocks at full width and the real
 sequence length, embedding and head. At the peak (the loss's backward) what is neither model
 state nor gathered parameters is activations and temporaries; the difference between the two
