@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdp_presets.preset.emit import written_config
-from fsdp_presets.schema import FSDP_CONFIG, FSDP_PREFIX, K
+from fsdp_presets.schema import FSDP_CONFIG, FSDP_PREFIX, K, T
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "runs" / "models" / "smollm2-135m-instruct"
@@ -76,11 +76,11 @@ def accelerate_default_fsdp2(layer_class: str, processes: int) -> dict:
         "state_dict_type": "SHARDED_STATE_DICT", "transformer_layer_cls_to_wrap": layer_class, "version": 2,
     })[FSDP_CONFIG]
     return {
-        "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP",
-        "downcast_bf16": "no", "enable_cpu_affinity": False, FSDP_CONFIG: fsdp,
-        "machine_rank": 0, "main_training_function": "main", "mixed_precision": "no", "num_machines": 1,
-        "num_processes": processes, "rdzv_backend": "static", "same_network": True, "tpu_env": [],
-        "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False,
+        T.compute_environment: "LOCAL_MACHINE", T.debug: False, T.distributed_type: "FSDP",
+        T.downcast_bf16: "no", T.enable_cpu_affinity: False, FSDP_CONFIG: fsdp,
+        T.machine_rank: 0, T.main_training_function: "main", T.mixed_precision: "no", T.num_machines: 1,
+        T.num_processes: processes, T.rdzv_backend: "static", T.same_network: True, T.tpu_env: [],
+        T.tpu_use_cluster: False, T.tpu_use_sudo: False, T.use_cpu: False,
     }
 
 

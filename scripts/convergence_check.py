@@ -39,7 +39,7 @@ from pathlib import Path
 from fsdp_presets import compare
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.emit import ddp_baseline_of
-from fsdp_presets.schema import PARALLELISM_CONFIG, P
+from fsdp_presets.schema import P, PARALLELISM_CONFIG, T
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -89,7 +89,7 @@ def load_config(path: str | os.PathLike) -> dict:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise UsageError(f"{config_path} is not valid YAML{where}; give an accelerate config file") from None
-    if not isinstance(config, dict) or "distributed_type" not in config:
+    if not isinstance(config, dict) or T.distributed_type not in config:
         raise UsageError(f"{config_path} is not an accelerate config (no distributed_type)")
     return config
 
@@ -110,9 +110,9 @@ def ddp_baseline_config(candidate: dict, source: str) -> tuple[dict, str]:
             f"{source} uses model parallelism ({model_parallel}): DDP over the same processes would have "
             "another data-parallel size and global batch; give the baseline with --baseline"
         )
-    if int(candidate.get("num_machines", 1) or 1) > 1:
+    if int(candidate.get(T.num_machines, 1) or 1) > 1:
         raise UsageError(
-            f"{source} spans {candidate['num_machines']} machines: run the recipe on every node with your "
+            f"{source} spans {candidate[T.num_machines]} machines: run the recipe on every node with your "
             "launcher, once with this config and once with its DDP baseline, then compare the two run "
             "folders with `fsdp-presets compare`"
         )
