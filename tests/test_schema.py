@@ -15,7 +15,7 @@ from fsdp_presets.check.lint import accelerate_view
 from fsdp_presets.preset.emit import written_config
 
 REPO = Path(__file__).resolve().parent.parent
-SCANNED = ("fsdp_presets", "scripts", "recipes", "fsdp_harness")
+SCANNED = ("fsdp_presets", "scripts", "recipes", "harness/fsdp_harness")
 OWNER = REPO / "fsdp_presets" / "schema.py"
 KEY_NAMES = frozenset(key.name for key in schema.FSDP_KEYS) | {schema.FSDP_CONFIG}
 TOP_NAMES = frozenset(key.name for key in schema.TOP_LEVEL_KEYS) - KEY_NAMES
@@ -38,8 +38,8 @@ NOT_KEYS = {
     ("fsdp_presets/checkpoint/run_folder.py", "parallelism_config"),
     ("fsdp_presets/checkpoint/manager.py", "distributed_type"),
     ("fsdp_presets/compare/records.py", "distributed_type"), ("fsdp_presets/compare/report.py", "distributed_type"),
-    ("scripts/bench_worker.py", "distributed_type"), ("fsdp_harness/step_bench.py", "distributed_type"),
-    ("fsdp_harness/bench.py", "distributed_type"),
+    ("scripts/bench_worker.py", "distributed_type"), ("harness/fsdp_harness/step_bench.py", "distributed_type"),
+    ("harness/fsdp_harness/bench.py", "distributed_type"),
 }
 
 

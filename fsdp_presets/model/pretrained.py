@@ -1,6 +1,6 @@
 """The real pretrained models that ship inside packages, as plain Hugging Face folders: what
 ``scripts/prepare_models.py`` (its docstring says which models and from where), the demo and the
-tests prepare. Idempotent: a folder that records the same source file digest is kept.
+tests prepare. Neither package is imported; their folders are found through importlib. Idempotent: a folder that records the same source file digest is kept.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 from fsdp_presets.fileio import sha256_file
 
-REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
 SOURCE = "source.json"  # what a prepared folder was made from
@@ -23,8 +22,10 @@ MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
                 "special_tokens_map.json")
 
 
-def default_cache() -> Path:
-    return Path(os.environ.get("FSDP_PRESETS_CACHE", REPO / "runs" / "models"))
+def default_cache(checkout: Path) -> Path:
+    """Where prepared folders go: ``$FSDP_PRESETS_CACHE``, else ``runs/models`` in ``checkout`` (the
+    paths the generated presets' launch lines name)."""
+    return Path(os.environ.get("FSDP_PRESETS_CACHE", Path(checkout) / "runs" / "models"))
 
 
 def package_folder(module: str, distribution: str) -> Path:
@@ -103,8 +104,8 @@ def prepare_minilm(cache: Path) -> Path:
     return folder
 
 
-def prepare(cache: Path | None = None) -> dict[str, Path]:
+def prepare(cache: Path) -> dict[str, Path]:
     """Both folders, prepared if needed: ``{"smollm2": ..., "minilm": ...}``."""
-    cache = Path(cache or default_cache())
+    cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
     return {"smollm2": prepare_smollm2(cache), "minilm": prepare_minilm(cache)}
