@@ -112,9 +112,9 @@ def test_bad_input_exits_2_before_any_launch(tmp_path, capsys):
 
 
 def test_recipe_arguments_are_the_same_for_both_runs_and_start_fresh(tmp_path):
-    request = request_of(["--model", "m", "--data", "d", "--config", "c", "--seq-len", "64",
+    request = request_of(["--model", "m", "--data", "d", "--config", "c", "--seq-len", "64", "--max-steps", "12",
                           "--learning-rate", "0.001", "--", "--warmup-steps", "2"])
-    flags = check.recipe_arguments(request, tmp_path / "run", 12, ["--extra"])
+    flags = check.recipe_arguments(request.training, tmp_path / "run", ["--extra"])
     assert flags[:2] == ["--model", "m"]
     assert flags[flags.index("--max-steps") + 1] == "12" and flags[flags.index("--seed") + 1] == "1234"
     assert flags[flags.index("--resume") + 1] == "none"

@@ -45,15 +45,16 @@ def request_from(args: argparse.Namespace):
     """The :class:`~fsdp_presets.compare.converge.ConvergeRequest` the parsed flags make."""
     import shlex
 
-    from fsdp_presets.compare.converge import ConvergeRequest
+    from fsdp_presets.compare.converge import ConvergeRequest, Training
 
-    return ConvergeRequest(
-        model=args.model, data=args.data, config=args.config, baseline=args.baseline, baseline_run=args.baseline_run,
-        output_dir=args.output_dir, recipe=args.recipe, max_steps=args.max_steps, seed=args.seed,
-        micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-        learning_rate=args.learning_rate, seq_len=args.seq_len, resume_at=args.resume_at, tolerance=args.tolerance,
-        candidate_args=shlex.split(args.candidate_args), baseline_args=shlex.split(args.baseline_args),
-        recipe_args=list(args.recipe_args), timeout=args.timeout)
+    training = Training(model=args.model, data=args.data, recipe=args.recipe, max_steps=args.max_steps, seed=args.seed,
+                        micro_batch_size=args.micro_batch_size,
+                        gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        learning_rate=args.learning_rate, seq_len=args.seq_len, recipe_args=list(args.recipe_args))
+    return ConvergeRequest(training=training, config=args.config, baseline=args.baseline,
+                           baseline_run=args.baseline_run, output_dir=args.output_dir, resume_at=args.resume_at,
+                           tolerance=args.tolerance, candidate_args=shlex.split(args.candidate_args),
+                           baseline_args=shlex.split(args.baseline_args), timeout=args.timeout)
 
 
 def run(args: argparse.Namespace) -> int:

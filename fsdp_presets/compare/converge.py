@@ -2,7 +2,7 @@
 baseline with the same seed, data and global batch, then compare the two runs step by step
 (``fsdp-presets converge``; ``scripts/convergence_check.py`` calls that command).
 
-    comparison = converge(ConvergeRequest(model="runs/models/m", data="train.jsonl",
+    comparison = converge(ConvergeRequest(training=Training(model="runs/models/m", data="train.jsonl"),
                                           config="accelerate_configs/cpu_fsdp2_demo.yaml"))
 
 It writes ``OUTPUT_DIR/{baseline,candidate}/`` (two recipe runs, launched with ``accelerate
@@ -56,12 +56,31 @@ Runner = Callable[..., int]
 
 
 @dataclass(kw_only=True)
-class ConvergeRequest:
-    """What to check: the flags of ``fsdp-presets converge``. Unset recipe settings (None) leave the
-    recipe's default, the same in both runs."""
+class Training:
+    """What both runs train, the same in each. Unset settings (None) leave the recipe's default."""
 
     model: str
+    """The model folder (or config) the recipe fine-tunes."""
     data: str
+    """The training data file the recipe reads."""
+    recipe: str = DEFAULT_RECIPE
+    """The training script."""
+    max_steps: int = DEFAULT_MAX_STEPS
+    """Optimizer steps per run."""
+    seed: int = DEFAULT_SEED
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    learning_rate: float | None = None
+    seq_len: int | None = None
+    recipe_args: list[str] = field(default_factory=list)
+    """Extra recipe arguments for both runs."""
+
+
+@dataclass(kw_only=True)
+class ConvergeRequest:
+    """What to check: the flags of ``fsdp-presets converge``."""
+
+    training: Training
     config: str
     """The candidate's accelerate config (FSDP)."""
     baseline: str | None = None
@@ -69,21 +88,15 @@ class ConvergeRequest:
     baseline_run: str | None = None
     """An existing baseline run folder (no baseline launch)."""
     output_dir: str = "runs/convergence"
-    recipe: str = DEFAULT_RECIPE
-    max_steps: int = DEFAULT_MAX_STEPS
-    seed: int = DEFAULT_SEED
-    micro_batch_size: int | None = None
-    gradient_accumulation_steps: int | None = None
-    learning_rate: float | None = None
-    seq_len: int | None = None
+    """Where both runs, the report, the plot and the JSON result go."""
     resume_at: int | None = None
+    """Stop the candidate after its checkpoint of this step and resume it in a second launch."""
     tolerance: str = "auto"
+    """``auto`` (by precision) or a relative tolerance (:func:`~fsdp_presets.compare.tolerance.parse_tolerance`)."""
     candidate_args: list[str] = field(default_factory=list)
     """Extra recipe arguments for the candidate only."""
     baseline_args: list[str] = field(default_factory=list)
     """Extra recipe arguments for the baseline only."""
-    recipe_args: list[str] = field(default_factory=list)
-    """Extra recipe arguments for both runs."""
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds allowed per launch."""
 
@@ -146,28 +159,28 @@ def write_config(config: dict, header: str, path: Path) -> Path:
     return path
 
 
-def recipe_arguments(request: ConvergeRequest, output_dir: Path, max_steps: int, extra: list[str]) -> list[str]:
+def recipe_arguments(training: Training, output_dir: Path, extra: list[str]) -> list[str]:
     """The recipe flags both runs share (only those the user set, so recipe defaults apply alike)."""
     values = [
-        ("--model", request.model), ("--data", request.data), ("--output-dir", output_dir),
-        ("--max-steps", max_steps), ("--seed", request.seed),
-        ("--micro-batch-size", request.micro_batch_size),
-        ("--gradient-accumulation-steps", request.gradient_accumulation_steps),
-        ("--learning-rate", request.learning_rate), ("--seq-len", request.seq_len),
+        ("--model", training.model), ("--data", training.data), ("--output-dir", output_dir),
+        ("--max-steps", training.max_steps), ("--seed", training.seed),
+        ("--micro-batch-size", training.micro_batch_size),
+        ("--gradient-accumulation-steps", training.gradient_accumulation_steps),
+        ("--learning-rate", training.learning_rate), ("--seq-len", training.seq_len),
     ]
     flags = [item for flag, value in values if value is not None for item in (flag, str(value))]
     # A fresh run: never continue a checkpoint found in the folder (a resume is asked explicitly).
-    return flags + ["--resume", "none"] + list(request.recipe_args) + list(extra)
+    return flags + ["--resume", "none"] + list(training.recipe_args) + list(extra)
 
 
 def _problems(request: ConvergeRequest) -> list[str]:
-    problems = []
-    if not Path(request.recipe).is_file():
-        problems.append(f"recipe {request.recipe} does not exist")
-    if request.max_steps < 1:
-        problems.append(f"--max-steps must be >= 1 (got {request.max_steps})")
-    if request.resume_at is not None and not 1 <= request.resume_at < request.max_steps:
-        problems.append(f"--resume-at must be between 1 and --max-steps - 1 = {request.max_steps - 1} "
+    problems, training = [], request.training
+    if not Path(training.recipe).is_file():
+        problems.append(f"recipe {training.recipe} does not exist")
+    if training.max_steps < 1:
+        problems.append(f"--max-steps must be >= 1 (got {training.max_steps})")
+    if request.resume_at is not None and not 1 <= request.resume_at < training.max_steps:
+        problems.append(f"--resume-at must be between 1 and --max-steps - 1 = {training.max_steps - 1} "
                         f"(got {request.resume_at})")
     if request.baseline and request.baseline_run:
         problems.append("give --baseline (a config to launch) or --baseline-run (a finished run), not both")
@@ -225,7 +238,7 @@ def converge(request: ConvergeRequest, *, runner: Runner = run_logged,
     if taken:
         raise UsageError(f"{' and '.join(taken)} already exist; choose a new --output-dir (or remove them) "
                          "so that no earlier run is mixed into this check (nothing was run)")
-    launch = _Launcher(recipe=request.recipe, timeout=request.timeout, runner=runner, say=say)
+    launch = _Launcher(recipe=request.training.recipe, timeout=request.timeout, runner=runner, say=say)
 
     # ---- baseline -----------------------------------------------------------------------------
     if request.baseline_run:
@@ -239,13 +252,13 @@ def converge(request: ConvergeRequest, *, runner: Runner = run_logged,
             config, header = ddp_baseline_config(load_config(candidate_config), str(candidate_config))
             baseline_config = write_config(config, header, output / "baseline-ddp.yaml")
         baseline_dir = output / "baseline"
-        launch(baseline_config, recipe_arguments(request, baseline_dir, request.max_steps, request.baseline_args),
+        launch(baseline_config, recipe_arguments(request.training, baseline_dir, request.baseline_args),
                output / "baseline.log", "baseline")
 
     # ---- candidate ----------------------------------------------------------------------------
     candidate_dir = output / "candidate"
     if request.resume_at is None:
-        launch(candidate_config, recipe_arguments(request, candidate_dir, request.max_steps, request.candidate_args),
+        launch(candidate_config, recipe_arguments(request.training, candidate_dir, request.candidate_args),
                output / "candidate.log", "candidate")
     else:
         _interrupted_and_resumed(request, launch, candidate_config, candidate_dir, output)
@@ -277,8 +290,8 @@ def _interrupted_and_resumed(request: ConvergeRequest, launch: _Launcher, config
     # NOTE: the save of step K must commit; the kill comes in the next save (step 2K, or the final
     # save at --max-steps), after every rank wrote its shards and before the manifest: the worst
     # moment, and it leaves step K as the last committed checkpoint.
-    kill_step = min(2 * resume_at, request.max_steps)
-    recipe_args = (recipe_arguments(request, run_dir, request.max_steps, request.candidate_args)
+    kill_step = min(2 * resume_at, request.training.max_steps)
+    recipe_args = (recipe_arguments(request.training, run_dir, request.candidate_args)
                    + ["--save-every", str(resume_at)])
     launch(config, recipe_args, output / "candidate-part1.log", f"candidate, killed during the save of step {kill_step}",
            extra_env={FAULT_ENV: f"kill-during-save:step={kill_step}"}, expect_kill=True)
