@@ -278,6 +278,15 @@ def add_device(parser: argparse.ArgumentParser, *, default_help: str = "") -> No
                         "host (demos, CI; fp32, no offload)")
 
 
+def add_tolerance(parser: argparse.ArgumentParser) -> None:
+    """``--tolerance``: how far two runs may drift apart ('auto' or a relative tolerance, checked by
+    :func:`fsdp_presets.compare.tolerance.parse_tolerance`)."""
+    parser.add_argument("--tolerance", default="auto", metavar="auto|REL",
+                        help="largest relative deviation |a-b|/max(|a|,|b|) accepted for loss and "
+                        "grad_norm; 'auto' (default) follows the runs' precision: fp32 1e-6, bf16 "
+                        "calibrated (docs/convergence.md)")
+
+
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
     """``--trust-remote-code``: off unless given."""
     parser.add_argument("--trust-remote-code", action="store_true",

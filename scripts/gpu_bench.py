@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from fsdp_harness import doc_sections
+from fsdp_presets.schema import T
 from fsdp_presets.checkpoint.layout import METRICS
 from fsdp_harness.gpu_report import SECTION, UsageProblem, peak_tflops_for, summarise, to_markdown
 
@@ -111,9 +112,9 @@ def recipe_arguments(settings: dict, work_dir: Path) -> list[str]:
 def accelerate_yaml(settings: dict) -> str:
     import yaml
 
-    return yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO", "num_processes": 1,
-                           "num_machines": 1, "machine_rank": 0, "mixed_precision": settings["precision"],
-                           "gpu_ids": "0", "use_cpu": False}, sort_keys=False)
+    return yaml.safe_dump({T.compute_environment: "LOCAL_MACHINE", T.distributed_type: "NO", T.num_processes: 1,
+                           T.num_machines: 1, T.machine_rank: 0, T.mixed_precision: settings["precision"],
+                           T.gpu_ids: "0", T.use_cpu: False}, sort_keys=False)
 
 
 def write_model(folder: Path, model_config: dict) -> None:
@@ -221,7 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     first.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the medians (default 5)")
     first.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default 4)")
     first.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    first.add_argument("--precision", default="bf16", help="accelerate mixed_precision: bf16 (default), fp16, no")
+    first.add_argument("--precision", default="bf16", help=f"accelerate {T.mixed_precision}: bf16 (default), fp16, no")
     first.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s of the GPU (default: datasheet table)")
     first.add_argument("--gpu-name", help="GPU name for the peak lookup (default: the detected one)")
     first.add_argument("--model-config", help="another model's config.json (default: the ~1B Llama above)")

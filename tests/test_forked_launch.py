@@ -1,4 +1,4 @@
-"""The suite's forked launches (fsdp_harness/forked_launch.py) give the ranks what a real
+"""The suite's forked launches (harness/fsdp_harness/forked_launch.py) give the ranks what a real
 ``accelerate launch`` gives them: the same environment, argv, module name, import path, working
 directory, streams, signal handlers and session, a real gloo group, the same exit statuses when a
 rank fails, and atexit handlers that run as they do in a new interpreter; and a recipe run forked

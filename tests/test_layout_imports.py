@@ -1,7 +1,8 @@
 """The package's import direction, read off the source with ``ast`` (imports inside functions
 count too, so a lazy import cannot slip past):
 
-- nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``);
+- nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``), nor
+  do the user-facing scripts, and the harness is not installed with the package;
 - the config stages (model, rehearse, plan, preset, check) import only the stages before them,
   never the run side (train, checkpoint, compare) or the commands;
 - ``fsdp_presets.checkpoint`` imports none of the config stages (nor train or compare);
@@ -68,6 +69,28 @@ def test_the_scan_sees_lazy_and_relative_imports(tmp_path):
 
 def test_runtime_package_never_imports_the_harness():
     assert violations(PACKAGE, ("fsdp_harness",)) == []
+
+
+USER_SCRIPTS = ("demo.py", "convergence_check.py", "prepare_models.py")
+"""The scripts README and docs send users to: they run with fsdp-presets alone."""
+
+
+def test_user_facing_scripts_never_import_the_harness():
+    found = [f"scripts/{name}:{line} imports {module}" for name in USER_SCRIPTS
+             for line, module in imported_modules(REPO / "scripts" / name)
+             if module == "fsdp_harness" or module.startswith("fsdp_harness.")]
+    assert found == []
+
+
+def test_the_harness_is_a_package_of_its_own():
+    """fsdp-presets installs ``fsdp_presets*`` only; the harness has its own project file."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["fsdp_presets*"]
+    harness = tomllib.loads((REPO / "harness" / "pyproject.toml").read_text())
+    assert harness["tool"]["setuptools"]["packages"]["find"]["include"] == ["fsdp_harness*"]
+    assert (REPO / "harness" / "fsdp_harness" / "__init__.py").is_file() and not (REPO / "fsdp_harness").exists()
 
 
 CONFIG_FLOW = ("model", "rehearse", "plan", "preset", "check")

@@ -17,7 +17,8 @@ from conftest import REPO, WORKERS, accelerate_config
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
                                     job_from_config, render_slurm)
-from fsdp_harness.launch import free_port, launch_env, read_rank_results
+from fsdp_harness.launch import launch_env, read_rank_results
+from fsdp_presets.preset.local_launch import free_port
 
 TRAIN_COMMAND = "recipes/causal_lm.py --model runs/models/llama --data 'my data/train.jsonl' --output-dir runs/x"
 SLURM_NODES = ["gpu07", "gpu08"]

@@ -17,7 +17,8 @@ import pytest
 
 import checkpoint_runs as runs
 from fsdp_harness.drill import rank_pid
-from fsdp_harness.launch import launch_command, launch_env, run_launch
+from fsdp_harness.launch import launch_env, run_launch
+from fsdp_presets.preset.local_launch import launch_command
 from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import FAULT_ENV

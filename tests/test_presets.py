@@ -17,7 +17,8 @@ from fsdp_presets.preset.emit import read_metadata, render_preset
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.presets import PresetRequest, decide, parse_global_batch
 from fsdp_presets.model.profile import profile_model
-from fsdp_harness.launch import free_port, read_rank_results, run_launch
+from fsdp_harness.launch import read_rank_results, run_launch
+from fsdp_presets.preset.local_launch import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets.train.metrics import read_metrics
-from fsdp_harness.launch import launch_command, launch_env, run_launch
+from fsdp_harness.launch import launch_env, run_launch
+from fsdp_presets.preset.local_launch import launch_command
 import checkpoint_runs as runs
 import classification_runs
 from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL,
@@ -175,7 +176,7 @@ def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(ref
 
 @pytest.mark.slow
 def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
-    from fsdp_harness.pretrained import prepare_minilm
+    from fsdp_presets.checkpoint.pretrained import prepare_minilm
 
     minilm = prepare_minilm(tmp_path / "models")
     config = tmp_path / "minilm_fsdp2.yaml"

@@ -15,10 +15,12 @@ from fsdp_presets.check.lint import accelerate_view
 from fsdp_presets.preset.emit import written_config
 
 REPO = Path(__file__).resolve().parent.parent
-SCANNED = ("fsdp_presets", "scripts", "recipes", "fsdp_harness")
+SCANNED = ("fsdp_presets", "scripts", "recipes", "harness/fsdp_harness")
 OWNER = REPO / "fsdp_presets" / "schema.py"
 KEY_NAMES = frozenset(key.name for key in schema.FSDP_KEYS) | {schema.FSDP_CONFIG}
+TOP_NAMES = frozenset(key.name for key in schema.TOP_LEVEL_KEYS) - KEY_NAMES
 WORD = re.compile(r"\bfsdp_[a-z0-9_]+\b(:?)")
+TOP_WORD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(TOP_NAMES, key=len, reverse=True)) + r")\b(:?)")
 # Python names that share a key's spelling: `Parallelism.fsdp_version`, the plugin's `fsdp_version`, the
 # planner's JSON field and argument. Spelled as such they are those names; spelled as a YAML key
 # (`fsdp_version: 2`) they are the key.
@@ -26,6 +28,19 @@ SHARED_NAMES = frozenset({"fsdp_version"})
 # A top-level module imports no subpackage (tests/test_layout_imports.py), so the one error of
 # fsdp_presets.cpu_fsdp that names the key the user must set spells it itself.
 ALLOWED = {("fsdp_presets/cpu_fsdp.py", "fsdp_offload_params")}
+# Names that share a top-level key's spelling without being one: `distributed_type` is also a field of
+# run.json and of the benchmarks' per-rank results (the accelerator's attribute, recorded), and
+# accelerate's AcceleratorState and Accelerator hold `mixed_precision`, `distributed_type` and
+# `parallelism_config` as attributes.
+NOT_KEYS = {
+    ("fsdp_presets/cpu_fsdp.py", "mixed_precision"), ("fsdp_presets/cpu_fsdp.py", "distributed_type"),
+    ("fsdp_presets/checkpoint/run_folder.py", "distributed_type"),
+    ("fsdp_presets/checkpoint/run_folder.py", "parallelism_config"),
+    ("fsdp_presets/checkpoint/manager.py", "distributed_type"),
+    ("fsdp_presets/compare/records.py", "distributed_type"), ("fsdp_presets/compare/report.py", "distributed_type"),
+    ("scripts/bench_worker.py", "distributed_type"), ("harness/fsdp_harness/step_bench.py", "distributed_type"),
+    ("harness/fsdp_harness/bench.py", "distributed_type"),
+}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -48,6 +63,23 @@ def key_spellings(source: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def top_level_spellings(source: str) -> list[tuple[int, str]]:
+    """(line, key) for every top-level accelerate key spelled in a string of ``source``: a string that is
+    the key (``config.get("num_processes")``), or a key written as in YAML in a message
+    (``"add debug: false"``). A launch flag (``--num_processes``) and an attribute are not keys."""
+    tree = ast.parse(source)
+    docstrings = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            if node.value in TOP_NAMES:
+                found.append((node.lineno, node.value))
+                continue
+            found += [(node.lineno, match.group(1)) for match in TOP_WORD.finditer(node.value)
+                      if match.group(2)]
+    return sorted(found)
+
+
 def test_the_scanner_sees_a_key_in_a_string_an_f_string_and_a_dict_but_not_in_a_docstring():
     source = ('"""fsdp_sync_module_states in a docstring"""\n'
               'x = {"fsdp_offload_params": True}\n'
@@ -57,6 +89,35 @@ def test_the_scanner_sees_a_key_in_a_string_an_f_string_and_a_dict_but_not_in_a_
               'w = "set fsdp_version: 2"\n')
     assert key_spellings(source) == [(2, "fsdp_offload_params"), (3, "fsdp_sync_module_states"),
                                      (6, "fsdp_version")]
+
+
+def test_the_scanner_sees_a_top_level_key_as_a_string_or_yaml_but_not_a_flag_or_an_attribute():
+    source = ('"""num_processes in a docstring"""\n'
+              'a = config.get("num_processes")\n'
+              'b = f"set mixed_precision: bf16, got {a}"\n'
+              'c = "add debug: false"\n'
+              'd = "turn debug off"  # num_machines in a comment\n'
+              'e = "debug"\n'
+              'f = "config.num_machines is the view, --num_machines the flag"\n'
+              'g = "set num_processes to 2"\n')
+    assert top_level_spellings(source) == [(2, "num_processes"), (3, "mixed_precision"), (4, "debug"),
+                                           (6, "debug")]
+
+
+def test_each_top_level_accelerate_key_is_spelled_only_in_the_schema_table():
+    spelled = {}
+    for folder in SCANNED:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            name = str(path.relative_to(REPO))
+            if path == OWNER:
+                continue
+            for line, key in top_level_spellings(path.read_text(encoding="utf-8")):
+                if (name, key) not in NOT_KEYS:
+                    spelled.setdefault(key, []).append(f"{name}:{line}")
+    assert not spelled, ("top-level accelerate keys spelled outside fsdp_presets/schema.py (use schema.T, "
+                         f"or the emitter's writer): {spelled}")
+    owner = OWNER.read_text(encoding="utf-8")
+    assert [name for name in sorted(TOP_NAMES) if f'"{name}"' not in owner] == []
 
 
 def test_each_accelerate_fsdp_key_is_spelled_only_in_the_schema_table():

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from fsdp_presets.preset.request import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.model.profile import ModelProfile
-from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K
+from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K, T
 
 
 Severity = Literal["error", "warning", "note", "info"]
@@ -49,7 +49,7 @@ RULES = MappingProxyType({
     "fsdp-config-ignored": ("warning", f"{FSDP_CONFIG} in a config whose distributed_type is not FSDP"),
     "ignored-default": ("info", "a key accelerate accepts but does not apply, set to what applies anyway"),
     "key-not-applied": ("warning", "a real FSDP option accelerate launch does not pass on from a config file"),
-    "num-processes-unset": ("info", "no num_processes: the launch command gives it (no GPU count or memory verdict)"),
+    "num-processes-unset": ("info", f"no {T.num_processes}: the launch command gives it (no GPU count or memory verdict)"),
     "fp8-needs-backend": ("note", "fp8 needs torchao or Transformer Engine installed on the training nodes"),
     "memory-assumes-full-finetune": ("note", "memory verdicts that hold for full fine-tuning; the method is "
                                                 "not known (pass --method full)"),
@@ -68,9 +68,9 @@ RULES = MappingProxyType({
     "qlora-full-state-dict": ("warning", "QLoRA with FULL_STATE_DICT: accelerate's load_state fails on the 4-bit "
                                          "quantization-state keys"),
     "yaml-read-as-boolean": ("error", "a bare YAML no/off/yes/on read as a boolean where accelerate wants a name "
-                                      "(mixed_precision: no crashes accelerate launch)"),
+                                      f"({T.mixed_precision}: no crashes accelerate launch)"),
     "stale-key-beside-new": ("note", "an old key name accelerate ignores, next to the key that replaced it"),
-    "debug-mode": ("warning", "debug: true: accelerate checks every collective's shapes with extra collectives"),
+    "debug-mode": ("warning", f"{T.debug}: true: accelerate checks every collective's shapes with extra collectives"),
     "lora-fsdp1-orig-params": ("warning", f"LoRA/QLoRA under FSDP1 with {K.use_orig_params} true: gradients are "
                                           "allocated for the whole flat parameter, frozen base included"),
     "fits-only-if": ("warning", "the memory verdict turns on inputs the config does not hold (sequence, batch, "

@@ -69,7 +69,7 @@ from fsdp_presets.check.findings import (  # noqa: F401
 )
 from fsdp_presets.check.rules_keys import lint_config  # noqa: F401
 from fsdp_presets.check.rules_memory import lora_shape  # noqa: F401
-from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, PARALLELISM_PREFIX, K, fsdp_where
+from fsdp_presets.schema import FSDP_CONFIG, K, PARALLELISM_CONFIG, PARALLELISM_PREFIX, T, fsdp_where
 
 
 # --------------------------------------------------------------------------- a file
@@ -125,7 +125,7 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
     report.findings += lint_config(config, context=context)
     view = None
     if isinstance(config, dict):
-        given = "num_processes" not in config and config.get("distributed_type") in ("FSDP", "MULTI_GPU")
+        given = T.num_processes not in config and config.get(T.distributed_type) in ("FSDP", "MULTI_GPU")
         try:
             view = accelerate_view(path, num_processes=_launch_processes(config, context) if given else None)
             view.processes_in_file = not given
@@ -137,7 +137,7 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
                                                "fix the problems above; the message is accelerate's own"))
     blocking = [item.rule for item in report.errors if item.rule != "ignored-modules"]
     if prove_wrapping and context.model is not None and blocking and (view is None or view.fsdp_plugin is not None
-                                                                       or isinstance(config, dict) and config.get("distributed_type") == "FSDP"):
+                                                                       or isinstance(config, dict) and config.get(T.distributed_type) == "FSDP"):
         from fsdp_presets.check.wrap_probe import WrapProbe
 
         plural = len(set(blocking)) > 1

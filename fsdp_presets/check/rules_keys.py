@@ -27,6 +27,7 @@ from fsdp_presets.preset.accelerate_view import (
 from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, _sorted, finding
 from fsdp_presets.check.rules_memory import _device_and_memory, _layout, _lora_rules
 from fsdp_presets.schema import (
+    T,
     BY_NAME,
     FSDP1_ONLY_KEYS,
     FSDP2_ONLY_KEYS,
@@ -48,7 +49,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
                         "write accelerate's keys (`accelerate config` or `fsdp-presets generate`)")]
     findings: list[Finding] = []
     findings += _top_level(config)
-    distributed_type = str(config.get("distributed_type", ""))
+    distributed_type = str(config.get(T.distributed_type, ""))
     fsdp = config.get(FSDP_CONFIG) or {}
     parallelism = config.get(PARALLELISM_CONFIG) or {}
     if not isinstance(fsdp, dict):
@@ -64,26 +65,26 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     findings += _read_as_boolean(config, written)
     # Every rule below reads values as accelerate parses them (FULL_SHARD, 1 and "full_shard" alike).
     fsdp = canonical_fsdp(written)
-    if _boolean(config.get("debug", False)):
+    if _boolean(config.get(T.debug, False)):
         findings.append(finding(
-            "debug-mode", "debug: true turns on accelerate's debug mode (ACCELERATE_DEBUG_MODE): every gather, "
+            "debug-mode", f"{T.debug}: true turns on accelerate's debug mode (ACCELERATE_DEBUG_MODE): every gather, "
             "broadcast and reduce first checks the tensors' shapes on all ranks with collectives of its own, every "
-            "step, which slows training", "set debug: false (keep it for a short run that hunts a shape mismatch)",
-            "debug"))
-    processes, machines = _whole(config.get("num_processes", 1)), _whole(config.get("num_machines", 1))
-    for key, count in (("num_processes", processes), ("num_machines", machines)):
+            "step, which slows training", f"set {T.debug}: false (keep it for a short run that hunts a shape mismatch)",
+            T.debug))
+    processes, machines = _whole(config.get(T.num_processes, 1)), _whole(config.get(T.num_machines, 1))
+    for key, count in ((T.num_processes, processes), (T.num_machines, machines)):
         if count is not None and count > MAX_GPUS:  # the bound `launcher` and `plan --gpus` apply
             findings.append(finding("invalid-value", f"{key} {count} is more than {MAX_GPUS}, beyond any cluster",
                                     f"set {key} to the job's real count", key))
     processes, machines = (None if count is not None and count > MAX_GPUS else count for count in (processes, machines))
-    if "num_processes" not in config and str(config.get("distributed_type", "")) == "FSDP":
+    if T.num_processes not in config and str(config.get(T.distributed_type, "")) == "FSDP":
         processes = context.gpus
         findings.append(finding(
-            "num-processes-unset", "no num_processes: the file is meant for `accelerate launch --num_processes N`"
+            "num-processes-unset", f"no {T.num_processes}: the file is meant for `accelerate launch --num_processes N`"
             + (f"; checked for --gpus {context.gpus}" if context.gpus else "; no GPU count or memory verdict"),
             "pass --num_processes (all GPUs of all nodes) to accelerate launch"
             + ("" if context.gpus else ", and --gpus N to `fsdp-presets check` for the memory rules"),
-            "num_processes"))
+            T.num_processes))
     layout_ok = processes is not None and machines is not None and processes >= 1 and machines >= 1
     if layout_ok and processes % machines:
         findings.append(finding(
@@ -92,11 +93,11 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             f"num_processes // num_machines = {processes // machines} processes per node, "
             f"{processes // machines * machines} in all",
             f"set num_processes to a multiple of {machines} (e.g. {max(1, processes // machines) * machines})",
-            "num_processes"))
+            T.num_processes))
     if distributed_type != "FSDP":
         if fsdp:
             findings.append(finding("fsdp-config-ignored", f"distributed_type is {distributed_type or 'unset'}: "
-                                    f"{FSDP_CONFIG} is ignored", f"set distributed_type: FSDP, or drop {FSDP_CONFIG}",
+                                    f"{FSDP_CONFIG} is ignored", f"set {T.distributed_type}: FSDP, or drop {FSDP_CONFIG}",
                                     FSDP_CONFIG))
         return _sorted(findings)
 
@@ -116,13 +117,13 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     findings += _wrapping(fsdp, context)
     findings += _layout(config, fsdp, parallelism, version, context, processes if layout_ok else None,
                         machines if layout_ok else None)
-    if str(config.get("mixed_precision", "")).lower() == "fp8":
-        backend = str((config.get("fp8_config") or {}).get("backend", "AO")).upper()
+    if str(config.get(T.mixed_precision, "")).lower() == "fp8":
+        backend = str((config.get(T.fp8_config) or {}).get("backend", "AO")).upper()
         package = {"TE": "Transformer Engine", "MSAMP": "MS-AMP", "MS-AMP": "MS-AMP"}.get(backend, "torchao")
         findings.append(finding(
             "fp8-needs-backend", f"mixed_precision fp8 needs {package} installed on the training nodes at launch "
             "(accelerate refuses fp8 where it finds neither torchao nor Transformer Engine)",
-            f"install {package} in the training environment", "mixed_precision"))
+            f"install {package} in the training environment", T.mixed_precision))
     if fsdp.get(K.ignored_modules):
         findings.append(finding(
             "ignored-modules", f"{K.ignored_modules} is set ({fsdp[K.ignored_modules]!r}): FSDP neither "
@@ -160,10 +161,10 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
 
 
 # Settings accelerate reads as names: a bare YAML 1.1 no/off/yes/on becomes a boolean there.
-_NAMED_TOP_LEVEL = ("mixed_precision", "distributed_type", "dynamo_backend", "compute_environment", "rdzv_backend")
-_CRASHES = {"mixed_precision": "accelerate launch crashes on it (AttributeError: 'bool' object has no attribute "
+_NAMED_TOP_LEVEL = (T.mixed_precision, T.distributed_type, T.dynamo_backend, T.compute_environment, T.rdzv_backend)
+_CRASHES = {T.mixed_precision: "accelerate launch crashes on it (AttributeError: 'bool' object has no attribute "
                                "'lower')",
-            "distributed_type": "accelerate's loader refuses it (not a DistributedType)"}
+            T.distributed_type: "accelerate's loader refuses it (not a DistributedType)"}
 
 
 def _read_as_boolean(config: dict, fsdp: dict) -> list[Finding]:
@@ -176,7 +177,7 @@ def _read_as_boolean(config: dict, fsdp: dict) -> list[Finding]:
     for key, where, value in named:
         if isinstance(value, bool):
             word = "no (or off/false)" if value is False else "yes (or on/true)"
-            meant = {"mixed_precision": "'no'", "distributed_type": "'NO'"}.get(key, "the name, quoted")
+            meant = {T.mixed_precision: "'no'", T.distributed_type: "'NO'"}.get(key, "the name, quoted")
             findings.append(finding(
                 "yaml-read-as-boolean", f"{key}: YAML 1.1 reads a bare {word} as the boolean {value}, not a name"
                 + (f": {_CRASHES[key]}" if key in _CRASHES else ": accelerate does not apply it as you meant"),
@@ -196,27 +197,27 @@ def _top_level(config: dict) -> list[Finding]:
     findings = [_unknown_key("unknown-key", "top-level", key, known, "accelerate refuses the whole file "
                              "('had unknown keys')", str(key)) for key in config if key not in known]
     distributed_types = _distributed_types()
-    if "distributed_type" not in config:
+    if T.distributed_type not in config:
         findings.append(finding("invalid-value", "no distributed_type (accelerate requires one)",
-                                "add distributed_type: FSDP", "distributed_type"))
-    elif str(config["distributed_type"]) not in distributed_types and not isinstance(config["distributed_type"], bool):
+                                f"add {T.distributed_type}: FSDP", T.distributed_type))
+    elif str(config[T.distributed_type]) not in distributed_types and not isinstance(config[T.distributed_type], bool):
         findings.append(finding(
-            "invalid-value", f"distributed_type {config['distributed_type']!r} is not one of accelerate's"
-            f"{_did_you_mean(str(config['distributed_type']), distributed_types)}",
-            f"use one of {', '.join(distributed_types)}", "distributed_type"))
-    precision = config.get("mixed_precision", "no")
+            "invalid-value", f"{T.distributed_type} {config[T.distributed_type]!r} is not one of accelerate's"
+            f"{_did_you_mean(str(config[T.distributed_type]), distributed_types)}",
+            f"use one of {', '.join(distributed_types)}", T.distributed_type))
+    precision = config.get(T.mixed_precision, "no")
     if str(precision).lower() not in _precisions() and not isinstance(precision, bool):
         findings.append(finding("invalid-value", f"mixed_precision {precision!r} is not one of {_precisions()}",
-                                "use bf16, fp16 or 'no' (quoted: a bare no is YAML false)", "mixed_precision"))
-    for key in ("num_processes", "num_machines"):
+                                "use bf16, fp16 or 'no' (quoted: a bare no is YAML false)", T.mixed_precision))
+    for key in (T.num_processes, T.num_machines):
         if key in config and (_whole(config[key]) is None or _whole(config[key]) < 1):
             findings.append(finding("invalid-value", f"{key} {config[key]!r} must be a whole number >= 1",
                                     f"set {key} to a count", key))
-    rank, machines = _whole(config.get("machine_rank", 0)), _whole(config.get("num_machines", 1))
+    rank, machines = _whole(config.get(T.machine_rank, 0)), _whole(config.get(T.num_machines, 1))
     if rank is None or (machines and not 0 <= rank < machines):
-        findings.append(finding("invalid-value", f"machine_rank {config.get('machine_rank')!r} must be 0 .. "
-                                f"num_machines - 1", "set machine_rank: 0 in the file; pass --machine_rank on each "
-                                "node's launch command", "machine_rank"))
+        findings.append(finding("invalid-value", f"{T.machine_rank} {config.get(T.machine_rank)!r} must be 0 .. "
+                                f"{T.num_machines} - 1", f"set {T.machine_rank}: 0 in the file; pass --machine_rank on each "
+                                "node's launch command", T.machine_rank))
     return findings
 
 

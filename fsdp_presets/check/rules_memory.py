@@ -9,7 +9,7 @@ from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
 from fsdp_presets.preset.presets import full_state_dict_host_bytes
-from fsdp_presets.schema import PARALLELISM_CONFIG, PEFT_WRAP_POLICY, K, P, fsdp_where
+from fsdp_presets.schema import K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
 
 
 def lora_shape(context: CheckContext):
@@ -114,16 +114,16 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
         findings.append(finding(
             "fsdp-single-process", "distributed_type FSDP with num_processes 1: one process shards nothing (every "
             "unit holds the whole model) and pays FSDP's gathers for it",
-            "set num_processes to the number of GPUs; for one GPU use distributed_type: 'NO'", "num_processes"))
+            f"set {T.num_processes} to the number of GPUs; for one GPU use {T.distributed_type}: 'NO'", T.num_processes))
     if machines and machines > 1:
-        address = str(config.get("main_process_ip") or "")
+        address = str(config.get(T.main_process_ip) or "")
         if address.startswith(_PRIVATE_PREFIXES) or address == "localhost":
             findings.append(finding(
                 "fixed-main-process-ip", f"main_process_ip {address} is fixed in a config for {machines} machines: "
                 "it is the address of one node of one cluster (private or loopback), so on other machines every node "
                 "waits at rendezvous for a host that is not there", "remove main_process_ip from the file and pass "
                 "--main_process_ip $MASTER_ADDR (the first node of the job) on each node's accelerate launch command",
-                "main_process_ip"))
+                T.main_process_ip))
         replicate = _whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
         strategy = _strategy_name(fsdp.get(K.sharding_strategy, "FULL_SHARD")) if version == 1 else None
         # (FSDP1 with a replicate size asks for HSDP too: hsdp-needs-fsdp2 reports that one)
@@ -145,8 +145,8 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
                 PARALLELISM_CONFIG if version == 2 else fsdp_where(K.sharding_strategy)))
     summary = (context.metadata or {}).get("summary") or {}
     header_processes, header_machines = summary.get("processes"), summary.get("machines")
-    if context.metadata and context.metadata.get("kind") == "fsdp" and header_processes and "num_processes" in config:
-        file_processes, file_machines = _whole(config.get("num_processes")), _whole(config.get("num_machines", 1))
+    if context.metadata and context.metadata.get("kind") == "fsdp" and header_processes and T.num_processes in config:
+        file_processes, file_machines = _whole(config.get(T.num_processes)), _whole(config.get(T.num_machines, 1))
         if (file_processes, file_machines) != (header_processes, header_machines or 1) and file_processes:
             dp = summary.get("data_parallel_size") or header_processes
             micro, accumulation = summary.get("micro_batch"), summary.get("gradient_accumulation")
@@ -163,7 +163,7 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
                 "num-processes-vs-header", f"num_processes {file_processes} / num_machines {file_machines} were edited "
                 f"away from the generated header ({header_processes} processes on {header_machines or 1} node(s): "
                 f"{arithmetic}){effect}", f"regenerate for the new GPU count ({command}), or set num_processes back "
-                f"to {header_processes}", "num_processes"))
+                f"to {header_processes}", T.num_processes))
     return findings
 
 
@@ -262,7 +262,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             findings.append(finding(
                 "fp32-does-not-fit", f"fp32: {where} needs {row.per_gpu.total / GiB:.1f} GiB per GPU of "
                 f"{usable:.1f} usable ({assumed}); bf16 needs {bf16.per_gpu.total / GiB:.1f}",
-                "set mixed_precision: bf16 (or bf16=True in the Trainer's arguments)", "mixed_precision"))
+                f"set {T.mixed_precision}: bf16 (or bf16=True in the Trainer's arguments)", T.mixed_precision))
         else:
             findings.append(finding(
                 "does-not-fit", f"{where} needs {(lower or row).per_gpu.total / GiB:.1f} GiB per GPU of {usable:.1f} "
@@ -272,8 +272,8 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     if precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
         findings.append(finding(
             "fp16-on-bf16-model", f"mixed_precision fp16 on {profile.architecture}, trained in bf16: bf16 weights and "
-            "activations can exceed fp16's range (max 65504) and overflow", "set mixed_precision: bf16",
-            "mixed_precision"))
+            "activations can exceed fp16's range (max 65504) and overflow", f"set {T.mixed_precision}: bf16",
+            T.mixed_precision))
     return findings
 
 
@@ -310,7 +310,7 @@ def _training_inputs(config, fsdp, context):
             script and script.gradient_checkpointing_line)
         if not checkpointing and open_ended:
             unknown["activation_checkpointing"] = (True, "the script turns on gradient checkpointing")
-    written = config.get("mixed_precision", "no")
+    written = config.get(T.mixed_precision, "no")
     precision = context.precision or (script.precision if script and script.precision else None)
     if precision is None:
         precision = {"fp8": "bf16", "bf16": "bf16", "fp16": "fp16"}.get(str(written).lower(), "fp32")

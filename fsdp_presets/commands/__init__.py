@@ -6,7 +6,7 @@ heavy imports (torch, transformers) happen inside ``run``.
 """
 
 # Order here is the order in `fsdp-presets --help`. Adding a command is adding its module name.
-COMMANDS: tuple[str, ...] = ("inspect", "plan", "generate", "check", "rehearse", "compare", "launcher", "export", "import_", "inspect_checkpoint")
+COMMANDS: tuple[str, ...] = ("inspect", "plan", "generate", "check", "rehearse", "compare", "converge", "launcher", "export", "import_", "inspect_checkpoint")
 
 
 def add_conversion_flags(parser, *, verb: str, verify_help: str) -> None:

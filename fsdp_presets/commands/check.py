@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("; ".join(problems))
 
     from fsdp_presets.check.lint import CheckContext, check_file, model_facts
+    from fsdp_presets.schema import T
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.trust_remote_code:
@@ -117,8 +118,8 @@ def run(args: argparse.Namespace) -> int:
         document = report.to_json()
         document["model"] = facts.source if facts else None
         document["accelerate"] = None if view is None else {
-            "distributed_type": view.distributed_type, "num_processes": view.num_processes,
-            "num_machines": view.num_machines, "mixed_precision": view.mixed_precision,
+            T.distributed_type: view.distributed_type, T.num_processes: view.num_processes,
+            T.num_machines: view.num_machines, T.mixed_precision: view.mixed_precision,
             "fsdp": view.fsdp_settings(), "parallelism": view.parallelism_sizes(),
             "mesh": view.mesh_sizes(), "num_processes_in_file": view.processes_in_file,
             "layout": view.layout_label() or None,

@@ -14,10 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("baseline", metavar="BASELINE_RUN",
                         help="reference run: a run folder (run.json + metrics.jsonl) or a metrics.jsonl file")
     parser.add_argument("candidate", metavar="CANDIDATE_RUN", help="run under test, same forms")
-    parser.add_argument("--tolerance", default="auto", metavar="auto|REL",
-                        help="largest relative deviation |a-b|/max(|a|,|b|) accepted for loss and "
-                        "grad_norm; 'auto' (default) follows the runs' precision: fp32 1e-6, bf16 "
-                        "calibrated (docs/convergence.md)")
+    from fsdp_presets import arguments
+
+    arguments.add_tolerance(parser)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write the overlay plot (loss and deviation)")
     parser.add_argument("--report", metavar="FILE.md", help="write a Markdown report with the verdict table")

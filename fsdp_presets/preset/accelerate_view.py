@@ -11,7 +11,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_presets.schema import BOOLEAN_FSDP_KEYS, FSDP_PREFIX, PARALLELISM_PREFIX, K
+from fsdp_presets.schema import BOOLEAN_FSDP_KEYS, FSDP_PREFIX, K, PARALLELISM_PREFIX, T
 
 # The keys whose values are booleans. fsdp_reshard_after_forward is not one of them: `accelerate config`
 # writes FSDP1 strategy names there, and its own rule checks FSDP2's booleans.
@@ -31,7 +31,7 @@ def known_top_level_keys() -> frozenset[str]:
     converts)."""
     from accelerate.commands.config.config_args import ClusterConfig
 
-    return frozenset(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+    return frozenset(ClusterConfig.__dataclass_fields__) | {"fp16", T.dynamo_backend}
 
 
 def _launch_dests() -> frozenset[str]:

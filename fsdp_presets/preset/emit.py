@@ -43,6 +43,7 @@ from fsdp_presets.preset.presets import (
 )
 from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word
 from fsdp_presets.schema import (
+    T,
     FSDP_CONFIG,
     FSDP_KEYS,
     PARALLELISM_CONFIG,
@@ -96,7 +97,7 @@ def ddp_baseline_of(config: dict) -> dict:
     """The DDP baseline of any accelerate config: its machine and precision keys, no sharding
     section (:data:`~fsdp_presets.schema.SHARDING_SECTIONS`), ``distributed_type: MULTI_GPU``."""
     baseline = {key: value for key, value in config.items() if key not in SHARDING_SECTIONS}
-    baseline["distributed_type"] = "MULTI_GPU"  # DDP; on a CPU-only host it runs as MULTI_CPU over gloo
+    baseline[T.distributed_type] = "MULTI_GPU"  # DDP; on a CPU-only host it runs as MULTI_CPU over gloo
     return baseline
 
 
@@ -110,8 +111,8 @@ def machine_keys(*, distributed_type: str, num_processes: int, num_machines: int
                  mixed_precision: str = "no") -> dict:
     """The top-level keys every written config holds, in the order ``accelerate config`` writes them."""
     # NOTE: `use_cpu: false` also for --device cpu presets (the table's reason for use_cpu).
-    given = {"distributed_type": distributed_type, "num_processes": num_processes, "num_machines": num_machines,
-             "mixed_precision": mixed_precision}
+    given = {T.distributed_type: distributed_type, T.num_processes: num_processes, T.num_machines: num_machines,
+             T.mixed_precision: mixed_precision}
     return {key.name: given.get(key.name, key.emitted) for key in TOP_LEVEL_KEYS if key.emitted_for}
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from fsdp_presets.schema import T
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import YAML_MAX_BYTES, load_yaml_data, read_regular_bytes, read_regular_text
 from fsdp_presets.preset.quoting import comment_text, shell_word
@@ -186,15 +187,15 @@ def job_from_config(config_file: str | os.PathLike, *, command, nodes: int | Non
             raise UsageError(f"{path} is not valid YAML ({error})") from None
     if not isinstance(config, dict):
         raise UsageError(f"{path} is not an accelerate config (expected a mapping of settings)")
-    parallelism = config.get("parallelism_config") or {}
+    parallelism = config.get(T.parallelism_config) or {}
     if not isinstance(parallelism, dict):
         raise UsageError(f"{path}: parallelism_config must be a mapping of settings; regenerate the config "
                          "(fsdp-presets generate)")
     mesh = {name: _count_setting(path, parallelism, f"parallelism_config_{name}", 1)
             for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
     mesh_size = mesh["dp_replicate_size"] * mesh["dp_shard_size"] * mesh["tp_size"] * mesh["cp_size"]
-    config_machines = _count_setting(path, config, "num_machines", 1)
-    config_processes = _count_setting(path, config, "num_processes", 0)
+    config_machines = _count_setting(path, config, T.num_machines, 1)
+    config_processes = _count_setting(path, config, T.num_processes, 0)
 
     if nodes is None:
         nodes = config_machines if config_machines > 1 else mesh["dp_replicate_size"]

