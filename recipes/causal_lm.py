@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
+from fsdp_presets.numerics import param_groups
 
 from fsdp_presets.train import data as recipe_data
 from fsdp_presets.train import loop, recipe
@@ -71,7 +72,7 @@ def main():
     key_map = recipe_lora.adapter_key_map(model) if run.lora else None  # LoRA/QLoRA
 
     def build_optimizer(model):
-        optimizer = torch.optim.AdamW(loop.param_groups(model, args.weight_decay), lr=args.learning_rate,
+        optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
                                       betas=(0.9, 0.95))
         return optimizer, loop.lr_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=args.warmup_steps,
                                               num_training_steps=args.max_steps)

@@ -84,8 +84,10 @@ def detect_gpu(args: argparse.Namespace) -> dict:
 
 def planned(settings: dict, gpu: dict) -> dict:
     """The planner's single-GPU figures for this run (its DDP row with one GPU)."""
-    from fsdp_presets.plan.planner import Hardware, TrainingShape, plan
-    from fsdp_presets.model.profile import build_meta_model, profile_module
+    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.plan.planner import plan
+    from fsdp_presets.model.model_loading import build_meta_model
+    from fsdp_presets.model.profile import profile_module
     from transformers import AutoConfig
 
     values = {key: value for key, value in settings["model"].items() if key not in ("model_type", "architectures")}

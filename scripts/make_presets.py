@@ -80,9 +80,9 @@ def catalogue() -> list[PresetFile]:
 def render_all() -> dict[str, str]:
     """``{file name: text}`` for the whole catalogue (nothing written)."""
     from fsdp_presets.check.lint import check_generated
-    from fsdp_presets.preset.emit import LaunchHints
+    from fsdp_presets.preset.emit_commands import LaunchHints
     from fsdp_presets.preset.generate import load_profile, render_files
-    from fsdp_presets.preset.presets import PresetRequest
+    from fsdp_presets.preset.request import PresetRequest
 
     cwd = os.getcwd()
     os.chdir(REPO)  # model sources are relative to the repository root, as in the headers

@@ -15,7 +15,7 @@ from fsdp_harness import bench, doc_sections, gpu_report
 from fsdp_harness import campaign as fault_campaign
 from fsdp_harness.drill import DrillResult, KillPlan
 from fsdp_harness.measure import ring_bytes, sent_bytes, state_deviations
-from fsdp_presets.plan.planner import ModelStateBytes
+from fsdp_presets.plan.results import ModelStateBytes
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -32,7 +32,9 @@ def quick_profile(tmp_path_factory):
 
 def fabricated_results(case: bench.Case, profile, *, scale: float = 1.0) -> dict[int, dict]:
     """Worker results as a launch would write them, holding exactly the planned bytes x ``scale``."""
-    from fsdp_presets.plan.planner import GiB, Hardware, plan
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware
+    from fsdp_presets.plan.planner import plan
 
     row = plan(profile, Hardware(gpus=case.processes, nodes=case.nodes, gpu_memory_bytes=80 * GiB),
                bench.QUICK_SETTINGS.shape).get(case.strategy, case.fsdp_version)

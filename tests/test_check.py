@@ -12,7 +12,8 @@ import yaml
 
 from fsdp_presets import cli
 from fsdp_presets.preset.emit import read_metadata
-from fsdp_presets.check.lint import RULES, CheckContext, check_file
+from fsdp_presets.check.findings import RULES, CheckContext
+from fsdp_presets.check.lint import check_file
 
 from check_configs import BAD_CONFIGS, FSDP1, GOOD, LLAMA_70B, facts, mutate
 
@@ -158,7 +159,7 @@ def test_did_you_mean_only_for_unknown_keys_and_near_misses(tmp_path):
 
 
 def test_fsdp1_strategy_fix_is_one_accelerate_accepts(tmp_path):
-    from fsdp_presets.check.lint import accelerate_view
+    from fsdp_presets.preset.accelerate_view import accelerate_view
 
     config = mutate(fsdp={**FSDP1, "fsdp_reshard_after_forward": "SHARD_GRAD_OP"},
                     drop_fsdp=("fsdp_sharding_strategy",))(copy.deepcopy(GOOD))

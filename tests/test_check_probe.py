@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from fsdp_presets import cli
-from fsdp_presets.check.lint import CheckContext, check_file, model_facts
+from fsdp_presets.check.findings import CheckContext
+from fsdp_presets.check.lint import check_file, model_facts
 from fsdp_harness.launch import run_launch
 from recipe_helpers import (BERT_FSDP2, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, HAND_WRITTEN_FSDP2, REPO,
                             tiny_bert)

@@ -20,7 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_presets.check.lint import RULES, CheckContext, accelerate_view, check_file, model_facts
+from fsdp_presets.check.findings import RULES, CheckContext
+from fsdp_presets.preset.accelerate_view import accelerate_view
+from fsdp_presets.check.lint import check_file, model_facts
 
 REPO = Path(__file__).resolve().parent.parent
 REAL = REPO / "tests" / "data" / "real_configs"

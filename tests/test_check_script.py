@@ -12,7 +12,9 @@ import yaml
 
 from fsdp_presets import cli
 from fsdp_presets.errors import UsageError
-from fsdp_presets.check.lint import CheckContext, accelerate_view, check_file
+from fsdp_presets.check.findings import CheckContext
+from fsdp_presets.preset.accelerate_view import accelerate_view
+from fsdp_presets.check.lint import check_file
 from fsdp_presets.check.script import MAX_SCRIPT_BYTES, read_script, read_source
 
 from check_configs import FSDP1, GOOD, LLAMA_8B, TRAINER_SCRIPT, facts, mutate

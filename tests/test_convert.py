@@ -23,7 +23,9 @@ from safetensors.torch import load_file
 
 from fsdp_presets import cli, compare
 
-from fsdp_presets.checkpoint import convert
+from fsdp_presets.checkpoint.export import ExportReport, export_checkpoint, plan_export, verify_export
+from fsdp_presets.checkpoint.hf_model import VERIFY_TOLERANCE
+from fsdp_presets.checkpoint.import_hf import import_hf
 from fsdp_presets.checkpoint.files import DcpReader
 from fsdp_presets.errors import UsageError
 from fsdp_presets.checkpoint.resume import load_imported
@@ -53,16 +55,16 @@ def trained(reference) -> Path:
 
 
 @pytest.fixture(scope="module")
-def exported(root, trained) -> tuple[Path, convert.ExportReport]:
+def exported(root, trained) -> tuple[Path, ExportReport]:
     output = root / "exported-fp32"
-    report = convert.export_checkpoint(trained, output, verify=True, log=lambda message: None)
+    report = export_checkpoint(trained, output, verify=True, log=lambda message: None)
     return output, report
 
 
 @pytest.fixture(scope="module")
 def round_trip(root, exported) -> dict[str, Path]:
     imported = root / "imported" / "step-00000000"
-    convert.import_hf(exported[0], imported, verify=True, log=lambda message: None)
+    import_hf(exported[0], imported, verify=True, log=lambda message: None)
     model, reference = runs.tiny_model(root), runs.reference_run(root)
     steps = ("--max-steps", ROUND_TRIP_STEPS)
     from_final = root / "from-final-ddp"
@@ -122,7 +124,7 @@ def test_bf16_export_in_shards_reads_one_output_shard_at_a_time(trained, tmp_pat
     original = DcpReader.read
     monkeypatch.setattr(DcpReader, "read", lambda self, names: reads.append(list(names)) or original(self, names))
     output = tmp_path / "bf16"
-    report = convert.export_checkpoint(trained, output, dtype="bf16", max_shard_size="100KB", log=lambda m: None)
+    report = export_checkpoint(trained, output, dtype="bf16", max_shard_size="100KB", log=lambda m: None)
     index = json.loads((output / "model.safetensors.index.json").read_text())
     shards: dict[str, list[str]] = {}
     for name, file in index["weight_map"].items():
@@ -136,13 +138,13 @@ def test_bf16_export_in_shards_reads_one_output_shard_at_a_time(trained, tmp_pat
     assert json.loads((output / "config.json").read_text())["dtype"] == "bfloat16"
     model = AutoModelForCausalLM.from_pretrained(output)
     assert model.dtype == torch.bfloat16 and model.lm_head.weight is model.model.embed_tokens.weight
-    verification = convert.verify_export(convert.plan_export(trained), output, "bf16")
-    assert verification.passed and 0 < verification.relative <= convert.VERIFY_TOLERANCE["bf16"]
+    verification = verify_export(plan_export(trained), output, "bf16")
+    assert verification.passed and 0 < verification.relative <= VERIFY_TOLERANCE["bf16"]
 
 
 @pytest.mark.slow
 def test_verify_beyond_tolerance_exits_1_and_writes_nothing(trained, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(convert.VERIFY_TOLERANCE, "bf16", 1e-9)  # bf16 rounding alone now exceeds it
+    monkeypatch.setitem(VERIFY_TOLERANCE, "bf16", 1e-9)  # bf16 rounding alone now exceeds it
     output = tmp_path / "strict"
     assert cli.main(["export", str(trained), "--output", str(output), "--dtype", "bf16", "--verify"]) == 1
     printed = capsys.readouterr().out
@@ -174,7 +176,7 @@ def test_round_trip_export_import_resume_trains_like_the_trained_weights(referen
 def test_export_of_full_and_ddp_checkpoints(round_trip, run_name, layout, tmp_path):
     run_dir = round_trip[run_name]
     output = tmp_path / layout
-    report = convert.export_checkpoint(runs.checkpoint(run_dir, ROUND_TRIP_STEPS), output, verify=True,
+    report = export_checkpoint(runs.checkpoint(run_dir, ROUND_TRIP_STEPS), output, verify=True,
                                        log=lambda message: None)
     assert report.layout == layout and report.verification.passed and report.verification.tied is True
     written, trained = _safetensors(output), _safetensors(run_dir / "final")
@@ -345,9 +347,9 @@ def test_a_model_whose_weights_transformers_converts_is_exported_whole(root, tmp
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(runs.tiny_model(root) / name, source)
     imported = tmp_path / "imported"
-    convert.import_hf(source, imported, log=lambda message: None)
+    import_hf(source, imported, log=lambda message: None)
     fused = DcpReader(imported / "pytorch_model_fsdp_0").entries()
     assert any(name.endswith("experts.gate_up_proj") for name in fused)
-    report = convert.export_checkpoint(imported, tmp_path / "hf", verify=True, log=lambda message: None)
+    report = export_checkpoint(imported, tmp_path / "hf", verify=True, log=lambda message: None)
     assert not report.streamed and report.verification.passed and report.verification.max_abs_difference == 0.0
     assert sorted(_safetensors(tmp_path / "hf")) == sorted(_safetensors(source))

@@ -199,11 +199,11 @@ def _tiny_llama(work: Path, destination: str) -> None:
 
 def _tiny_checkpoint(work: Path, destination: str) -> None:
     """A real DCP checkpoint with manifest (``fsdp-presets import`` of a tiny Llama)."""
-    from fsdp_presets.checkpoint import convert
+    from fsdp_presets.checkpoint.import_hf import import_or_report
 
     model = f"runs/.fixtures/{destination.replace('/', '_')}"
     _tiny_llama(work, model)
-    convert.import_or_report(str(work / model), str(work / destination), verify=False, log=lambda message: None)
+    import_or_report(str(work / model), str(work / destination), verify=False, log=lambda message: None)
 
 
 FIXTURES = {
@@ -332,7 +332,8 @@ def run_accelerate(words: list[str], work: Path, where: str) -> tuple[int, str, 
 def static_accelerate(words: list[str], work: Path, where: str) -> None:
     from accelerate.commands.launch import launch_command_parser
 
-    from fsdp_presets.check.lint import CheckContext, check_file
+    from fsdp_presets.check.findings import CheckContext
+    from fsdp_presets.check.lint import check_file
 
     assert words[1:2] == ["launch"], f"{where}: only `accelerate launch` is known here, not {words[:2]}"
     with contextlib.redirect_stderr(io.StringIO()) as errors:
@@ -547,7 +548,8 @@ def test_measurements_quoted_in_the_prose_are_in_the_outputs_shown():
 def generated_keys() -> set[str]:
     """Every key `fsdp-presets generate` writes, over the layouts it decides between."""
     from fsdp_presets.preset.emit import accelerate_config, ddp_config
-    from fsdp_presets.preset.presets import PresetRequest, decide
+    from fsdp_presets.preset.request import PresetRequest
+    from fsdp_presets.preset.presets import decide
     from fsdp_presets.model.profile import profile_model
 
     profile = profile_model("llama")
@@ -628,7 +630,7 @@ def test_troubleshooting_covers_the_reported_failures():
 def test_troubleshooting_cites_real_rules_each_planted_in_test_check():
     from check_configs import BAD_CONFIGS
 
-    from fsdp_presets.check.lint import RULES
+    from fsdp_presets.check.findings import RULES
 
     from test_check_probe import PLANTED_BY_THE_PROBE
 
@@ -658,7 +660,8 @@ def test_troubleshooting_example_is_caught_by_its_rule(line, tmp_path):
     makes `fsdp-presets check` report the rule the guide names (and the clean one does not)."""
     from check_configs import GOOD, facts
 
-    from fsdp_presets.check.lint import CheckContext, check_file
+    from fsdp_presets.check.findings import CheckContext
+    from fsdp_presets.check.lint import check_file
 
     block = next(block for block in plant_blocks() if block.line == line)
     assert block.language == "yaml", f"{block.where}: plant blocks are yaml"

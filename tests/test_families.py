@@ -7,6 +7,7 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from fsdp_presets.model import families
 from fsdp_presets.errors import UsageError
+from fsdp_presets.model.family import Family, KINDS
 
 # The families the registry must cover (decoders, MoE, encoders, encoder-decoders, vision).
 REQUIRED = {
@@ -20,7 +21,7 @@ def test_registry_covers_the_required_families():
     assert len(families.FAMILIES) >= 25
     assert REQUIRED <= set(families.FAMILY_NAMES)
     assert len(set(families.FAMILY_NAMES)) == len(families.FAMILIES)
-    assert {family.kind for family in families.FAMILIES} == set(families.KINDS)
+    assert {family.kind for family in families.FAMILIES} == set(KINDS)
 
 
 @pytest.mark.parametrize("name", families.FAMILY_NAMES)
@@ -65,4 +66,4 @@ def test_family_for_model_type():
 
 def test_bad_entries_are_rejected_with_every_problem():
     with pytest.raises(ValueError, match="lower case.*kind.*architectures"):
-        families.Family(name="Llama", model_type="llama", kind="dense", tiny={}, note="x")
+        Family(name="Llama", model_type="llama", kind="dense", tiny={}, note="x")

@@ -32,9 +32,12 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets import cli
-from fsdp_presets.check.lint import CheckContext, check_file, model_facts
+from fsdp_presets.check.findings import CheckContext
+from fsdp_presets.check.lint import check_file, model_facts
 from fsdp_presets.check.script import read_source
-from fsdp_presets.plan.planner import GiB, Hardware, LoraShape, TrainingShape, plan
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, LoraShape, TrainingShape
+from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.shapes import DEFAULT_RESERVED_BYTES
 
 REPO = Path(__file__).resolve().parent.parent

@@ -9,20 +9,13 @@ import pytest
 
 from fsdp_presets.cli import main
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.planner import (
-    GiB,
-    Hardware,
-    TrainingShape,
-    activation_bytes,
-    activation_bytes_per_layer,
-    fsdp2_shard_numel,
-    fsdp_units,
-    model_state_bytes,
-    plan,
-    shard_numel,
-    zero_model_state_bytes,
-)
-from fsdp_presets.model.profile import ModelDims, ModelProfile, Unit
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, TrainingShape
+from fsdp_presets.plan.activations import activation_bytes, activation_bytes_per_layer
+from fsdp_presets.plan.model_state import (fsdp2_shard_numel, fsdp_units, model_state_bytes, shard_numel,
+                                           zero_model_state_bytes)
+from fsdp_presets.plan.planner import plan
+from fsdp_presets.model.model_profile import ModelDims, ModelProfile, Unit
 
 GB = 1e9  # the ZeRO paper's figures are in decimal gigabytes
 
@@ -152,7 +145,7 @@ def test_activations_use_the_measured_block_constants():
     largest measured figures."""
     import math
 
-    from fsdp_presets.plan.planner import BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, block_activations
+    from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS, LOGITS_BYTES_AT_PEAK, block_activations
 
     profile = make_profile(blocks=24, block_params=1, root_params=0, hidden=2048, heads=16, vocab=1000)
     family = block_activations(profile)
@@ -173,7 +166,7 @@ def test_activations_use_the_measured_block_constants():
 
 
 def test_every_measured_family_says_what_measured_it():
-    from fsdp_presets.plan.planner import BLOCK_ACTIVATIONS
+    from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
 
     for model_type, entry in BLOCK_ACTIVATIONS.items():
         assert "fsdp-presets rehearse" in entry.measured, model_type
@@ -378,23 +371,3 @@ def test_fused_experts_are_sharded_by_expert_rows():
     assert abs(at[32].model_state.params / GiB - 21.19) < 0.05
     assert at[32].model_state.params > 0.95 * at[8].model_state.params
 
-
-def test_split_modules_keep_every_old_import_path():
-    """The planner, presets, profile and family registry were split by concept; every name other
-    code imported from the old modules still resolves to the same object."""
-    from fsdp_presets.plan import (activations, communication, lora_memory, model_state, planner, results,
-                                   shapes)
-    from fsdp_presets.preset import choices, presets, request
-    from fsdp_presets.model import families, family, model_loading, model_profile, profile
-
-    for module, names in ((planner, planner.__all__), (presets, presets.__all__), (profile, profile.__all__),
-                          (families, families.__all__)):
-        for name in names:
-            assert hasattr(module, name), f"{module.__name__}.{name}"
-    assert planner.Hardware is shapes.Hardware and planner.LoraShape is shapes.LoraShape
-    assert planner.MemoryPlan is results.MemoryPlan and planner.fsdp_units is model_state.fsdp_units
-    assert planner.BLOCK_ACTIVATIONS is activations.BLOCK_ACTIVATIONS and planner.fsdp_comm is communication.fsdp_comm
-    assert planner.adapter_params is lora_memory.adapter_params
-    assert presets.PresetRequest is request.PresetRequest and presets.Preset is choices.Preset
-    assert profile.ModelProfile is model_profile.ModelProfile and profile.load_config is model_loading.load_config
-    assert families.Family is family.Family

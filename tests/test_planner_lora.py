@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.planner import (GiB, Hardware, LoraShape, TrainingShape, adapter_params, base_storage_bytes,
-                                  plan)
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, LoraShape, TrainingShape
+from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes
+from fsdp_presets.plan.planner import plan
 from fsdp_presets.model.profile import profile_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -85,7 +87,7 @@ def test_hand_calculation_70b_qlora(llama70b):
     assert row.model_state.grads == -(-adapters // 2) * 4
     # activations with checkpointing: 2 bytes x s x h per block + logits 12 x s x vocab + outside
     activations = layers * 2 * 2048 * h + 12 * 2048 * 128256 + 8.13 * 2048 * h
-    from fsdp_presets.plan.planner import lora_activation_bytes
+    from fsdp_presets.plan.lora_memory import lora_activation_bytes
 
     assert abs(lora_activation_bytes(llama70b, shape, 1) - activations) / activations < 0.10
 
@@ -127,7 +129,8 @@ def test_generate_qlora_records_what_accelerate_yaml_cannot(tmp_path):
     import yaml
 
     from fsdp_presets.preset.emit import read_metadata
-    from fsdp_presets.check.lint import CheckContext, check_file
+    from fsdp_presets.check.findings import CheckContext
+    from fsdp_presets.check.lint import check_file
 
     done = _generate(tmp_path, "--gpus", "2", "--gpu-memory", "24", "--method", "qlora", "--lora-r", "8",
                      "--lora-target-modules", "q_proj,v_proj", "--baseline", "ddp", "-o", "q.yaml")

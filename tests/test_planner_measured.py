@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, fsdp2_shard_numel, plan
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, TrainingShape
+from fsdp_presets.plan.model_state import fsdp2_shard_numel
+from fsdp_presets.plan.planner import plan
 from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
 from fsdp_harness.measure import sent_bytes

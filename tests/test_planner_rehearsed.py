@@ -54,7 +54,9 @@ def _model_folder(tmp_path, model_type):
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, monkeypatch, model_type):
     from fsdp_presets.commands.plan import with_rehearsed_terms
-    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.plan.planner import plan
     from fsdp_presets.preset.rehearse_request import rehearse_request, request_from_flags
 
     assert model_type not in BLOCK_ACTIVATIONS  # a family the planner had no constants for

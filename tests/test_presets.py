@@ -15,7 +15,8 @@ import yaml
 from fsdp_presets import cli
 from fsdp_presets.preset.emit import read_metadata, render_preset
 from fsdp_presets.errors import UsageError
-from fsdp_presets.preset.presets import PresetRequest, decide, parse_global_batch
+from fsdp_presets.preset.request import PresetRequest, parse_global_batch
+from fsdp_presets.preset.presets import decide
 from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
 from fsdp_presets.preset.local_launch import free_port
@@ -198,7 +199,7 @@ def _expected(metadata: dict) -> dict:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_file_loads_in_accelerate_with_the_intended_settings(name):
-    from fsdp_presets.check.lint import accelerate_view
+    from fsdp_presets.preset.accelerate_view import accelerate_view
 
     path = CONFIGS / name
     metadata = read_metadata(path.read_text())
@@ -232,7 +233,7 @@ def test_shipped_file_loads_in_accelerate_with_the_intended_settings(name):
 
 
 def test_fsdp1_preset_loads_as_fsdp1_with_its_extras(tmp_path):
-    from fsdp_presets.check.lint import accelerate_view
+    from fsdp_presets.preset.accelerate_view import accelerate_view
 
     assert cli.main(["generate", "qwen2", "--device", "cpu", "--gpus", "2", "--fsdp-version", "1", "--strategy",
                      "grad-op", "--seq-len", "16", "--global-batch", "8", "-o", str(tmp_path / "f1.yaml")]) == 0
@@ -446,7 +447,8 @@ def test_request_validation_is_the_command_lines_and_the_hardwares():
     Hardware, before any model is read."""
     from fsdp_presets import arguments
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.planner import GiB, Hardware
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware
 
     with pytest.raises(UsageError) as from_flag:
         arguments.gpu_count("0")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from pathlib import Path
+from fsdp_presets.model.family import Family
 
 import pytest
 import torch
@@ -21,15 +22,9 @@ from transformers.utils import logging as hf_logging
 
 from fsdp_presets.model import families
 from fsdp_presets.errors import UsageError
-from fsdp_presets.model.profile import (
-    ModelDims,
-    ModelProfile,
-    Unit,
-    build_meta_model,
-    load_config,
-    profile_model,
-    profile_module,
-)
+from fsdp_presets.model.model_profile import ModelDims, ModelProfile, Unit
+from fsdp_presets.model.model_loading import build_meta_model, load_config
+from fsdp_presets.model.profile import profile_model, profile_module
 
 DATA = Path(__file__).parent / "data"
 LLAMA_70B = DATA / "llama-3-70b"
@@ -106,7 +101,7 @@ def check_against_real_model(config, *, expected_blocks: int) -> ModelProfile:
 # --------------------------------------------------------------------------- every family
 
 # Each tiny stack has 2 layers; encoder-decoders have two stacks, Gemma 3 a vision and a text one.
-def expected_blocks(family: families.Family) -> int:
+def expected_blocks(family: Family) -> int:
     return 4 if family.kind in ("encoder-decoder", "multimodal") else 2
 
 

@@ -1,6 +1,7 @@
 """Data position, weight-decay groups, data loading/masking/packing and run-folder checks."""
 
 from __future__ import annotations
+from fsdp_presets.numerics import param_groups
 
 import json
 import subprocess
@@ -63,7 +64,7 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tmp_path):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "llama", tied=True))
-    decay, plain = loop.param_groups(model, 0.1)
+    decay, plain = param_groups(model, 0.1)
     names = {id(param): name for name, param in model.named_parameters()}
     plain_names = {names[id(param)] for param in plain["params"]}
     decay_names = {names[id(param)] for param in decay["params"]}
@@ -74,7 +75,7 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tmp_path):
     assert all(name.endswith(".weight") and "norm" not in name for name in decay_names)
     assert "model.layers.0.self_attn.q_proj.weight" in decay_names
     bert = AutoModelForSequenceClassification.from_pretrained(tiny_bert(tmp_path / "bert"))
-    decay, plain = loop.param_groups(bert, 0.1)
+    decay, plain = param_groups(bert, 0.1)
     names = {id(param): name for name, param in bert.named_parameters()}
     plain_names = {names[id(param)] for param in plain["params"]}
     assert {"bert.embeddings.word_embeddings.weight", "bert.embeddings.LayerNorm.weight",

@@ -230,11 +230,11 @@ def test_classification_sigkill_of_one_rank_then_the_same_command_equals_the_uni
 
 @pytest.mark.slow
 def test_classification_starts_from_an_imported_hugging_face_checkpoint(classification, tmp_path):
-    from fsdp_presets.checkpoint import convert
+    from fsdp_presets.checkpoint.import_hf import import_hf
 
     root, reference = classification["root"], classification["reference"]
     imported = tmp_path / "imported" / "step-00000000"
-    convert.import_hf(reference / "final", imported, verify=True, log=lambda message: None)  # `fsdp-presets import`
+    import_hf(reference / "final", imported, verify=True, log=lambda message: None)  # `fsdp-presets import`
     run_dir = tmp_path / "from-import"
     result = classification_runs.launch(root, classification_runs.args(  # 1 process: DCP reads any layout
         classification["model"], run_dir, "--max-steps", 2, "--resume", imported), processes=1)

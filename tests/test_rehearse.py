@@ -137,7 +137,7 @@ def test_each_family_agrees_with_the_planner():
     """Every family with measured constants, truncated to 4 blocks (the constants are per block;
     the embedding, head and logits stay full size), and Llama under checkpointing and no_sync
     accumulation."""
-    from fsdp_presets.plan.planner import BLOCK_ACTIVATIONS
+    from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
 
     folders = {"llama": "llama-3.1-8b", "mistral": "mistral-7b-v0.3", "qwen2": "qwen2.5-7b", "phi3": "phi-3-mini-4k",
                "gemma2": "gemma-2-9b", "mixtral": "mixtral-8x7b"}

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsdp_presets.plan.planner import GiB, Hardware
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware
 from fsdp_presets.plan.results import ModelStateBytes
 from fsdp_presets.cli import main
 from fsdp_presets.plan.save_cost import STAGING_BYTES_PER_S, save_cost, young_daly_interval

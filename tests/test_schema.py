@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fsdp_presets import schema
-from fsdp_presets.check.lint import accelerate_view
+from fsdp_presets.preset.accelerate_view import accelerate_view
 from fsdp_presets.preset.emit import written_config
 
 REPO = Path(__file__).resolve().parent.parent

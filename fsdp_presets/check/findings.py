@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fsdp_presets.preset.request import DEFAULT_GPU_MEMORY_GIB, DEFAULT_HOST_MEMORY_GIB
-from fsdp_presets.model.profile import ModelProfile
+from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB
+from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
+from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K, T
 
 

@@ -43,32 +43,11 @@ rules); this module checks a file. Key names come from :mod:`fsdp_presets.schema
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 # The checker's pieces, importable from here (the names other code uses).
-from fsdp_presets.preset.accelerate_view import (  # noqa: F401
-    AccelerateRejected,
-    AccelerateView,
-    _whole,
-    accelerate_view,
-    known_fsdp_keys,
-    known_parallelism_keys,
-    known_top_level_keys,
-    plugin_option_defaults,
-)
-from fsdp_presets.check.findings import (  # noqa: F401
-    FULL_FINETUNE_RULES,
-    RULES,
-    CheckContext,
-    CheckReport,
-    Finding,
-    ModelFacts,
-    Severity,
-    _sorted,
-    finding,
-)
+from fsdp_presets.preset.accelerate_view import AccelerateRejected, AccelerateView, _whole, accelerate_view
+from fsdp_presets.check.findings import CheckContext, CheckReport, Finding, ModelFacts, _sorted, finding
 from fsdp_presets.check.rules_keys import lint_config  # noqa: F401
-from fsdp_presets.check.rules_memory import lora_shape  # noqa: F401
 from fsdp_presets.schema import FSDP_CONFIG, K, PARALLELISM_CONFIG, PARALLELISM_PREFIX, T, fsdp_where
 
 
@@ -220,7 +199,8 @@ def _probe_findings(view: AccelerateView, context: CheckContext, config: dict) -
 
 def model_facts(source: str, *, trust_remote_code: bool = False) -> ModelFacts:
     """Profile ``source`` and list its module classes (built on the meta device)."""
-    from fsdp_presets.model.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.model.model_loading import build_meta_model, load_config
+    from fsdp_presets.model.profile import profile_module
 
     model = build_meta_model(load_config(source, trust_remote_code=trust_remote_code),
                              trust_remote_code=trust_remote_code)
@@ -229,20 +209,7 @@ def model_facts(source: str, *, trust_remote_code: bool = False) -> ModelFacts:
                       trust_remote_code=trust_remote_code)
 
 
-__all__ = [
-    "AccelerateRejected",
-    "AccelerateView",
-    "CheckContext",
-    "CheckReport",
-    "Finding",
-    "ModelFacts",
-    "RULES",
-    "accelerate_view",
-    "check_file",
-    "check_generated",
-    "lint_config",
-    "model_facts",
-]
+__all__ = ["check_file", "check_generated", "model_facts"]
 
 
 def check_generated(files: dict, *, device: str) -> None:

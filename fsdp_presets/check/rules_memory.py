@@ -7,14 +7,16 @@ from fsdp_presets.arguments import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import format_bytes, format_count
 from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding
-from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, TrainingShape
+from fsdp_presets.plan.planner import plan
 from fsdp_presets.preset.presets import full_state_dict_host_bytes
 from fsdp_presets.schema import K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
 
 
 def lora_shape(context: CheckContext):
     """The :class:`~fsdp_presets.plan.planner.LoraShape` the memory rules plan with, None for full."""
-    from fsdp_presets.plan.planner import LoraShape
+    from fsdp_presets.plan.shapes import LoraShape
 
     method = context.training_method
     if method not in ("lora", "qlora"):
@@ -194,7 +196,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
     full_bytes = full_state_dict_host_bytes(profile)
     lora = lora_shape(context)
     if lora is not None:
-        from fsdp_presets.plan.planner import adapter_params, base_storage_bytes
+        from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes
 
         lora_training = _training_shape(config, fsdp, context)
         full_bytes = base_storage_bytes(profile, lora_training) + 12 * adapter_params(profile, lora_training)

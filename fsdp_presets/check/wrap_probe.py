@@ -167,7 +167,7 @@ def _child(request: dict) -> dict:
     logging.disable(logging.WARNING)
     import torch
 
-    from fsdp_presets.model.profile import build_meta_model, load_config
+    from fsdp_presets.model.model_loading import build_meta_model, load_config
     from fsdp_presets.rehearse.rehearsal import fake_accelerate
 
     trust = request["trust_remote_code"]

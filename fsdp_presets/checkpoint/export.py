@@ -1,5 +1,5 @@
 """``fsdp-presets export``: a recipe checkpoint as a Hugging Face folder (see
-:mod:`fsdp_presets.checkpoint.convert` for what is written and how)."""
+:mod:`fsdp_presets.checkpoint` for what is written and how)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``fsdp-presets import``: a Hugging Face folder as a checkpoint the recipes resume from (see
-:mod:`fsdp_presets.checkpoint.convert`)."""
+:mod:`fsdp_presets.checkpoint`)."""
 
 from __future__ import annotations
 

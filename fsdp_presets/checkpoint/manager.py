@@ -28,11 +28,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.checkpoint.layout import (DELETING_PREFIX, FINAL, MANIFEST, STEP_PATTERN,  # noqa: F401
-                                            TEMPORARY_STEP_PREFIX, deleting_name, rng_state_file, step_folder_name,
-                                            step_of, temporary_step_folder, trainer_rng_state_file)
-from fsdp_presets.checkpoint.manifest import (ADAPTER_KIND, IMPORTED_KIND, MANIFEST_FORMAT,  # noqa: F401
-                                              TRAINER_KIND, TRAINING_KIND, Manifest, inside_path_problem)
+from fsdp_presets.checkpoint.layout import (FINAL, MANIFEST, TEMPORARY_STEP_PREFIX, deleting_name, rng_state_file,
+                                            step_folder_name, step_of, temporary_step_folder,
+                                            trainer_rng_state_file)
+from fsdp_presets.checkpoint.manifest import (ADAPTER_KIND, IMPORTED_KIND, TRAINER_KIND, TRAINING_KIND, Manifest,
+                                              inside_path_problem)
 from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
                                  raise_on_every_rank)
 from fsdp_presets.faults import fault_point

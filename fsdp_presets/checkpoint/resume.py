@@ -29,7 +29,6 @@ import os
 from pathlib import Path
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, run_json_of
-from fsdp_presets.checkpoint.manifest import IMPORTED_KIND, is_imported, read_manifest_json  # noqa: F401
 from fsdp_presets.errors import UsageError
 
 MODEL_DCP_FOLDER = DCP_MODEL  # the name this module gave it first
@@ -99,7 +98,7 @@ def load_imported(model, folder: str | os.PathLike, *, config_digest: str):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from fsdp_presets.checkpoint.manager import Manifest
+    from fsdp_presets.checkpoint.manifest import Manifest
     from fsdp_presets.checkpoint.safe_unpickle import safe_dcp_load
 
     manifest = Manifest.read(folder)

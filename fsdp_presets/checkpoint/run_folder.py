@@ -24,8 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_presets.checkpoint.layout import (CHECKPOINTS, FINAL, METRICS, PLOTS, RUN_JSON, RUN_LOCK,  # noqa: F401
-                                            STALE_LOCK_GLOB, RunFolder, stale_lock_name)
+from fsdp_presets.checkpoint.layout import RUN_JSON, RUN_LOCK, STALE_LOCK_GLOB, RunFolder, stale_lock_name
 from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.fileio import write_json_atomic
 

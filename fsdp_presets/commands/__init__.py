@@ -23,12 +23,12 @@ def print_conversion(report, *, as_json: bool, written, mismatch: str) -> int:
     written because of ``mismatch``. Returns the exit status: 1 when the check failed."""
     import json
 
-    from fsdp_presets.checkpoint import convert
+    from fsdp_presets.checkpoint.hf_model import report_json
 
     verification = report.verification
     failed = verification is not None and not verification.passed
     if as_json:
-        print(json.dumps(convert.report_json(report), indent=2))
+        print(json.dumps(report_json(report), indent=2))
         return 1 if failed else 0
     if not failed:
         for line in written():

@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.errors import UsageError
 
     if args.list_rules:
-        from fsdp_presets.check.lint import RULES
+        from fsdp_presets.check.findings import RULES
 
         for rule, (severity, what) in RULES.items():
             print(f"{rule:34} {severity:8} {what}")
@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         raise UsageError("; ".join(problems))
 
-    from fsdp_presets.check.lint import CheckContext, check_file, model_facts
+    from fsdp_presets.check.findings import CheckContext
+    from fsdp_presets.check.lint import check_file, model_facts
     from fsdp_presets.schema import T
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -154,7 +155,6 @@ def _refuse_another_method(path, method) -> None:
 
 def _model_from_header(path, cache: dict, model_facts):
     """The model a generated preset names in its metadata line, when it can be profiled here."""
-    from pathlib import Path
 
     from fsdp_presets.errors import UsageError
     from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text

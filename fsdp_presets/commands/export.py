@@ -37,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_presets.checkpoint import convert
+    from fsdp_presets.checkpoint.export import export_or_report
     from fsdp_presets.fileio import format_bytes
 
-    report = convert.export_or_report(args.checkpoint, args.output, dtype=args.dtype,
+    report = export_or_report(args.checkpoint, args.output, dtype=args.dtype,
                                       max_shard_size=args.max_shard_size, model=args.model, verify=args.verify,
                                       force=args.force, keep_code_references=args.keep_code_references,
                                       log=(lambda message: None) if args.json else print)

@@ -76,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.preset.emit import LaunchHints
+    from fsdp_presets.preset.emit_commands import LaunchHints
     from fsdp_presets.preset.generate import rescale_source, rescaled_request, stored_launch
-    from fsdp_presets.preset.presets import PresetRequest
+    from fsdp_presets.preset.request import PresetRequest
 
     given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
     problems = []
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         request = PresetRequest(model=args.model, **given)
         launch = LaunchHints(model=args.launch_model, data=args.launch_data)
 
-    from fsdp_presets.preset.emit import command_text, default_baseline_path, launch_words
+    from fsdp_presets.preset.emit_commands import command_text, default_baseline_path, launch_words
     from fsdp_presets.preset.generate import check_generated_output, load_profile, render_files, write_files
     from fsdp_presets.preset.generate import describe_changes
 

@@ -28,10 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_presets.checkpoint import convert
+    from fsdp_presets.checkpoint.import_hf import import_or_report
     from fsdp_presets.fileio import format_bytes
 
-    report = convert.import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force,
+    report = import_or_report(args.hf_dir, args.output, verify=args.verify, force=args.force,
                                       log=(lambda message: None) if args.json else print)
 
     def written() -> list[str]:

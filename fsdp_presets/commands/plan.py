@@ -60,7 +60,9 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets import arguments
     from fsdp_presets.errors import UsageError
     from fsdp_presets.plan.methods import lora_from_args
-    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, fit_seq_len, plan_with_auto_savers
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.plan.planner import fit_seq_len, plan_with_auto_savers
 
     # Validate every flag before touching the model, and report all problems at once.
     problems = []
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             vars(save_cost(strategy, hardware, storage_bytes_per_s=storage)) for strategy in memory_plan.strategies]}
         document["activation_terms"] = terms_note
         if shape.lora is not None:
-            from fsdp_presets.plan.planner import adapter_params, base_storage_bytes, default_target_modules
+            from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes, default_target_modules
 
             document["lora"] = {**shape.lora.to_json(), "trainable_params": adapter_params(profile, memory_plan.shape),
                                 "base_storage_bytes": base_storage_bytes(profile, memory_plan.shape),
@@ -161,7 +163,7 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
     if shape.attention != "fused":
         return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
                        "runs the model's own attention)"}
-    from fsdp_presets.model.profile import load_config
+    from fsdp_presets.model.model_loading import load_config
 
     try:
         config = load_config(source, trust_remote_code=trust_remote_code)
@@ -184,7 +186,7 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
 def format_plan(memory_plan, profile, *, source: str) -> str:
     """The table, the recommendation and its reason (or the suggestions when nothing fits)."""
     from fsdp_presets.fileio import byte_unit, format_count
-    from fsdp_presets.plan.planner import GiB
+    from fsdp_presets.fileio import GiB
     from fsdp_presets.plan.tables import text_table
 
     hardware, shape = memory_plan.hardware, memory_plan.shape

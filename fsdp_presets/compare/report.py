@@ -8,7 +8,8 @@ import math
 import os
 from pathlib import Path
 
-from fsdp_presets.compare.runs import Comparison, RunRecord
+from fsdp_presets.compare.runs import Comparison
+from fsdp_presets.compare.records import RunRecord
 from fsdp_presets.fileio import atomic_path
 
 VERDICT_WORDS = {

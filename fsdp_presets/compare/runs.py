@@ -34,12 +34,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from fsdp_presets.compare.records import (COMPARABLE_FIELDS, METRICS_FILE, RUN_FILE, RunRecord,  # noqa: F401 (re-exported)
-                                          check_comparable, checkpoint_step, load_run)
-from fsdp_presets.compare.tolerance import (BF16_RELATIVE_TOLERANCE, BF16_TOLERANCE_SOURCE,  # noqa: F401 (re-exported)
-                                            FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL, FP32_RELATIVE_TOLERANCE,
-                                            LR_RELATIVE_TOLERANCE, NON_FINITE_MAY_AGREE, Tolerance,
-                                            auto_tolerance, parse_tolerance, relative_deviation)
+from fsdp_presets.compare.records import RunRecord, check_comparable
+from fsdp_presets.compare.tolerance import (FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL, LR_RELATIVE_TOLERANCE,
+                                            Tolerance, auto_tolerance, relative_deviation)
 from fsdp_presets.errors import UsageError
 
 # Compared series, in the order that breaks ties at the same step: the data decides what the

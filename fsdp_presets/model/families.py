@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.model.families_decoders import DECODER_FAMILIES
-from fsdp_presets.model.family import ENCODER_TINY, KINDS, SEQ2SEQ_IDS, Family, Kind, encoder, seq2seq, vision
+from fsdp_presets.model.family import ENCODER_TINY, SEQ2SEQ_IDS, Family, encoder, seq2seq, vision
 
 if TYPE_CHECKING:  # transformers is imported only when a config is built
     from transformers import PretrainedConfig
@@ -91,13 +91,4 @@ def tiny_config(name: str) -> "PretrainedConfig":
     return AutoConfig.for_model(family.model_type, **copy.deepcopy(dict(family.tiny)))
 
 
-__all__ = [
-    "FAMILIES",
-    "KINDS",
-    "Kind",
-    "FAMILY_NAMES",
-    "Family",
-    "family_for_model_type",
-    "get_family",
-    "tiny_config",
-]
+__all__ = ["FAMILIES", "FAMILY_NAMES", "family_for_model_type", "get_family", "tiny_config"]

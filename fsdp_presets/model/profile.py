@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # heavy imports stay out of module import time (the CLI impor
     from torch import nn
     from transformers import PretrainedConfig, PreTrainedModel
 
-__all__ = ["ModelDims", "ModelProfile", "Unit", "build_meta_model", "load_config", "profile_model", "profile_module"]
+__all__ = ["profile_model", "profile_module"]
 
 
 # --------------------------------------------------------------------------- reading the model
@@ -413,14 +413,3 @@ def profile_model(source: str, *, trust_remote_code: bool = False) -> ModelProfi
     except ValueError as error:  # ModelDims, Unit, ModelProfile checks: numbers the config gave
         raise UsageError(f"{source}: the model built from this config has impossible numbers ({error}); "
                          "check its sizes and layer counts against the model's published config.json") from None
-
-
-__all__ = [
-    "ModelDims",
-    "ModelProfile",
-    "Unit",
-    "build_meta_model",
-    "load_config",
-    "profile_model",
-    "profile_module",
-]

@@ -18,7 +18,7 @@ from fsdp_presets import arguments
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.shapes import DEFAULT_LORA_R, METHODS, LoraShape
 
-__all__ = ["DEFAULT_LORA_R", "METHODS", "add_method_arguments", "lora_from_args"]
+__all__ = ["add_method_arguments", "lora_from_args"]
 _TARGET = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from fsdp_presets.plan.planner import MemoryPlan, StrategyPlan
+from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.preset.request import PresetRequest
 

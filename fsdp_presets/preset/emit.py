@@ -23,24 +23,11 @@ import textwrap
 import yaml
 
 from fsdp_presets.fileio import format_bytes, format_count
-from fsdp_presets.preset.emit_commands import (  # noqa: F401 - the commands, importable from here too
-    _SHELL_VARIABLES,
-    RECIPE,
-    LaunchHints,
-    _number,
-    command_text,
-    default_baseline_path,
-    generate_command,
-    generate_words,
-    launch_words,
-    lora_recipe_words,
-)
-from fsdp_presets.plan.planner import GiB
-from fsdp_presets.preset.presets import (
-    DEFAULT_GPU_MEMORY_GIB,
-    DEFAULT_HOST_MEMORY_GIB,
-    Preset,
-)
+from fsdp_presets.preset.emit_commands import _SHELL_VARIABLES, LaunchHints, _number, generate_words, launch_words
+from fsdp_presets.fileio import GiB
+from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB
+from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
+from fsdp_presets.preset.choices import Preset
 from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word
 from fsdp_presets.schema import (
     T,
@@ -152,7 +139,7 @@ def _method_lines(preset: Preset) -> list[str]:
     lora = preset.request.lora_shape
     if lora is None:
         return []
-    from fsdp_presets.plan.planner import adapter_params, base_storage_bytes, default_target_modules
+    from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes, default_target_modules
 
     shape = preset.memory_plan.shape
     targets = ",".join(lora.target_modules) if lora.target_modules else ",".join(
@@ -394,21 +381,7 @@ def read_metadata(text: str) -> dict | None:
 
 
 __all__ = [
-    "LaunchHints",
-    "METADATA_PREFIX",
-    "accelerate_config",
-    "config_yaml",
-    "ddp_baseline_of",
-    "ddp_config",
-    "emitted_constants",
-    "default_baseline_path",
-    "command_text",
-    "generate_command",
-    "generate_words",
-    "launch_words",
-    "machine_keys",
-    "read_metadata",
-    "render_ddp_baseline",
-    "render_preset",
-    "written_config",
+    "METADATA_PREFIX", "accelerate_config", "config_yaml", "ddp_baseline_of", "ddp_config",
+    "emitted_constants", "machine_keys", "read_metadata", "render_ddp_baseline", "render_preset",
+    "written_config"
 ]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from fsdp_presets.preset.presets import Preset, PresetRequest
+from fsdp_presets.preset.choices import Preset
+from fsdp_presets.preset.request import PresetRequest
 from fsdp_presets.preset.quoting import shell_join, shell_word
 
 RECIPE = "recipes/causal_lm.py"

@@ -107,7 +107,8 @@ def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = F
     those two are not in the same place) and return the cache entry: bytes at micro-batch 1."""
     from fsdp_presets.rehearse.rehearsal import rehearse
     from fsdp_presets.preset.rehearse_request import config_env, decide_unchecked, request_from_flags
-    from fsdp_presets.model.profile import build_meta_model, profile_module
+    from fsdp_presets.model.model_loading import build_meta_model
+    from fsdp_presets.model.profile import profile_module
 
     profile = profile_module(build_meta_model(_layers(config, 2), trust_remote_code=trust_remote_code))
     request = request_from_flags("rehearsed-config", gpus=REHEARSED_WORLD_SIZE, seq_len=seq_len,

@@ -28,20 +28,16 @@ from fsdp_presets.fileio import format_bytes, format_count
 from fsdp_presets.preset.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
 from fsdp_presets.model.model_profile import ModelProfile
-from fsdp_presets.plan.planner import GiB, MemoryPlan, StrategyPlan, TrainingShape, plan
-from fsdp_presets.preset.request import (CPU_RESERVED_BYTES, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_GPU_MEMORY_GIB,
-                                       DEFAULT_HOST_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
-                                       STATE_DICT_CHOICES, STRATEGY_CHOICES, STRATEGY_NAMES, SWITCH_CHOICES,
-                                       Device, PresetRequest, parse_global_batch)
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
+from fsdp_presets.plan.shapes import TrainingShape
+from fsdp_presets.plan.planner import plan
+from fsdp_presets.preset.request import (DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HOST_MEMORY_GIB, STRATEGY_NAMES,
+                                         PresetRequest, parse_global_batch)
+from fsdp_presets.arguments import DEFAULT_SEQ_LEN
 from fsdp_presets.schema import K
 
-__all__ = [  # what other modules import from here: the request and the decisions live beside it
-    "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",
-    "DEFAULT_SEQ_LEN", "DEVICES", "PRECISION_CHOICES", "STATE_DICT_CHOICES", "STRATEGY_CHOICES", "STRATEGY_NAMES",
-    "SWITCH_CHOICES", "BatchPlan", "Device", "MemorySavers", "Parallelism", "Preset", "PresetRequest",
-    "PrecisionChoice", "StateDictChoice", "WrapChoice", "decide",
-    "full_state_dict_host_bytes", "parse_global_batch",
-]
+__all__ = ["decide", "full_state_dict_host_bytes"]
 
 
 # --------------------------------------------------------------------------- deciding
@@ -64,7 +60,7 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
     needed_micro = request.micro_batch or 1
     lora = request.lora_shape
     if lora is not None:
-        from fsdp_presets.plan.planner import default_target_modules, unknown_target_modules
+        from fsdp_presets.plan.lora_memory import default_target_modules, unknown_target_modules
 
         unknown = unknown_target_modules(profile, lora)
         if unknown or not default_target_modules(profile):

@@ -29,7 +29,7 @@ def request_from_preset(path, *, overriding: list[str]) -> tuple:
     flags given besides it, which a preset fixes (refused)."""
     from fsdp_presets.preset.accelerate_view import AccelerateRejected, accelerate_view
     from fsdp_presets.preset.emit import read_metadata
-    from fsdp_presets.preset.presets import PresetRequest
+    from fsdp_presets.preset.request import PresetRequest
 
     path = Path(path)
     if overriding:
@@ -67,7 +67,7 @@ def request_from_flags(model: str, *, gpus: int | None, nodes: int | None = None
                        gpu_memory_gib: float | None = None):
     """The :class:`~fsdp_presets.preset.presets.PresetRequest` of a model rehearsed with these
     settings (None: the command's default), its global batch one optimizer step of them."""
-    from fsdp_presets.preset.presets import PresetRequest
+    from fsdp_presets.preset.request import PresetRequest
 
     if gpus is None:
         raise UsageError("--gpus is required with a MODEL (e.g. --gpus 8)")
@@ -105,7 +105,9 @@ def decide_unchecked(profile, request):
     """The preset of ``request`` with its settings as given, whether or not the planner says it
     fits: decided on GPUs large enough for anything, then re-planned on the asked memory."""
     from fsdp_presets.arguments import MAX_GPU_MEMORY_GIB, MAX_HOST_MEMORY_GIB
-    from fsdp_presets.plan.planner import GiB, Hardware, plan
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware
+    from fsdp_presets.plan.planner import plan
     from fsdp_presets.preset.presets import decide
 
     roomy = dataclasses.replace(request, gpu_memory_gib=MAX_GPU_MEMORY_GIB, host_memory_gib=MAX_HOST_MEMORY_GIB)
@@ -125,7 +127,8 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
 
     from fsdp_presets.plan.planner import plan
     from fsdp_presets.preset.presets import decide
-    from fsdp_presets.model.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.model.model_loading import build_meta_model, load_config
+    from fsdp_presets.model.profile import profile_module
 
     from_preset = preset_file
     if from_preset:

@@ -12,10 +12,10 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from fsdp_presets import arguments
-from fsdp_presets.arguments import (DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, STRATEGY_CHOICES,
-                                    SWITCH_CHOICES)
+from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB, DEVICES
 from fsdp_presets.errors import UsageError, unknown_name_message
-from fsdp_presets.plan.shapes import GiB, Hardware, OnNodes, mesh_problems
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, OnNodes, mesh_problems
 
 Device = Literal["gpu", "cpu"]
 PRECISION_CHOICES: tuple[str, ...] = arguments.PRECISION_CHOICES
@@ -39,9 +39,10 @@ fine-tuning batches (128-256 sequences of 2-4K tokens)."""
 _BATCH_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*(tok|toks|tokens)?\s*$")
 _BINARY = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
-__all__ = ["CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_GPU_MEMORY_GIB", "DEFAULT_HOST_MEMORY_GIB",
-           "DEFAULT_SEQ_LEN", "DEVICES", "PRECISION_CHOICES", "STATE_DICT_CHOICES", "STRATEGY_CHOICES",
-           "STRATEGY_NAMES", "SWITCH_CHOICES", "Device", "PresetRequest", "parse_global_batch"]
+__all__ = [
+    "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_HOST_MEMORY_GIB", "PRECISION_CHOICES",
+    "STATE_DICT_CHOICES", "STRATEGY_NAMES", "Device", "PresetRequest", "parse_global_batch"
+]
 
 
 # --------------------------------------------------------------------------- the request
@@ -186,7 +187,8 @@ class PresetRequest(OnNodes):
         """The planner's :class:`~fsdp_presets.plan.planner.LoraShape`, None for full fine-tuning."""
         from types import SimpleNamespace
 
-        from fsdp_presets.plan.methods import METHODS, lora_from_args
+        from fsdp_presets.plan.shapes import METHODS
+        from fsdp_presets.plan.methods import lora_from_args
 
         if self.method not in METHODS:
             raise UsageError(unknown_name_message("--method value", str(self.method), METHODS))

@@ -81,7 +81,7 @@ class FakeAccelerate:
 
     def build_model(self, config, *, trust_remote_code: bool = False):
         """The model of ``config`` (its transformers class, fp32 parameters) on fake tensors."""
-        from fsdp_presets.model.profile import build_meta_model
+        from fsdp_presets.model.model_loading import build_meta_model
 
         import torch
 

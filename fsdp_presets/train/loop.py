@@ -23,7 +23,6 @@ from fsdp_presets.arguments import RECIPE_SEQ_LEN
 from fsdp_presets.errors import UsageError
 from fsdp_presets.train import preemption
 # The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
-from fsdp_presets.numerics import clip_grad_norm, gradient_sync, param_groups, scalar  # noqa: F401
 
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")  # --lr-scheduler
 

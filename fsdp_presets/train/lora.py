@@ -42,8 +42,8 @@ from fsdp_presets.arguments import MAX_LORA_R
 from fsdp_presets.errors import UsageError
 from fsdp_presets.schema import K
 
-from fsdp_presets.checkpoint.layout import (ADAPTER_CONFIG, ADAPTER_KEYS, ADAPTER_MODEL,  # noqa: F401
-                                            ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS, DCP_METADATA, MERGED, MODEL_CONFIG)
+from fsdp_presets.checkpoint.layout import (ADAPTER_KEYS, ADAPTER_MODEL, ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS,
+                                            DCP_METADATA, MODEL_CONFIG)
 
 
 # ---- flags ----
@@ -463,4 +463,3 @@ def export_merged(adapter_dir: Path, merged_dir: Path, *, model_class, base_path
 
 
 # ---- `fsdp-presets export` of a LoRA checkpoint: fsdp_presets.checkpoint.adapter ----
-from fsdp_presets.checkpoint.adapter import export_checkpoint_adapter, is_adapter_checkpoint  # noqa: E402,F401

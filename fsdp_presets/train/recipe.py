@@ -33,13 +33,18 @@ from typing import Any, Callable
 from fsdp_presets.checkpoint import resume as checkpoint_resume
 from fsdp_presets.checkpoint.async_save import CheckpointSaver, check_async_save
 from fsdp_presets.checkpoint.layout import MODEL_CONFIG
-from fsdp_presets.checkpoint.manager import CheckpointManager, Manifest, committed_checkpoints
-from fsdp_presets.checkpoint.run_folder import (RunFolder, acquire_run_lock, check_output_dir, distributed_settings,
+from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
+from fsdp_presets.checkpoint.manifest import Manifest
+from fsdp_presets.checkpoint.layout import RunFolder
+from fsdp_presets.checkpoint.run_folder import (acquire_run_lock, check_output_dir, distributed_settings,
                                                 launch_config_file, schedule_change_note, training_settings,
                                                 write_run_json)
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
+from fsdp_presets.checkpoint.layout import MERGED
+from fsdp_presets.checkpoint.manifest import is_imported
+from fsdp_presets.numerics import clip_grad_norm, gradient_sync
 from fsdp_presets.train import interrupts, loop, preemption, startup
 from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_model import export_model
@@ -116,7 +121,7 @@ class RecipeRun:
         if args.async_save:
             check_async_save(accelerator, lora=bool(self.lora))
         resume_from = self.checkpoints.resolve(args.resume, max_steps=args.max_steps)
-        if resume_from is not None and checkpoint_resume.is_imported(resume_from):  # weights only
+        if resume_from is not None and is_imported(resume_from):  # weights only
             checkpoint_resume.load_imported(model, resume_from, config_digest=digest)
             say(f"started from imported weights {resume_from}: step 0, fresh optimizer and schedule")
         elif resume_from is not None:
@@ -174,14 +179,14 @@ class RecipeRun:
 
     def gradient_sync(self, *, last_micro_batch: bool):
         """Reduce gradients on the last micro-batch only (or on each: --reduce-every-micro-batch)."""
-        return loop.gradient_sync(self.accelerator, self._live["model"], last_micro_batch=last_micro_batch,
+        return gradient_sync(self.accelerator, self._live["model"], last_micro_batch=last_micro_batch,
                                   reduce_every_micro_batch=self.args.reduce_every_micro_batch)
 
     def optimizer_step(self, optimizer, scheduler) -> tuple[float, float]:
         """Clip (norm summed in float64: the same number, and so the same clipping, under DDP,
         FSDP1 and FSDP2), step, zero the gradients; returns the norm and the learning rate the
         step used (read before the scheduler steps)."""
-        grad_norm = loop.clip_grad_norm(self.accelerator, self._live["model"], self.args.max_grad_norm)
+        grad_norm = clip_grad_norm(self.accelerator, self._live["model"], self.args.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -264,7 +269,7 @@ class RecipeRun:
             recipe_lora.export_adapter(accelerator, model, self.tokenizer, self.folder.final,
                                        key_map=self._live["key_map"], lora=self.lora, base_path=args.model,
                                        model_class=model_class,
-                                       merged_dir=self.folder.root / recipe_lora.MERGED if args.export_merged else None)
+                                       merged_dir=self.folder.root / MERGED if args.export_merged else None)
         else:
             export_model(accelerator, model, self.tokenizer, self.folder.final)
         if accelerator.is_main_process:

@@ -48,7 +48,8 @@ from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON
                                             trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
-from fsdp_presets.checkpoint.run_folder import RunFolder, distributed_settings, launch_config_file, write_run_json
+from fsdp_presets.checkpoint.layout import RunFolder
+from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
 from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
 from fsdp_presets.train.metrics import MetricsLog

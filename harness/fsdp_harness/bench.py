@@ -27,7 +27,9 @@ from fsdp_harness import campaign as fault_campaign
 from fsdp_harness.launch import write_accelerate_config
 from fsdp_harness.measure import DEFAULT_TOLERANCE, relative_error, sent_bytes, state_deviations
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
-from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, human_bytes, plan
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.shapes import Hardware, TrainingShape
+from fsdp_presets.plan.planner import human_bytes, plan
 
 REPO = Path(__file__).resolve().parents[2]  # harness/fsdp_harness/x.py -> the checkout
 WORKER = REPO / "scripts" / "bench_worker.py"

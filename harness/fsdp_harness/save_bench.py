@@ -94,7 +94,9 @@ SECTION = "async-save"
 def planner_figures() -> list[str]:
     """The planner's save cost of the 8B and 70B presets (``fsdp-presets plan ... --mtbf 24``)."""
     from fsdp_presets.preset.generate import load_profile
-    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.plan.planner import plan
     from fsdp_presets.plan.save_cost import format_save_costs
 
     lines = []

@@ -140,6 +140,7 @@ def worker(argv: list[str]) -> None:
     from fsdp_presets.train import data as recipe_data
     from fsdp_presets.train import loop
     from fsdp_presets.train import lora as recipe_lora
+    from fsdp_presets.numerics import clip_grad_norm, param_groups
 
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator()
@@ -154,7 +155,7 @@ def worker(argv: list[str]) -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 
     def build_optimizer(model):
-        return torch.optim.AdamW(loop.param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.95)), None
+        return torch.optim.AdamW(param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.95)), None
 
     model, optimizer, _ = recipe_lora.prepare(accelerator, model, build_optimizer, lora=None)
     model.train()
@@ -176,7 +177,7 @@ def worker(argv: list[str]) -> None:
         targets = accelerator.reduce(torch.tensor(float((labels != recipe_data.IGNORE_INDEX).sum()),
                                                   device=accelerator.device), reduction="sum").item()
         accelerator.backward(loss * world / max(targets, 1.0))
-        loop.clip_grad_norm(accelerator, model, 1.0)
+        clip_grad_norm(accelerator, model, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step_loss = accelerator.reduce(loss.detach().double().to(accelerator.device), reduction="sum").item()

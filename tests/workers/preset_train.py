@@ -19,6 +19,7 @@ import fsdp_presets
 from fsdp_harness.measure import sharded_element_counts
 from fsdp_harness.tiny_model import counting_batch
 from fsdp_presets.model import families
+from fsdp_presets.numerics import gradient_sync
 from fsdp_presets.train import loop
 
 
@@ -68,8 +69,8 @@ def main():
         step_loss = torch.zeros(())
         batches = micro_batches(step, args, rank, world_size, vocab)
         for index, input_ids in enumerate(batches):
-            # Gradients are reduced on the last micro-batch only, as the recipes do (loop.gradient_sync).
-            with loop.gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1):
+            # Gradients are reduced on the last micro-batch only, as the recipes do (gradient_sync).
+            with gradient_sync(accelerator, model, last_micro_batch=index == len(batches) - 1):
                 # NOTE: use_cache=False: with fsdp_activation_checkpointing accelerate re-runs each block in
                 # backward, and a KV cache would be appended twice (Gemma 2's masked attention then fails).
                 batch = input_ids.to(accelerator.device)

@@ -17,8 +17,11 @@ def main() -> int:
     warnings.simplefilter("ignore")
     from transformers.utils import logging as hf_logging
 
-    from fsdp_presets.plan.planner import GiB, Hardware, TrainingShape, plan
-    from fsdp_presets.model.profile import build_meta_model, load_config, profile_module
+    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.plan.planner import plan
+    from fsdp_presets.model.model_loading import build_meta_model, load_config
+    from fsdp_presets.model.profile import profile_module
     from fsdp_presets.rehearse.rehearsal import rehearse
 
     hf_logging.set_verbosity_error()

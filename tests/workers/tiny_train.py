@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import fsdp_presets
 from fsdp_harness.measure import sharded_element_counts
 from fsdp_harness.tiny_model import counting_batch
+from fsdp_presets.numerics import clip_grad_norm, scalar
 from fsdp_presets.train import loop
 
 TINY_CONFIGS = {
@@ -54,7 +55,7 @@ def parse_args():
     parser.add_argument("--guard", action="store_true", help="call check_launch() after Accelerator()")
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="clip gradients to this norm (0: off)")
     parser.add_argument("--clip-with", choices=("package", "accelerate"), default="package",
-                        help="fsdp_presets.train.loop.clip_grad_norm or accelerate's clip_grad_norm_")
+                        help="fsdp_presets.train.clip_grad_norm or accelerate's clip_grad_norm_")
     parser.add_argument("--seed-per-rank", action="store_true",
                         help="initialise each rank differently (only rank 0 matches the usual init)")
     return parser.parse_args()
@@ -100,9 +101,9 @@ def main():
         loss = model(input_ids=input_ids, labels=input_ids).loss
         accelerator.backward(loss)
         if args.max_grad_norm and args.clip_with == "accelerate":
-            grad_norms[step] = loop.scalar(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
+            grad_norms[step] = scalar(accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         elif args.max_grad_norm:
-            grad_norms[step] = loop.clip_grad_norm(accelerator, model, args.max_grad_norm)
+            grad_norms[step] = clip_grad_norm(accelerator, model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses[step] = accelerator.reduce(loss.detach(), reduction="mean").item()
