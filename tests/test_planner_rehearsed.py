@@ -6,29 +6,11 @@ the composition as a 40-block one does (scripts/planner_accuracy.py runs full si
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from fsdp_harness.published_configs import FAMILIES, write_config
 from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
 
-FAMILIES = {
-    # model_type: published config values (the model's config.json), layers cut to 4
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
-              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-              "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False},
-    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "hidden_size": 6144, "intermediate_size": 24576,
-                   "num_attention_heads": 48, "num_key_value_heads": 4, "vocab_size": 49152,
-                   "max_position_embeddings": 16384, "use_bias": True, "sliding_window": 4096},
-    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
-              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 100352,
-              "max_position_embeddings": 4096},
-    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
-                    "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
-                    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "num_attention_heads": 16,
-                    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
-                    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 163840},
-}
 LAYERS, SEQ, GPUS = 4, 1024, 8
 
 
@@ -43,11 +25,7 @@ def rehearsal_cache(tmp_path_factory):
 
 
 def _model_folder(tmp_path, model_type):
-    folder = tmp_path / model_type
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "num_hidden_layers": LAYERS,
-                                                    **FAMILIES[model_type]}), encoding="utf-8")
-    return str(folder)
+    return write_config(tmp_path, model_type, layers=LAYERS)
 
 
 @pytest.mark.slow

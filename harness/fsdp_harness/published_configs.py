@@ -1,0 +1,40 @@
+"""Published configs (each model's config.json on the Hub, the values that shape memory) of
+transformers-native families the planner keeps no constants for, as plain dicts: what
+``tests/test_planner_rehearsed.py`` and ``scripts/planner_accuracy.py`` compare the planner
+against a rehearsal on. ``write_config`` puts one in a folder ``fsdp-presets`` can read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+FAMILIES = {
+    # model_type: published config values (the model's config.json), without num_hidden_layers
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+              "max_position_embeddings": 40960, "rope_theta": 1000000, "tie_word_embeddings": False},
+    "starcoder2": {"architectures": ["Starcoder2ForCausalLM"], "hidden_size": 6144, "intermediate_size": 24576,
+                   "num_attention_heads": 48, "num_key_value_heads": 4, "vocab_size": 49152,
+                   "max_position_embeddings": 16384, "use_bias": True, "sliding_window": 4096},
+    "olmo2": {"architectures": ["Olmo2ForCausalLM"], "hidden_size": 4096, "intermediate_size": 11008,
+              "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 100352,
+              "max_position_embeddings": 4096},
+    "deepseek_v2": {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "intermediate_size": 10944,
+                    "moe_intermediate_size": 1408, "n_routed_experts": 64, "n_shared_experts": 2,
+                    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "num_attention_heads": 16,
+                    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 102400, "max_position_embeddings": 163840},
+}
+PUBLISHED_LAYERS = {"qwen3": 36, "starcoder2": 40, "olmo2": 32, "deepseek_v2": 27}
+"""``num_hidden_layers`` of the published models (Qwen3-8B, StarCoder2-15B, OLMo-2-7B, DeepSeek-V2-Lite)."""
+
+
+def write_config(folder, model_type: str, *, layers: int | None = None) -> str:
+    """A model folder holding ``model_type``'s published config (``layers`` blocks, default the
+    published count); returns its path."""
+    folder = Path(folder) / model_type
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": model_type, "num_hidden_layers": layers or PUBLISHED_LAYERS[model_type],
+              **FAMILIES[model_type]}
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return str(folder)
