@@ -8,9 +8,12 @@ on another process count keeps the global batch, SIGTERM at the launcher commits
 (exit 75 on the ranks) and Trainer's own resume continues from it, and a rank SIGKILLed in the
 middle of a save resumes exactly from the newest committed checkpoint.
 
-The launches are shared by the tests (module-scoped fixtures). Real launches only for the proofs a
-user makes (FSDP == DDP, the saved model, a resume at another process count, signals and kills);
-the DDP baselines and the refused resume are forked (tests/conftest.py), a few times cheaper.
+The launches are shared by the tests (module-scoped fixtures), 7 real and 4 forked. Real launches
+only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
+FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 run, and one chain of three launches (SIGTERM at
+step 3; Trainer's resume on one process, which keeps the global batch, killed in the save of step 6;
+Trainer's resume on two processes, bit for bit the uninterrupted FSDP2 run). The DDP baselines, the
+refused resume and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
 """
 
 from __future__ import annotations
@@ -110,9 +113,12 @@ def _adapter_logits(base: Path, folder: Path):
         return model(torch.arange(1, 17).reshape(2, 8)).logits
 
 
+def _train_losses(records: list[dict]) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in records if record["kind"] == "train"}
+
+
 def _losses(run: Path) -> dict[int, float]:
-    return {line["step"]: line["loss"] for line in map(json.loads, (run / METRICS).read_text().splitlines())
-            if line["kind"] == "train"}
+    return _train_losses(read_metrics(run / METRICS))
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
@@ -182,22 +188,26 @@ def test_export_from_a_config_only_folder(trainer_runs, presets, tmp_path, capsy
     torch.testing.assert_close(_logits(output), _logits(trainer_runs["ddp"] / "final"), rtol=1e-5, atol=1e-5)
 
 
-def test_resume_on_one_process_keeps_the_global_batch(trainer_runs, presets, tmp_path):
-    run = tmp_path / "resumed"
-    run.mkdir()
-    shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(3), run / trainer_checkpoint_name(3))
-    result = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", processes=1)
-    assert "global batch kept at 8 samples: gradient_accumulation_steps 2 -> 4" in result.stdout
-    record = json.loads((run / RUN_JSON).read_text())
+def test_resume_on_one_process_keeps_the_global_batch(killed_and_resumed, trainer_runs, presets, tmp_path):
+    # The preempted FSDP2 run (2 processes x 2 x accumulation 2) resumed on one process.
+    killed = killed_and_resumed["killed"]
+    assert "global batch kept at 8 samples: gradient_accumulation_steps 2 -> 4" in killed["result"].stdout
+    record = killed["run"]
     assert record["world_size"] == 1 and record["gradient_accumulation_steps"] == 4
     assert record["global_batch_samples"] == 8
-    assert sorted(_losses(run)) == [4, 5, 6]
+    trained, reference = _train_losses(killed["metrics"]), _losses(trainer_runs["fsdp2"])
+    assert sorted(trained) == list(range(1, 7))
+    for step in (4, 5, 6):  # the same samples per step: the same losses, up to the order of the sums
+        assert trained[step] == pytest.approx(reference[step], rel=1e-5, abs=0), step
     # A batch size that cannot keep it is refused in one line, before training.
+    run = tmp_path / "refused"
+    shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(3), run / trainer_checkpoint_name(3))
     refused = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", "--batch-size", "3", processes=1,
                       check=False, forked=None)
     assert refused.returncode != 0
     said = [line for line in refused.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
     assert len(said) == 1 and "cannot split" in said[0], refused.stderr[-2000:]
+    assert sorted(path.name for path in run.iterdir()) == [trainer_checkpoint_name(3)]  # nothing written
 
 
 @pytest.fixture(scope="module")
@@ -275,11 +285,12 @@ def preempted_run(presets, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(preempted_run, presets) -> dict:
-    """The preempted run resumed with Trainer's own resume; rank 0 SIGKILLed inside the save of step
-    6 (its files written, its manifest not); resumed again to the end."""
+    """The preempted run resumed with Trainer's own resume on one process (the global batch kept);
+    SIGKILLed inside the save of step 6 (its files written, its manifest not); resumed again on two
+    processes to the end, from the newest committed checkpoint: the preemption's."""
     output = preempted_run["output"]
     killed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
-                     env={FAULT_ENV: "kill-during-save:step=6"})
+                     env={FAULT_ENV: "kill-during-save:step=6"}, processes=1)
     after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
                   "run": json.loads((output / RUN_JSON).read_text()),
                   "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}
@@ -302,12 +313,11 @@ def test_sigterm_commits_the_step_reached_and_trainer_resume_continues_exactly(p
     assert preempted_run["went_on"] == []  # it stopped there: no later step, no save_model
     code, printed = _cli(capsys, "inspect-checkpoint", str(checkpoint))
     assert code == 0 and "integrity   OK" in printed, printed
-    # Trainer's own resume went on from it with the losses of the uninterrupted run, bit for bit
-    # (steps 4-6 were logged before the kill of the next test).
-    killed = killed_and_resumed["killed"]
-    assert killed["run"]["resumed_from"] == str(checkpoint)
-    trained = {record["step"]: record["loss"] for record in killed["metrics"] if record["kind"] == "train"}
-    assert trained == _losses(trainer_runs["fsdp2"])
+    # Trainer's own resume went on from it (the last launch of the chain, on two processes as it was
+    # saved) with the losses of the uninterrupted run, bit for bit.
+    assert killed_and_resumed["killed"]["run"]["resumed_from"] == str(checkpoint)
+    assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(checkpoint)
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])
 
 
 def test_a_rank_killed_mid_save_resumes_exactly_from_the_newest_committed_checkpoint(killed_and_resumed,
@@ -316,6 +326,7 @@ def test_a_rank_killed_mid_save_resumes_exactly_from_the_newest_committed_checkp
 
     killed, resumed, output = killed_and_resumed["killed"], killed_and_resumed["resumed"], killed_and_resumed["output"]
     assert killed["result"].returncode != 0 and "[fault] kill at during-save, step 6" in killed["result"].stdout
+    assert max(_train_losses(killed["metrics"])) == 6  # killed after step 6, before its checkpoint was committed
     assert not killed["checkpoint_6_manifest"]  # checkpoint-6 written, never committed
     assert f"{output / trainer_checkpoint_name(6)} has no {MANIFEST}: it was cut short" in resumed.stdout
     assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(output / trainer_checkpoint_name(3))
