@@ -8,12 +8,12 @@ on another process count keeps the global batch, SIGTERM at the launcher commits
 (exit 75 on the ranks) and Trainer's own resume continues from it, and a rank SIGKILLed in the
 middle of a save resumes exactly from the newest committed checkpoint.
 
-The launches are shared by the tests (module-scoped fixtures), 7 real and 4 forked. Real launches
+The launches are shared by the tests (module-scoped fixtures), 6 real and 5 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
 FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 run, and one chain of three launches (SIGTERM at
 step 3; Trainer's resume on one process, which keeps the global batch, killed in the save of step 6;
 Trainer's resume on two processes, bit for bit the uninterrupted FSDP2 run). The DDP baselines, the
-refused resume and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
+refused resume, a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
 """
 
 from __future__ import annotations
@@ -333,3 +333,16 @@ def test_a_rank_killed_mid_save_resumes_exactly_from_the_newest_committed_checkp
     assert _losses(output) == _losses(trainer_runs["fsdp2"])  # steps 4-6 again, bit for bit
     assert (output / trainer_checkpoint_name(6) / MANIFEST).is_file()
     torch.testing.assert_close(_logits(output / "final"), _logits(trainer_runs["fsdp2"] / "final"), rtol=0, atol=0)
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_saving_that_step(presets, tmp_path):
+    output = tmp_path / "run"  # rank 1 alone gets SIGUSR1 after step 2, outside any save
+    result = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--signal-rank-at-step", 1, 2,
+                     check=False, forked=None)
+    checkpoint = output / trainer_checkpoint_name(2)
+    records = read_metrics(output / METRICS)
+    assert [record for record in records if record["kind"] == "preempted"] == [
+        {"kind": "preempted", "step": 2, "signal": None, "checkpoint": str(checkpoint)}], result.stderr[-3000:]
+    assert max(_train_losses(records)) == 2 and (checkpoint / MANIFEST).is_file()
+    assert "trainer_user.py: error: preempted (signal on another rank) at step 2" in result.stderr
+    assert result.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT}" in result.stderr, result.stderr[-3000:]

@@ -48,7 +48,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from transformers import Trainer, TrainerCallback
 
@@ -258,14 +258,14 @@ class FSDPPresetsCallback(TrainerCallback):
         # saves this step through its own _save_checkpoint, then every rank stops.
         if self._signals and self._saved_step != step and preemption.should_stop(self._accelerator):
             trainer.control.should_save = True
-            result = original(tr_loss, grad_norm, *args, **kwargs)
-            self._preempted(step)
+            original(tr_loss, grad_norm, *args, **kwargs)
+            self._preempted(step)  # does not return
         result = original(tr_loss, grad_norm, *args, **kwargs)
         if self._signals and self._saved_step == step and preemption.should_stop(self._accelerator):
             self._preempted(step)  # the signal came during this step's save: it is saved, stop now
         return result
 
-    def _preempted(self, step: int) -> None:
+    def _preempted(self, step: int) -> NoReturn:
         """The ``preempted`` metrics line, one line on stderr, and exit 75 on every rank."""
         folder = Path(self.trainer._get_output_dir(trial=None)) / trainer_checkpoint_name(step)
         checkpoint = folder if (folder / MANIFEST).is_file() else None
