@@ -12,8 +12,9 @@ The launches are shared by the tests (module-scoped fixtures), 6 real and 5 fork
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
 FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 run, and one chain of three launches (SIGTERM at
 step 3; Trainer's resume on one process, which keeps the global batch, killed in the save of step 6;
-Trainer's resume on two processes, bit for bit the uninterrupted FSDP2 run). The DDP baselines, the
-refused resume, a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
+Trainer's resume on two processes, bit for bit the uninterrupted FSDP2 run). The DDP baselines,
+the refused resume, a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py),
+a few times cheaper.
 """
 
 from __future__ import annotations
