@@ -39,7 +39,7 @@ def main():
     if unsupported:
         raise UsageError(f"{', '.join(unsupported)}: not available with SFTTrainer; use recipes/causal_lm.py")
     lora = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
-    callback = FSDPPresetsCallback()  # before the trainer: real FSDP on a CPU-only host too
+    callback = FSDPPresetsCallback(preempt_signals=args.preempt_signals)  # before the trainer: real FSDP on CPU too
     from trl import SFTConfig, SFTTrainer
 
     # ---- data: prompt/response -> TRL's prompt/completion (the prompt is not trained on) ----
@@ -69,7 +69,8 @@ def main():
         bf16=False, disable_tqdm=True)  # precision: the preset's mixed_precision
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
                          callbacks=[callback])
-    resume = {"auto": get_last_checkpoint(args.output_dir) if Path(args.output_dir).is_dir() else None,
+    # auto: the newest committed checkpoint-N (the callback skips one a killed run left unfinished)
+    resume = {"auto": True if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir) else None,
               "none": None}.get(args.resume, args.resume)
     trainer.train(resume_from_checkpoint=resume)
 

@@ -3,26 +3,40 @@ tests/workers/sft_lora_user.py), launched for real (``accelerate launch``, not f
 user-facing proofs) under presets made by ``fsdp-presets generate --device cpu --gpus 2 --baseline
 ddp``: FSDP2, FSDP1 and the DDP baseline train alike, ``save_model`` writes a loadable folder whose
 logits equal DDP's, ``compare`` reads the runs with and without the callback and catches a planted
-learning-rate change, every ``checkpoint-N`` verifies, ``export`` needs only a config, and a resume
-on another process count keeps the global batch.
+learning-rate change, every ``checkpoint-N`` verifies, ``export`` needs only a config, a resume
+on another process count keeps the global batch, SIGTERM at the launcher commits the step reached
+(exit 75 on the ranks) and Trainer's own resume continues from it, and a rank SIGKILLed in the
+middle of a save resumes exactly from the newest committed checkpoint.
 
-The launches are shared by the tests (module-scoped fixtures): 7 real launches, 25-45 s each on a
-busy 2-core host (start-up dominates).
+The launches are shared by the tests (module-scoped fixtures), 6 real and 5 forked. Real launches
+only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
+FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 run, and one chain of three launches (SIGTERM at
+step 3; Trainer's resume on one process, which keeps the global batch, killed in the save of step 6;
+Trainer's resume on two processes, bit for bit the uninterrupted FSDP2 run). The DDP baselines,
+the refused resume, a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py),
+a few times cheaper.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from fsdp_harness.launch import run_launch
+from fsdp_harness.launch import launch_command, launch_env, run_launch
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RUN_JSON, TRAINER_ARGS_PICKLE, trainer_checkpoint_name
 from fsdp_presets.cli import main as cli_main
-from recipe_helpers import REPO, SFT_TRAIN, tiny_llama
+from fsdp_presets.faults import FAULT_ENV
+from fsdp_presets.train.metrics import read_metrics
+from fsdp_presets.train.preemption import PREEMPTED_EXIT
+from recipe_helpers import REPO, SFT_TRAIN, causal_lm_args, tiny_llama
 
 from conftest import GLOO_EXIT_ABORT
 
@@ -33,10 +47,15 @@ HAS_TRL = importlib.util.find_spec("trl") is not None
 pytestmark = pytest.mark.slow
 
 
+def _args(model: Path, output: Path, *extra) -> list[str]:
+    return ["--model", str(model), "--data", str(SFT_TRAIN), "--output-dir", str(output), *map(str, extra)]
+
+
 def _launch(config: Path, script: Path, model: Path, output: Path, *extra, processes: int | None = None,
-            check: bool = True):
-    result = run_launch(config, script, ["--model", str(model), "--data", str(SFT_TRAIN), "--output-dir", str(output),
-                                         *map(str, extra)], num_processes=processes, cwd=REPO, forked=False)
+            check: bool = True, forked: bool | None = False, env: dict[str, str] | None = None):
+    """A launch of ``script``; real unless ``forked`` is None (the suite's default: forked)."""
+    result = run_launch(config, script, _args(model, output, *extra), num_processes=processes, cwd=REPO,
+                        forked=forked, env=env)
     if check:
         result.check()
         assert GLOO_EXIT_ABORT not in result.stderr
@@ -60,8 +79,9 @@ def trainer_runs(presets, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trainer_runs")
     runs = {}
     for name in ("ddp", "fsdp2", "fsdp1"):
-        runs[name] = root / name
-        result = _launch(presets[name], TRAINER_SCRIPT, presets["model"], runs[name])
+        runs[name] = root / name  # the DDP baseline forked: its numbers do not depend on how it started
+        result = _launch(presets[name], TRAINER_SCRIPT, presets["model"], runs[name],
+                         forked=None if name == "ddp" else False)
         if name != "ddp":
             assert "gathering the full state dict to rank 0 with CPU offload" in result.stdout
     return runs
@@ -94,9 +114,12 @@ def _adapter_logits(base: Path, folder: Path):
         return model(torch.arange(1, 17).reshape(2, 8)).logits
 
 
+def _train_losses(records: list[dict]) -> dict[int, float]:
+    return {record["step"]: record["loss"] for record in records if record["kind"] == "train"}
+
+
 def _losses(run: Path) -> dict[int, float]:
-    return {line["step"]: line["loss"] for line in map(json.loads, (run / METRICS).read_text().splitlines())
-            if line["kind"] == "train"}
+    return _train_losses(read_metrics(run / METRICS))
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
@@ -166,22 +189,26 @@ def test_export_from_a_config_only_folder(trainer_runs, presets, tmp_path, capsy
     torch.testing.assert_close(_logits(output), _logits(trainer_runs["ddp"] / "final"), rtol=1e-5, atol=1e-5)
 
 
-def test_resume_on_one_process_keeps_the_global_batch(trainer_runs, presets, tmp_path):
-    run = tmp_path / "resumed"
-    run.mkdir()
-    shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(3), run / trainer_checkpoint_name(3))
-    result = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", processes=1)
-    assert "global batch kept at 8 samples: gradient_accumulation_steps 2 -> 4" in result.stdout
-    record = json.loads((run / RUN_JSON).read_text())
+def test_resume_on_one_process_keeps_the_global_batch(killed_and_resumed, trainer_runs, presets, tmp_path):
+    # The preempted FSDP2 run (2 processes x 2 x accumulation 2) resumed on one process.
+    killed = killed_and_resumed["killed"]
+    assert "global batch kept at 8 samples: gradient_accumulation_steps 2 -> 4" in killed["result"].stdout
+    record = killed["run"]
     assert record["world_size"] == 1 and record["gradient_accumulation_steps"] == 4
     assert record["global_batch_samples"] == 8
-    assert sorted(_losses(run)) == [4, 5, 6]
+    trained, reference = _train_losses(killed["metrics"]), _losses(trainer_runs["fsdp2"])
+    assert sorted(trained) == list(range(1, 7))
+    for step in (4, 5, 6):  # the same samples per step: the same losses, up to the order of the sums
+        assert trained[step] == pytest.approx(reference[step], rel=1e-5, abs=0), step
     # A batch size that cannot keep it is refused in one line, before training.
+    run = tmp_path / "refused"
+    shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(3), run / trainer_checkpoint_name(3))
     refused = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", "--batch-size", "3", processes=1,
-                      check=False)
+                      check=False, forked=None)
     assert refused.returncode != 0
     said = [line for line in refused.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
     assert len(said) == 1 and "cannot split" in said[0], refused.stderr[-2000:]
+    assert sorted(path.name for path in run.iterdir()) == [trainer_checkpoint_name(3)]  # nothing written
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +216,7 @@ def sft_runs(presets, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sft_runs")
     runs = {name: root / name for name in ("ddp", "fsdp2")}
     for name, run in runs.items():
-        _launch(presets[name], SFT_SCRIPT, presets["model"], run)
+        _launch(presets[name], SFT_SCRIPT, presets["model"], run, forked=None if name == "ddp" else False)
     return runs
 
 
@@ -213,3 +240,110 @@ def test_sft_lora_adapter_and_losses_equal_ddp(sft_runs, presets, capsys):
     code, printed = _cli(capsys, "inspect-checkpoint", str(sft_runs["fsdp2"] / trainer_checkpoint_name(6)))
     assert code == 0 and "integrity   OK" in printed, printed
     assert _cli(capsys, "compare", str(sft_runs["ddp"]), str(sft_runs["fsdp2"]))[0] == 0
+
+
+@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install --no-deps trl==1.16.0)")
+def test_the_sft_trainer_recipe_with_lora_writes_its_run_folder(presets, tmp_path):
+    import torch
+
+    output = tmp_path / "sft_recipe"
+    run_launch(presets["fsdp2"], REPO / "recipes" / "sft_trainer.py",
+               causal_lm_args(presets["model"], output, "--max-steps", 2, "--lora-r", 4), cwd=REPO).check()
+    assert sorted(_losses(output)) == [1, 2]
+    assert json.loads((output / RUN_JSON).read_text())["training"]["method"] == "lora"
+    assert (output / trainer_checkpoint_name(2) / MANIFEST).is_file()
+    adapter = _adapter_logits(presets["model"], output / "final")
+    assert not torch.equal(adapter, _logits(presets["model"]))  # it loads, and it trained
+
+
+# ---- signals and kills (real launches: a real torchrun agent forwards the signal to real ranks) ----
+@pytest.fixture(scope="module")
+def preempted_run(presets, tmp_path_factory) -> dict:
+    """The FSDP2 run of ``trainer_runs`` (same flags), sent SIGTERM at its launcher while rank 0 is
+    inside the save of step 3 (held there by a stall fault): the signal is answered once that save
+    is committed."""
+    output = tmp_path_factory.mktemp("preempted") / "run"
+    log = output.parent / "launch.log"
+    with open(log, "w") as handle:
+        launcher = subprocess.Popen(launch_command(presets["fsdp2"], TRAINER_SCRIPT, _args(presets["model"], output)),
+                                    cwd=REPO, env=launch_env({FAULT_ENV: "stall-during-save:step=3"}), stdout=handle,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while "[fault] stall at during-save, step 3" not in log.read_text():
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            os.kill(launcher.pid, signal.SIGTERM)  # what scancel / a time limit / Kubernetes send the job's launcher
+            signalled = time.monotonic()
+            status = launcher.wait(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    return {"output": output, "status": status, "within_s": time.monotonic() - signalled, "log": log.read_text(),
+            "metrics": read_metrics(output / METRICS),
+            "went_on": [name for name in (trainer_checkpoint_name(4), "final") if (output / name).exists()]}
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(preempted_run, presets) -> dict:
+    """The preempted run resumed with Trainer's own resume on one process (the global batch kept);
+    SIGKILLed inside the save of step 6 (its files written, its manifest not); resumed again on two
+    processes to the end, from the newest committed checkpoint: the preemption's."""
+    output = preempted_run["output"]
+    killed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
+                     env={FAULT_ENV: "kill-during-save:step=6"}, processes=1)
+    after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
+                  "run": json.loads((output / RUN_JSON).read_text()),
+                  "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}
+    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume")
+    return {"killed": after_kill, "resumed": resumed, "output": output}
+
+
+def test_sigterm_commits_the_step_reached_and_trainer_resume_continues_exactly(preempted_run, killed_and_resumed,
+                                                                               trainer_runs, capsys):
+    log, output = preempted_run["log"], preempted_run["output"]
+    assert preempted_run["status"] == 128 + signal.SIGTERM, log[-3000:]  # the launcher, as for the recipes
+    assert preempted_run["within_s"] < 30, log[-3000:]  # torchrun kills the ranks 30 s after forwarding
+    checkpoint = output / trainer_checkpoint_name(3)
+    preempted = [record for record in preempted_run["metrics"] if record["kind"] == "preempted"]
+    assert preempted == [{"kind": "preempted", "step": 3, "signal": "SIGTERM", "checkpoint": str(checkpoint)}], \
+        log[-3000:]
+    assert max(record["step"] for record in preempted_run["metrics"] if record["kind"] == "train") == 3
+    assert (f"trainer_user.py: error: preempted (SIGTERM) at step 3: saved {checkpoint}; "
+            f"trainer.train(resume_from_checkpoint=True) continues from it; exit status {PREEMPTED_EXIT}") in log
+    assert preempted_run["went_on"] == []  # it stopped there: no later step, no save_model
+    code, printed = _cli(capsys, "inspect-checkpoint", str(checkpoint))
+    assert code == 0 and "integrity   OK" in printed, printed
+    # Trainer's own resume went on from it (the last launch of the chain, on two processes as it was
+    # saved) with the losses of the uninterrupted run, bit for bit.
+    assert killed_and_resumed["killed"]["run"]["resumed_from"] == str(checkpoint)
+    assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(checkpoint)
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])
+
+
+def test_a_rank_killed_mid_save_resumes_exactly_from_the_newest_committed_checkpoint(killed_and_resumed,
+                                                                                     trainer_runs):
+    import torch
+
+    killed, resumed, output = killed_and_resumed["killed"], killed_and_resumed["resumed"], killed_and_resumed["output"]
+    assert killed["result"].returncode != 0 and "[fault] kill at during-save, step 6" in killed["result"].stdout
+    assert max(_train_losses(killed["metrics"])) == 6  # killed after step 6, before its checkpoint was committed
+    assert not killed["checkpoint_6_manifest"]  # checkpoint-6 written, never committed
+    assert f"{output / trainer_checkpoint_name(6)} has no {MANIFEST}: it was cut short" in resumed.stdout
+    assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(output / trainer_checkpoint_name(3))
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])  # steps 4-6 again, bit for bit
+    assert (output / trainer_checkpoint_name(6) / MANIFEST).is_file()
+    torch.testing.assert_close(_logits(output / "final"), _logits(trainer_runs["fsdp2"] / "final"), rtol=0, atol=0)
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_saving_that_step(presets, tmp_path):
+    output = tmp_path / "run"  # rank 1 alone gets SIGUSR1 after step 2, outside any save
+    result = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--signal-rank-at-step", 1, 2,
+                     check=False, forked=None)
+    checkpoint = output / trainer_checkpoint_name(2)
+    records = read_metrics(output / METRICS)
+    assert [record for record in records if record["kind"] == "preempted"] == [
+        {"kind": "preempted", "step": 2, "signal": None, "checkpoint": str(checkpoint)}], result.stderr[-3000:]
+    assert max(_train_losses(records)) == 2 and (checkpoint / MANIFEST).is_file()
+    assert "trainer_user.py: error: preempted (signal on another rank) at step 2" in result.stderr
+    assert result.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT}" in result.stderr, result.stderr[-3000:]

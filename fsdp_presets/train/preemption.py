@@ -119,7 +119,8 @@ def agree(accelerator, *flags: bool) -> tuple[bool, ...]:
     return tuple(value > 0 for value in accelerator.reduce(local, reduction="sum").tolist())
 
 
-def stop(accelerator, *, step: int, checkpoint) -> None:
+def stop(accelerator, *, step: int, checkpoint,
+         again: str = "run the same command again to continue from it (--resume auto)") -> None:
     """Raise :class:`Preempted` once the checkpoint of ``step`` is committed (the main process
     prints the line; the others leave a moment later)."""
     from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
@@ -127,5 +128,5 @@ def stop(accelerator, *, step: int, checkpoint) -> None:
     if not accelerator.is_main_process:
         time.sleep(COLLECTIVE_EXIT_DELAY_S)
     where = f"saved {checkpoint}" if checkpoint else "nothing to save (no step trained yet)"
-    raise Preempted(f"preempted ({received() or 'signal on another rank'}) at step {step}: {where}; run the "
-                    f"same command again to continue from it (--resume auto); exit status {PREEMPTED_EXIT}")
+    raise Preempted(f"preempted ({received() or 'signal on another rank'}) at step {step}: {where}; {again}; "
+                    f"exit status {PREEMPTED_EXIT}")

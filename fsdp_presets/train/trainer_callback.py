@@ -24,6 +24,14 @@ preset gets what the recipes give, with one added line::
   (a checkpoint holds data only: a pickle runs code when loaded).
 - ``trainer.train(resume_from_checkpoint=...)`` at another process count keeps the global batch
   (it changes ``gradient_accumulation_steps`` and says so), or refuses in one line saying how.
+  ``resume_from_checkpoint=True`` takes the newest *committed* ``checkpoint-N`` (one with its
+  manifest), not a folder a killed run left half-written.
+- preemption, as in the recipes (:mod:`fsdp_presets.train.preemption`): on SIGTERM or SIGUSR1
+  (``FSDPPresetsCallback(preempt_signals="none")`` turns it off) the ranks agree at the next
+  optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step reached through its own
+  ``_save_checkpoint`` (with its manifest), ``metrics.jsonl`` gets a ``preempted`` line and every
+  rank exits with status 75 (:data:`~fsdp_presets.train.preemption.PREEMPTED_EXIT`);
+  ``trainer.train(resume_from_checkpoint=True)`` continues from it.
 
 NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
 gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
@@ -40,18 +48,20 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from transformers import Trainer, TrainerCallback
 
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
-                                            trainer_checkpoint_name)
+                                            TRAINER_CHECKPOINT_PATTERN, trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.layout import RunFolder
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
 from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
+from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
+from fsdp_presets.train import preemption
 from fsdp_presets.train.metrics import MetricsLog
 
 
@@ -91,10 +101,12 @@ def _number(value) -> float | None:
 class FSDPPresetsCallback(TrainerCallback):
     """The recipes' guarantees for a Trainer/TRL script (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, preempt_signals: str = preemption.DEFAULT_SIGNALS) -> None:
         from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
 
+        self._signals = preemption.parse_signals(preempt_signals)  # "none": no preemption saves
         enable_cpu_fsdp()  # before the Trainer builds its Accelerator
+        self._saved_step: int | None = None
         self.trainer: Trainer | None = None
         self.metrics: MetricsLog | None = None
         self._step_loss = 0.0
@@ -138,12 +150,11 @@ class FSDPPresetsCallback(TrainerCallback):
         trainer = self.trainer
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
-            from transformers.trainer_utils import get_last_checkpoint
-
-            checkpoint = get_last_checkpoint(trainer.args.output_dir)
+            checkpoint = self._newest_committed(Path(trainer.args.output_dir))
         step = 0
         if checkpoint:
             step = self._keep_global_batch(Path(checkpoint))
+            resume_from_checkpoint = str(checkpoint)
         output = Path(trainer.args.output_dir)
         if self._accelerator.is_main_process:
             model = trainer.model
@@ -160,7 +171,24 @@ class FSDPPresetsCallback(TrainerCallback):
                 "accelerate_config": launch_config_file(), "resumed_from": str(checkpoint) if checkpoint else None})
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
-        return original(resume_from_checkpoint, *args, **kwargs)
+        preemption.install(self._signals)
+        try:
+            return original(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            preemption.install(())  # the process's own handlers again (save_model after train is not a step)
+
+    def _newest_committed(self, output: Path) -> Path | None:
+        """The newest ``checkpoint-N`` that has its manifest; the newest of all when none has one
+        (a run written without the callback), None when there is none."""
+        found = sorted((int(match.group(1)), path) for path in (output.iterdir() if output.is_dir() else ())
+                       if (match := TRAINER_CHECKPOINT_PATTERN.match(path.name)) and path.is_dir())
+        committed = [path for _, path in found if (path / MANIFEST).is_file()]
+        if not committed:
+            return found[-1][1] if found else None
+        if committed[-1] != found[-1][1]:
+            self._say(f"{found[-1][1]} has no {MANIFEST}: it was cut short before it was committed; resuming from "
+                      f"{committed[-1]}, the newest committed checkpoint")
+        return committed[-1]
 
     def _keep_global_batch(self, checkpoint: Path) -> int:
         """The checkpoint's step; on another process count, the gradient accumulation that keeps its
@@ -227,7 +255,30 @@ class FSDPPresetsCallback(TrainerCallback):
                 samples_seen=step * self._global_batch())
             self._logged_step = step
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
-        return original(tr_loss, grad_norm, *args, **kwargs)
+        # A preemption signal on any rank (one all-reduce, every rank at this step boundary): Trainer
+        # saves this step through its own _save_checkpoint, then every rank stops.
+        if self._signals and self._saved_step != step and preemption.should_stop(self._accelerator):
+            trainer.control.should_save = True
+            original(tr_loss, grad_norm, *args, **kwargs)
+            self._preempted(step)  # does not return
+        result = original(tr_loss, grad_norm, *args, **kwargs)
+        if self._signals and self._saved_step == step and preemption.should_stop(self._accelerator):
+            self._preempted(step)  # the signal came during this step's save: it is saved, stop now
+        return result
+
+    def _preempted(self, step: int) -> NoReturn:
+        """The ``preempted`` metrics line, one line on stderr, and exit 75 on every rank."""
+        folder = Path(self.trainer._get_output_dir(trial=None)) / trainer_checkpoint_name(step)
+        checkpoint = folder if (folder / MANIFEST).is_file() else None
+        self.metrics.log_preempted(step=step, signal=preemption.received(),
+                                   checkpoint=str(checkpoint) if checkpoint else None)
+        try:
+            preemption.stop(self._accelerator, step=step, checkpoint=checkpoint,
+                            again="trainer.train(resume_from_checkpoint=True) continues from it")
+        except preemption.Preempted as error:
+            if self._accelerator.is_main_process:
+                print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(preemption.PREEMPTED_EXIT) from None
 
     # ---- saves ----
     def _save_model(self, original, output_dir=None, _internal_call=False):
@@ -251,10 +302,12 @@ class FSDPPresetsCallback(TrainerCallback):
         trainer, accelerator = self.trainer, self._accelerator
         step = trainer.state.global_step
         folder = Path(trainer._get_output_dir(trial=trial)) / trainer_checkpoint_name(step)
+        fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)  # drills
         accelerator.wait_for_everyone()  # every rank's files (its RNG state, its DCP shards) are written
         if accelerator.is_main_process and folder.is_dir():
             self._commit(folder, step)
         accelerator.wait_for_everyone()
+        self._saved_step = step
 
     def _commit(self, folder: Path, step: int) -> None:
         """Write ``manifest.json`` into a checkpoint Trainer finished (main process)."""

@@ -24,9 +24,23 @@ parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--no-callback", action="store_true")
+parser.add_argument("--signal-rank-at-step", nargs=2, type=int, metavar=("RANK", "STEP"),
+                    help="tests: that rank sends itself SIGUSR1 after that step (a scheduler's signal)")
 args = parser.parse_args()
 
 callbacks = [] if args.no_callback else [FSDPPresetsCallback()]  # the added line (2/2)
+if args.signal_rank_at_step:
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    class SignalAtStep(TrainerCallback):
+        def on_step_end(self, arguments, state, control, **kwargs):
+            if [int(os.environ.get("RANK", "0")), state.global_step] == args.signal_rank_at_step:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    callbacks.append(SignalAtStep())
 
 tokenizer = AutoTokenizer.from_pretrained(args.model)
 if tokenizer.pad_token is None:
