@@ -39,7 +39,7 @@ NOT_KEYS = {
     ("fsdp_presets/checkpoint/manager.py", "distributed_type"),
     ("fsdp_presets/compare/records.py", "distributed_type"), ("fsdp_presets/compare/report.py", "distributed_type"),
     ("scripts/bench_worker.py", "distributed_type"), ("harness/fsdp_harness/step_bench.py", "distributed_type"),
-    ("harness/fsdp_harness/bench.py", "distributed_type"),
+    ("harness/fsdp_harness/bench.py", "distributed_type"), ("fsdp_presets/train/trainer_callback.py", "distributed_type"),
 }
 
 
