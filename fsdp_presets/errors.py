@@ -58,10 +58,11 @@ _DISK_FULL_ERRNOS = (28, 122, 27, 30)
 _DISK_FULL_TEXT = ("No space left on device", "os error 28", "StorageFull", "Disk quota exceeded",
                    "File too large", "os error 27", "code: 27", "FileTooLarge",
                    "Read-only file system", "os error 30", "code: 30", "ReadOnlyFilesystem")
-# torch.save to a path (accelerate's optimizer.bin, scheduler.bin, random states) writes through its
-# own C++ stream, which reports a full disk as a failed position check ("[enforce fail at
-# inline_container.cc] unexpected pos 576 vs 534"), never as ENOSPC: read as a full disk only when
-# the file system written to has (almost) no space left.
+# torch.save to a path (accelerate's optimizer.bin, scheduler.bin, random states, DCP's shards)
+# writes through its own C++ stream, which reports a full disk as a failed position check ("[enforce
+# fail at inline_container.cc] unexpected pos 576 vs 534"), never as ENOSPC or EFBIG: read as a full
+# disk only when the file system written to has (almost) no space left, and as a file past the size
+# limit only when this process has one (ulimit -f) and a file written there has reached it.
 _TORCH_WRITER_TEXT = ("unexpected pos", "PytorchStreamWriter failed", "basic_ios::clear")
 _NEARLY_FULL_BYTES = 1 << 20
 
@@ -79,8 +80,27 @@ def _nearly_full(where) -> bool:
         return False
 
 
+def _file_size_limited(where) -> OSError | None:
+    """An EFBIG when this process has a file-size limit (``ulimit -f``), naming the file under
+    ``where`` that reached it if it is still there (another rank may have removed the folder
+    already), or None when there is no limit."""
+    import errno
+    import resource
+    from pathlib import Path
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        at_limit = next((path for path in Path(where).rglob("*") if path.is_file() and path.stat().st_size >= limit),
+                        None)
+    except OSError:
+        at_limit = None
+    return OSError(errno.EFBIG, "File too large", str(at_limit) if at_limit else None)
+
+
 def disk_full_cause(error: BaseException | None, where=None) -> BaseException | None:
-    """The ENOSPC (or EDQUOT) error behind ``error``, or None: found through ``__cause__`` and
+    """The ENOSPC (or EDQUOT, EFBIG, EROFS) error behind ``error``, or None: found through ``__cause__`` and
     ``__context__``, DCP's ``CheckpointException`` (the failures of every rank) and the messages of
     writers that do not raise ``OSError`` (safetensors: ``IoError(... code: 28, kind: StorageFull``;
     torch.save's stream, when the file system of ``where`` is full)."""
@@ -95,14 +115,26 @@ def disk_full_cause(error: BaseException | None, where=None) -> BaseException | 
             return current
         if any(text in str(current) for text in _DISK_FULL_TEXT) and not str(current).startswith("CheckpointException"):
             return current
-        if where is not None and any(text in str(current) for text in _TORCH_WRITER_TEXT) and _nearly_full(where):
-            return current
+        if where is not None and any(text in str(current) for text in _TORCH_WRITER_TEXT):
+            if _nearly_full(where):
+                return current
+            at_limit = _file_size_limited(where)
+            if at_limit is not None:
+                return at_limit
         failures = getattr(current, "failures", None)
         if isinstance(failures, dict):  # torch.distributed.checkpoint.api.CheckpointException
             for wrapped in failures.values():
                 pending.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
         pending += [current.__cause__, current.__context__]
     return None
+
+
+def refused_write_class(message: str) -> type[Exception]:
+    """The error class of a write the file system refused, from its :func:`disk_full_message`: a
+    read-only target or a file-size limit is a setting to change before running again
+    (:class:`UsageError`, exit 2, as a bad flag is); a full disk or quota is what the run met on the
+    way (:class:`Finding`, exit 1)."""
+    return UsageError if message.startswith(("file too large (EFBIG)", "read-only file system (EROFS)")) else Finding
 
 
 def disk_full_message(cause: BaseException, what: str, where, *, kept: str = "") -> str:

@@ -5,6 +5,7 @@ main once per case in one process, file snapshots, and finding the rank processe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import subprocess
@@ -150,3 +151,16 @@ def recipe_error(result, recipe: str = "causal_lm.py") -> str:
     lines = [line for line in result.stderr.splitlines() if line.startswith(f"{recipe}: error:")]
     assert len(lines) == 1, result.stderr[-4000:]
     return lines[0]
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """``ulimit -f`` for this process while inside (Python ignores SIGXFSZ: a write past it is EFBIG)."""
+    import resource
+
+    before = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, before)

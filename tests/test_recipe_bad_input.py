@@ -34,7 +34,7 @@ from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.preset.local_launch import launch_command
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
-                            causal_lm_args, drive_recipe, tiny_bert, tiny_llama, tree_digest)
+                            causal_lm_args, drive_recipe, file_size_limit, tiny_bert, tiny_llama, tree_digest)
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -385,6 +385,26 @@ def test_ctrl_c_saves_the_step_exits_130_in_one_line_and_resume_auto_continues(m
     assert f"resumed from {checkpoint}: step {step}" in resumed.stdout
     train = [record["step"] for record in read_metrics(output / "metrics.jsonl") if record["kind"] == "train"]
     assert train == list(range(1, 21)) and (output / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_during_a_save_is_one_line_exit_2_and_leaves_nothing(models, tmp_path):
+    """A checkpoint shard past ``ulimit -f`` (torch's writer says only "unexpected pos"): every rank
+    stops with one line naming EFBIG and the fix, exit 2 (a limit to raise, as a bad flag is), and no
+    half-written folder stays for --resume auto to trip on. Launched for real: the ranks inherit the
+    limit from this process."""
+    output = tmp_path / "run"
+    with file_size_limit(256 * 1024):  # the tiny model's shards are larger; run.json and metrics are not
+        result = run_launch(FSDP2_CONFIG, CAUSAL_LM, causal_lm_args(models["llama"], output, "--max-steps", 4,
+                                                                    "--save-every", 2),
+                            cwd=REPO, timeout=300, forked=False)
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr, result.stderr[-3000:]
+    lines = error_lines(result.stderr)
+    assert lines and all(line == lines[0] for line in lines), lines
+    assert lines[0].startswith(f"causal_lm.py: error: file too large (EFBIG) while saving the checkpoint of step 2 "
+                               f"in {output / 'checkpoints'}"), lines
+    assert not [line for line in result.stderr.splitlines() if line.startswith("[rank") and "Traceback" in line]
+    assert os.listdir(output / "checkpoints") == []
 
 
 @pytest.mark.slow

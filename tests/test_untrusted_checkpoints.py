@@ -11,7 +11,6 @@ that exist, a finished run relaunched with other settings, an FSDP checkpoint un
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import inspect
 import io
@@ -29,7 +28,7 @@ import torch
 
 import checkpoint_runs as runs
 from conftest import accelerate_config
-from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, drive_recipe, recipe_error, tree_digest
+from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, drive_recipe, file_size_limit, recipe_error, tree_digest
 from test_checkpoint import manager
 from fsdp_presets import cli
 from fsdp_presets.checkpoint.layout import MANIFEST
@@ -530,19 +529,6 @@ def test_a_full_disk_during_export_or_import_says_so_and_leaves_nothing(checkpoi
     assert cli.main(["import", str(checkpoint.parent / "hf"), "--output", str(small_disk / "start")]) == 2
     assert "disk full (ENOSPC) while writing" in capsys.readouterr().err
     assert os.listdir(small_disk) == []
-
-
-@contextlib.contextmanager
-def file_size_limit(limit: int):
-    """``ulimit -f`` for this process while inside (Python ignores SIGXFSZ: a write past it is EFBIG)."""
-    import resource
-
-    before = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, before[1]))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, before)
 
 
 def test_a_file_size_limit_or_a_read_only_target_is_one_line_and_leaves_nothing(checkpoint, tmp_path, small_disk,

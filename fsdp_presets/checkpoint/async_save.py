@@ -41,7 +41,8 @@ from typing import Any, Callable
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER
 from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints, hash_share
-from fsdp_presets.errors import Finding, UsageError, disk_full_cause, disk_full_message, raise_on_every_rank
+from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, raise_on_every_rank,
+                                 refused_write_class)
 from fsdp_presets.faults import fault_point
 
 
@@ -247,7 +248,7 @@ class CheckpointSaver:
         message = (disk_full_message(cause, what, self.manager.directory, kept=kept) if cause else
                    f"{what} failed ({first}); the run stopped and its unfinished folder was removed. {kept} "
                    "Fix the cause (a writable --output-dir with space), then run the same command again")
-        raise_on_every_rank(accelerator, message, error=Finding)
+        raise_on_every_rank(accelerator, message, error=refused_write_class(message) if cause else Finding)
 
     def _agree(self, local: float, *, reduction: str) -> float:
         accelerator = self.accelerator

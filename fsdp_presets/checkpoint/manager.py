@@ -33,8 +33,8 @@ from fsdp_presets.checkpoint.layout import (FINAL, MANIFEST, TEMPORARY_STEP_PREF
                                             trainer_rng_state_file)
 from fsdp_presets.checkpoint.manifest import (ADAPTER_KIND, IMPORTED_KIND, TRAINER_KIND, TRAINING_KIND, Manifest,
                                               inside_path_problem)
-from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, rank_local,
-                                 raise_on_every_rank)
+from fsdp_presets.errors import (UsageError, disk_full_cause, disk_full_message, rank_local,
+                                 raise_on_every_rank, refused_write_class)
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import sha256_file, write_json_atomic
 
@@ -298,7 +298,8 @@ class CheckpointManager:
 
     def _stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
         """A full disk during a save: remove the unfinished folder (the space it took is freed, and
-        the last committed checkpoint is untouched) and raise one :class:`Finding` naming both. DCP
+        the last committed checkpoint is untouched) and raise one error naming both (a read-only or
+        size-limited folder: exit 2, :func:`~fsdp_presets.errors.refused_write_class`). DCP
         raises on every rank (the main process prints it); another write fails on its rank alone."""
         cause = None if isinstance(error, (KeyboardInterrupt, SystemExit)) else disk_full_cause(error, temporary)
         if cause is None:
@@ -307,12 +308,12 @@ class CheckpointManager:
         previous = committed_checkpoints(self.directory)
         kept = (f"The last complete checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
                 if previous else "No earlier checkpoint exists in this run.")
-        finding = Finding(disk_full_message(cause, f"saving the checkpoint of step {step}",
-                                            self.directory, kept=kept))
-        if not type(error).__name__ == "CheckpointException":
-            rank = self.accelerator.process_index
-            finding = rank_local(Finding(f"rank {rank}: {finding}" if rank else str(finding)), print_here=True)
-        raise finding from None
+        message = disk_full_message(cause, f"saving the checkpoint of step {step}", self.directory, kept=kept)
+        refused = refused_write_class(message)
+        if type(error).__name__ == "CheckpointException":
+            raise refused(message) from None
+        rank = self.accelerator.process_index
+        raise rank_local(refused(f"rank {rank}: {message}" if rank else message), print_here=True) from None
 
     def _fsync_directory(self) -> None:
         descriptor = os.open(self.directory, os.O_RDONLY)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from fsdp_presets.checkpoint.layout import retired_sibling, staging_sibling
-from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message
+from fsdp_presets.errors import disk_full_cause, disk_full_message, refused_write_class
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import replace_folder
 
@@ -80,7 +80,7 @@ def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *
 
         problem = broadcast_object_list([problem], from_process=0)[0]
     if problem:
-        raise Finding(problem)
+        raise refused_write_class(problem)(problem)
     accelerator.wait_for_everyone()
     return output_dir
 

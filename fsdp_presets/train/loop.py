@@ -244,11 +244,11 @@ def finish(accelerator) -> None:
 
 def run_recipe(main: Callable[[], None]) -> int:
     """Run a recipe's ``main`` and turn the ways it stops into one line on stderr and an exit
-    status: bad input 2 (:class:`UsageError`), a finding about the run 1 (:class:`Finding`: it
-    diverged, the disk is full), Ctrl-C 130, a preemption signal 75 (:data:`preemption.PREEMPTED_EXIT`). The main process prints what every rank shares; an
+    status: bad input 2 (:class:`UsageError`; a read-only or size-limited output too), a finding about
+    the run 1 (:class:`Finding`: it diverged, the disk is full), Ctrl-C 130, a preemption signal 75 (:data:`preemption.PREEMPTED_EXIT`). The main process prints what every rank shares; an
     error marked :func:`fsdp_presets.errors.rank_local` is printed by the rank it concerns."""
     from fsdp_presets.train import interrupts
-    from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message
+    from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message, refused_write_class
 
     interrupts.install()
     try:
@@ -269,7 +269,9 @@ def run_recipe(main: Callable[[], None]) -> int:
         cause = disk_full_cause(error)
         if cause is None:
             raise
-        return _report(Finding(disk_full_message(cause, "writing the run's files", "the run folder")), 1)
+        message = disk_full_message(cause, "writing the run's files", "the run folder")
+        refused = refused_write_class(message)
+        return _report(refused(message), 2 if refused is UsageError else 1)
     except RuntimeError as error:  # gloo's DistBackendError: another rank left (it printed why), e.g. rank 0
         if not any(text in str(error) for text in _PEER_LEFT_TEXT):  # stopping in main_process_first on bad data
             raise
