@@ -115,7 +115,7 @@ class CheckpointSaver:
         self.wait()
         started = time.perf_counter()
         if not self.background:
-            committed, size = self.manager.commit(self._write_sync(step, write_extra), step=step,
+            committed, size = self.manager.commit(self.manager.write(step, write_extra), step=step,
                                                   samples_consumed=samples_consumed)
             elapsed = time.perf_counter() - started
             self._record(step=step, background=False, blocked_s=elapsed, total_s=elapsed, size=size)
@@ -124,7 +124,7 @@ class CheckpointSaver:
         try:
             futures = self._start_background(temporary, step=step, write_extra=write_extra)
         except BaseException as error:
-            self.manager._stop_if_disk_full(error, step=step, temporary=temporary)
+            self.manager.stop_if_disk_full(error, step=step, temporary=temporary)
             raise
         accelerator = self.accelerator
         written = self._worker.submit(_write_then_hash, futures, temporary, rank=accelerator.process_index,
@@ -132,21 +132,6 @@ class CheckpointSaver:
         self._in_flight = _InFlight(step=step, samples_consumed=samples_consumed, temporary=temporary,
                                     written=written, started=started, blocked_s=time.perf_counter() - started)
         return self.wait() if wait else None
-
-    def _write_sync(self, step: int, write_extra) -> Path:
-        manager = self.manager
-        temporary = manager.begin_save(step)
-        try:
-            if manager.state is not None:
-                manager.state.save(temporary)
-            else:
-                self.accelerator.save_state(str(temporary))
-            if self.accelerator.is_main_process and write_extra is not None:
-                write_extra(temporary)
-        except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
-            manager._stop_if_disk_full(error, step=step, temporary=temporary)
-            raise
-        return temporary
 
     def _start_background(self, temporary: Path, *, step: int, write_extra) -> list[Any]:
         """The small files now; the model and optimizer shards staged and handed to DCP's writer."""

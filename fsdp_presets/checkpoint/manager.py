@@ -222,6 +222,12 @@ class CheckpointManager:
         """Save the accelerate state of every prepared object, commit it as ``step-NNNNNNNN``
         and prune. ``write_extra(folder)`` runs on the main process before hashing (e.g. to add
         the model config and tokenizer, so a checkpoint is self-describing). Collective."""
+        return self.commit(self.write(step, write_extra), step=step, samples_consumed=samples_consumed)[0]
+
+    def write(self, step: int, write_extra: Callable[[Path], None] | None = None) -> Path:
+        """Write the save of ``step`` into its temporary folder (every prepared object's accelerate
+        state, then ``write_extra`` on the main process) and return that folder, not yet committed.
+        A refused write removes the folder and stops the run in one line. Collective."""
         temporary = self.begin_save(step)
         try:
             if self.state is not None:
@@ -231,9 +237,9 @@ class CheckpointManager:
             if self.accelerator.is_main_process and write_extra is not None:
                 write_extra(temporary)
         except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
-            self._stop_if_disk_full(error, step=step, temporary=temporary)
+            self.stop_if_disk_full(error, step=step, temporary=temporary)
             raise
-        return self.commit(temporary, step=step, samples_consumed=samples_consumed)[0]
+        return temporary
 
     def begin_save(self, step: int) -> Path:
         """The empty temporary folder of the save of ``step`` (an older one of that step removed),
@@ -280,7 +286,7 @@ class CheckpointManager:
             try:
                 write_json_atomic(temporary / MANIFEST, asdict(manifest))
             except OSError as error:
-                self._stop_if_disk_full(error, step=step, temporary=temporary)
+                self.stop_if_disk_full(error, step=step, temporary=temporary)
                 raise
             if committed.exists():  # the same step saved again after resuming from an older one
                 _remove_tree(committed)
@@ -296,7 +302,7 @@ class CheckpointManager:
         if self.accelerator.is_main_process and temporary.exists():
             _remove_tree(temporary)
 
-    def _stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
+    def stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
         """A full disk during a save: remove the unfinished folder (the space it took is freed, and
         the last committed checkpoint is untouched) and raise one error naming both (a read-only or
         size-limited folder: exit 2, :func:`~fsdp_presets.errors.refused_write_class`). DCP
