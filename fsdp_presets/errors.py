@@ -137,15 +137,17 @@ def refused_write_class(message: str) -> type[Exception]:
     return UsageError if message.startswith(("file too large (EFBIG)", "read-only file system (EROFS)")) else Finding
 
 
-def disk_full_message(cause: BaseException, what: str, where, *, kept: str = "") -> str:
-    """One line: the disk is full, while doing ``what`` in ``where``, what was kept, and the fix."""
+def disk_full_message(cause: BaseException, what: str, where, *, kept: str = "", smaller_files: str = "") -> str:
+    """One line: the disk is full, while doing ``what`` in ``where``, what was kept, and the fix
+    (``smaller_files``: how the command that wrote can write smaller files, for EFBIG)."""
     path = getattr(cause, "filename", None)
     written = f" (writing {path})" if path else ""
     text = str(cause)
     if getattr(cause, "errno", None) == 27 or any(part in text for part in _DISK_FULL_TEXT[4:8]):
         return (f"file too large (EFBIG) while {what} in {where}{written}: a file passed the size limit of this "
                 f"process (ulimit -f) or of that file system. {kept + ' ' if kept else ''}Raise the limit (ulimit -f "
-                "unlimited), lower --max-shard-size, or write to another file system, then run the same command again")
+                f"unlimited){', ' + smaller_files if smaller_files else ''}, or write to another file system, then run "
+                "the same command again")
     if getattr(cause, "errno", None) == 30 or any(part in text for part in _DISK_FULL_TEXT[8:]):
         return (f"read-only file system (EROFS) while {what} in {where}{written}. {kept + ' ' if kept else ''}Give "
                 "an output folder on a writable file system, then run the same command again")

@@ -4,10 +4,9 @@ view of the file on the GPUs and host RAM it is meant for)."""
 from __future__ import annotations
 
 from fsdp_presets.arguments import DEFAULT_SEQ_LEN
-from fsdp_presets.fileio import format_bytes, format_count
+from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding
-from fsdp_presets.fileio import GiB
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.preset.presets import full_state_dict_host_bytes

@@ -68,4 +68,5 @@ def staged_folder(output: Path, *, kind: OutputKind = "export", force: bool = Fa
         if cause is None or isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
         raise UsageError(disk_full_message(cause, f"writing {output}", output.parent,
-                                           kept="Nothing was written (the partial folder was removed).")) from None
+                                           kept="Nothing was written (the partial folder was removed).",
+                                           smaller_files="lower --max-shard-size" if kind == "export" else "")) from None

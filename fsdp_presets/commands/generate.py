@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
         launch = LaunchHints(model=args.launch_model, data=args.launch_data)
 
     from fsdp_presets.preset.emit_commands import command_text, default_baseline_path, launch_words
-    from fsdp_presets.preset.generate import check_generated_output, load_profile, render_files, write_files
-    from fsdp_presets.preset.generate import describe_changes
+    from fsdp_presets.preset.generate import (check_generated_output, describe_changes, load_profile, render_files,
+                                              write_files)
 
     output = str(args.output)
     baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None

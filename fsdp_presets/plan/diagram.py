@@ -7,8 +7,7 @@ FSDP strategy (FULL_SHARD on FSDP2 when the recommendation is not a sharded one)
 
 from __future__ import annotations
 
-from fsdp_presets.fileio import byte_unit
-from fsdp_presets.fileio import GiB
+from fsdp_presets.fileio import GiB, byte_unit
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.model_state import fsdp_units, shard_numel
 from fsdp_presets.model.model_profile import ModelProfile

@@ -56,13 +56,12 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
                                            in_block_activation_bytes, logits_bytes, mlp_width)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
-from fsdp_presets.fileio import format_bytes
+from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
 from fsdp_presets.plan.model_state import ACCUMULATED_GRAD_BYTES, fsdp_units, model_state_bytes
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import MemoryPlan, ModelStateBytes, PerGpuBytes, StrategyPlan
 from fsdp_presets.plan.shapes import STORED_PARAM_BYTES, Hardware, TrainingShape
-from fsdp_presets.fileio import GiB
 
 __all__ = ["fit_seq_len", "human_bytes", "plan", "plan_with_auto_savers", "strategies_for"]
 

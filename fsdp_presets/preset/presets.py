@@ -24,11 +24,10 @@ How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every
 from __future__ import annotations
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.fileio import format_bytes, format_count
+from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
 from fsdp_presets.model.model_profile import ModelProfile
-from fsdp_presets.fileio import GiB
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.planner import plan

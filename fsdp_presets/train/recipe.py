@@ -32,18 +32,15 @@ from typing import Any, Callable
 
 from fsdp_presets.checkpoint import resume as checkpoint_resume
 from fsdp_presets.checkpoint.async_save import CheckpointSaver, check_async_save
-from fsdp_presets.checkpoint.layout import MODEL_CONFIG
+from fsdp_presets.checkpoint.layout import MERGED, MODEL_CONFIG, RunFolder
 from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
-from fsdp_presets.checkpoint.manifest import Manifest
-from fsdp_presets.checkpoint.layout import RunFolder
+from fsdp_presets.checkpoint.manifest import Manifest, is_imported
 from fsdp_presets.checkpoint.run_folder import (acquire_run_lock, check_output_dir, distributed_settings,
                                                 launch_config_file, schedule_change_note, training_settings,
                                                 write_run_json)
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
-from fsdp_presets.checkpoint.layout import MERGED
-from fsdp_presets.checkpoint.manifest import is_imported
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync
 from fsdp_presets.train import interrupts, loop, preemption, startup
 from fsdp_presets.train import lora as recipe_lora

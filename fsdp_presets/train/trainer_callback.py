@@ -53,10 +53,9 @@ from typing import Any, NoReturn
 from transformers import Trainer, TrainerCallback
 
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
-                                            TRAINER_CHECKPOINT_PATTERN, trainer_checkpoint_name)
+                                            TRAINER_CHECKPOINT_PATTERN, RunFolder, trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
-from fsdp_presets.checkpoint.layout import RunFolder
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
 from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
 from fsdp_presets.faults import fault_point
