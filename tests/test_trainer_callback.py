@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_harness.launch import launch_command, launch_env, run_launch
-from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RUN_JSON, TRAINER_ARGS_PICKLE, trainer_checkpoint_name
+from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, RUN_JSON, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
+                                            trainer_checkpoint_name)
 from fsdp_presets.cli import main as cli_main
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
@@ -136,6 +137,9 @@ def test_trainer_losses_and_saved_model_equal_ddp(trainer_runs, name):
     assert record["fsdp"]["state_dict_type"] == "SHARDED_STATE_DICT"
     torch.testing.assert_close(_logits(trainer_runs[name] / "final"), _logits(trainer_runs["ddp"] / "final"),
                                rtol=1e-5, atol=1e-5)
+    for run_name in (name, "ddp"):  # data only in save_model's folder too: the settings as JSON, no pickle
+        assert not (trainer_runs[run_name] / "final" / TRAINER_ARGS_PICKLE).exists()
+        assert (trainer_runs[run_name] / "final" / TRAINER_ARGS_JSON).is_file()
 
 
 def test_compare_with_and_without_the_callback_and_a_planted_lr_change(trainer_runs, tmp_path, capsys):

@@ -13,7 +13,8 @@ preset gets what the recipes give, with one added line::
   the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
   silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
   user's ``save_model`` the plugin is switched to FULL_STATE_DICT, whose gather
-  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload.
+  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload. Under FSDP,
+  ``save_model`` returns on every rank once the folder is written.
 - ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them: one line per
   optimizer step with the exact loss (not rounded nor averaged over ``logging_steps``), gradient
   norm, learning rate, tokens per second and the step's wall time, so ``fsdp-presets compare``
@@ -21,7 +22,7 @@ preset gets what the recipes give, with one added line::
 - every ``checkpoint-N`` Trainer writes gets a ``trainer``-kind manifest (SHA-256 of every file,
   step, samples, world size), so ``fsdp-presets inspect-checkpoint`` verifies it and ``export``
   takes it; Trainer's pickled ``training_args.bin`` is replaced there by ``training_args.json``
-  (a checkpoint holds data only: a pickle runs code when loaded).
+  (a checkpoint holds data only: a pickle runs code when loaded); the same in ``save_model``'s folder.
 - ``trainer.train(resume_from_checkpoint=...)`` at another process count keeps the global batch
   (it changes ``gradient_accumulation_steps`` and says so), or refuses in one line saying how.
   ``resume_from_checkpoint=True`` takes the newest *committed* ``checkpoint-N`` (one with its
@@ -283,18 +284,36 @@ class FSDPPresetsCallback(TrainerCallback):
     def _save_model(self, original, output_dir=None, _internal_call=False):
         trainer = self.trainer
         plugin = getattr(self._accelerator.state, "fsdp_plugin", None)
-        if _internal_call or not trainer.is_fsdp_enabled or plugin is None or \
-                "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        if _internal_call:
             return original(output_dir, _internal_call)
+        if not trainer.is_fsdp_enabled or plugin is None:
+            result = original(output_dir, _internal_call)
+            self._after_save_model(output_dir)
+            return result
         previous = plugin.state_dict_type
-        self._say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
-                  f"{getattr(previous, 'name', previous)}, under which Trainer writes no weights; gathering the full "
-                  "state dict to rank 0 with CPU offload (accelerate get_state_dict, FULL_STATE_DICT) for this save")
-        plugin.set_state_dict_type("FULL_STATE_DICT")
+        if "FULL_STATE_DICT" not in str(previous):
+            self._say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
+                      f"{getattr(previous, 'name', previous)}, under which Trainer writes no weights; gathering the "
+                      "full state dict to rank 0 with CPU offload (accelerate get_state_dict, FULL_STATE_DICT) for "
+                      "this save")
+            plugin.set_state_dict_type("FULL_STATE_DICT")
         try:
-            return original(output_dir, _internal_call)
+            result = original(output_dir, _internal_call)
         finally:
             plugin.set_state_dict_type(previous)
+        # Under FSDP the save is collective (the gather), but Trainer returns on the other ranks as soon
+        # as they have sent their shards, while rank 0 still writes. Every rank returns once the folder
+        # is complete: a script may read it on any rank next, and ranks that end the script there tear
+        # the process group down together rather than one while rank 0 is still writing.
+        self._accelerator.wait_for_everyone()
+        self._after_save_model(output_dir)
+        return result
+
+    def _after_save_model(self, output_dir) -> None:
+        if self._accelerator.is_main_process:
+            folder = Path(output_dir or self.trainer.args.output_dir)
+            if folder.is_dir():
+                self._settings_as_json(folder)
 
     def _save_checkpoint(self, original, model, trial, *args, **kwargs):
         original(model, trial, *args, **kwargs)
@@ -308,6 +327,14 @@ class FSDPPresetsCallback(TrainerCallback):
         accelerator.wait_for_everyone()
         self._saved_step = step
 
+    def _settings_as_json(self, folder: Path) -> None:
+        """Data only: Trainer's pickle of TrainingArguments in ``folder`` replaced by the same settings
+        as JSON (a pickle runs code when it is loaded)."""
+        pickled = folder / TRAINER_ARGS_PICKLE
+        if pickled.is_file():
+            write_text_atomic(folder / TRAINER_ARGS_JSON, self.trainer.args.to_json_string())
+            pickled.unlink()
+
     def _commit(self, folder: Path, step: int) -> None:
         """Write ``manifest.json`` into a checkpoint Trainer finished (main process)."""
         import accelerate
@@ -315,10 +342,7 @@ class FSDPPresetsCallback(TrainerCallback):
         import transformers
 
         trainer = self.trainer
-        pickled = folder / TRAINER_ARGS_PICKLE
-        if pickled.is_file():  # data only: the settings as JSON instead of a pickle of TrainingArguments
-            write_text_atomic(folder / TRAINER_ARGS_JSON, trainer.args.to_json_string())
-            pickled.unlink()
+        self._settings_as_json(folder)
         files = {}
         for path in sorted(folder.rglob("*")):
             if path.is_file() and path.name != MANIFEST:
