@@ -67,7 +67,7 @@ def test_rule_ids_are_stable():
         "lora-fsdp1-flat-params", "qlora-fsdp1", "qlora-full-state-dict", "yaml-read-as-boolean",
         "stale-key-beside-new", "debug-mode", "lora-fsdp1-orig-params", "fits-only-if", "wrap-probe-skipped",
         "trainer-save-model-sharded", "double-activation-checkpointing", "model-moved-before-prepare",
-        "trust-remote-code", "prefetch-key-not-applied",
+        "trust-remote-code", "prefetch-key-not-applied", "async-save-host-memory",
     )
 
 

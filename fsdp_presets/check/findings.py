@@ -87,6 +87,8 @@ RULES = MappingProxyType({
                                   "(--script)"),
     "prefetch-key-not-applied": ("warning", "a misspelt or old prefetch key (fsdp_backward_prefetch_policy): the "
                                             "prefetch asked for is not applied (slower, the same training)"),
+    "async-save-host-memory": ("error", "the launch's --async-save stages more than a node's host RAM (the "
+                                        "generated header's launch line)"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 
@@ -249,7 +251,8 @@ class CheckReport:
                 "notes": len(self.notes), "infos": len(self.infos), "findings": [item.to_json() for item in self.findings]}
 
 
-FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "fp32-does-not-fit",
+FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "async-save-host-memory",
+                                 "fp32-does-not-fit",
                                  "does-not-fit", "fits-only-if"})
 """Memory rules that count gradients and optimizer state for every parameter."""
 

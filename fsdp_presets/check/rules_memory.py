@@ -9,6 +9,7 @@ from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
+from fsdp_presets.plan.save_cost import staging_fit
 from fsdp_presets.preset.presets import full_state_dict_host_bytes
 from fsdp_presets.schema import K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
 
@@ -236,6 +237,16 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             f"states per rank in host RAM, {format_bytes(row.model_state.total * per_node, digits=0)} for a node's {per_node} "
             f"processes: more than --host-memory {context.host_gib:g} GiB",
             "shard over more GPUs (more nodes), or use nodes with more RAM", fsdp_where(K.offload_params)))
+    if ((context.metadata or {}).get("summary") or {}).get("async_save"):
+        # the generated header's launch line passes --async-save: its staging copy beside what training
+        # keeps in host memory (the offloaded states) must fit the node's RAM
+        staging = staging_fit(row, hardware, shape, host_bytes=host)
+        if not staging.fits:
+            findings.append(finding(
+                "async-save-host-memory", f"the launch line's --async-save copies every rank's shards into host "
+                f"memory at each save: {staging.describe()}, more than --host-memory {context.host_gib:g} GiB",
+                "drop --async-save from the launch line (each save then stops training until it is written), or "
+                "regenerate the preset with your nodes' RAM (--host-memory GiB)", None))
     if not row.fits:
         where = f"{row.label} on {processes} GPUs of {context.gpu_gib:g} GiB"
         assumed = f"assuming {', '.join(stated)}"

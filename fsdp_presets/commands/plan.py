@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtbf", type=float, metavar="HOURS",
                         help="mean time between failures of the whole job: print what a save costs per strategy and the save "
                         "interval (Young/Daly)")
+    arguments.add_host_memory(parser, default_help="; prints what a save costs, and whether --async-save's staging "
+                              "copy fits beside the offloaded states")
     parser.add_argument("--seconds-per-step", type=float, metavar="SECONDS",
                         help="seconds per optimizer step, to give the save interval in steps")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -101,9 +103,11 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"{flag} {value}: give a positive number")
     if problems:
         raise UsageError("; ".join(problems))
-    from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, format_save_costs, save_cost
+    from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, format_save_costs, save_costs_json
+    from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 
     storage = (args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9
+    host = (args.host_memory or DEFAULT_HOST_MEMORY_GIB["gpu"]) * GiB
 
     from fsdp_presets.preset.generate import load_profile
 
@@ -124,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
         document["model"] = {"source": args.model, "architecture": profile.architecture,
                              "total_params": profile.total_params}
         document["settings_chosen"] = chosen
-        document["saves"] = {"storage_bytes_per_s": storage, "strategies": [
-            vars(save_cost(strategy, hardware, storage_bytes_per_s=storage)) for strategy in memory_plan.strategies]}
+        document["saves"] = save_costs_json(memory_plan, storage_bytes_per_s=storage, host_bytes=host)
         document["activation_terms"] = terms_note
         if shape.lora is not None:
             from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes, default_target_modules
@@ -138,9 +141,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(document, indent=2))
     else:
         print(format_plan(memory_plan, profile, source=args.model))
-        if args.mtbf is not None or args.storage_bandwidth is not None:  # the save cost and interval
+        if args.mtbf is not None or args.storage_bandwidth is not None or args.host_memory is not None:
             print("\n".join(["", *format_save_costs(memory_plan, storage_bytes_per_s=storage, mtbf_hours=args.mtbf,
-                                                     step_time_s=args.seconds_per_step)]))
+                                                     step_time_s=args.seconds_per_step, host_bytes=host)]))
         if chosen:
             print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
         if seq_note:

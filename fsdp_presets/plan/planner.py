@@ -63,7 +63,7 @@ from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import MemoryPlan, ModelStateBytes, PerGpuBytes, StrategyPlan
 from fsdp_presets.plan.shapes import STORED_PARAM_BYTES, Hardware, TrainingShape
 
-__all__ = ["fit_seq_len", "human_bytes", "plan", "plan_with_auto_savers", "strategies_for"]
+__all__ = ["fit_seq_len", "human_bytes", "offloads", "plan", "plan_with_auto_savers", "strategies_for"]
 
 human_bytes = format_bytes  # the old name, still imported by the benchmark harness
 
@@ -172,6 +172,13 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     return max(at_loss, in_block, at_end, key=lambda peak: peak.total)
 
 
+def offloads(shape: TrainingShape, name: str) -> bool:
+    """Whether strategy ``name`` keeps its model states in host memory under ``shape``: CPU offload
+    is planned for the sharded strategies only (DDP has none, and FSDP1 NO_SHARD would move whole
+    replicas through PCIe every step)."""
+    return shape.offload and name not in ("DDP", "NO_SHARD")
+
+
 def _strategy_plan(
     profile: ModelProfile, hardware: Hardware, shape: TrainingShape, name: str, fsdp_version: int | None
 ) -> StrategyPlan:
@@ -183,9 +190,7 @@ def _strategy_plan(
     else:
         shard_size, replicate_size = hardware.gpus, 1
     state = (model_state_bytes if shape.lora is None else lora_model_state_bytes)(profile, shape, shard_size, fsdp_version)
-    # CPU offload is planned for the sharded strategies only: DDP has none, and FSDP1 NO_SHARD
-    # would move whole replicas through PCIe every step.
-    offloaded = shape.offload and name not in ("DDP", "NO_SHARD")
+    offloaded = offloads(shape, name)
     if shape.offload and not offloaded:
         notes.append(f"offload is not planned for {name}; shown without it")
     if offloaded:

@@ -11,7 +11,10 @@ checkpoint is DCP's, and DCP's save planner spreads replicated pieces over the r
 - **blocked time with --async-save**: the copy of each rank's shards into host memory (in parallel
   on every GPU) at :data:`STAGING_BYTES_PER_S`; the write then overlaps training.
 - **staging host memory**: the copy, per process (its shard of parameters and optimizer state)
-  and per node (times the processes of a node), which ``--async-save`` holds while writing.
+  and per node (times the processes of a node), which ``--async-save`` holds while writing. It is
+  counted against a node's host memory beside what training keeps there already
+  (:func:`staging_fit`): the offloaded model states of the node's processes (``offload``; DCP
+  stages a copy of them too), or on a CPU-only host every process's whole step.
 
 How often: with a save cost ``C`` (seconds of training lost per save) and a mean time between
 failures of the whole job ``M``, the interval that minimizes the expected lost time is Young's
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from fsdp_presets.fileio import GiB
 
 DEFAULT_STORAGE_GB_PER_S = 2.0
 """Write bandwidth per node in GB/s (``--storage-bandwidth``): an assumed, conservative figure for
@@ -76,6 +81,70 @@ def save_cost(strategy, hardware, *, storage_bytes_per_s: float = DEFAULT_STORAG
 
 
 @dataclass(frozen=True, kw_only=True)
+class StagingFit:
+    """``--async-save``'s staging copy against one node's host memory."""
+
+    per_process_bytes: int
+    """The copy one process holds: its shard of parameters and optimizer state."""
+    per_node_bytes: int
+    """The copies of a node's processes together."""
+    in_use_bytes: int
+    """What training keeps in the node's host memory already: its processes' offloaded model
+    states, or on a CPU-only host every process's whole step."""
+    host_bytes: int
+    """The node's host memory (``--host-memory``), or on a CPU-only host what its processes may use."""
+
+    @property
+    def need_bytes(self) -> int:
+        return self.per_node_bytes + self.in_use_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.host_bytes
+
+    def describe(self) -> str:
+        """``1.1 GiB per process, 8.9 GiB per node (with the 20 GiB of offloaded states there: ...)``"""
+        from fsdp_presets.fileio import format_bytes
+
+        text = f"{format_bytes(self.per_process_bytes)} per process, {format_bytes(self.per_node_bytes)} per node"
+        if self.in_use_bytes:
+            text += f" beside the {format_bytes(self.in_use_bytes)} training keeps in host memory"
+        return text + f": {format_bytes(self.need_bytes)} of {format_bytes(self.host_bytes)} per node"
+
+    def to_json(self) -> dict:
+        return {"per_process_bytes": self.per_process_bytes, "per_node_bytes": self.per_node_bytes,
+                "in_use_bytes": self.in_use_bytes, "host_bytes": self.host_bytes, "fits": self.fits}
+
+
+def staging_fit(strategy, hardware, shape, *, host_bytes: float, cpu: bool = False) -> StagingFit:
+    """``--async-save``'s staging copy of ``strategy`` (a :class:`StrategyPlan` planned with
+    ``shape``) on a node of ``host_bytes`` of host memory. On a CPU-only host (``cpu``) the
+    processes' usable shares are the host memory and their whole steps are already in it."""
+    from fsdp_presets.plan.planner import offloads
+
+    cost = save_cost(strategy, hardware)
+    per_node = hardware.gpus // hardware.nodes
+    if cpu:
+        in_use, host = strategy.per_gpu.total * per_node, hardware.usable_bytes * per_node
+    else:
+        in_use = strategy.model_state.total * per_node if offloads(shape, strategy.name) else 0
+        host = int(host_bytes)
+    return StagingFit(per_process_bytes=cost.staging_per_process_bytes, per_node_bytes=cost.staging_per_node_bytes,
+                      in_use_bytes=in_use, host_bytes=host)
+
+
+def save_costs_json(memory_plan, *, storage_bytes_per_s: float, host_bytes: float) -> dict:
+    """``plan --json``'s ``saves``: every strategy's :class:`SaveCost` and, where ``--async-save``
+    applies, its staging copy against ``host_bytes`` of host memory per node."""
+    strategies = []
+    for strategy in memory_plan.strategies:
+        cost = save_cost(strategy, memory_plan.hardware, storage_bytes_per_s=storage_bytes_per_s)
+        staging = staging_fit(strategy, memory_plan.hardware, memory_plan.shape, host_bytes=host_bytes)
+        strategies.append({**vars(cost), "async_staging": staging.to_json() if cost.async_supported else None})
+    return {"storage_bytes_per_s": storage_bytes_per_s, "host_bytes": int(host_bytes), "strategies": strategies}
+
+
+@dataclass(frozen=True, kw_only=True)
 class SaveInterval:
     """Young/Daly's save interval for one save cost."""
 
@@ -113,24 +182,37 @@ def describe_duration(seconds: float) -> str:
 
 
 def format_save_costs(memory_plan, *, storage_bytes_per_s: float, mtbf_hours: float | None,
-                      step_time_s: float | None) -> list[str]:
-    """The plan's lines about checkpoint saves: a table per strategy, and with ``mtbf_hours``
-    the save interval of the recommended strategy (or the first), synchronous and ``--async-save``."""
+                      step_time_s: float | None, host_bytes: float) -> list[str]:
+    """The plan's lines about checkpoint saves: a table per strategy (with ``--async-save``'s
+    staging copy per process and per node, and whether it fits ``host_bytes`` of host memory per
+    node beside what training keeps there), and with ``mtbf_hours`` the save interval of the
+    recommended strategy (or the first), synchronous and ``--async-save``."""
     from fsdp_presets.fileio import format_bytes
     from fsdp_presets.plan.tables import text_table
 
     hardware = memory_plan.hardware
     costs = [save_cost(strategy, hardware, storage_bytes_per_s=storage_bytes_per_s)
              for strategy in memory_plan.strategies]
+    stagings = [staging_fit(strategy, hardware, memory_plan.shape, host_bytes=host_bytes)
+                for strategy in memory_plan.strategies]
     lines = [f"checkpoint saves (parameters and optimizer state; storage {storage_bytes_per_s / 1e9:g} GB/s per "
-             f"node, --storage-bandwidth; staging copy {STAGING_BYTES_PER_S / 1e9:g} GB/s per GPU)"]
+             f"node, --storage-bandwidth; staging copy {STAGING_BYTES_PER_S / 1e9:g} GB/s per GPU; host memory "
+             f"{host_bytes / GiB:g} GiB per node, --host-memory)"]
     rows = [[cost.label, format_bytes(cost.checkpoint_bytes), format_bytes(cost.per_gpu_bytes),
-             describe_duration(cost.save_s),
-             describe_duration(cost.async_blocked_s) if cost.async_supported else "-",
-             format_bytes(cost.staging_per_node_bytes) if cost.async_supported else "-"]
-            for cost in costs]
-    lines += text_table(["strategy", "checkpoint", "per GPU", "blocked sync", "blocked async", "staging/node"], rows,
-                        right={1, 2, 3, 4, 5})
+             describe_duration(cost.save_s)]
+            + ([describe_duration(cost.async_blocked_s), format_bytes(staging.per_process_bytes),
+                format_bytes(staging.per_node_bytes), "yes" if staging.fits else "no"] if cost.async_supported
+               else ["-"] * 4)
+            for cost, staging in zip(costs, stagings)]
+    lines += text_table(["strategy", "checkpoint", "per GPU", "blocked sync", "blocked async", "staging/proc",
+                         "staging/node", "fits host"], rows, right={1, 2, 3, 4, 5, 6, 7})
+    chosen = memory_plan.recommended
+    if chosen is not None:
+        index = memory_plan.strategies.index(chosen)
+        cost, staging = costs[index], stagings[index]
+        if cost.async_supported:
+            verdict = "fits" if staging.fits else "does not fit"
+            lines.append(f"--async-save with {cost.label} {verdict} host memory: {staging.describe()}")
     if mtbf_hours is None:
         return lines
     chosen = memory_plan.recommended or memory_plan.strategies[-1]

@@ -94,6 +94,9 @@ class StateDictChoice:
     """Only rank 0 reads the pretrained weights; the others receive their shards."""
     reason: str
     """Why."""
+    async_save: bool = False
+    """The launch line passes ``--async-save`` (saves written in the background): the recipe takes
+    it (FSDP2, sharded, every weight trained) and its staging copy fits the node's host memory."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,6 +195,7 @@ class Preset:
             "activation_checkpointing": self.savers.activation_checkpointing,
             "offload": self.savers.offload,
             "state_dict": self.state_dict.state_dict_type,
+            "async_save": self.state_dict.async_save,
             "seq_len": self.batch.seq_len,
             "micro_batch": self.batch.micro_batch,
             "gradient_accumulation": self.batch.accumulation,

@@ -82,8 +82,10 @@ def default_baseline_path(output: str) -> str:
     return str(path.with_name(f"{path.stem}.ddp{path.suffix or '.yaml'}"))
 
 
-def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> list[str]:
-    """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch-size M ...``"""
+def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, baseline: bool = False) -> list[str]:
+    """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch-size M ...``;
+    with ``--async-save`` where the preset turned it on (never for the DDP ``baseline``, which the
+    recipe saves synchronously)."""
     model = launch.model or "MODEL_DIR"
     script = RECIPE if preset.profile.architecture.endswith("ForCausalLM") else "YOUR_TRAINING_SCRIPT.py"
     run_name = PurePosixPath(config_file).name.removesuffix(".yaml").replace(".", "_")
@@ -96,7 +98,8 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints) -> li
         script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
         "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
         "--gradient-accumulation-steps", str(preset.batch.accumulation),
-    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else []) + lora_recipe_words(preset)
+    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else []) + lora_recipe_words(preset) \
+        + (["--async-save"] if preset.state_dict.async_save and not baseline else [])
 
 
 def lora_recipe_words(preset: Preset) -> list[str]:

@@ -23,6 +23,8 @@ How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
@@ -31,6 +33,7 @@ from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.planner import plan
+from fsdp_presets.plan.save_cost import staging_fit
 from fsdp_presets.preset.request import (DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HOST_MEMORY_GIB, STRATEGY_NAMES,
                                          PresetRequest, parse_global_batch)
 from fsdp_presets.arguments import DEFAULT_SEQ_LEN
@@ -120,7 +123,7 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
     savers = MemorySavers(activation_checkpointing=ac, offload=offload,
                           reason=_savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision,
                                                  shape=final_shape))
-    state_dict = _state_dict(profile, request, notes)
+    state_dict = _with_async_save(_state_dict(profile, request, notes), request, memory_plan, row, notes)
     wrap = _wrap(profile, request)
     batch = BatchPlan(
         seq_len=seq_len, micro_batch=micro, accumulation=accumulation, data_parallel_size=data_parallel,
@@ -380,6 +383,32 @@ def _state_dict(profile: ModelProfile, request: PresetRequest, notes: list[str])
               f"Hugging Face weights afterwards (accelerate merge-weights); {loading}")
     return StateDictChoice(state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=ram_efficient,
                            reason=reason)
+
+
+def _with_async_save(choice: StateDictChoice, request: PresetRequest, memory_plan: MemoryPlan,
+                     row: StrategyPlan, notes: list[str]) -> StateDictChoice:
+    """``choice`` with ``--async-save`` in the launch line where the recipe takes it (FSDP2,
+    SHARDED_STATE_DICT, every weight trained: :func:`fsdp_presets.checkpoint.async_save.async_save_problem`)
+    and its staging copy fits a node's host memory beside what training keeps there
+    (:func:`fsdp_presets.plan.save_cost.staging_fit`); the reason says which, with the numbers."""
+    if row.fsdp_version != 2:
+        why = "it writes through DCP's asynchronous save, which the recipes take with FSDP2 only"
+    elif choice.state_dict_type != "SHARDED_STATE_DICT":
+        why = "it writes each rank's shards (SHARDED_STATE_DICT), not a gathered full state dict"
+    elif request.lora_shape is not None:
+        why = "a LoRA/QLoRA run saves only its adapter, small and quick to write"
+    else:
+        staging = staging_fit(row, memory_plan.hardware, memory_plan.shape, host_bytes=_host_bytes(request),
+                              cpu=request.device == "cpu")
+        if staging.fits:
+            return replace(choice, async_save=True, reason=(
+                f"{choice.reason}; --async-save in the launch line: a save stops training only while each process "
+                f"copies its shards into host memory, then writes in the background ({staging.describe()})"))
+        host = ("the processes' host memory" if request.device == "cpu" else
+                f"--host-memory {_host_bytes(request) / GiB:g} GiB (give your nodes' RAM if they have more)")
+        why = f"its staging copy does not fit {host}: {staging.describe()}"
+        notes.append(f"--async-save left out of the launch line: {why}")
+    return replace(choice, reason=f"{choice.reason}; --async-save off: {why}")
 
 
 def full_state_dict_host_bytes(profile: ModelProfile) -> int:
