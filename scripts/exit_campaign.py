@@ -7,7 +7,8 @@ every finished training must exit 0.
 Each launch runs ``tests/workers/script_endings.py --ending ENDING`` (``enable_cpu_fsdp()``, a tiny
 Llama, 3 steps, then ``none``: the script just returns; ``end-training``: ``accelerator.end_training()``;
 ``delete``: ``del model, optimizer`` then ``end_training()``; ``trainer-end``: a ``transformers.Trainer``
-trains and ``trainer.end()``) through ``accelerate launch`` with 2 gloo processes. ``--launches`` is per
+trains and ``trainer.end()``; ``trainer-save``: a Trainer with ``FSDPPresetsCallback`` trains and the script
+ends with ``trainer.save_model(dir)``) through ``accelerate launch`` with 2 gloo processes. ``--launches`` is per
 ending and strategy; the cells take turns, so a campaign cut short still covers each of them. A
 launch passes when the launcher exits 0, every rank printed that it trained, and nobody printed
 gloo's exit abort ("terminate called without an active exception"). ``--busy K`` keeps K other
@@ -39,7 +40,7 @@ from fsdp_presets.clean_exit import CLEAN_EXIT
 REPO = Path(__file__).resolve().parent.parent
 
 WORKER = REPO / "tests" / "workers" / "script_endings.py"
-ENDINGS = ("none", "end-training", "delete", "trainer-end")
+ENDINGS = ("none", "end-training", "delete", "trainer-end", "trainer-save")
 STRATEGIES = ("ddp", "fsdp1", "fsdp2")
 DOC = REPO / "docs" / "benchmarks.md"
 SECTION = "exit-campaign"
@@ -83,7 +84,8 @@ def render(summary: dict) -> str:
         f"taking turns, with {summary['busy'] or 'no'} extra CPU-bound processes started by the campaign; exit handler and "
         f"collection before `destroy_process_group` {'off' if summary['fix_off'] else 'on'}. Endings: `none` (the "
         "script returns), `end-training` (`accelerator.end_training()`), `delete` (`del model, optimizer`, then "
-        "`end_training()`), `trainer-end` (a `Trainer` trains, then `trainer.end()`).",
+        "`end_training()`), `trainer-end` (a `Trainer` trains, then `trainer.end()`), `trainer-save` (a `Trainer` "
+        "with `FSDPPresetsCallback` trains, then `trainer.save_model(dir)`).",
         "",
         "| ending | strategy | launches | exit 0 | gloo abort | seconds per launch (median) |",
         "|---|---|---:|---:|---:|---:|",

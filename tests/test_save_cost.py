@@ -131,7 +131,10 @@ def _preset(**request):
 
 
 def test_generate_turns_async_save_on_when_the_staging_copy_fits():
+    from fsdp_presets.model.profile import profile_model
     from fsdp_presets.preset.emit_commands import LaunchHints, launch_words
+    from fsdp_presets.preset.presets import decide
+    from fsdp_presets.preset.request import PresetRequest
 
     preset = _preset()
     assert preset.state_dict.async_save and preset.summary()["async_save"] is True
@@ -146,6 +149,10 @@ def test_generate_turns_async_save_on_when_the_staging_copy_fits():
     assert any(note.startswith("--async-save left out of the launch line") for note in short.notes)
     # the recipes take --async-save with FSDP2 only
     assert "FSDP2 only" in _preset(fsdp_version=1).state_dict.reason
+    # on a CPU-only host the background write would share the cores that train: off, and says so
+    cpu = decide(profile_model(str(REPO / "model_configs/smollm2-135m")),
+                 PresetRequest(model="model_configs/smollm2-135m", gpus=2, device="cpu", seq_len=128))
+    assert not cpu.state_dict.async_save and "on a CPU-only host" in cpu.state_dict.reason
 
 
 def test_check_reports_an_async_save_launch_beyond_host_memory(tmp_path):

@@ -397,16 +397,18 @@ def _with_async_save(choice: StateDictChoice, request: PresetRequest, memory_pla
         why = "it writes each rank's shards (SHARDED_STATE_DICT), not a gathered full state dict"
     elif request.lora_shape is not None:
         why = "a LoRA/QLoRA run saves only its adapter, small and quick to write"
+    elif request.device == "cpu":
+        why = ("on a CPU-only host the background write shares the cores that train: the steps it overlaps "
+               "slow down by about as much as the save would have blocked (docs/benchmarks.md); add the flag to "
+               "try it")
     else:
-        staging = staging_fit(row, memory_plan.hardware, memory_plan.shape, host_bytes=_host_bytes(request),
-                              cpu=request.device == "cpu")
+        staging = staging_fit(row, memory_plan.hardware, memory_plan.shape, host_bytes=_host_bytes(request))
         if staging.fits:
             return replace(choice, async_save=True, reason=(
                 f"{choice.reason}; --async-save in the launch line: a save stops training only while each process "
                 f"copies its shards into host memory, then writes in the background ({staging.describe()})"))
-        host = ("the processes' host memory" if request.device == "cpu" else
-                f"--host-memory {_host_bytes(request) / GiB:g} GiB (give your nodes' RAM if they have more)")
-        why = f"its staging copy does not fit {host}: {staging.describe()}"
+        why = (f"its staging copy does not fit --host-memory {_host_bytes(request) / GiB:g} GiB (give your nodes' "
+               f"RAM if they have more): {staging.describe()}")
         notes.append(f"--async-save left out of the launch line: {why}")
     return replace(choice, reason=f"{choice.reason}; --async-save off: {why}")
 

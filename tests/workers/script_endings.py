@@ -8,7 +8,10 @@ Endings (what user scripts do after a finished training):
 - ``end-training``: ``accelerator.end_training()``, as accelerate's documentation ends its examples;
 - ``delete``: ``del model, optimizer`` (no garbage collection), then ``accelerator.end_training()``;
 - ``trainer-end``: a ``transformers.Trainer`` trains and the script calls ``trainer.end()`` (which
-  calls ``end_training()``).
+  calls ``end_training()``);
+- ``trainer-save``: a ``Trainer`` with :class:`fsdp_presets.FSDPPresetsCallback` trains and the script
+  ends with ``trainer.save_model(dir)``, as Trainer scripts do (under FSDP a full-state gather to rank
+  0, which then writes the folder while the other ranks could already be at exit).
 
 The launch's exit status is the test: whatever the ending, a finished training exits 0.
 """
@@ -19,7 +22,7 @@ import atexit
 import torch
 import torch.distributed as dist
 
-ENDINGS = ("none", "end-training", "delete", "trainer-end")
+ENDINGS = ("none", "end-training", "delete", "trainer-end", "trainer-save")
 
 
 def report_group_at_exit():
@@ -45,7 +48,7 @@ config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config)
 
-if ending == "trainer-end":
+if ending in ("trainer-end", "trainer-save"):
     import tempfile
 
     from transformers import Trainer, TrainingArguments
@@ -55,12 +58,16 @@ if ending == "trainer-end":
     trainer = Trainer(model=model, train_dataset=samples,
                       args=TrainingArguments(output_dir=output_dir, max_steps=3, per_device_train_batch_size=2,
                                              save_strategy="no", report_to=[], use_cpu=True,
-                                             disable_tqdm=True, logging_strategy="no"))
+                                             disable_tqdm=True, logging_strategy="no"),
+                      callbacks=[fsdp_presets.FSDPPresetsCallback()] if ending == "trainer-save" else None)
     trainer.train()
     accelerator = trainer.accelerator
     print(f"rank {accelerator.process_index} trained, distributed type {accelerator.distributed_type.value}",
           flush=True)
-    trainer.end()
+    if ending == "trainer-end":
+        trainer.end()
+    else:
+        trainer.save_model(f"{output_dir}/final")
 else:
     accelerator = Accelerator()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
