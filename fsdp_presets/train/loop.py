@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.train import preemption
-# The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
 
 RECIPE_SEQ_LEN = 128
 """Tokens per sample the recipes train on when ``--seq-len`` is not given: the CPU demo's length
