@@ -13,6 +13,7 @@ SHA-256 digests that run.json and checkpoint manifests record.
   :data:`MiB`): bytes in binary units as the planner counts (decimal for traffic), parameter counts.
   Every command, message and preset header formats bytes and counts with these.
 - **Printing names** (:func:`printable`): control characters of a name shown escaped.
+- **Text tables** (:func:`text_table`): the commands' fixed-width columns, numbers right-aligned.
 - **Digests** (:func:`sha256_file`, :func:`sha256_files`, :func:`config_digest`).
 - **Bounded reads** (:func:`read_regular_bytes`, :func:`read_regular_text`, :func:`load_yaml_data`): a file a user or a
   checkpoint names is read only when it is a regular file (a FIFO would block forever,
@@ -269,3 +270,18 @@ def format_count(count: float, *, compact: bool = False) -> str:
             digits = 1 if compact and size == 10**6 else 2
             return f"{count / size:.{digits}f}{'' if compact else ' '}{suffix}"
     return f"{count:.0f}"
+
+
+def text_table(headers: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    """The lines of a plain-text table (the commands' human output): each column as wide as its
+    widest cell, the columns whose index is in ``right`` right-aligned, two spaces between columns,
+    no trailing spaces."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            str(cell).rjust(width) if index in right else str(cell).ljust(width)
+            for index, (cell, width) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return [line(headers)] + [line(row) for row in rows]

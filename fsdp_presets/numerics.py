@@ -3,8 +3,8 @@ groups, the float64 gradient norm that keeps DDP, FSDP1 and FSDP2 clipping bit f
 when gradients are reduced during accumulation.
 
 Owned here, not in :mod:`fsdp_presets.train`, because :mod:`fsdp_presets.rehearse.rehearsal` rehearses
-the same step and the plan package never imports the training package.
-:mod:`fsdp_presets.train.loop` re-exports every name (recipes call ``loop.clip_grad_norm``).
+the same step and the plan package never imports the training package. Recipes and
+:mod:`fsdp_presets.train` import the names from here.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ MARKER = "demo.json"  # marks a folder this script made, so a rerun may replace 
 SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens per rank: FSDP2 about 4 s per step on 2 cores (FIELD-NOTES)
 # NOTE: gradient clipping is on (the recipe's --max-grad-norm 1.0; the norm of this model is far
 # above it, so every step is clipped). The recipe computes the norm in float64 from each rank's shard
-# or whole tensor (fsdp_presets.train.loop.clip_grad_norm), so FSDP2 and DDP clip with the same
+# or whole tensor (fsdp_presets.numerics.clip_grad_norm), so FSDP2 and DDP clip with the same
 # coefficient and stay bitwise equal. accelerate's own fp32 norm differs by ~1.5e-5 relative between
 # the two on this model, and through the clipping factor that round-off reached the loss by step 4.
 

@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_presets.arguments import RECIPE_SEQ_LEN
+from fsdp_presets.train.loop import RECIPE_SEQ_LEN
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -33,7 +33,8 @@ from fsdp_harness import doc_sections
 from fsdp_harness.launch import launch_command, launch_env, write_accelerate_config
 from fsdp_harness.tiny_model import write_tiny_model
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS
-from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
+from fsdp_presets.checkpoint.manager import committed_checkpoints
+from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics, train_losses
 

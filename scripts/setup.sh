@@ -22,10 +22,12 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip setuptools wheel
 pip install "$TORCH_SPEC"
 # The torch just installed is a constraint for everything after it: peft and bitsandbytes (the
-# `lora` extra) would otherwise be free to pull another torch build.
+# `lora` extra) would otherwise be free to pull another torch build. The constraint leaves out the
+# build's local label (2.14.1+cu130 -> ==2.14.1, which the installed build satisfies): pip finds no
+# index entry spelled with a label the index does not serve, and gives up (ResolutionImpossible).
 CONSTRAINTS=$(mktemp)
 trap 'rm -f "$CONSTRAINTS"' EXIT
-.venv/bin/python -c "import torch; print(f'torch=={torch.__version__}')" > "$CONSTRAINTS"
+.venv/bin/python -c "import torch; print(f'torch=={torch.__version__.split(\"+\")[0]}')" > "$CONSTRAINTS"
 # The versions the test suite last passed with (constraints-tested.txt), unless asked for the newest.
 if [ "${FSDP_PRESETS_UNPINNED:-0}" != "1" ]; then
   grep -v '^#' constraints-tested.txt >> "$CONSTRAINTS"

@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from fsdp_presets import arguments
+from fsdp_presets.plan import limits
 from fsdp_presets.cli import build_parser, main
 
 
@@ -56,7 +56,7 @@ def test_every_shared_flag_has_one_type_default_and_choices():
                     if (option, command) not in DIFFERENT_ON_PURPOSE}
         if option == "--gpus":  # inspect-checkpoint repeats it (one count per question): same check, a list
             compared = {command: action for command, action in compared.items() if command != "inspect-checkpoint"}
-            assert by_command["inspect-checkpoint"].type is arguments.gpu_count
+            assert by_command["inspect-checkpoint"].type is limits.gpu_count
         signatures = {command: _signature(action) for command, action in compared.items()}
         if len(set(signatures.values())) > 1:
             drift.append(f"{option}: {signatures}")
@@ -82,13 +82,13 @@ def test_shared_flags_are_where_they_belong(option, commands):
 
 def test_shared_defaults_are_the_documented_ones():
     flags = _flags()
-    assert flags["--precision"]["plan"].type is arguments.precision
+    assert flags["--precision"]["plan"].type is limits.precision
     assert flags["--precision"]["plan"].metavar == "auto|bf16|fp16|fp32"
     assert flags["--gpu-memory"]["plan"].required is False  # default 80 GiB everywhere, said in the help
     for command, action in flags["--gpu-memory"].items():
-        assert f"default {arguments.DEFAULT_GPU_MEMORY_GIB:g}" in action.help, command
+        assert f"default {limits.DEFAULT_GPU_MEMORY_GIB:g}" in action.help, command
     for command, action in flags["--seq-len"].items():
-        expected = "recipe default" if ("--seq-len", command) in RECIPE_DEFAULT else f"default {arguments.DEFAULT_SEQ_LEN}"
+        expected = "recipe default" if ("--seq-len", command) in RECIPE_DEFAULT else f"default {limits.DEFAULT_SEQ_LEN}"
         assert expected in action.help, command
 
 
@@ -131,8 +131,8 @@ def test_one_bad_value_one_message_in_every_command(capsys, flag, value, message
 
 def test_grad_accum_is_bounded_like_the_other_counts():
     with pytest.raises(Exception, match="--grad-accum must be at least 1"):
-        arguments.grad_accum("0")
-    assert arguments.grad_accum("4") == 4
+        limits.grad_accum("0")
+    assert limits.grad_accum("4") == 4
 
 
 def test_commands_import_no_private_helper_and_scripts_import_library_code():

@@ -22,7 +22,8 @@ from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.preset.local_launch import launch_command
 from fsdp_presets.checkpoint.async_save import async_save_problem
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, DCP_METADATA, MANIFEST, temporary_step_folder
-from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
+from fsdp_presets.checkpoint.manager import committed_checkpoints
+from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.compare.records import load_run
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics, train_losses

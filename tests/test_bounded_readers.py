@@ -91,7 +91,7 @@ def test_commands_refuse_a_fifo_config_in_one_line(tmp_path, capsys, monkeypatch
 
 
 def test_a_manifest_nested_too_deep_or_too_large_is_unreadable_not_a_crash(tmp_path):
-    from fsdp_presets.checkpoint.manager import checkpoint_verdict
+    from fsdp_presets.checkpoint.verify import checkpoint_verdict
 
     folder = tmp_path / "step-00000001"
     folder.mkdir()

@@ -185,7 +185,7 @@ def test_no_gpu_count_verdict_without_num_processes(tmp_path):
 
 
 def test_an_absurd_process_count_is_refused_as_launcher_refuses_it(tmp_path):
-    from fsdp_presets.arguments import MAX_GPUS
+    from fsdp_presets.plan.limits import MAX_GPUS
 
     path = tmp_path / "absurd.yaml"
     path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nnum_processes: 1000000000000\n"

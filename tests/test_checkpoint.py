@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets.checkpoint.layout import MANIFEST, step_folder
-from fsdp_presets.checkpoint.manager import (CheckpointManager, checkpoint_verdict, committed_checkpoints,
-                                             verify_checkpoint)
+from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
+from fsdp_presets.checkpoint.verify import checkpoint_verdict, verify_checkpoint
 from fsdp_presets.checkpoint.manifest import Manifest
 from fsdp_presets.checkpoint.manifest import MANIFEST_FORMAT
 from fsdp_presets.fileio import sha256_file

@@ -6,7 +6,8 @@ count too, so a lazy import cannot slip past):
 - the config stages (model, rehearse, plan, preset, check) import only the stages before them,
   never the run side (train, checkpoint, compare) or the commands;
 - ``fsdp_presets.checkpoint`` imports none of the config stages (nor train or compare);
-- the small top-level modules (errors, fileio, arguments, ...) import no subpackage;
+- the small top-level modules (errors, fileio, schema, ...) import no subpackage, and the command
+  line's shared flags (arguments) are imported by the command line only;
 - tests and scripts import the installed package: no ``sys.path`` edits.
 """
 
@@ -96,7 +97,7 @@ def test_the_harness_is_a_package_of_its_own():
 CONFIG_FLOW = ("model", "rehearse", "plan", "preset", "check")
 """From a model to a checked config, in the order the data flows: each stage imports only the
 stages before it (and the base modules), never the ones after it, the run side or the commands."""
-RUN_SIDE = ("train", "checkpoint", "compare", "commands", "cli")
+RUN_SIDE = ("train", "checkpoint", "compare", "commands", "cli", "arguments")
 
 
 @pytest.mark.parametrize("stage", CONFIG_FLOW)
@@ -143,7 +144,7 @@ def test_the_sys_path_scan_finds_an_edit(tmp_path):
     assert sorted(sys_path_edits(script, root=tmp_path)) == ["x.py:2", "x.py:3", "x.py:4", "x.py:5"]
 
 
-BASE_MODULES = ("errors", "fileio", "arguments", "numerics", "cpu_fsdp", "clean_exit", "faults", "schema")
+BASE_MODULES = ("errors", "fileio", "numerics", "cpu_fsdp", "clean_exit", "faults", "schema")
 """The small top-level modules every subpackage may use: they sit under the flow, so they import
 none of its stages (nor the commands)."""
 SUBPACKAGES = tuple(f"fsdp_presets.{name}" for name in (*CONFIG_FLOW, *RUN_SIDE))
@@ -159,8 +160,18 @@ def test_top_level_modules_import_no_subpackage(name):
 
 def test_the_base_modules_are_every_plain_top_level_module():
     """A new top-level module is placed on purpose: in the base layer above, or in a subpackage."""
-    plain = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__", "cli"}
+    plain = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__", "cli", "arguments"}
     assert plain == set(BASE_MODULES)
+
+
+def test_only_the_command_line_imports_the_shared_flags():
+    """``arguments`` builds flags from the domain's checks and defaults (``plan.limits``); the
+    domain, the run side and the scripts import those from their owner, never from it."""
+    found = [f"{path.relative_to(REPO)}:{line}" for folder in ("fsdp_presets", "scripts", "harness")
+             for path in sorted((REPO / folder).rglob("*.py"))
+             if path.parent.name != "commands" and path.name not in ("cli.py", "arguments.py")
+             for line, module in imported_modules(path) if module == "fsdp_presets.arguments"]
+    assert found == []
 
 
 def test_importing_the_package_installs_no_import_hook():
@@ -236,3 +247,41 @@ def test_no_import_cycle_inside_the_package():
     """Imports go one way: no module reaches itself through others (module-level and
     function-level imports both count)."""
     assert import_cycles(PACKAGE) == []
+
+
+INSPECT_CHECKPOINT_ROUTE = {
+    "fsdp_presets.commands.inspect_checkpoint",  # parse, call, print
+    "fsdp_presets.checkpoint.inspect",  # the summary and its lines
+    "fsdp_presets.checkpoint.verify",  # the read-only verdict
+    "fsdp_presets.checkpoint.safe_unpickle", "fsdp_presets.checkpoint.pickle_bounds",  # pickles read as data
+}
+"""The modules ``inspect-checkpoint`` walks through; besides them it reads only the owners of the
+on-disk names and formats (``layout``, ``manifest``, ``files``) and the base modules."""
+FORMAT_OWNERS = {"fsdp_presets.checkpoint.layout", "fsdp_presets.checkpoint.manifest", "fsdp_presets.checkpoint.files"}
+
+
+def test_inspect_checkpoint_walks_through_few_modules():
+    """A fresh interpreter that runs ``inspect-checkpoint`` on a checkpoint folder (after parsing
+    its flags) imports the route above and the format owners, never the collective save and load
+    (``manager``), fault injection or another stage."""
+    import json
+    import subprocess
+    import sys
+
+    checkpoint = REPO / "tests" / "data" / "checkpoint_format1" / "training-step-00000004"
+    probe = ("import argparse, contextlib, io, json, sys\n"
+             "from fsdp_presets.commands import inspect_checkpoint\n"
+             "parser = argparse.ArgumentParser()\n"
+             "inspect_checkpoint.add_arguments(parser)\n"
+             "args = parser.parse_args([sys.argv[1], '--gpus', '2'])\n"
+             "parsed = set(sys.modules)\n"
+             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+             "    status = inspect_checkpoint.run(args)\n"
+             "print(json.dumps({'status': status, 'text': out.getvalue(), 'modules': sorted(\n"
+             "    name for name in set(sys.modules) - parsed if name.startswith('fsdp_presets'))}))\n")
+    found = json.loads(subprocess.run([sys.executable, "-c", probe, str(checkpoint)], check=True,
+                                      capture_output=True, text=True).stdout)
+    assert found["status"] == 0 and "resume at 2 GPU(s): yes" in found["text"]
+    base = {"fsdp_presets.checkpoint", *(f"fsdp_presets.{name}" for name in BASE_MODULES)}
+    walked = {"fsdp_presets.commands.inspect_checkpoint", *found["modules"]} - base - FORMAT_OWNERS
+    assert walked == INSPECT_CHECKPOINT_ROUTE and len(walked) <= 5, sorted(walked)

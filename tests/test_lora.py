@@ -111,7 +111,7 @@ def test_compare_reads_lora_runs_unchanged(lora_runs, tmp_path):
 @pytest.mark.slow
 def test_lora_run_records_method_and_saves_only_the_adapter(lora_runs):
     from fsdp_presets.checkpoint.manifest import Manifest
-    from fsdp_presets.checkpoint.manager import verify_checkpoint
+    from fsdp_presets.checkpoint.verify import verify_checkpoint
     from fsdp_presets.checkpoint.files import DcpReader
 
     for name, run_dir in lora_runs.items():

@@ -1,6 +1,6 @@
 """Numerics and bookkeeping across layouts, with real gloo processes.
 
-- gradient clipping keeps FSDP2 bitwise equal to DDP (fsdp_presets.train.loop.clip_grad_norm),
+- gradient clipping keeps FSDP2 bitwise equal to DDP (fsdp_presets.numerics.clip_grad_norm),
   where accelerate's own clip_grad_norm_ does not (tiny worker, 10 steps, every step clipped);
 - the recipe with clipping on: DDP, FSDP2 and FSDP1 (FULL_SHARD, SHARD_GRAD_OP) runs log the same
   losses, gradient norms and learning rates, bit for bit, and export the same tied model;

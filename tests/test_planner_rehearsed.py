@@ -31,7 +31,7 @@ def _model_folder(tmp_path, model_type):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, monkeypatch, model_type):
-    from fsdp_presets.commands.plan import with_rehearsed_terms
+    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
     from fsdp_presets.fileio import GiB
     from fsdp_presets.plan.shapes import Hardware, TrainingShape
     from fsdp_presets.plan.planner import plan
@@ -62,7 +62,7 @@ def _profile(source):
 def _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch):
     """A second plan of the same config reads the cache; with the cache off it rehearses again;
     with rehearsals off it estimates, and says so."""
-    from fsdp_presets.commands.plan import with_rehearsed_terms
+    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
     from fsdp_presets.preset import measured_activations
 
     def refuse(*args, **kwargs):

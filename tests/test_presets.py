@@ -443,15 +443,15 @@ def test_generated_preset_trains_for_real_on_cpu(tmp_path, family, flags):
 
 def test_request_validation_is_the_command_lines_and_the_hardwares():
     """One validation of each input: a request refuses a bad count in the words of the flag's own
-    check (fsdp_presets.arguments), and a cluster that cannot work in the words of the planner's
+    check (fsdp_presets.plan.limits), and a cluster that cannot work in the words of the planner's
     Hardware, before any model is read."""
-    from fsdp_presets import arguments
+    from fsdp_presets.plan import limits
     from fsdp_presets.errors import UsageError
     from fsdp_presets.fileio import GiB
     from fsdp_presets.plan.shapes import Hardware
 
     with pytest.raises(UsageError) as from_flag:
-        arguments.gpu_count("0")
+        limits.gpu_count("0")
     with pytest.raises(UsageError) as from_request:
         PresetRequest(model="llama", gpus=0)
     assert str(from_flag.value) in str(from_request.value)
@@ -464,7 +464,7 @@ def test_request_validation_is_the_command_lines_and_the_hardwares():
         PresetRequest(model="llama", gpus=8, seq_len=2.5)
     with pytest.raises(UsageError, match="--gpu-memory must be a number, got '80'"):
         PresetRequest(model="llama", gpus=8, gpu_memory_gib="80")
-    assert PresetRequest(model="llama", gpus=8).hardware.gpu_memory_bytes == int(arguments.DEFAULT_GPU_MEMORY_GIB * GiB)
+    assert PresetRequest(model="llama", gpus=8).hardware.gpu_memory_bytes == int(limits.DEFAULT_GPU_MEMORY_GIB * GiB)
 
 
 @pytest.mark.slow

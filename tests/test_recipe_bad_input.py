@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets.checkpoint.manager import checkpoint_verdict, committed_checkpoints
+from fsdp_presets.checkpoint.manager import committed_checkpoints
+from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.train.data import fit_head
 from fsdp_presets.errors import UsageError, disk_full_cause
 from fsdp_presets.train.metrics import read_metrics
@@ -239,7 +240,7 @@ def test_lora_flags_need_peft_and_the_plan_bound_on_the_rank(monkeypatch):
     import argparse
     import importlib.util
 
-    from fsdp_presets.arguments import MAX_LORA_R
+    from fsdp_presets.plan.limits import MAX_LORA_R
     from fsdp_presets.train import lora
 
     def flags(**given):

@@ -121,6 +121,25 @@ def test_every_shipped_gpu_preset_has_a_current_rehearsal_that_fits():
     assert checked == 21
 
 
+def test_the_records_are_a_data_file_written_whole(tmp_path):
+    """The records ship as JSON beside the loader; writing them back gives the same tables, and a
+    ``same_as`` entry that names no rehearsed run is refused before anything is written."""
+    from fsdp_presets.preset import rehearsed_presets as records
+
+    runs, same_as, not_rehearsed = records.read_records()
+    assert (runs, same_as, not_rehearsed) == (records.REHEARSED_RUNS, records.SAME_AS, records.NOT_REHEARSED)
+    target = tmp_path / records.DATA_FILE
+    records.write_records(target, runs=runs, same_as=same_as, not_rehearsed=not_rehearsed)
+    assert records.read_records(target.read_text()) == (runs, same_as, not_rehearsed)
+    with pytest.raises(ValueError, match="is not a rehearsed run"):
+        records.write_records(target, runs={}, same_as=same_as, not_rehearsed={})
+    assert records.read_records(target.read_text()) == (runs, same_as, not_rehearsed)
+    assert list(tmp_path.iterdir()) == [target]
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+: the file is package data, installed with the package
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert records.DATA_FILE in project["tool"]["setuptools"]["package-data"]["fsdp_presets.preset"]
+
+
 # --------------------------------------------------------------------------- slow: full size
 
 
@@ -165,7 +184,7 @@ def test_shipped_8b_preset_rehearses_as_recorded():
 
 
 def test_request_from_flags_fills_the_defaults_and_refuses_what_is_not_rehearsed():
-    from fsdp_presets.arguments import DEFAULT_SEQ_LEN
+    from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
     from fsdp_presets.errors import UsageError
     from fsdp_presets.preset.rehearse_request import request_from_flags
 

@@ -32,7 +32,7 @@ from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, drive_recipe, file_s
 from test_checkpoint import manager
 from fsdp_presets import cli
 from fsdp_presets.checkpoint.layout import MANIFEST
-from fsdp_presets.checkpoint.manager import checkpoint_verdict
+from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.checkpoint.layout import DCP_METADATA, DCP_MODEL, DCP_OPTIMIZER
 from fsdp_presets.errors import UsageError
 from fsdp_presets.checkpoint.safe_unpickle import UnsafeCheckpointError, read_dcp_metadata, safe_dcp_loading

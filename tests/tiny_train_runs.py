@@ -20,7 +20,7 @@ HSDP_MAX_NORM = 0.5  # below every step's gradient norm of this run: every step 
 
 def hsdp_2x2_clipped(tmp_path_factory) -> tuple[Path, Path, dict[int, dict]]:
     """HSDP 2 x 2 (4 processes, shard in pairs, replicate across them), every step's gradients
-    clipped by fsdp_presets.train.loop.clip_grad_norm, the state saved after step 10:
+    clipped by fsdp_presets.numerics.clip_grad_norm, the state saved after step 10:
     ``(config, checkpoint, {rank: result})``."""
     root = tmp_path_factory.getbasetemp() / "tiny-train-runs"
     root.mkdir(exist_ok=True)

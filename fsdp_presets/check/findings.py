@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB
+from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
 from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K, T
@@ -154,7 +154,7 @@ class CheckContext:
     the file's metadata, else 1024 (8-GPU nodes carry 1-2 TiB)."""
     seq_len: int | None = None
     """Sequence length for the planner rules; None: the file's metadata, else
-    :data:`~fsdp_presets.arguments.DEFAULT_SEQ_LEN`."""
+    :data:`~fsdp_presets.plan.limits.DEFAULT_SEQ_LEN`."""
     metadata: dict | None = None
     """The file's ``# fsdp-presets:`` document, when it has one."""
     gpus: int | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_presets.arguments import MAX_GPUS
+from fsdp_presets.plan.limits import MAX_GPUS
 from fsdp_presets.preset.accelerate_view import (
     _BOOLEAN_FSDP_KEYS,
     _boolean,

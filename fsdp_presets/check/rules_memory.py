@@ -3,7 +3,7 @@ view of the file on the GPUs and host RAM it is meant for)."""
 
 from __future__ import annotations
 
-from fsdp_presets.arguments import DEFAULT_SEQ_LEN
+from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding

@@ -1,6 +1,6 @@
 """Checkpoints and run folders on disk: ``layout`` names every file and folder and the path rules,
-``manifest`` says what a checkpoint holds (kind, format, digests), ``manager`` saves, rotates and
-finds checkpoints, ``resume`` continues one at another process count or from an import,
+``manifest`` says what a checkpoint holds (kind, format, digests), ``verify`` says whether a
+checkpoint may be used (read-only), ``manager`` saves, rotates, finds and loads checkpoints, ``resume`` continues one at another process count or from an import,
 ``inspect`` reports, ``export``, ``import_hf``, ``hf_model``, ``outputs`` and ``adapter`` move
 between DCP and a Hugging Face or PEFT folder, ``safe_unpickle`` reads what a checkpoint from
 elsewhere holds without running its code.
@@ -50,6 +50,21 @@ digest, tensor names and shapes), and output goes to a hidden sibling folder tha
 place only when complete, so a failure leaves no output.
 """
 
-from fsdp_presets.checkpoint.manager import CheckpointManager, checkpoint_verdict
+
+
+def __getattr__(name: str):
+    """``CheckpointManager`` and ``checkpoint_verdict`` are imported on first use, so that reading a
+    checkpoint (``from fsdp_presets.checkpoint import inspect``) does not load the collective
+    save and load of :mod:`~fsdp_presets.checkpoint.manager`."""
+    if name == "CheckpointManager":
+        from fsdp_presets.checkpoint.manager import CheckpointManager
+
+        return CheckpointManager
+    if name == "checkpoint_verdict":
+        from fsdp_presets.checkpoint.verify import checkpoint_verdict
+
+        return checkpoint_verdict
+    raise AttributeError(f"module 'fsdp_presets.checkpoint' has no attribute {name!r}")
+
 
 __all__ = ["CheckpointManager", "checkpoint_verdict"]

@@ -61,7 +61,7 @@ class _ExportPlan:
 
 def plan_export(checkpoint: str | os.PathLike, *, model: str | None = None) -> _ExportPlan:
     """Every check of an export, before anything is written."""
-    from fsdp_presets.checkpoint.manager import checkpoint_verdict, folder_verdict
+    from fsdp_presets.checkpoint.verify import checkpoint_verdict, folder_verdict
     from fsdp_presets.fileio import config_digest
     from fsdp_presets.checkpoint.manifest import read_manifest_json
 
@@ -140,7 +140,7 @@ def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool,
                     keep_code_references: bool, log: Callable[[str], None]) -> ExportReport:
     """A LoRA checkpoint (trainable weights only) as a PEFT folder: adapter_config.json,
     adapter_model.safetensors and the tokenizer (:func:`fsdp_presets.checkpoint.adapter.export_checkpoint_adapter`)."""
-    from fsdp_presets.checkpoint.manager import checkpoint_verdict
+    from fsdp_presets.checkpoint.verify import checkpoint_verdict
 
     if verify:
         raise UsageError(f"--verify: {checkpoint} is a LoRA checkpoint, whose export is an adapter; load it with "

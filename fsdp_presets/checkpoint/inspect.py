@@ -72,7 +72,7 @@ class CheckpointSummary:
     """Model config digest recorded in the manifest."""
     integrity: dict[str, Any]
     """``{"ok", "checked_files", "problem", "refused"}``: the verdict of
-    :func:`fsdp_presets.checkpoint.manager.checkpoint_verdict` (``refused``: a file could run code)."""
+    :func:`fsdp_presets.checkpoint.verify.checkpoint_verdict` (``refused``: a file could run code)."""
     files: list[RankFile]
     """Data files: path, rank, tensors, bytes."""
     resume: list[ResumeAnswer] = field(default_factory=list)
@@ -157,11 +157,11 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
 
 def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> CheckpointSummary:
     """Read a checkpoint's manifest, files and DCP metadata (no tensor data) and give the verdict
-    the recipes give (:func:`fsdp_presets.checkpoint.manager.checkpoint_verdict`): checksums, a closed
+    the recipes give (:func:`fsdp_presets.checkpoint.verify.checkpoint_verdict`): checksums, a closed
     folder, and every pickle read as data only. Nothing of the folder is run or followed."""
     from fsdp_presets.checkpoint.layout import MANIFEST, run_json_of
-    from fsdp_presets.checkpoint.manager import checkpoint_verdict, folder_verdict
-    from fsdp_presets.checkpoint.resume import recorded_global_batch
+    from fsdp_presets.checkpoint.manifest import recorded_global_batch
+    from fsdp_presets.checkpoint.verify import checkpoint_verdict, folder_verdict
 
     folder = Path(folder)
     has_manifest = (folder / MANIFEST).exists() or (folder / MANIFEST).is_symlink()

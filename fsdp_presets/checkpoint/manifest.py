@@ -22,7 +22,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from fsdp_presets.checkpoint.layout import MANIFEST
+from fsdp_presets.checkpoint.layout import MANIFEST, run_json_of
 
 MANIFEST_FORMAT = 2
 """The format written now; 1 is the format without ``kind`` (read, never written)."""
@@ -192,4 +192,26 @@ def inside_path_problem(relative: str) -> str | None:
                                                                      relative.split("/")):
         return f"{MANIFEST} lists {relative!r}, a path outside the checkpoint folder (paths must be plain " \
                "relative names inside it)"
+    return None
+
+
+def recorded_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed: int) -> int | None:
+    """Samples per optimizer step of the run that wrote the checkpoint in ``folder``.
+
+    The run folder's ``run.json`` (``OUTPUT_DIR/run.json`` for ``OUTPUT_DIR/checkpoints/step-N``)
+    is used when it agrees with the checkpoint (``step x global batch == samples consumed``);
+    otherwise ``samples_consumed / step`` when that divides exactly; None at step 0 (nothing to
+    keep) or when neither is known.
+    """
+    if step <= 0:
+        return None
+    run_json = run_json_of(folder)
+    try:
+        recorded = int(json.loads(run_json.read_text()).get("global_batch_samples") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        recorded = 0
+    if recorded > 0 and recorded * step == samples_consumed:
+        return recorded
+    if samples_consumed % step == 0 and samples_consumed > 0:
+        return samples_consumed // step
     return None

@@ -24,36 +24,14 @@ default, so this does not change the training; with dropout, the new ranks draw 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from fsdp_presets.checkpoint.layout import DCP_MODEL, run_json_of
+from fsdp_presets.checkpoint.layout import DCP_MODEL
+from fsdp_presets.checkpoint.manifest import recorded_global_batch
 from fsdp_presets.errors import UsageError
 
 MODEL_DCP_FOLDER = DCP_MODEL  # the name this module gave it first
-
-
-def recorded_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed: int) -> int | None:
-    """Samples per optimizer step of the run that wrote the checkpoint in ``folder``.
-
-    The run folder's ``run.json`` (``OUTPUT_DIR/run.json`` for ``OUTPUT_DIR/checkpoints/step-N``)
-    is used when it agrees with the checkpoint (``step x global batch == samples consumed``);
-    otherwise ``samples_consumed / step`` when that divides exactly; None at step 0 (nothing to
-    keep) or when neither is known.
-    """
-    if step <= 0:
-        return None
-    run_json = run_json_of(folder)
-    try:
-        recorded = int(json.loads(run_json.read_text()).get("global_batch_samples") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        recorded = 0
-    if recorded > 0 and recorded * step == samples_consumed:
-        return recorded
-    if samples_consumed % step == 0 and samples_consumed > 0:
-        return samples_consumed // step
-    return None
 
 
 def accumulation_for(global_batch: int, *, micro_batch_size: int, data_parallel_size: int) -> int | None:

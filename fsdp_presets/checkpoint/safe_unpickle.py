@@ -33,7 +33,7 @@ What this module does about each:
   ``weights_only=True``); the project's own DCP reads use them.
 - :func:`vet_checkpoint_pickles` reads every pickle of a checkpoint folder the safe way and names
   the first one refused; the recipes, ``inspect-checkpoint`` and ``export`` call it (through
-  :func:`fsdp_presets.checkpoint.manager.verify_checkpoint`) before anything else reads the folder.
+  :func:`fsdp_presets.checkpoint.verify.verify_checkpoint`) before anything else reads the folder.
 - :func:`safe_dcp_loading` hands the safe reader and planner to accelerate's ``load_state``, which
   builds its own ``FileSystemReader`` and ``DefaultLoadPlanner`` inside ``load_fsdp_model`` and
   ``load_fsdp_optimizer`` (no argument reaches them): the two names are swapped in torch's modules

@@ -66,10 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.errors import UsageError
 
     if args.list_rules:
-        from fsdp_presets.check.findings import RULES
+        from fsdp_presets.check.report import rules_lines
 
-        for rule, (severity, what) in RULES.items():
-            print(f"{rule:34} {severity:8} {what}")
+        print("\n".join(rules_lines()))
         return 0
     problems = [] if args.configs else ["give at least one CONFIG.yaml"]
     missing = [path for path in args.configs if not Path(path).exists()]
@@ -93,143 +92,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("; ".join(problems))
 
     from fsdp_presets.check.findings import CheckContext
-    from fsdp_presets.check.lint import check_file, model_facts
-    from fsdp_presets.schema import T
+    from fsdp_presets.check.report import check_configs
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if args.trust_remote_code:
-        import functools
-
-        model_facts = functools.partial(model_facts, trust_remote_code=True)
-    explicit = model_facts(args.model) if args.model else None
-    cache: dict = {}
-    documents, failed, lines = [], False, []
-    for path in args.configs:
-        _refuse_another_method(path, args.method)
-        facts, model_note = explicit, None
-        if facts is None:
-            facts, model_note = _model_from_header(path, cache, model_facts)
-        context = CheckContext(model=facts, device=args.device, gpu_memory_gib=args.gpu_memory,
-                               host_memory_gib=args.host_memory, seq_len=args.seq_len, gpus=args.gpus,
-                               method=args.method, lora=lora, micro_batch=args.micro_batch, script=script,
-                               precision=None if args.precision in (None, "auto") else args.precision,
-                               activation_checkpointing={"on": True, "off": False}.get(args.activation_checkpointing))
-        report, view = check_file(path, context=context, prove_wrapping=not args.no_probe)
-        failed = failed or not report.ok
-        document = report.to_json()
-        document["model"] = facts.source if facts else None
-        document["accelerate"] = None if view is None else {
-            T.distributed_type: view.distributed_type, T.num_processes: view.num_processes,
-            T.num_machines: view.num_machines, T.mixed_precision: view.mixed_precision,
-            "fsdp": view.fsdp_settings(), "parallelism": view.parallelism_sizes(),
-            "mesh": view.mesh_sizes(), "num_processes_in_file": view.processes_in_file,
-            "layout": view.layout_label() or None,
-            "wrap_probe": view.probe.to_json() if view.probe is not None else None,
-        }
-        documents.append(document)
-        lines += _human(report, view, facts, model_note, verbose=args.verbose)
-    if args.json:
-        print(json.dumps({"ok": not failed, "files": documents}, indent=2))
-    else:
-        print("\n".join(lines))
-    return 1 if failed else 0
-
-
-def _refuse_another_method(path, method) -> None:
-    """``--method`` that is not the one a generated preset was decided for: its memory verdicts would
-    be of another training (a full fine-tuning preset checked as QLoRA fits, and trains, nothing)."""
-    from fsdp_presets.errors import UsageError
-    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-    from fsdp_presets.preset.emit import read_metadata
-
-    try:
-        request = (read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}).get("request")
-    except (OSError, UnicodeDecodeError):
-        return
-    decided = (request.get("method") or "full") if isinstance(request, dict) else None
-    if method and decided and method != decided:
-        raise UsageError(f"--method {method} disagrees with {path}, a preset generated for {decided} (its header "
-                         f"says so): check it with --method {decided}, or generate a preset for {method} "
-                         f"(fsdp-presets generate ... --method {method})")
-
-
-def _model_from_header(path, cache: dict, model_facts):
-    """The model a generated preset names in its metadata line, when it can be profiled here."""
-
-    from fsdp_presets.errors import UsageError
-    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-    from fsdp_presets.preset.emit import read_metadata
-
-    try:
-        metadata = read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}
-    except (OSError, UnicodeDecodeError):
-        return None, None
-    source = (metadata.get("request") or {}).get("model")
-    if not source:
-        return None, "no --model: the class and memory rules were skipped"
-    if source not in cache:
-        try:
-            cache[source] = (model_facts(source), None)
-        except UsageError as error:
-            cache[source] = (None, f"the header's model {source} could not be loaded ({error}); class and memory "
-                                   "rules skipped (pass --model)")
-    facts, note = cache[source]
-    return facts, note or f"model: {source} (named in the file's header)"
-
-
-def _human(report, view, facts, model_note, *, verbose: bool = False) -> list[str]:
-    errors, warnings = len(report.errors), len(report.warnings)
-    status = "ok" if report.ok else "FAILED"
-    counts = f"{errors} error{'s' if errors != 1 else ''}, {warnings} warning{'s' if warnings != 1 else ''}"
-    lines = [f"{report.path}: {status} ({counts})"]
-    if model_note:
-        lines.append(f"  {model_note}")
-    if view is not None:
-        lines.append(_summary(view, facts))
-        probe = view.probe
-        if probe is not None and probe.skipped:
-            lines.append(f"  wrapping not proved: {probe.skipped}")
-        elif probe is not None and not probe.error:
-            lines.append(f"  accelerate's FSDP preparation of the model (fake process group): {probe.unit_summary()}")
-    for item in report.findings:
-        if item.severity == "info" and not verbose:
-            continue
-        if item.rule == "wrap-probe-skipped" and view is not None:
-            continue  # said on the "wrapping not proved" line above
-        where = f" [{item.key}]" if item.key else ""
-        lines.append(f"  {item.severity:7} {item.rule}{where}: {item.message}")
-        lines.append(f"          fix: {item.fix}")
-    if report.infos and not verbose:
-        # accelerate's own defaults and style: one short line, not a finding each
-        lines.append(f"  ({len(report.infos)} of accelerate's own defaults not shown: " + ", ".join(
-            sorted({item.rule for item in report.infos})) + "; --verbose shows them)")
-    return lines
-
-
-def _summary(view, facts) -> str:
-    processes = (f"{view.num_processes} processes" if view.processes_in_file else
-                 f"num_processes from the launch command (assumed {view.num_processes})")
-    text = (f"  accelerate loads it: {view.distributed_type}, {processes} on {view.num_machines} "
-            f"node{'s' if view.num_machines != 1 else ''}, mixed precision {view.mixed_precision}")
-    settings = view.fsdp_settings()
-    if settings:
-        if settings["fsdp_version"] == 2:
-            sharding = "FULL_SHARD" if settings["reshard_after_forward"] else "SHARD_GRAD_OP"
-        else:
-            sharding = {"_HYBRID_SHARD_ZERO2": "HYBRID_SHARD_ZERO2"}.get(settings["sharding_strategy"],
-                                                                         settings["sharding_strategy"])
-        classes = settings["transformer_cls_names_to_wrap"]
-        if classes:
-            wraps = "wraps " + ",".join(classes)
-        elif settings["auto_wrap_policy"] == "transformer_auto_wrap_policy":
-            declared = sorted((facts.profile.structure.get("no_split_modules") or []) if facts else [])
-            wraps = "wraps the model's _no_split_modules" + (f" ({','.join(declared)})" if declared else "")
-        elif settings["auto_wrap_policy"] == "size_based_auto_wrap_policy":
-            wraps = "wraps by size"
-        else:
-            wraps = "no auto-wrap (one unit)"
-        text += f"; FSDP{settings['fsdp_version']} {sharding}, {wraps}, {settings['state_dict_type']}"
-    layout = view.layout_label()
-    if layout:
-        text += f"; {layout}"
-    return text
+    context = CheckContext(device=args.device, gpu_memory_gib=args.gpu_memory,
+                           host_memory_gib=args.host_memory, seq_len=args.seq_len, gpus=args.gpus,
+                           method=args.method, lora=lora, micro_batch=args.micro_batch, script=script,
+                           precision=None if args.precision in (None, "auto") else args.precision,
+                           activation_checkpointing={"on": True, "off": False}.get(args.activation_checkpointing))
+    checked = check_configs(args.configs, context=context, model=args.model, trust_remote_code=args.trust_remote_code,
+                            prove_wrapping=not args.no_probe, verbose=args.verbose)
+    print(json.dumps(checked.to_json(), indent=2) if args.json else checked.text())
+    return 0 if checked.ok else 1

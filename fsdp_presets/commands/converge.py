@@ -13,6 +13,7 @@ HELP = "train a recipe under an FSDP config and its DDP baseline, then compare t
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments
+    from fsdp_presets.plan import limits
     from fsdp_presets.compare.converge import DEFAULT_MAX_STEPS, DEFAULT_RECIPE, DEFAULT_SEED, DEFAULT_TIMEOUT_S
 
     parser.epilog = "Arguments after `--` go to the recipe in both runs."
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--micro-batch-size", type=int, help="per-process micro-batch (recipe default if unset)")
     add("--gradient-accumulation-steps", type=int, help="accumulation steps (recipe default if unset)")
     add("--learning-rate", type=float, help="learning rate of both runs (recipe default if unset)")
-    add("--seq-len", type=arguments.seq_len, help="sequence length (recipe default if unset)")
+    add("--seq-len", type=limits.seq_len, help="sequence length (recipe default if unset)")
     add("--resume-at", type=int, metavar="K",
         help="stop the candidate after its checkpoint of step K and resume it in a second launch")
     arguments.add_tolerance(parser)

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_method_arguments(parser, method_help=(
         "full fine-tuning (default), lora or qlora: the planner counts a frozen (4-bit) base and fp32 adapters, "
         "the header and launch command carry the adapter and quantization settings"))
-    from fsdp_presets.commands.launcher import add_launch_arguments
+    from fsdp_presets.preset.launch_options import add_launch_arguments
 
     add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
 
@@ -76,43 +76,20 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.preset.emit_commands import LaunchHints
-    from fsdp_presets.preset.generate import rescale_source, rescaled_request, stored_launch
-    from fsdp_presets.preset.request import PresetRequest
+    from fsdp_presets.preset.generate import generate_problems, generation_request
 
     given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
-    problems = []
-    if args.baseline_output and not args.baseline:
-        problems.append("--baseline-output needs --baseline ddp")
-    if Path(args.output).is_dir():
-        problems.append(f"-o {args.output} is a folder; give the .yaml file to write")
-    elif not str(args.output).endswith((".yaml", ".yml")):
-        problems.append(f"-o {args.output}: give a .yaml file name (accelerate reads YAML configs)")
-    old = None
-    if args.from_file:
-        if args.model:
-            problems.append("give MODEL or --from PRESET.yaml, not both (the preset names its model)")
-        old, problem = rescale_source(args.from_file)
-        if problem:
-            problems.append(problem)
-    elif not args.model:
-        problems.append("give a MODEL (family name, model folder or config.json), or --from PRESET.yaml")
-    if not args.from_file and args.gpus is None:
-        problems.append("--gpus is required")
+    problems, old = generate_problems(model=args.model, output=args.output, from_file=args.from_file, gpus=args.gpus,
+                                      baseline=args.baseline, baseline_output=args.baseline_output)
     if problems:
         raise UsageError("; ".join(problems))
 
-    if old is not None:
-        request = rescaled_request(old, given, source=args.from_file)
-        stored = stored_launch(old)
-        launch = LaunchHints(model=args.launch_model or stored.get("model"), data=args.launch_data or stored.get("data"))
-    else:
-        request = PresetRequest(model=args.model, **given)
-        launch = LaunchHints(model=args.launch_model, data=args.launch_data)
+    request, launch = generation_request(given, model=args.model, old=old, from_file=args.from_file,
+                                         launch_model=args.launch_model, launch_data=args.launch_data)
 
-    from fsdp_presets.preset.emit_commands import command_text, default_baseline_path, launch_words
-    from fsdp_presets.preset.generate import (check_generated_output, describe_changes, load_profile, render_files,
-                                              write_files)
+    from fsdp_presets.preset.emit_commands import default_baseline_path, launch_words
+    from fsdp_presets.preset.generate import (check_outputs, check_rescaled_batch, generated_lines, load_profile,
+                                              render_files, write_files)
 
     output = str(args.output)
     baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None
@@ -124,48 +101,21 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.check.lint import check_generated
 
     check_generated(files, device=request.device)
-    if old is not None and preset.batch.global_samples != old["summary"]["global_batch"]:
-        raise UsageError(f"rescaling changed the global batch from {old['summary']['global_batch']} to "
-                         f"{preset.batch.global_samples} sequences; pass --global-batch to choose one")
+    check_rescaled_batch(preset, old)
     # The launch script is checked (flags, secrets, where it goes) before any file is written.
     import yaml
 
-    from fsdp_presets.commands.launcher import job_from_args, launcher_path, write_from_args
-    from fsdp_presets.preset.launchers import check_launcher_output
+    from fsdp_presets.preset.launch_options import job_from_args, launcher_path, write_from_args
 
     launch_command = launch_words(preset, config_file=output, launch=launch)
     job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
                         default_command=launch_command, config=yaml.safe_load(files[output]))
-    from fsdp_presets.preset.launchers import carries_token
-
-    if any(carries_token(text) for text in files.values()):
-        raise UsageError("the generated config would carry a value that looks like an access token (hf_..., sk-...; "
-                         "not shown); pass secrets through the environment, never in a flag that is written to "
-                         "a file (nothing was written)")
-    for path in files:
-        check_generated_output(Path(path), force=args.force)
-    if job is not None:
-        script_path = launcher_path(args, output)
-        if any(script_path.resolve() == Path(path).resolve() for path in files):
-            raise UsageError(f"--launch-output {script_path} is one of the configs this command writes; give "
-                             "the script another name (nothing was written)")
-        check_launcher_output(script_path, config_file=output, force=args.force)
+    check_outputs(files, config_file=output, script_path=launcher_path(args, output) if job is not None else None,
+                  force=args.force)
     write_files({Path(path): text for path, text in files.items()})
-
-    summary = preset.summary()
-    if old is not None:
-        print(f"rescaled {args.from_file} -> {output}: global batch {summary['global_batch']} sequences kept")
-        for line in describe_changes(old["summary"], summary) or ["nothing changed"]:
-            print(f"  {line}")
-    print(f"wrote {output}: {preset.parallelism.label} (FSDP{preset.parallelism.fsdp_version}), "
-          f"{summary['precision']}, activation checkpointing {'on' if summary['activation_checkpointing'] else 'off'}"
-          f", offload {'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
-          f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
-    if baseline_output:
-        print(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
-    for note in preset.notes:
-        print(f"note: {note}")
-    print("launch: " + command_text(launch_command))
+    print("\n".join(generated_lines(preset, output=output, baseline_output=baseline_output,
+                                    launch_command=launch_command, rescaled_from=args.from_file if old is not None else None,
+                                    old_summary=old["summary"] if old is not None else None)))
     script = write_from_args(args, output, job=job)
     if script is not None:
         print(f"wrote {script}: {args.launcher} launch script of {output}")

@@ -20,7 +20,7 @@ HELP = "show a checkpoint's step, sharding, per-rank files, checksums and whethe
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint folder: OUTPUT_DIR/checkpoints/step-NNNNNNNN")
-    from fsdp_presets.arguments import gpu_count
+    from fsdp_presets.plan.limits import gpu_count
 
     parser.add_argument("--gpus", type=gpu_count, action="append", metavar="N",
                         help="say whether it resumes on N processes, and with which accumulation (repeatable)")

@@ -59,12 +59,17 @@ def run(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from fsdp_presets import arguments
     from fsdp_presets.errors import UsageError
-    from fsdp_presets.plan.methods import lora_from_args
     from fsdp_presets.fileio import GiB
-    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.plan import limits
+    from fsdp_presets.plan.methods import lora_from_args
     from fsdp_presets.plan.planner import fit_seq_len, plan_with_auto_savers
+    from fsdp_presets.plan.report import plan_json, plan_text
+    from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
+    from fsdp_presets.plan.shapes import Hardware, TrainingShape
+    from fsdp_presets.preset.generate import load_profile
+    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
+    from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 
     # Validate every flag before touching the model, and report all problems at once.
     problems = []
@@ -80,12 +85,12 @@ def run(args: argparse.Namespace) -> int:
         problems.append(str(error))
     try:
         hardware = Hardware(gpus=args.gpus, nodes=args.nodes or 1,
-                            gpu_memory_bytes=int((args.gpu_memory or arguments.DEFAULT_GPU_MEMORY_GIB) * GiB))
+                            gpu_memory_bytes=int((args.gpu_memory or limits.DEFAULT_GPU_MEMORY_GIB) * GiB))
     except UsageError as error:
         problems.append(str(error))
     try:
         shape = TrainingShape(
-            seq_len=args.seq_len or arguments.DEFAULT_SEQ_LEN,
+            seq_len=args.seq_len or limits.DEFAULT_SEQ_LEN,
             micro_batch=args.micro_batch or 1,
             grad_accum=args.grad_accum or 1,
             reduce_every_micro_batch=args.reduce_every_micro_batch,
@@ -97,20 +102,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except UsageError as error:
         problems.append(str(error))
-    for flag, value in (("--storage-bandwidth", args.storage_bandwidth), ("--mtbf", args.mtbf),
-                        ("--seconds-per-step", args.seconds_per_step)):
-        if value is not None and not (value > 0 and value < float("inf")):
-            problems.append(f"{flag} {value}: give a positive number")
+    problems += save_input_problems(storage_gb_per_s=args.storage_bandwidth, mtbf_hours=args.mtbf,
+                                    step_time_s=args.seconds_per_step)
     if problems:
         raise UsageError("; ".join(problems))
-    from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, format_save_costs, save_costs_json
-    from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
-
     storage = (args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9
     host = (args.host_memory or DEFAULT_HOST_MEMORY_GIB["gpu"]) * GiB
-
-    from fsdp_presets.preset.generate import load_profile
-
     profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
@@ -121,133 +118,14 @@ def run(args: argparse.Namespace) -> int:
     if args.diagram:
         from fsdp_presets.plan.diagram import draw_plan
 
-        Path(args.diagram).parent.mkdir(parents=True, exist_ok=True)
         draw_plan(memory_plan, profile, args.diagram)
     if args.json:
-        document = memory_plan.to_json()
-        document["model"] = {"source": args.model, "architecture": profile.architecture,
-                             "total_params": profile.total_params}
-        document["settings_chosen"] = chosen
-        document["saves"] = save_costs_json(memory_plan, storage_bytes_per_s=storage, host_bytes=host)
-        document["activation_terms"] = terms_note
-        if shape.lora is not None:
-            from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes, default_target_modules
-
-            document["lora"] = {**shape.lora.to_json(), "trainable_params": adapter_params(profile, memory_plan.shape),
-                                "base_storage_bytes": base_storage_bytes(profile, memory_plan.shape),
-                                "targets_resolved": shape.lora.target_modules and list(shape.lora.target_modules)
-                                if shape.lora.target_modules and "all-linear" not in shape.lora.target_modules
-                                else default_target_modules(profile)}
-        print(json.dumps(document, indent=2))
+        print(json.dumps(plan_json(memory_plan, profile, source=args.model, chosen=chosen, storage_bytes_per_s=storage,
+                                   host_bytes=host, terms_note=terms_note), indent=2))
     else:
-        print(format_plan(memory_plan, profile, source=args.model))
-        if args.mtbf is not None or args.storage_bandwidth is not None or args.host_memory is not None:
-            print("\n".join(["", *format_save_costs(memory_plan, storage_bytes_per_s=storage, mtbf_hours=args.mtbf,
-                                                     step_time_s=args.seconds_per_step, host_bytes=host)]))
-        if chosen:
-            print(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
-        if seq_note:
-            print(f"note: {seq_note}")
-        print(f"activations: {terms_note['source']}: {terms_note['how']}")
-        if args.diagram:
-            print(f"diagram: {args.diagram}")
+        print(plan_text(memory_plan, profile, source=args.model, chosen=chosen, seq_note=seq_note,
+                        terms_note=terms_note, storage_bytes_per_s=storage, host_bytes=host,
+                        saves=any(value is not None for value in (args.mtbf, args.storage_bandwidth, args.host_memory)),
+                        mtbf_hours=args.mtbf,
+                        step_time_s=args.seconds_per_step, diagram=args.diagram))
     return 0
-
-
-def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False):
-    """``(shape, note)``: ``shape`` with this model's own activation terms from a short, cached
-    rehearsal (:mod:`fsdp_presets.preset.measured_activations`) where one applies and can run, and
-    ``note`` (``source``: ``composed from a rehearsal`` or ``estimated``; ``how``) saying which."""
-    from fsdp_presets.preset.measured_activations import cache_dir, rehearsed_block_activations
-
-    if shape.lora is not None:
-        return shape, {"source": "estimated", "how": "LoRA/QLoRA terms from the family constants (rehearsals run "
-                       "full fine-tuning only)"}
-    if shape.attention != "fused":
-        return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
-                       "runs the model's own attention)"}
-    from fsdp_presets.model.model_loading import load_config
-
-    try:
-        config = load_config(source, trust_remote_code=trust_remote_code)
-    except Exception as error:  # noqa: BLE001 - any config the rehearsal cannot load: estimate, and say why
-        return shape, {"source": "estimated", "how": f"family constants: no config to rehearse ({error})"}
-    terms, problem = rehearsed_block_activations(config, seq_len=shape.seq_len, precision=shape.precision,
-                                                 trust_remote_code=trust_remote_code)
-    if terms is None:
-        return shape, {"source": "estimated", "how": f"family constants ({problem})"}
-    folder = cache_dir()
-    return shape.replace(measured=terms), {
-        "source": "composed from a rehearsal",
-        "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
-               f"estimated (cache: {folder if folder is not None else 'off'})"}
-
-
-# --------------------------------------------------------------------------- human output
-
-
-def format_plan(memory_plan, profile, *, source: str) -> str:
-    """The table, the recommendation and its reason (or the suggestions when nothing fits)."""
-    from fsdp_presets.fileio import byte_unit, format_count
-    from fsdp_presets.fileio import GiB
-    from fsdp_presets.plan.tables import text_table
-
-    hardware, shape = memory_plan.hardware, memory_plan.shape
-    nodes = f" on {hardware.nodes} nodes" if hardware.nodes > 1 else ""
-    lines = [
-        f"{source}: {profile.architecture}, {format_count(profile.total_params)} parameters",
-        f"{hardware.gpus} GPUs{nodes} x {hardware.gpu_memory_bytes / GiB:g} GiB "
-        f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}"
-        f"{_accumulation_text(shape)}, "
-        f"{shape.precision}, {shape.optimizer}, {_method_text(shape)}activation checkpointing "
-        f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}",
-        "",
-    ]
-    # One unit per column family, picked from the largest value so small models stay readable.
-    memory_name, memory_unit = byte_unit(max(s.per_gpu.total for s in memory_plan.strategies), binary=True)
-    comm_name, comm_unit = byte_unit(max(s.comm.total for s in memory_plan.strategies), binary=False)
-    lines.append(f"per GPU in {memory_name}; comm = {comm_name} each GPU sends per step")
-    headers = ["strategy", "params", "grads", "optim", "activ", "buffers", "total", "fits", "max mb",
-               "comm", "inter-node", "how"]
-    rows = []
-    for strategy in memory_plan.strategies:
-        per_gpu = strategy.per_gpu
-        marker = " *" if strategy is memory_plan.recommended else ""
-        rows.append([
-            strategy.label + marker,
-            *(f"{value / memory_unit:.2f}" for value in (per_gpu.params, per_gpu.grads, per_gpu.optimizer,
-                                                  per_gpu.activations, per_gpu.buffers, per_gpu.total)),
-            "yes" if strategy.fits else "no",
-            str(strategy.max_micro_batch),
-            f"{strategy.comm.total / comm_unit:.2f}",
-            f"{strategy.comm.inter_node / comm_unit:.2f}",
-            "composed" if strategy.source == "composed from a rehearsal" else "estimated",
-        ])
-    lines += text_table(headers, rows, right=set(range(1, len(headers) - 1)))
-    notes = sorted({note for strategy in memory_plan.strategies for note in strategy.notes})
-    lines += [f"note: {note}" for note in notes]
-    lines.append("")
-    if memory_plan.recommended is not None:
-        lines.append(f"recommended: {memory_plan.recommended.label} (marked *)")
-        lines.append(f"reason: {memory_plan.reason}")
-    else:
-        lines.append("recommended: none")
-        lines.append(f"reason: {memory_plan.reason}")
-        lines += [f"try: {suggestion}" for suggestion in memory_plan.suggestions]
-    return "\n".join(lines)
-
-
-def _method_text(shape) -> str:
-    lora = shape.lora
-    if lora is None:
-        return ""
-    base = "4-bit NF4 base (bf16 storage)" if lora.method == "qlora" else "frozen base"
-    targets = "default targets" if lora.target_modules is None else ",".join(lora.target_modules)
-    return f"{lora.method} r {lora.r} ({targets}, {base}), "
-
-
-def _accumulation_text(shape) -> str:
-    if shape.grad_accum == 1:
-        return ""
-    how = "reduced every micro-batch" if shape.reduce_every_micro_batch else "no_sync"
-    return f" x {shape.grad_accum} accumulation ({how})"

@@ -44,9 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_trust_remote_code(parser)
 
 
-# --------------------------------------------------------------------------- run
-
-
 def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
@@ -54,8 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.errors import UsageError
     from fsdp_presets.plan.methods import lora_from_args
-    from fsdp_presets.preset.rehearse_request import (METHOD_NOT_REHEARSED, rehearse_request, request_from_flags,
-                                                    request_from_preset)
+    from fsdp_presets.preset.rehearse_request import (METHOD_NOT_REHEARSED, format_rehearsal, rehearse_request,
+                                                      request_from_flags, request_from_preset)
 
     if (args.method or "full") != "full":
         raise UsageError(METHOD_NOT_REHEARSED.format(method=args.method, where="the command line"))
@@ -86,59 +83,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_rehearsal(document, result, row))
     return 0 if document["fits"] else 1
-
-
-def format_rehearsal(document: dict, result, row) -> str:
-    """The per-category table, rehearsal beside planner, and the verdict."""
-    from fsdp_presets.fileio import GiB as gib
-    from fsdp_presets.fileio import format_count
-    from fsdp_presets.plan.tables import text_table
-
-    rehearsed = result.peak_by_category
-    model = document["model"]
-    lines = [
-        f"{model['source']}: {model['architecture']}, {format_count(model['total_params'])} parameters",
-        f"{document['strategy']} over {document['gpus']} GPUs"
-        + (f" on {document['nodes']} nodes" if document["nodes"] > 1 else "")
-        + f", seq {document['seq_len']}, micro-batch {document['micro_batch']} x {document['grad_accum']} "
-        f"accumulation{' (reduced every micro-batch)' if document['reduce_every_micro_batch'] else ''}, "
-        f"{document['precision']}, activation checkpointing {'on' if document['activation_checkpointing'] else 'off'}"
-        + (", offload on" if document["offload"] else ""),
-        f"rehearsed: {result.iterations} optimizer steps through accelerate's FSDP2 preparation ({result.units} "
-        f"units), fake tensors, a fake process group of {document['gpus']} ranks; {result.seconds:.0f} s",
-        "",
-        "per GPU (rank 0) at the peak, GiB:",
-    ]
-    planner = row.per_gpu
-
-    def cell(value) -> str:
-        return "" if value is None else f"{value / gib:.2f}"
-
-    rows = [
-        ["parameters (sharded)", cell(rehearsed.get("params", 0)), cell(planner.params)],
-        ["gradients (sharded)", cell(rehearsed.get("grads", 0)), cell(planner.grads)],
-        ["optimizer state", cell(rehearsed.get("optimizer", 0)), cell(planner.optimizer)],
-        ["activations", cell(rehearsed.get("activations", 0)), None],
-        ["temporaries (loss backward)", cell(rehearsed.get("temporaries", 0)), None],
-        ["  activations + temporaries", cell(rehearsed.get("activations", 0) + rehearsed.get("temporaries", 0)),
-         cell(planner.activations)],
-        ["unsharded parameters", cell(rehearsed.get("unsharded params", 0)), None],
-        ["unsharded gradients", cell(rehearsed.get("unsharded grads", 0)), None],
-        ["  unsharded (buffers)", cell(rehearsed.get("unsharded params", 0) + rehearsed.get("unsharded grads", 0)),
-         cell(planner.buffers)],
-    ]
-    if document["offload"]:
-        rows.append(["offloaded to host (not on GPU)", f"-{cell(document['rehearsal']['offloaded_bytes'])}", None])
-    rows.append(["total", cell(document["rehearsal"]["per_gpu_peak_bytes"]), cell(planner.total)])
-    lines += text_table(["category", "rehearsal", "planner"], [[r[0], r[1], r[2] or ""] for r in rows], right={1, 2})
-    lines += [
-        "",
-        f"peak: {result.peak_where}",
-        f"planner vs rehearsal: {document['planner_difference'] * 100:+.1f}%",
-        f"{'fits' if document['fits'] else 'does NOT fit'} a {document['gpu_memory_bytes'] / gib:g} GiB GPU "
-        f"(rehearsed peak {document['rehearsal']['per_gpu_peak_bytes'] / gib:.1f} GiB; the planner also reserves "
-        f"memory for what a CPU rehearsal cannot see)",
-        f"note: {document['not_seen']}",
-        f"note: {document['not_rehearsed']}",
-    ]
-    return "\n".join(lines)

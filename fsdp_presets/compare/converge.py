@@ -283,7 +283,7 @@ def _interrupted_and_resumed(request: ConvergeRequest, launch: _Launcher, config
                              output: Path) -> None:
     """Train the candidate to step K's checkpoint, kill it in its next save, resume from step K."""
     from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
-    from fsdp_presets.checkpoint.manager import verify_checkpoint
+    from fsdp_presets.checkpoint.verify import verify_checkpoint
     from fsdp_presets.faults import FAULT_ENV
 
     resume_at = request.resume_at

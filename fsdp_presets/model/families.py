@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fsdp_presets.errors import UsageError, unknown_name_message
+from fsdp_presets.fileio import text_table
 from fsdp_presets.model.families_decoders import DECODER_FAMILIES
 from fsdp_presets.model.family import ENCODER_TINY, SEQ2SEQ_IDS, Family, encoder, seq2seq, vision
 
@@ -91,4 +92,10 @@ def tiny_config(name: str) -> "PretrainedConfig":
     return AutoConfig.for_model(family.model_type, **copy.deepcopy(dict(family.tiny)))
 
 
-__all__ = ["FAMILIES", "FAMILY_NAMES", "family_for_model_type", "get_family", "tiny_config"]
+def families_table() -> str:
+    """``fsdp-presets inspect --list``: every family, its model_type, kind and what it covers."""
+    rows = [[family.name, family.model_type, family.kind, family.note] for family in FAMILIES]
+    return "\n".join(text_table(["family", "model_type", "kind", "covers"], rows, right=set()))
+
+
+__all__ = ["FAMILIES", "FAMILY_NAMES", "families_table", "family_for_model_type", "get_family", "tiny_config"]

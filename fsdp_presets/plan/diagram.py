@@ -40,7 +40,9 @@ def _sharded_strategy(memory_plan: MemoryPlan) -> StrategyPlan:
 
 
 def draw_plan(memory_plan: MemoryPlan, profile: ModelProfile, path: str) -> None:
-    """Write the two-panel diagram to ``path`` (format from its suffix)."""
+    """Write the two-panel diagram to ``path`` (format from its suffix; its folder is made)."""
+    from pathlib import Path
+
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed (servers, CI)
@@ -58,6 +60,7 @@ def draw_plan(memory_plan: MemoryPlan, profile: ModelProfile, path: str) -> None
         f"{memory_plan.shape.precision}, {memory_plan.shape.optimizer}"
     )
     figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
 

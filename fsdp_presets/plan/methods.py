@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from fsdp_presets import arguments
+from fsdp_presets.plan import limits
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.shapes import DEFAULT_LORA_R, METHODS, LoraShape
 
@@ -29,9 +29,9 @@ def add_method_arguments(parser: argparse.ArgumentParser, *, method_help: str | 
     add("--method", choices=METHODS, help=method_help or (
         "full fine-tuning (default), lora (an adapter over a frozen bf16 base) or qlora (an adapter over a "
         "4-bit NF4 base stored as bfloat16 so FSDP shards it)"))
-    add("--lora-r", type=arguments.lora_rank, metavar="R", help=f"LoRA rank (peft's r; default {DEFAULT_LORA_R})")
-    add("--lora-alpha", type=arguments.lora_alpha, help="LoRA scaling numerator (peft's lora_alpha; default 2 x --lora-r)")
-    add("--lora-dropout", type=arguments.lora_dropout, help="dropout on the LoRA path (default 0)")
+    add("--lora-r", type=limits.lora_rank, metavar="R", help=f"LoRA rank (peft's r; default {DEFAULT_LORA_R})")
+    add("--lora-alpha", type=limits.lora_alpha, help="LoRA scaling numerator (peft's lora_alpha; default 2 x --lora-r)")
+    add("--lora-dropout", type=limits.lora_dropout, help="dropout on the LoRA path (default 0)")
     add("--lora-target-modules", metavar="NAMES", help="comma-separated Linear names to adapt, or all-linear "
         "(default: the attention and MLP projections of the model's block)")
     add("--lora-base-dtype", choices=("bf16", "fp16", "fp32"), help="the frozen base's dtype as loaded "

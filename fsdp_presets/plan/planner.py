@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_presets.arguments import MAX_GPUS
+from fsdp_presets.plan.limits import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
                                            in_block_activation_bytes, logits_bytes, mlp_width)

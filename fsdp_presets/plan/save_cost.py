@@ -181,14 +181,23 @@ def describe_duration(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h"
 
 
+def save_input_problems(*, storage_gb_per_s: float | None, mtbf_hours: float | None,
+                        step_time_s: float | None) -> list[str]:
+    """What is wrong with the inputs of a save's cost (``--storage-bandwidth``, ``--mtbf``,
+    ``--seconds-per-step``), one line each: every one given must be a positive, finite number."""
+    return [f"{flag} {value}: give a positive number"
+            for flag, value in (("--storage-bandwidth", storage_gb_per_s), ("--mtbf", mtbf_hours),
+                                ("--seconds-per-step", step_time_s))
+            if value is not None and not (value > 0 and value < float("inf"))]
+
+
 def format_save_costs(memory_plan, *, storage_bytes_per_s: float, mtbf_hours: float | None,
                       step_time_s: float | None, host_bytes: float) -> list[str]:
     """The plan's lines about checkpoint saves: a table per strategy (with ``--async-save``'s
     staging copy per process and per node, and whether it fits ``host_bytes`` of host memory per
     node beside what training keeps there), and with ``mtbf_hours`` the save interval of the
     recommended strategy (or the first), synchronous and ``--async-save``."""
-    from fsdp_presets.fileio import format_bytes
-    from fsdp_presets.plan.tables import text_table
+    from fsdp_presets.fileio import format_bytes, text_table
 
     hardware = memory_plan.hardware
     costs = [save_cost(strategy, hardware, storage_bytes_per_s=storage_bytes_per_s)

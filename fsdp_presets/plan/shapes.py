@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from fsdp_presets.arguments import DEFAULT_SEQ_LEN, PRECISIONS, gpu_count, node_count
+from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN, PRECISIONS, gpu_count, node_count
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import GiB  # noqa: F401 (bytes in a gibibyte: GPU memory is sold and reported in these)
 
 Precision = Literal["bf16", "fp16", "fp32"]
-"""Accelerate's ``mixed_precision`` values (:data:`fsdp_presets.arguments.PRECISIONS`)."""
+"""Accelerate's ``mixed_precision`` values (:data:`fsdp_presets.plan.limits.PRECISIONS`)."""
 
 OPTIMIZER_STATE_BYTES = MappingProxyType(
     {
@@ -60,7 +60,7 @@ def default_reserved_bytes(gpu_memory_bytes: int) -> int:
 
 def mesh_problems(gpus, nodes) -> list[str]:
     """What is wrong with ``gpus`` and ``nodes`` as counts, in the command line's own words
-    (:func:`fsdp_presets.arguments.gpu_count` and :func:`~fsdp_presets.arguments.node_count` check
+    (:func:`fsdp_presets.plan.limits.gpu_count` and :func:`~fsdp_presets.plan.limits.node_count` check
     them); [] when both are fine."""
     problems = []
     for flag, check, value in (("--gpus", gpu_count, gpus), ("--nodes", node_count, nodes)):
@@ -163,7 +163,7 @@ class TrainingShape:
 
     def __post_init__(self) -> None:
         # Only what makes the arithmetic meaningless: the command line's upper bounds were checked
-        # on the flags (fsdp_presets.arguments), and the preset search plans micro-batches and
+        # on the flags (fsdp_presets.plan.limits), and the preset search plans micro-batches and
         # accumulation counts of its own beyond them.
         problems = []
         if self.seq_len < 1:

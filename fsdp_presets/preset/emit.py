@@ -24,7 +24,7 @@ import yaml
 
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.emit_commands import _SHELL_VARIABLES, LaunchHints, _number, generate_words, launch_words
-from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB
+from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
 from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.preset.choices import Preset
 from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word

@@ -54,6 +54,53 @@ def rescale_source(path) -> tuple[dict | None, str | None]:
     return old, None
 
 
+def generate_problems(*, model: str | None, output: str, from_file: str | None, gpus: int | None,
+                      baseline: str | None, baseline_output: str | None) -> tuple[list[str], dict | None]:
+    """``(problems, old)``: what is wrong with ``generate``'s flags together (one line each, nothing
+    read but ``--from``) and the generated preset ``from_file`` rescales (None without one)."""
+    problems = []
+    if baseline_output and not baseline:
+        problems.append("--baseline-output needs --baseline ddp")
+    if Path(output).is_dir():
+        problems.append(f"-o {output} is a folder; give the .yaml file to write")
+    elif not str(output).endswith((".yaml", ".yml")):
+        problems.append(f"-o {output}: give a .yaml file name (accelerate reads YAML configs)")
+    old = None
+    if from_file:
+        if model:
+            problems.append("give MODEL or --from PRESET.yaml, not both (the preset names its model)")
+        old, problem = rescale_source(from_file)
+        if problem:
+            problems.append(problem)
+    elif not model:
+        problems.append("give a MODEL (family name, model folder or config.json), or --from PRESET.yaml")
+    if not from_file and gpus is None:
+        problems.append("--gpus is required")
+    return problems, old
+
+
+def generation_request(given: dict, *, model: str | None, old: dict | None, from_file: str | None,
+                       launch_model: str | None, launch_data: str | None):
+    """``(request, launch)``: the :class:`PresetRequest` of the flags ``given`` (``{field: value}``)
+    for ``model``, or for the preset ``old`` read from ``from_file`` rescaled, and the
+    :class:`~fsdp_presets.preset.emit_commands.LaunchHints` of its header (a rescaled preset keeps
+    its own unless new ones are given)."""
+    from fsdp_presets.preset.emit_commands import LaunchHints
+
+    if old is None:
+        return PresetRequest(model=model, **given), LaunchHints(model=launch_model, data=launch_data)
+    stored = stored_launch(old)
+    return (rescaled_request(old, given, source=from_file),
+            LaunchHints(model=launch_model or stored.get("model"), data=launch_data or stored.get("data")))
+
+
+def check_rescaled_batch(preset, old: dict | None) -> None:
+    """Refuse a rescaled preset (of ``old``) whose global batch is not the old one's."""
+    if old is not None and preset.batch.global_samples != old["summary"]["global_batch"]:
+        raise UsageError(f"rescaling changed the global batch from {old['summary']['global_batch']} to "
+                         f"{preset.batch.global_samples} sequences; pass --global-batch to choose one")
+
+
 def rescaled_request(old: dict, given: dict, *, source) -> PresetRequest:
     """The request of preset metadata ``old`` re-decided with the flags ``given`` (PresetRequest
     fields): the same GPUs per node when only one of --gpus/--nodes changes, and the old global
@@ -138,6 +185,48 @@ def render_files(profile, request, *, output: str, baseline_output: str | None, 
 
 
 # --------------------------------------------------------------------------- writing
+
+
+def check_outputs(files: dict, *, config_file: str, script_path=None, force: bool = False) -> None:
+    """Refuse, before anything is written, texts that carry something that looks like an access
+    token, outputs ``generate`` did not write (unless ``force``: :func:`check_generated_output`) and
+    a launch script (``script_path``) that is one of the configs or a file fsdp-presets did not write."""
+    from fsdp_presets.preset.launchers import carries_token, check_launcher_output
+
+    if any(carries_token(text) for text in files.values()):
+        raise UsageError("the generated config would carry a value that looks like an access token (hf_..., sk-...; "
+                         "not shown); pass secrets through the environment, never in a flag that is written to "
+                         "a file (nothing was written)")
+    for path in files:
+        check_generated_output(Path(path), force=force)
+    if script_path is not None:
+        if any(Path(script_path).resolve() == Path(path).resolve() for path in files):
+            raise UsageError(f"--launch-output {script_path} is one of the configs this command writes; give "
+                             "the script another name (nothing was written)")
+        check_launcher_output(script_path, config_file=config_file, force=force)
+
+
+def generated_lines(preset, *, output: str, baseline_output: str | None, launch_command: list[str],
+                    rescaled_from: str | None = None, old_summary: dict | None = None) -> list[str]:
+    """What ``generate`` says it wrote: the preset's choices, the baseline, the notes and the launch
+    command; for a rescaled preset (``rescaled_from``, its ``old_summary``) what changed first."""
+    from fsdp_presets.preset.emit_commands import command_text
+
+    summary = preset.summary()
+    lines = []
+    if rescaled_from is not None:
+        lines.append(f"rescaled {rescaled_from} -> {output}: global batch {summary['global_batch']} sequences kept")
+        lines += [f"  {line}" for line in describe_changes(old_summary, summary) or ["nothing changed"]]
+    lines.append(f"wrote {output}: {preset.parallelism.label} (FSDP{preset.parallelism.fsdp_version}), "
+                 f"{summary['precision']}, activation checkpointing "
+                 f"{'on' if summary['activation_checkpointing'] else 'off'}, offload "
+                 f"{'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
+                 f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
+    if baseline_output:
+        lines.append(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
+    lines += [f"note: {note}" for note in preset.notes]
+    lines.append("launch: " + command_text(launch_command))
+    return lines
 
 
 def check_generated_output(path, *, force: bool = False) -> None:

@@ -197,5 +197,32 @@ def rehearsed_block_activations(config, *, seq_len: int, precision: str, trust_r
     return terms_from_entry(entry), None
 
 
+def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False):
+    """``(shape, note)``: ``shape`` with this model's own activation terms from a short, cached
+    rehearsal (:func:`rehearsed_block_activations`) where one applies and can run, and
+    ``note`` (``source``: ``composed from a rehearsal`` or ``estimated``; ``how``) saying which."""
+    if shape.lora is not None:
+        return shape, {"source": "estimated", "how": "LoRA/QLoRA terms from the family constants (rehearsals run "
+                       "full fine-tuning only)"}
+    if shape.attention != "fused":
+        return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
+                       "runs the model's own attention)"}
+    from fsdp_presets.model.model_loading import load_config
+
+    try:
+        config = load_config(source, trust_remote_code=trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - any config the rehearsal cannot load: estimate, and say why
+        return shape, {"source": "estimated", "how": f"family constants: no config to rehearse ({error})"}
+    terms, problem = rehearsed_block_activations(config, seq_len=shape.seq_len, precision=shape.precision,
+                                                 trust_remote_code=trust_remote_code)
+    if terms is None:
+        return shape, {"source": "estimated", "how": f"family constants ({problem})"}
+    folder = cache_dir()
+    return shape.replace(measured=terms), {
+        "source": "composed from a rehearsal",
+        "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
+               f"estimated (cache: {folder if folder is not None else 'off'})"}
+
+
 __all__ = ["CACHE_ENV", "REHEARSAL_ENV", "cache_dir", "config_key", "measure", "rehearsed_block_activations",
-           "terms_from_entry"]
+           "terms_from_entry", "with_rehearsed_terms"]

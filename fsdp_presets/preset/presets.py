@@ -36,7 +36,7 @@ from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.save_cost import staging_fit
 from fsdp_presets.preset.request import (DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HOST_MEMORY_GIB, STRATEGY_NAMES,
                                          PresetRequest, parse_global_batch)
-from fsdp_presets.arguments import DEFAULT_SEQ_LEN
+from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.schema import K
 
 __all__ = ["decide", "full_state_dict_host_bytes"]

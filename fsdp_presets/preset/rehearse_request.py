@@ -12,9 +12,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN
+from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN
 from fsdp_presets.errors import UsageError
-from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+from fsdp_presets.fileio import YAML_MAX_BYTES, GiB, format_count, read_regular_text, text_table
 
 NOT_REHEARSED = ("FSDP1 and DDP are not rehearsed (torch's FSDP memory tracker follows FSDP2 only); the "
                  "planner's figures for them are estimates")
@@ -104,8 +104,7 @@ def config_env(preset) -> dict[str, str]:
 def decide_unchecked(profile, request):
     """The preset of ``request`` with its settings as given, whether or not the planner says it
     fits: decided on GPUs large enough for anything, then re-planned on the asked memory."""
-    from fsdp_presets.arguments import MAX_GPU_MEMORY_GIB, MAX_HOST_MEMORY_GIB
-    from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.limits import MAX_GPU_MEMORY_GIB, MAX_HOST_MEMORY_GIB
     from fsdp_presets.plan.shapes import Hardware
     from fsdp_presets.plan.planner import plan
     from fsdp_presets.preset.presets import decide
@@ -186,3 +185,56 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
         "not_seen": CPU_BLIND_SPOTS,
     }
     return document, result, row
+
+
+def format_rehearsal(document: dict, result, row) -> str:
+    """What ``fsdp-presets rehearse`` prints for :func:`rehearse_request`'s ``(document, result,
+    row)``: the per-category table, rehearsal beside planner, and the verdict."""
+    rehearsed = result.peak_by_category
+    model = document["model"]
+    lines = [
+        f"{model['source']}: {model['architecture']}, {format_count(model['total_params'])} parameters",
+        f"{document['strategy']} over {document['gpus']} GPUs"
+        + (f" on {document['nodes']} nodes" if document["nodes"] > 1 else "")
+        + f", seq {document['seq_len']}, micro-batch {document['micro_batch']} x {document['grad_accum']} "
+        f"accumulation{' (reduced every micro-batch)' if document['reduce_every_micro_batch'] else ''}, "
+        f"{document['precision']}, activation checkpointing {'on' if document['activation_checkpointing'] else 'off'}"
+        + (", offload on" if document["offload"] else ""),
+        f"rehearsed: {result.iterations} optimizer steps through accelerate's FSDP2 preparation ({result.units} "
+        f"units), fake tensors, a fake process group of {document['gpus']} ranks; {result.seconds:.0f} s",
+        "",
+        "per GPU (rank 0) at the peak, GiB:",
+    ]
+    planner = row.per_gpu
+
+    def cell(value) -> str:
+        return "" if value is None else f"{value / GiB:.2f}"
+
+    rows = [
+        ["parameters (sharded)", cell(rehearsed.get("params", 0)), cell(planner.params)],
+        ["gradients (sharded)", cell(rehearsed.get("grads", 0)), cell(planner.grads)],
+        ["optimizer state", cell(rehearsed.get("optimizer", 0)), cell(planner.optimizer)],
+        ["activations", cell(rehearsed.get("activations", 0)), None],
+        ["temporaries (loss backward)", cell(rehearsed.get("temporaries", 0)), None],
+        ["  activations + temporaries", cell(rehearsed.get("activations", 0) + rehearsed.get("temporaries", 0)),
+         cell(planner.activations)],
+        ["unsharded parameters", cell(rehearsed.get("unsharded params", 0)), None],
+        ["unsharded gradients", cell(rehearsed.get("unsharded grads", 0)), None],
+        ["  unsharded (buffers)", cell(rehearsed.get("unsharded params", 0) + rehearsed.get("unsharded grads", 0)),
+         cell(planner.buffers)],
+    ]
+    if document["offload"]:
+        rows.append(["offloaded to host (not on GPU)", f"-{cell(document['rehearsal']['offloaded_bytes'])}", None])
+    rows.append(["total", cell(document["rehearsal"]["per_gpu_peak_bytes"]), cell(planner.total)])
+    lines += text_table(["category", "rehearsal", "planner"], [[r[0], r[1], r[2] or ""] for r in rows], right={1, 2})
+    lines += [
+        "",
+        f"peak: {result.peak_where}",
+        f"planner vs rehearsal: {document['planner_difference'] * 100:+.1f}%",
+        f"{'fits' if document['fits'] else 'does NOT fit'} a {document['gpu_memory_bytes'] / GiB:g} GiB GPU "
+        f"(rehearsed peak {document['rehearsal']['per_gpu_peak_bytes'] / GiB:.1f} GiB; the planner also reserves "
+        f"memory for what a CPU rehearsal cannot see)",
+        f"note: {document['not_seen']}",
+        f"note: {document['not_rehearsed']}",
+    ]
+    return "\n".join(lines)

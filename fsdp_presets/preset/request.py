@@ -1,6 +1,6 @@
 """What the user asks ``fsdp-presets generate`` for: a :class:`PresetRequest`, every field checked
 on construction (the cluster by :class:`~fsdp_presets.plan.shapes.Hardware`, each number by the
-command line's own check in :mod:`fsdp_presets.arguments`), and the global batch as written
+command line's own check in :mod:`fsdp_presets.plan.limits`), and the global batch as written
 (:func:`parse_global_batch`). The decisions it leads to: :mod:`fsdp_presets.preset.presets`.
 """
 
@@ -11,14 +11,13 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
-from fsdp_presets import arguments
-from fsdp_presets.arguments import DEFAULT_GPU_MEMORY_GIB, DEVICES
+from fsdp_presets.plan import limits
+from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB, DEVICES
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import GiB
 from fsdp_presets.plan.shapes import Hardware, OnNodes, mesh_problems
 
 Device = Literal["gpu", "cpu"]
-PRECISION_CHOICES: tuple[str, ...] = arguments.PRECISION_CHOICES
 STATE_DICT_CHOICES: tuple[str, ...] = ("sharded", "full")
 
 # The FSDP sharding strategy each ``--strategy`` value names (FSDP1 names; FSDP2 expresses them
@@ -40,8 +39,7 @@ _BATCH_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*(tok|toks|toke
 _BINARY = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 __all__ = [
-    "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_HOST_MEMORY_GIB", "PRECISION_CHOICES",
-    "STATE_DICT_CHOICES", "STRATEGY_NAMES", "Device", "PresetRequest", "parse_global_batch"
+    "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_HOST_MEMORY_GIB", "STATE_DICT_CHOICES", "STRATEGY_NAMES", "Device", "PresetRequest", "parse_global_batch"
 ]
 
 
@@ -78,7 +76,7 @@ class PresetRequest(OnNodes):
     offload: str = "auto"
     """``auto`` (only when nothing fits otherwise), ``on`` or ``off``."""
     seq_len: int | None = None
-    """Tokens per sequence (default :data:`~fsdp_presets.arguments.DEFAULT_SEQ_LEN`), capped by the model's maximum positions."""
+    """Tokens per sequence (default :data:`~fsdp_presets.limits.DEFAULT_SEQ_LEN`), capped by the model's maximum positions."""
     global_batch: str | None = None
     """Samples (``256``) or tokens (``1M``, ``524288tok``; K/M are binary) per optimizer step."""
     micro_batch: int | None = None
@@ -103,18 +101,18 @@ class PresetRequest(OnNodes):
             problems.append(str(error))
         if not self.model:
             problems.append("give a MODEL: a family name, a model folder or a config.json")
-        # Each value is checked by the command line's own check of its flag (fsdp_presets.arguments),
+        # Each value is checked by the command line's own check of its flag (fsdp_presets.plan.limits),
         # the cluster by Hardware: one validation, whichever way a request is made.
         numbers_fine = True
-        for name, check in (("gpu_memory_gib", arguments.gpu_memory_gib), ("host_memory_gib", arguments.host_memory_gib),
-                            ("seq_len", arguments.seq_len), ("micro_batch", arguments.micro_batch)):
-            problem = arguments.value_problem(getattr(self, name), check, flag=_flag(name))
+        for name, check in (("gpu_memory_gib", limits.gpu_memory_gib), ("host_memory_gib", limits.host_memory_gib),
+                            ("seq_len", limits.seq_len), ("micro_batch", limits.micro_batch)):
+            problem = limits.value_problem(getattr(self, name), check, flag=_flag(name))
             if problem:
                 problems.append(problem)
                 numbers_fine = numbers_fine and name not in ("gpu_memory_gib", "host_memory_gib")
-        for name, check in (("device", arguments.device), ("precision", arguments.precision),
-                            ("strategy", arguments.strategy), ("activation_checkpointing", arguments.activation_checkpointing),
-                            ("offload", arguments.offload)):
+        for name, check in (("device", limits.device), ("precision", limits.precision),
+                            ("strategy", limits.strategy), ("activation_checkpointing", limits.activation_checkpointing),
+                            ("offload", limits.offload)):
             try:
                 check(str(getattr(self, name)))
             except UsageError as error:
@@ -226,7 +224,7 @@ def parse_global_batch(text: str) -> tuple[int, str]:
     match = _BATCH_PATTERN.match(str(text))
     if not match:
         raise UsageError(f"--global-batch {text!r}: give sequences (256) or tokens (1M, 512K, 524288tok)")
-    from fsdp_presets.arguments import MAX_GLOBAL_BATCH
+    from fsdp_presets.plan.limits import MAX_GLOBAL_BATCH
 
     number, suffix, tokens = match.groups()
     value = float(number) * _BINARY[suffix.lower()]

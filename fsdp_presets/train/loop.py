@@ -19,10 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.arguments import RECIPE_SEQ_LEN
 from fsdp_presets.errors import UsageError
 from fsdp_presets.train import preemption
-# The optimizer-step numerics live in fsdp_presets.numerics (the rehearsal shares them); re-exported.
+
+RECIPE_SEQ_LEN = 128
+"""Tokens per sample the recipes train on when ``--seq-len`` is not given: the CPU demo's length
+(accelerate_configs/cpu_fsdp2_demo.yaml is planned for it)."""
 
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")  # --lr-scheduler
 

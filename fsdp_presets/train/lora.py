@@ -38,7 +38,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.arguments import MAX_LORA_R
+from fsdp_presets.plan.limits import MAX_LORA_R
 from fsdp_presets.errors import UsageError
 from fsdp_presets.schema import K
 
@@ -74,7 +74,7 @@ def settings(args) -> dict[str, Any] | None:
         return None
     r = 16 if args.lora_r is None else args.lora_r
     problems = []
-    if not 1 <= r <= MAX_LORA_R:  # the bound `plan` and `generate` apply (fsdp_presets.arguments.lora_rank)
+    if not 1 <= r <= MAX_LORA_R:  # the bound `plan` and `generate` apply (fsdp_presets.plan.limits.lora_rank)
         problems.append(f"--lora-r {r} is out of range; give a whole number from 1 to {MAX_LORA_R}, such as 16")
     alpha = float(2 * r if args.lora_alpha is None else args.lora_alpha)
     if not alpha > 0:

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Literal
 
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS, RUN_JSON, step_of
-from fsdp_presets.checkpoint.manager import committed_checkpoints, verify_checkpoint
+from fsdp_presets.checkpoint.manager import committed_checkpoints
+from fsdp_presets.checkpoint.verify import verify_checkpoint
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_env

@@ -246,11 +246,17 @@ def _zygote(channel: socket.socket) -> None:
         read_end, write_end = os.pipe()
         middle = os.fork()
         if middle == 0:
+            middle = os.getpid()
             rank = os.fork()
             if rank == 0:
                 os.close(read_end)
                 os.close(write_end)
                 os.close(channel_fd)
+                # NOTE: the rank starts its program only once the launcher has adopted it: until the
+                # middle process has exited, getppid() names the middle (a zombie, whose command line
+                # reads empty), not the launcher a real rank sees as its parent.
+                while os.getppid() == middle:
+                    time.sleep(0.001)
                 _run_rank(request, descriptors)
             os.write(write_end, str(rank).encode())
             os._exit(0)
