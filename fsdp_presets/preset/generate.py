@@ -218,7 +218,7 @@ def generated_lines(preset, *, output: str, baseline_output: str | None, launch_
         lines.append(f"rescaled {rescaled_from} -> {output}: global batch {summary['global_batch']} sequences kept")
         lines += [f"  {line}" for line in describe_changes(old_summary, summary) or ["nothing changed"]]
     lines.append(f"wrote {output}: {preset.parallelism.label} (FSDP{preset.parallelism.fsdp_version}), "
-                 f"{summary['precision']}, activation checkpointing "
+                 f"{preset.precision.planner_precision}, activation checkpointing "
                  f"{'on' if summary['activation_checkpointing'] else 'off'}, offload "
                  f"{'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
                  f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
