@@ -7,13 +7,18 @@ preset gets what the recipes give, with one added line::
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml train.py
 
 - Made before the ``Trainer``, it switches on real FSDP on a CPU-only host
-  (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses a launch whose
-  processes would each train alone (:func:`fsdp_presets.check_launch`).
+  (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses, as the recipes do,
+  a launch whose processes would each train alone (:func:`fsdp_presets.check_launch`) and a
+  launch that is not what the generated preset's header planned
+  (:func:`fsdp_presets.train.startup.preset_launch_problem`): one line, exit 2 on every rank.
 - ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
   the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
   silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
   user's ``save_model`` the plugin is switched to FULL_STATE_DICT, whose gather
-  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload.
+  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload. A peft
+  model's adapter is gathered alone and written as the recipes export it
+  (:func:`fsdp_presets.train.lora.export_adapter`): peft's own save of an FSDP1-wrapped model
+  writes an adapter with no tensors.
 - ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them: one line per
   optimizer step with the exact loss (not rounded nor averaged over ``logging_steps``), gradient
   norm, learning rate, tokens per second and the step's wall time, so ``fsdp-presets compare``
@@ -112,6 +117,7 @@ class FSDPPresetsCallback(TrainerCallback):
         self._step_tokens = 0.0
         self._step_started: float | None = None
         self._logged_step = 0
+        self._adapter_keys: dict[str, str] | None = None  # a peft model's trainable names -> peft's keys
 
     # ---- attach ----
     def on_init_end(self, args, state, control, **kwargs):
@@ -123,8 +129,17 @@ class FSDPPresetsCallback(TrainerCallback):
             return control
         self.trainer = trainer
         from fsdp_presets.cpu_fsdp import check_launch
+        from fsdp_presets.train.startup import preset_launch_problem
 
         check_launch(trainer.accelerator)  # N processes that would each train alone: refused
+        problem = preset_launch_problem(trainer.accelerator, launch_config_file())  # header vs launch
+        if problem:
+            self._refuse(problem)
+        if _lora_settings(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
+            from fsdp_presets.train.lora import adapter_key_map, keep_4bit_layout
+
+            self._adapter_keys = adapter_key_map(trainer.model)
+            keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
         for name in ("train", "training_step", "_maybe_log_save_evaluate", "save_model", "_save_checkpoint"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
         return control
@@ -136,6 +151,14 @@ class FSDPPresetsCallback(TrainerCallback):
     def _say(self, message: str) -> None:
         if self._accelerator.is_main_process:
             print(f"fsdp-presets: {message}", flush=True)
+
+    def _refuse(self, message: str) -> NoReturn:
+        """One line on the main process and exit 2 on every rank, as the recipes refuse bad input."""
+        if self._accelerator.is_main_process:
+            print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(COLLECTIVE_EXIT_DELAY_S)
+        raise SystemExit(2)
 
     def _global_batch(self) -> int:
         args = self.trainer.args
@@ -207,16 +230,11 @@ class FSDPPresetsCallback(TrainerCallback):
         data_parallel = self._data_parallel_size()
         accumulation = accumulation_for(recorded, micro_batch_size=args.per_device_train_batch_size,
                                         data_parallel_size=data_parallel)
-        if accumulation is None:  # one line on the main process and exit 2 on every rank, as the recipes do
-            message = (f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
-                       f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes "
-                       f"cannot split; set per_device_train_batch_size so that it times {data_parallel} divides "
-                       f"{recorded}, or launch {saved.world_size} processes as it was saved (nothing was written)")
-            if self._accelerator.is_main_process:
-                print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
-            else:
-                time.sleep(COLLECTIVE_EXIT_DELAY_S)
-            raise SystemExit(2)
+        if accumulation is None:
+            self._refuse(f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
+                         f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes "
+                         f"cannot split; set per_device_train_batch_size so that it times {data_parallel} divides "
+                         f"{recorded}, or launch {saved.world_size} processes as it was saved (nothing was written)")
         self._say(f"resume from {checkpoint}: global batch kept at {recorded} samples: gradient_accumulation_steps "
                   f"{args.gradient_accumulation_steps} -> {accumulation} for {data_parallel} processes x "
                   f"per_device_train_batch_size {args.per_device_train_batch_size} (saved by {saved.world_size})")
@@ -283,8 +301,11 @@ class FSDPPresetsCallback(TrainerCallback):
     def _save_model(self, original, output_dir=None, _internal_call=False):
         trainer = self.trainer
         plugin = getattr(self._accelerator.state, "fsdp_plugin", None)
-        if _internal_call or not trainer.is_fsdp_enabled or plugin is None or \
-                "FULL_STATE_DICT" in str(plugin.state_dict_type):
+        if _internal_call or not trainer.is_fsdp_enabled or plugin is None:
+            return original(output_dir, _internal_call)
+        if self._adapter_keys is not None:
+            return self._save_adapter(Path(output_dir or trainer.args.output_dir))
+        if "FULL_STATE_DICT" in str(plugin.state_dict_type):
             return original(output_dir, _internal_call)
         previous = plugin.state_dict_type
         self._say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
@@ -295,6 +316,19 @@ class FSDPPresetsCallback(TrainerCallback):
             return original(output_dir, _internal_call)
         finally:
             plugin.set_state_dict_type(previous)
+
+    def _save_adapter(self, output_dir: Path) -> None:
+        """A peft model's ``save_model`` under FSDP: only the trainable weights are gathered (torch's
+        ``get_model_state_dict(ignore_frozen_params=True)``), and rank 0 writes the PEFT folder under
+        the key names peft gave them before FSDP wrapped the model (peft's own ``save_pretrained`` on
+        an FSDP1-wrapped model writes an empty adapter), as the recipes export it."""
+        from fsdp_presets.train.lora import export_adapter
+
+        self._say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
+                  "shards (the frozen base is not gathered), written by rank 0 under peft's key names")
+        trainer = self.trainer  # the tokenizer Trainer's own save writes: processing_class, else the collator's
+        tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
+        export_adapter(self._accelerator, trainer.model_wrapped, tokenizer, output_dir, key_map=self._adapter_keys)
 
     def _save_checkpoint(self, original, model, trial, *args, **kwargs):
         original(model, trial, *args, **kwargs)
