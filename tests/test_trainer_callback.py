@@ -248,12 +248,12 @@ def test_sft_lora_adapter_and_losses_equal_ddp(sft_runs, presets, name, capsys):
     assert sorted(run) == sorted(ddp) == list(range(1, 7))
     for step in ddp:
         assert run[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
-    for folder in (sft_runs["ddp"], sft_runs[name]):
-        assert (folder / "final" / "adapter_model.safetensors").is_file()
+    for folder in (sft_runs["ddp"], sft_runs[name]):  # save_model(output_dir): beside the checkpoints and metrics
+        assert (folder / "adapter_model.safetensors").is_file()
         assert json.loads((folder / RUN_JSON).read_text())["training"]["method"] == "lora"
     # peft's own save of an FSDP1-wrapped model writes an adapter with no tensors: the callback's is complete.
-    logits = _adapter_logits(presets["model"], sft_runs[name] / "final")
-    torch.testing.assert_close(logits, _adapter_logits(presets["model"], sft_runs["ddp"] / "final"), rtol=1e-5, atol=1e-5)
+    logits = _adapter_logits(presets["model"], sft_runs[name])
+    torch.testing.assert_close(logits, _adapter_logits(presets["model"], sft_runs["ddp"]), rtol=1e-5, atol=1e-5)
     assert not torch.equal(logits, _logits(presets["model"]))  # the adapter is not zero
     # The FSDP checkpoints hold accelerate's DCP folders (DDP's: Trainer's adapter files, which
     # inspect-checkpoint does not read yet).
@@ -285,7 +285,7 @@ def test_sft_qlora_trains_saves_the_adapter_and_verifies_its_checkpoints(sft_run
         keep_4bit_layout(base)
         batch = torch.arange(1, 17).reshape(2, 8)
         plain = base(batch).logits
-        adapted = PeftModel.from_pretrained(base, run / "final").eval()(batch).logits
+        adapted = PeftModel.from_pretrained(base, run).eval()(batch).logits
     assert torch.isfinite(adapted).all() and (adapted - plain).abs().max() > 1e-3
 
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -58,7 +59,8 @@ from typing import Any, NoReturn
 from transformers import Trainer, TrainerCallback
 
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
-                                            TRAINER_CHECKPOINT_PATTERN, RunFolder, trainer_checkpoint_name)
+                                            TRAINER_CHECKPOINT_PATTERN, RunFolder, staging_sibling,
+                                            trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
@@ -321,14 +323,24 @@ class FSDPPresetsCallback(TrainerCallback):
         """A peft model's ``save_model`` under FSDP: only the trainable weights are gathered (torch's
         ``get_model_state_dict(ignore_frozen_params=True)``), and rank 0 writes the PEFT folder under
         the key names peft gave them before FSDP wrapped the model (peft's own ``save_pretrained`` on
-        an FSDP1-wrapped model writes an empty adapter), as the recipes export it."""
+        an FSDP1-wrapped model writes an empty adapter), as the recipes export it. The files go into
+        ``output_dir`` beside what it holds, as Trainer's own save puts them (``save_model()`` with
+        no folder writes into the output folder, next to ``checkpoint-N`` and the metrics)."""
         from fsdp_presets.train.lora import export_adapter
 
+        trainer, accelerator = self.trainer, self._accelerator
         self._say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
                   "shards (the frozen base is not gathered), written by rank 0 under peft's key names")
-        trainer = self.trainer  # the tokenizer Trainer's own save writes: processing_class, else the collator's
+        staging = staging_sibling(output_dir)  # complete before any file of it is moved into output_dir
+        # the tokenizer Trainer's own save writes: processing_class, else the collator's
         tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
-        export_adapter(self._accelerator, trainer.model_wrapped, tokenizer, output_dir, key_map=self._adapter_keys)
+        export_adapter(accelerator, trainer.model_wrapped, tokenizer, staging, key_map=self._adapter_keys)
+        if accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            for path in sorted(staging.iterdir()):
+                os.replace(path, output_dir / path.name)
+            staging.rmdir()
+        accelerator.wait_for_everyone()
 
     def _save_checkpoint(self, original, model, trial, *args, **kwargs):
         original(model, trial, *args, **kwargs)

@@ -43,4 +43,4 @@ if args.load_in_4bit:
 trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, callbacks=callbacks,
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 trainer.train()
-trainer.save_model(f"{args.output_dir}/final")
+trainer.save_model(args.output_dir)  # as TRL's examples save: into the output folder, beside checkpoint-N
