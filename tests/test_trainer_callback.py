@@ -8,7 +8,7 @@ verifies, ``export`` needs only a config, a resume on another process count keep
 SIGTERM at the launcher commits the step reached (exit 75 on the ranks) and Trainer's own resume
 continues from it, a rank SIGKILLed in the middle of a save resumes exactly from the newest
 committed checkpoint, QLoRA (bitsandbytes 4-bit on the CPU) trains and saves its adapter under
-FSDP2, and a launch that is not what the preset's header planned is refused.
+FSDP2, and a launch that is not what the preset's header planned, for another model, is refused.
 
 The launches are shared by the tests (module-scoped fixtures), 7 real and 7 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
@@ -80,8 +80,12 @@ def presets(tmp_path_factory) -> dict[str, Path]:
                      "-o", str(root / "fsdp2-qlora.yaml")]) == 0
     # The FSDP2 preset rescaled to one process, for the resumes on one process.
     assert cli_main(["generate", "--from", str(root / "fsdp2.yaml"), "--gpus", "1", "-o", str(root / "fsdp2-1.yaml")]) == 0
+    # A preset for one process of another model (Qwen2: it wraps Qwen2DecoderLayer), for the refused launch.
+    assert cli_main(["generate", "qwen2", "--device", "cpu", "--gpus", "1", "--precision", "fp32", "-o",
+                     str(root / "qwen2-1.yaml")]) == 0
     return {"model": model, "fsdp2": root / "fsdp2.yaml", "ddp": root / "fsdp2.ddp.yaml", "fsdp1": root / "fsdp1.yaml",
-            "fsdp1-lora": root / "fsdp1-lora.yaml", "qlora": root / "fsdp2-qlora.yaml", "fsdp2-1": root / "fsdp2-1.yaml"}
+            "fsdp1-lora": root / "fsdp1-lora.yaml", "qlora": root / "fsdp2-qlora.yaml", "fsdp2-1": root / "fsdp2-1.yaml",
+            "qwen2-1": root / "qwen2-1.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -290,13 +294,16 @@ def test_sft_qlora_trains_saves_the_adapter_and_verifies_its_checkpoints(sft_run
 
 
 def test_a_launch_that_is_not_what_the_preset_planned_is_refused_on_every_rank(presets, tmp_path):
-    # The preset planned for one process, launched on two (`accelerate launch --num_processes 2`).
-    output = tmp_path / "run"
-    result = _launch(presets["fsdp2-1"], TRAINER_SCRIPT, presets["model"], output, processes=2, check=False, forked=None)
+    # A preset made for one process of another model, launched on two (`accelerate launch
+    # --num_processes 2`) with this model: both problems in one line, before anything trains.
+    output, preset = tmp_path / "run", presets["qwen2-1"]
+    result = _launch(preset, TRAINER_SCRIPT, presets["model"], output, processes=2, check=False, forked=None)
     said = [line for line in result.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
     assert len(said) == 1, result.stderr[-3000:]
-    assert f"{presets['fsdp2-1']} was generated for 1 process, launched 2" in said[0]
-    assert f"fsdp-presets generate --from {presets['fsdp2-1']} --gpus 2 -o NEW.yaml" in said[0]
+    assert f"{preset} was generated for 1 process, launched 2" in said[0]
+    assert f"fsdp-presets generate --from {preset} --gpus 2 -o NEW.yaml" in said[0]
+    assert "the accelerate config wraps Qwen2DecoderLayer, which LlamaForCausalLM does not have (its block class: " \
+           "LlamaDecoderLayer)" in said[0]
     # The main process leaves with status 2 at once; the other rank, which would too, leaves 2 s later
     # (so the line is printed before torchrun stops the launch), and torchrun stops it first.
     assert result.returncode != 0 and "failed (exitcode: 2) local_rank: 0" in result.stderr, result.stderr[-3000:]

@@ -10,7 +10,9 @@ preset gets what the recipes give, with one added line::
   (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses, as the recipes do,
   a launch whose processes would each train alone (:func:`fsdp_presets.check_launch`) and a
   launch that is not what the generated preset's header planned
-  (:func:`fsdp_presets.train.startup.preset_launch_problem`): one line, exit 2 on every rank.
+  (:func:`fsdp_presets.train.startup.preset_launch_problem`) or whose config wraps block classes
+  the model does not have (:func:`fsdp_presets.train.lora.check_wrap_classes`): one line, exit 2
+  on every rank.
 - ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
   the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
   silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
@@ -64,7 +66,7 @@ from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
+from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, UsageError
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
 from fsdp_presets.train import preemption
@@ -131,12 +133,18 @@ class FSDPPresetsCallback(TrainerCallback):
             return control
         self.trainer = trainer
         from fsdp_presets.cpu_fsdp import check_launch
+        from fsdp_presets.train.lora import check_wrap_classes
         from fsdp_presets.train.startup import preset_launch_problem
 
         check_launch(trainer.accelerator)  # N processes that would each train alone: refused
-        problem = preset_launch_problem(trainer.accelerator, launch_config_file())  # header vs launch
-        if problem:
-            self._refuse(problem)
+        problems = [preset_launch_problem(trainer.accelerator, launch_config_file())]  # header vs launch
+        try:  # a config made for another model (accelerate would fail inside prepare, at train())
+            check_wrap_classes(trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None,
+                               trainer.model)
+        except UsageError as error:
+            problems.append(str(error))
+        if any(problems):
+            self._refuse("; ".join(problem for problem in problems if problem))
         if _lora_settings(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
             from fsdp_presets.train.lora import adapter_key_map, keep_4bit_layout
 
