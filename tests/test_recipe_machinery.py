@@ -203,6 +203,10 @@ def test_a_launch_other_than_the_preset_header_planned_is_named_with_its_fix(tmp
     problem = preset_launch_problem(_launched(4, precision="bf16"), str(fsdp2))
     assert problem.startswith(f"{fsdp2} was generated for 2 processes, launched 4; mixed_precision no, launched bf16")
     assert f"fsdp-presets generate --from {fsdp2} --gpus 4 --precision bf16 -o NEW.yaml" in problem
+    # A resume keeps its checkpoint's global batch: another process count alone is how it moves GPUs.
+    assert preset_launch_problem(_launched(4), str(fsdp2), resuming=True) is None
+    assert "mixed_precision no, launched bf16" in preset_launch_problem(_launched(4, precision="bf16"), str(fsdp2),
+                                                                        resuming=True)
     assert "FSDP2, launched FSDP1" in preset_launch_problem(_launched(2, fsdp_version=1), str(fsdp2))
     assert "DDP, launched FSDP2" in preset_launch_problem(_launched(2), str(ddp))
     assert "its FSDP preset's `fsdp-presets generate` command with --gpus 1" in \

@@ -13,8 +13,8 @@ FSDP2, and a launch that is not what the preset's header planned, for another mo
 The launches are shared by the tests (module-scoped fixtures), 7 real and 7 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
 FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, and one chain of three launches
-(SIGTERM at step 3; Trainer's resume on one process with the preset rescaled to one process, which
-keeps the global batch, killed in the save of step 6; Trainer's resume on two processes, bit for
+(SIGTERM at step 3; Trainer's resume on one process, which keeps the global batch (the preset for two
+processes: another count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, bit for
 bit the uninterrupted FSDP2 run). The DDP baselines, QLoRA, the refused resume, the refused launch,
 a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
 """
@@ -78,14 +78,11 @@ def presets(tmp_path_factory) -> dict[str, Path]:
                      "--precision", "fp32", "-o", str(root / "fsdp1-lora.yaml")]) == 0
     assert cli_main(["generate", str(model), "--device", "cpu", "--gpus", "2", "--method", "qlora", "--precision", "fp32",
                      "-o", str(root / "fsdp2-qlora.yaml")]) == 0
-    # The FSDP2 preset rescaled to one process, for the resumes on one process.
-    assert cli_main(["generate", "--from", str(root / "fsdp2.yaml"), "--gpus", "1", "-o", str(root / "fsdp2-1.yaml")]) == 0
     # A preset for one process of another model (Qwen2: it wraps Qwen2DecoderLayer), for the refused launch.
     assert cli_main(["generate", "qwen2", "--device", "cpu", "--gpus", "1", "--precision", "fp32", "-o",
                      str(root / "qwen2-1.yaml")]) == 0
     return {"model": model, "fsdp2": root / "fsdp2.yaml", "ddp": root / "fsdp2.ddp.yaml", "fsdp1": root / "fsdp1.yaml",
-            "fsdp1-lora": root / "fsdp1-lora.yaml", "qlora": root / "fsdp2-qlora.yaml", "fsdp2-1": root / "fsdp2-1.yaml",
-            "qwen2-1": root / "qwen2-1.yaml"}
+            "fsdp1-lora": root / "fsdp1-lora.yaml", "qlora": root / "fsdp2-qlora.yaml", "qwen2-1": root / "qwen2-1.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -217,7 +214,7 @@ def test_resume_on_one_process_keeps_the_global_batch(killed_and_resumed, traine
     # A batch size that cannot keep it is refused in one line, before training.
     run = tmp_path / "refused"
     shutil.copytree(trainer_runs["fsdp2"] / trainer_checkpoint_name(3), run / trainer_checkpoint_name(3))
-    refused = _launch(presets["fsdp2-1"], TRAINER_SCRIPT, presets["model"], run, "--resume", "--batch-size", "3",
+    refused = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], run, "--resume", "--batch-size", "3", processes=1,
                       check=False, forked=None)
     assert refused.returncode != 0
     said = [line for line in refused.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
@@ -294,8 +291,8 @@ def test_sft_qlora_trains_saves_the_adapter_and_verifies_its_checkpoints(sft_run
 
 
 def test_a_launch_that_is_not_what_the_preset_planned_is_refused_on_every_rank(presets, tmp_path):
-    # A preset made for one process of another model, launched on two (`accelerate launch
-    # --num_processes 2`) with this model: both problems in one line, before anything trains.
+    # A fresh run under a preset made for one process of another model, launched on two (`accelerate
+    # launch --num_processes 2`) with this model: both problems in one line, before anything is written.
     output, preset = tmp_path / "run", presets["qwen2-1"]
     result = _launch(preset, TRAINER_SCRIPT, presets["model"], output, processes=2, check=False, forked=None)
     said = [line for line in result.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
@@ -358,8 +355,8 @@ def killed_and_resumed(preempted_run, presets) -> dict:
     SIGKILLed inside the save of step 6 (its files written, its manifest not); resumed again on two
     processes to the end, from the newest committed checkpoint: the preemption's."""
     output = preempted_run["output"]
-    killed = _launch(presets["fsdp2-1"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
-                     env={FAULT_ENV: "kill-during-save:step=6"})
+    killed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
+                     env={FAULT_ENV: "kill-during-save:step=6"}, processes=1)
     after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
                   "run": json.loads((output / RUN_JSON).read_text()),
                   "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}

@@ -305,7 +305,10 @@ def start(args, *, recipe: str) -> RecipeRun:
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
     fsdp_presets.check_launch(accelerator)
-    raise_on_every_rank(accelerator, startup.preset_launch_problem(accelerator, launch_config_file()))  # header
+    resuming = args.resume not in ("auto", "none") or (  # a checkpoint to continue keeps its global batch
+        args.resume == "auto" and bool(committed_checkpoints(RunFolder(root=Path(args.output_dir)).checkpoints)))
+    raise_on_every_rank(accelerator, startup.preset_launch_problem(accelerator, launch_config_file(),
+                                                                   resuming=resuming))  # the header's plan
     if args.fsdp_reduce_dtype:
         loop.set_fsdp_reduce_dtype(accelerator, args.fsdp_reduce_dtype)
     say = loop.main_process_print(accelerator)

@@ -158,13 +158,17 @@ def exchange(payload: dict[str, Any], *, rank: int, world_size: int, timeout_s: 
 
 
 # ---- the launch against the preset's header ----
-def preset_launch_problem(accelerator, config_file: str | None) -> str | None:
+def preset_launch_problem(accelerator, config_file: str | None, *, resuming: bool = False) -> str | None:
     """How this launch differs from what the generated preset it was launched with was planned for
     (the ``# fsdp-presets:`` line of its header): another process count (``accelerate launch
     --num_processes N``, or ``num_processes`` edited in the file), another distributed type or FSDP
     version, or another mixed precision (``--mixed_precision``). The header's plan (memory per
     process, the global batch) then describes another run. None when the launch agrees, or the file
-    is not a generated preset (no such line) or cannot be read (accelerate read it already)."""
+    is not a generated preset (no such line) or cannot be read (accelerate read it already).
+
+    ``resuming``: the run continues a checkpoint, whose global batch the recipes and the Trainer
+    callback keep at another process count (or refuse); another process count alone is then the
+    documented way to resume on another number of GPUs, not a problem."""
     from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
     from fsdp_presets.preset.emit import read_metadata
 
@@ -183,7 +187,7 @@ def preset_launch_problem(accelerator, config_file: str | None) -> str | None:
     planned = f"FSDP{summary.get('fsdp_version')}" if kind == "fsdp" else "DDP"
     precision = str(accelerator.mixed_precision)
     differences, flags = [], []
-    if summary.get("processes") != accelerator.num_processes:
+    if summary.get("processes") != accelerator.num_processes and not resuming:
         planned_processes = summary.get("processes")
         differences.append(f"{planned_processes} process{'' if planned_processes == 1 else 'es'}, launched "
                            f"{accelerator.num_processes}")

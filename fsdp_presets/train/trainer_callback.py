@@ -7,12 +7,12 @@ preset gets what the recipes give, with one added line::
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml train.py
 
 - Made before the ``Trainer``, it switches on real FSDP on a CPU-only host
-  (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses, as the recipes do,
-  a launch whose processes would each train alone (:func:`fsdp_presets.check_launch`) and a
-  launch that is not what the generated preset's header planned
-  (:func:`fsdp_presets.train.startup.preset_launch_problem`) or whose config wraps block classes
-  the model does not have (:func:`fsdp_presets.train.lora.check_wrap_classes`): one line, exit 2
-  on every rank.
+  (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses a launch whose
+  processes would each train alone (:func:`fsdp_presets.check_launch`), and at ``train()``, before
+  anything is written, as the recipes do, a launch that is not what the generated preset's header
+  planned (:func:`fsdp_presets.train.startup.preset_launch_problem`; another process count is
+  fine for a resume) or whose config wraps block classes the model does not have
+  (:func:`fsdp_presets.train.lora.check_wrap_classes`): one line, exit 2 on every rank.
 - ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
   the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
   silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
@@ -133,18 +133,8 @@ class FSDPPresetsCallback(TrainerCallback):
             return control
         self.trainer = trainer
         from fsdp_presets.cpu_fsdp import check_launch
-        from fsdp_presets.train.lora import check_wrap_classes
-        from fsdp_presets.train.startup import preset_launch_problem
 
         check_launch(trainer.accelerator)  # N processes that would each train alone: refused
-        problems = [preset_launch_problem(trainer.accelerator, launch_config_file())]  # header vs launch
-        try:  # a config made for another model (accelerate would fail inside prepare, at train())
-            check_wrap_classes(trainer.accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None,
-                               trainer.model)
-        except UsageError as error:
-            problems.append(str(error))
-        if any(problems):
-            self._refuse("; ".join(problem for problem in problems if problem))
         if _lora_settings(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
             from fsdp_presets.train.lora import adapter_key_map, keep_4bit_layout
 
@@ -183,6 +173,7 @@ class FSDPPresetsCallback(TrainerCallback):
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = self._newest_committed(Path(trainer.args.output_dir))
+        self._check_launch(resuming=bool(checkpoint))
         step = 0
         if checkpoint:
             step = self._keep_global_batch(Path(checkpoint))
@@ -208,6 +199,23 @@ class FSDPPresetsCallback(TrainerCallback):
             return original(resume_from_checkpoint, *args, **kwargs)
         finally:
             preemption.install(())  # the process's own handlers again (save_model after train is not a step)
+
+    def _check_launch(self, *, resuming: bool) -> None:
+        """The recipes' launch checks, before anything is written: the launch against the generated
+        preset's header (another process count is fine for a resume, which keeps its global batch)
+        and the config's wrap classes against the model (a config made for another model fails
+        inside accelerate's prepare otherwise); every problem in one line, exit 2 on every rank."""
+        from fsdp_presets.train.lora import check_wrap_classes
+        from fsdp_presets.train.startup import preset_launch_problem
+
+        trainer = self.trainer
+        problems = [preset_launch_problem(self._accelerator, launch_config_file(), resuming=resuming)]
+        try:
+            check_wrap_classes(self._accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None, trainer.model)
+        except UsageError as error:
+            problems.append(str(error))
+        if any(problems):
+            self._refuse("; ".join(problem for problem in problems if problem))
 
     def _newest_committed(self, output: Path) -> Path | None:
         """The newest ``checkpoint-N`` that has its manifest; the newest of all when none has one
