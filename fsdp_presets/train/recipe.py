@@ -305,8 +305,11 @@ def start(args, *, recipe: str) -> RecipeRun:
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
     fsdp_presets.check_launch(accelerator)
-    resuming = args.resume not in ("auto", "none") or (  # a checkpoint to continue keeps its global batch
-        args.resume == "auto" and bool(committed_checkpoints(RunFolder(root=Path(args.output_dir)).checkpoints)))
+    try:  # a checkpoint to continue keeps its global batch, at any process count
+        resuming = args.resume not in ("auto", "none") or (
+            args.resume == "auto" and bool(committed_checkpoints(RunFolder(root=Path(args.output_dir)).checkpoints)))
+    except OSError:  # an unreadable output folder: check_output_dir names it below
+        resuming = True
     raise_on_every_rank(accelerator, startup.preset_launch_problem(accelerator, launch_config_file(),
                                                                    resuming=resuming))  # the header's plan
     if args.fsdp_reduce_dtype:
