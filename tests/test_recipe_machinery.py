@@ -1,4 +1,5 @@
-"""Data position, weight-decay groups, data loading/masking/packing and run-folder checks."""
+"""Data position, weight-decay groups, data loading/masking/packing, run-folder checks and the launch
+against the preset header."""
 
 from __future__ import annotations
 from fsdp_presets.numerics import param_groups
@@ -182,6 +183,39 @@ def test_output_dir_holding_another_run_is_refused(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     with pytest.raises(UsageError, match="not empty and holds no run"):
         check_output_dir(tmp_path / "notes", IDENTITY, "auto")
+
+
+def _launched(processes: int, distributed_type: str = "FSDP", fsdp_version: int = 2, precision: str = "no"):
+    """What :func:`preset_launch_problem` reads of an ``Accelerator``: the launch as accelerate runs it."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(num_processes=processes, distributed_type=SimpleNamespace(value=distributed_type),
+                           state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version)),
+                           mixed_precision=precision)
+
+
+def test_a_launch_other_than_the_preset_header_planned_is_named_with_its_fix(tmp_path):
+    from fsdp_presets.train.startup import preset_launch_problem
+
+    fsdp2, ddp = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml", REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
+    assert preset_launch_problem(_launched(2), str(fsdp2)) is None  # as generated: 2 processes, FSDP2, fp32
+    assert preset_launch_problem(_launched(2, "MULTI_CPU"), str(ddp)) is None
+    problem = preset_launch_problem(_launched(4, precision="bf16"), str(fsdp2))
+    assert problem.startswith(f"{fsdp2} was generated for 2 processes, launched 4; mixed_precision no, launched bf16")
+    assert f"fsdp-presets generate --from {fsdp2} --gpus 4 --precision bf16 -o NEW.yaml" in problem
+    # A resume keeps its checkpoint's global batch: another process count alone is how it moves GPUs.
+    assert preset_launch_problem(_launched(4), str(fsdp2), resuming=True) is None
+    assert "mixed_precision no, launched bf16" in preset_launch_problem(_launched(4, precision="bf16"), str(fsdp2),
+                                                                        resuming=True)
+    assert "FSDP2, launched FSDP1" in preset_launch_problem(_launched(2, fsdp_version=1), str(fsdp2))
+    assert "DDP, launched FSDP2" in preset_launch_problem(_launched(2), str(ddp))
+    assert "its FSDP preset's `fsdp-presets generate` command with --gpus 1" in \
+        preset_launch_problem(_launched(1, "NO"), str(ddp))
+    # Not a generated preset (no `# fsdp-presets:` line), or no config file: nothing to compare.
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("".join(line + "\n" for line in fsdp2.read_text().splitlines() if not line.startswith("#")))
+    assert preset_launch_problem(_launched(4), str(plain)) is None
+    assert preset_launch_problem(_launched(4), None) is None
 
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "constant_with_warmup"])

@@ -1,20 +1,22 @@
 """FSDPPresetsCallback on users' own Trainer and TRL scripts (tests/workers/trainer_user.py,
 tests/workers/sft_lora_user.py), launched for real (``accelerate launch``, not forked: these are the
 user-facing proofs) under presets made by ``fsdp-presets generate --device cpu --gpus 2 --baseline
-ddp``: FSDP2, FSDP1 and the DDP baseline train alike, ``save_model`` writes a loadable folder whose
-logits equal DDP's, ``compare`` reads the runs with and without the callback and catches a planted
-learning-rate change, every ``checkpoint-N`` verifies, ``export`` needs only a config, a resume
-on another process count keeps the global batch, SIGTERM at the launcher commits the step reached
-(exit 75 on the ranks) and Trainer's own resume continues from it, and a rank SIGKILLed in the
-middle of a save resumes exactly from the newest committed checkpoint.
+ddp``: FSDP2, FSDP1 and the DDP baseline train alike, ``save_model`` writes a loadable folder (a
+PEFT adapter for SFT + LoRA, under FSDP1 too) whose logits equal DDP's, ``compare`` reads the runs
+with and without the callback and catches a planted learning-rate change, every ``checkpoint-N``
+verifies, ``export`` needs only a config, a resume on another process count keeps the global batch,
+SIGTERM at the launcher commits the step reached (exit 75 on the ranks) and Trainer's own resume
+continues from it, a rank SIGKILLed in the middle of a save resumes exactly from the newest
+committed checkpoint, QLoRA (bitsandbytes 4-bit on the CPU) trains and saves its adapter under
+FSDP2, and a launch that is not what the preset's header planned, for another model, is refused.
 
-The launches are shared by the tests (module-scoped fixtures), 6 real and 5 forked. Real launches
+The launches are shared by the tests (module-scoped fixtures), 7 real and 7 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
-FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 run, and one chain of three launches (SIGTERM at
-step 3; Trainer's resume on one process, which keeps the global batch, killed in the save of step 6;
-Trainer's resume on two processes, bit for bit the uninterrupted FSDP2 run). The DDP baselines,
-the refused resume, a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py),
-a few times cheaper.
+FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, and one chain of three launches
+(SIGTERM at step 3; Trainer's resume on one process, which keeps the global batch (the preset for two
+processes: another count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, bit for
+bit the uninterrupted FSDP2 run). The DDP baselines, QLoRA, the refused resume, the refused launch,
+a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from conftest import GLOO_EXIT_ABORT
 TRAINER_SCRIPT = REPO / "tests" / "workers" / "trainer_user.py"
 SFT_SCRIPT = REPO / "tests" / "workers" / "sft_lora_user.py"
 HAS_TRL = importlib.util.find_spec("trl") is not None
+HAS_BITSANDBYTES = importlib.util.find_spec("bitsandbytes") is not None
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +75,15 @@ def presets(tmp_path_factory) -> dict[str, Path]:
                      "fp32", "-o", str(root / "fsdp2.yaml")]) == 0
     assert cli_main(["generate", str(model), "--device", "cpu", "--gpus", "2", "--fsdp-version", "1", "--precision",
                      "fp32", "-o", str(root / "fsdp1.yaml")]) == 0
-    return {"model": model, "fsdp2": root / "fsdp2.yaml", "ddp": root / "fsdp2.ddp.yaml", "fsdp1": root / "fsdp1.yaml"}
+    assert cli_main(["generate", str(model), "--device", "cpu", "--gpus", "2", "--fsdp-version", "1", "--method", "lora",
+                     "--precision", "fp32", "-o", str(root / "fsdp1-lora.yaml")]) == 0
+    assert cli_main(["generate", str(model), "--device", "cpu", "--gpus", "2", "--method", "qlora", "--precision", "fp32",
+                     "-o", str(root / "fsdp2-qlora.yaml")]) == 0
+    # A preset for one process of another model (Qwen2: it wraps Qwen2DecoderLayer), for the refused launch.
+    assert cli_main(["generate", "qwen2", "--device", "cpu", "--gpus", "1", "--precision", "fp32", "-o",
+                     str(root / "qwen2-1.yaml")]) == 0
+    return {"model": model, "fsdp2": root / "fsdp2.yaml", "ddp": root / "fsdp2.ddp.yaml", "fsdp1": root / "fsdp1.yaml",
+            "fsdp1-lora": root / "fsdp1-lora.yaml", "qlora": root / "fsdp2-qlora.yaml", "qwen2-1": root / "qwen2-1.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -217,33 +228,87 @@ def test_resume_on_one_process_keeps_the_global_batch(killed_and_resumed, traine
 
 @pytest.fixture(scope="module")
 def sft_runs(presets, tmp_path_factory) -> dict[str, Path]:
+    """TRL SFT + LoRA under the DDP baseline (forked), an FSDP2 preset and an FSDP1 LoRA preset
+    (``generate --fsdp-version 1 --method lora``), and QLoRA (``--load-in-4bit``) under a QLoRA
+    preset (forked: no DDP equality to prove there, bitsandbytes' 4-bit base differs from fp32)."""
+    if not HAS_TRL:
+        pytest.skip("trl is not installed (pip install --no-deps trl==1.16.0)")
     root = tmp_path_factory.mktemp("sft_runs")
-    runs = {name: root / name for name in ("ddp", "fsdp2")}
-    for name, run in runs.items():
-        _launch(presets[name], SFT_SCRIPT, presets["model"], run, forked=None if name == "ddp" else False)
+    runs = {name: root / name for name in ("ddp", "fsdp2", "fsdp1", "qlora")}
+    for name, preset, forked, extra in (("ddp", "ddp", None, ()), ("fsdp2", "fsdp2", False, ()),
+                                        ("fsdp1", "fsdp1-lora", False, ()), ("qlora", "qlora", None, ("--load-in-4bit",))):
+        if name == "qlora" and not HAS_BITSANDBYTES:
+            continue
+        result = _launch(presets[preset], SFT_SCRIPT, presets["model"], runs[name], *extra, forked=forked)
+        if name != "ddp":
+            assert "the PEFT adapter under FSDP: its trainable weights gathered from the shards" in result.stdout
     return runs
 
 
-@pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install --no-deps trl==1.16.0)")
-def test_sft_lora_adapter_and_losses_equal_ddp(sft_runs, presets, capsys):
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp1"])
+def test_sft_lora_adapter_and_losses_equal_ddp(sft_runs, presets, name, capsys):
     import torch
 
-    ddp, fsdp2 = _losses(sft_runs["ddp"]), _losses(sft_runs["fsdp2"])
-    assert sorted(fsdp2) == sorted(ddp) == list(range(1, 7))
+    ddp, run = _losses(sft_runs["ddp"]), _losses(sft_runs[name])
+    assert sorted(run) == sorted(ddp) == list(range(1, 7))
     for step in ddp:
-        assert fsdp2[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
-    for run in sft_runs.values():
-        assert (run / "final" / "adapter_model.safetensors").is_file()
-        assert json.loads((run / RUN_JSON).read_text())["training"]["method"] == "lora"
-    fsdp2_logits = _adapter_logits(presets["model"], sft_runs["fsdp2"] / "final")
-    torch.testing.assert_close(fsdp2_logits, _adapter_logits(presets["model"], sft_runs["ddp"] / "final"),
-                               rtol=1e-5, atol=1e-5)
-    assert not torch.equal(fsdp2_logits, _logits(presets["model"]))  # the adapter is not zero
-    # FSDP2's checkpoint holds accelerate's DCP folders (DDP's: Trainer's adapter files, which
+        assert run[step] == pytest.approx(ddp[step], rel=1e-6, abs=0), step
+    for folder in (sft_runs["ddp"], sft_runs[name]):  # save_model(output_dir): beside the checkpoints and metrics
+        assert (folder / "adapter_model.safetensors").is_file()
+        assert json.loads((folder / RUN_JSON).read_text())["training"]["method"] == "lora"
+    # peft's own save of an FSDP1-wrapped model writes an adapter with no tensors: the callback's is complete.
+    logits = _adapter_logits(presets["model"], sft_runs[name])
+    torch.testing.assert_close(logits, _adapter_logits(presets["model"], sft_runs["ddp"]), rtol=1e-5, atol=1e-5)
+    assert not torch.equal(logits, _logits(presets["model"]))  # the adapter is not zero
+    # The FSDP checkpoints hold accelerate's DCP folders (DDP's: Trainer's adapter files, which
     # inspect-checkpoint does not read yet).
-    code, printed = _cli(capsys, "inspect-checkpoint", str(sft_runs["fsdp2"] / trainer_checkpoint_name(6)))
-    assert code == 0 and "integrity   OK" in printed, printed
-    assert _cli(capsys, "compare", str(sft_runs["ddp"]), str(sft_runs["fsdp2"]))[0] == 0
+    for step in (3, 6):
+        code, printed = _cli(capsys, "inspect-checkpoint", str(sft_runs[name] / trainer_checkpoint_name(step)))
+        assert code == 0 and "integrity   OK" in printed, printed
+    assert _cli(capsys, "compare", str(sft_runs["ddp"]), str(sft_runs[name]))[0] == 0
+
+
+@pytest.mark.skipif(not HAS_BITSANDBYTES, reason="bitsandbytes is not installed (the lora extra)")
+def test_sft_qlora_trains_saves_the_adapter_and_verifies_its_checkpoints(sft_runs, presets, capsys):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_presets.train.lora import keep_4bit_layout, quantization_config
+
+    run = sft_runs["qlora"]
+    losses = _losses(run)
+    assert sorted(losses) == list(range(1, 7)) and losses[6] < losses[1] - 0.1  # it learned
+    record = json.loads((run / RUN_JSON).read_text())
+    assert record["training"]["method"] == "qlora" and record["fsdp"]["version"] == 2
+    for step in (3, 6):
+        code, printed = _cli(capsys, "inspect-checkpoint", str(run / trainer_checkpoint_name(step)))
+        assert code == 0 and "integrity   OK" in printed, printed
+    with torch.no_grad():  # the adapter loads onto the 4-bit base and changes what it computes
+        base = AutoModelForCausalLM.from_pretrained(presets["model"], dtype=torch.float32,
+                                                    quantization_config=quantization_config())
+        keep_4bit_layout(base)
+        batch = torch.arange(1, 17).reshape(2, 8)
+        plain = base(batch).logits
+        adapted = PeftModel.from_pretrained(base, run).eval()(batch).logits
+    assert torch.isfinite(adapted).all() and (adapted - plain).abs().max() > 1e-3
+
+
+def test_a_launch_that_is_not_what_the_preset_planned_is_refused_on_every_rank(presets, tmp_path):
+    # A fresh run under a preset made for one process of another model, launched on two (`accelerate
+    # launch --num_processes 2`) with this model: both problems in one line, before anything is written.
+    output, preset = tmp_path / "run", presets["qwen2-1"]
+    result = _launch(preset, TRAINER_SCRIPT, presets["model"], output, processes=2, check=False, forked=None)
+    said = [line for line in result.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert f"{preset} was generated for 1 process, launched 2" in said[0]
+    assert f"fsdp-presets generate --from {preset} --gpus 2 -o NEW.yaml" in said[0]
+    assert "the accelerate config wraps Qwen2DecoderLayer, which LlamaForCausalLM does not have (its block class: " \
+           "LlamaDecoderLayer)" in said[0]
+    # The main process leaves with status 2 at once; the other rank, which would too, leaves 2 s later
+    # (so the line is printed before torchrun stops the launch), and torchrun stops it first.
+    assert result.returncode != 0 and "failed (exitcode: 2) local_rank: 0" in result.stderr, result.stderr[-3000:]
+    assert list(output.glob("*")) == []  # nothing written (Trainer itself makes the empty output folder)
 
 
 @pytest.mark.skipif(not HAS_TRL, reason="trl is not installed (pip install --no-deps trl==1.16.0)")

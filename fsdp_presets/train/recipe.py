@@ -38,7 +38,7 @@ from fsdp_presets.checkpoint.manifest import Manifest, is_imported
 from fsdp_presets.checkpoint.run_folder import (acquire_run_lock, check_output_dir, distributed_settings,
                                                 launch_config_file, schedule_change_note, training_settings,
                                                 write_run_json)
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync
@@ -288,7 +288,8 @@ class RecipeRun:
 
 def start(args, *, recipe: str) -> RecipeRun:
     """Launch and check, before anything is written: real FSDP/DDP on a CPU-only host too
-    (refused if the processes would train alone), the flags and input paths on every rank and
+    (refused if the processes would train alone, or if the launch is not what the generated
+    preset's header planned), the flags and input paths on every rank and
     the ranks' agreement (exit 2), the run folder (another run's, or other files: refused), the
     run lock (one job per folder), the model config (no code from the model folder) and
     ``--seq-len`` against it, the tokenizer, the seed. ``recipe`` names the run in run.json."""
@@ -304,6 +305,13 @@ def start(args, *, recipe: str) -> RecipeRun:
     fsdp_presets.enable_cpu_fsdp()
     accelerator = Accelerator(step_scheduler_with_optimizer=False)  # the schedule counts optimizer steps
     fsdp_presets.check_launch(accelerator)
+    try:  # a checkpoint to continue keeps its global batch, at any process count
+        resuming = args.resume not in ("auto", "none") or (
+            args.resume == "auto" and bool(committed_checkpoints(RunFolder(root=Path(args.output_dir)).checkpoints)))
+    except OSError:  # an unreadable output folder: check_output_dir names it below
+        resuming = True
+    raise_on_every_rank(accelerator, startup.preset_launch_problem(accelerator, launch_config_file(),
+                                                                   resuming=resuming))  # the header's plan
     if args.fsdp_reduce_dtype:
         loop.set_fsdp_reduce_dtype(accelerator, args.fsdp_reduce_dtype)
     say = loop.main_process_print(accelerator)

@@ -157,6 +157,56 @@ def exchange(payload: dict[str, Any], *, rank: int, world_size: int, timeout_s: 
     return [json.loads(store.get(key)) for key in keys]
 
 
+# ---- the launch against the preset's header ----
+def preset_launch_problem(accelerator, config_file: str | None, *, resuming: bool = False) -> str | None:
+    """How this launch differs from what the generated preset it was launched with was planned for
+    (the ``# fsdp-presets:`` line of its header): another process count (``accelerate launch
+    --num_processes N``, or ``num_processes`` edited in the file), another distributed type or FSDP
+    version, or another mixed precision (``--mixed_precision``). The header's plan (memory per
+    process, the global batch) then describes another run. None when the launch agrees, or the file
+    is not a generated preset (no such line) or cannot be read (accelerate read it already).
+
+    ``resuming``: the run continues a checkpoint, whose global batch the recipes and the Trainer
+    callback keep at another process count (or refuse); another process count alone is then the
+    documented way to resume on another number of GPUs, not a problem."""
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.preset.emit import read_metadata
+
+    if not config_file:
+        return None
+    try:
+        metadata = read_metadata(read_regular_text(config_file, limit=YAML_MAX_BYTES))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    summary = (metadata or {}).get("summary")
+    kind = (metadata or {}).get("kind")
+    if kind not in ("fsdp", "ddp-baseline") or not isinstance(summary, dict):
+        return None
+    fsdp = accelerator.distributed_type.value == "FSDP"
+    running = f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}" if fsdp else "DDP"
+    planned = f"FSDP{summary.get('fsdp_version')}" if kind == "fsdp" else "DDP"
+    precision = str(accelerator.mixed_precision)
+    differences, flags = [], []
+    if summary.get("processes") != accelerator.num_processes and not resuming:
+        planned_processes = summary.get("processes")
+        differences.append(f"{planned_processes} process{'' if planned_processes == 1 else 'es'}, launched "
+                           f"{accelerator.num_processes}")
+        flags.append(f"--gpus {accelerator.num_processes}")
+    if planned != running:  # e.g. --use_fsdp or --fsdp_version on the launch line
+        differences.append(f"{planned}, launched {running}")
+    if summary.get("precision") != precision:
+        differences.append(f"mixed_precision {summary.get('precision')}, launched {precision}")
+        flags.append(f"--precision {'fp32' if precision == 'no' else precision}")
+    if not differences:
+        return None
+    regenerate = "" if not flags else ", or regenerate it for this launch: " + (
+        f"fsdp-presets generate --from {config_file} {' '.join(flags)} -o NEW.yaml" if kind == "fsdp" else
+        f"its FSDP preset's `fsdp-presets generate` command with {' '.join(flags)}")
+    return (f"{config_file} was generated for {'; '.join(differences)}: its header's plan (memory per process, a "
+            f"global batch of {summary.get('global_batch')} sequences) does not describe this launch; launch it as "
+            f"generated (without the `accelerate launch` flags that override it){regenerate} (nothing was written)")
+
+
 # ---- the classification head ----
 def classifier_head_labels(config) -> list[str] | None:
     """The label names of the classification head in the model folder, in output order, or None

@@ -8,13 +8,20 @@ preset gets what the recipes give, with one added line::
 
 - Made before the ``Trainer``, it switches on real FSDP on a CPU-only host
   (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses a launch whose
-  processes would each train alone (:func:`fsdp_presets.check_launch`).
+  processes would each train alone (:func:`fsdp_presets.check_launch`), and at ``train()``, before
+  anything is written, as the recipes do, a launch that is not what the generated preset's header
+  planned (:func:`fsdp_presets.train.startup.preset_launch_problem`; another process count is
+  fine for a resume) or whose config wraps block classes the model does not have
+  (:func:`fsdp_presets.train.lora.check_wrap_classes`): one line, exit 2 on every rank.
 - ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
   the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
   silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
   user's ``save_model`` the plugin is switched to FULL_STATE_DICT, whose gather
-  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload. Under FSDP,
-  ``save_model`` returns on every rank once the folder is written.
+  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload. A peft
+  model's adapter is gathered alone and written as the recipes export it
+  (:func:`fsdp_presets.train.lora.export_adapter`): peft's own save of an FSDP1-wrapped model
+  writes an adapter with no tensors. Under FSDP, ``save_model`` returns on every rank once the
+  folder is written.
 - ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them: one line per
   optimizer step with the exact loss (not rounded nor averaged over ``logging_steps``), gradient
   norm, learning rate, tokens per second and the step's wall time, so ``fsdp-presets compare``
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -54,11 +62,12 @@ from typing import Any, NoReturn
 from transformers import Trainer, TrainerCallback
 
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
-                                            TRAINER_CHECKPOINT_PATTERN, RunFolder, trainer_checkpoint_name)
+                                            TRAINER_CHECKPOINT_PATTERN, RunFolder, staging_sibling,
+                                            trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S
+from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, UsageError
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
 from fsdp_presets.train import preemption
@@ -113,6 +122,7 @@ class FSDPPresetsCallback(TrainerCallback):
         self._step_tokens = 0.0
         self._step_started: float | None = None
         self._logged_step = 0
+        self._adapter_keys: dict[str, str] | None = None  # a peft model's trainable names -> peft's keys
 
     # ---- attach ----
     def on_init_end(self, args, state, control, **kwargs):
@@ -126,6 +136,11 @@ class FSDPPresetsCallback(TrainerCallback):
         from fsdp_presets.cpu_fsdp import check_launch
 
         check_launch(trainer.accelerator)  # N processes that would each train alone: refused
+        if _lora_settings(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
+            from fsdp_presets.train.lora import adapter_key_map, keep_4bit_layout
+
+            self._adapter_keys = adapter_key_map(trainer.model)
+            keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
         for name in ("train", "training_step", "_maybe_log_save_evaluate", "save_model", "_save_checkpoint"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
         return control
@@ -137,6 +152,14 @@ class FSDPPresetsCallback(TrainerCallback):
     def _say(self, message: str) -> None:
         if self._accelerator.is_main_process:
             print(f"fsdp-presets: {message}", flush=True)
+
+    def _refuse(self, message: str) -> NoReturn:
+        """One line on the main process and exit 2 on every rank, as the recipes refuse bad input."""
+        if self._accelerator.is_main_process:
+            print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(COLLECTIVE_EXIT_DELAY_S)
+        raise SystemExit(2)
 
     def _global_batch(self) -> int:
         args = self.trainer.args
@@ -151,6 +174,7 @@ class FSDPPresetsCallback(TrainerCallback):
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = self._newest_committed(Path(trainer.args.output_dir))
+        self._check_launch(resuming=bool(checkpoint))
         step = 0
         if checkpoint:
             step = self._keep_global_batch(Path(checkpoint))
@@ -176,6 +200,23 @@ class FSDPPresetsCallback(TrainerCallback):
             return original(resume_from_checkpoint, *args, **kwargs)
         finally:
             preemption.install(())  # the process's own handlers again (save_model after train is not a step)
+
+    def _check_launch(self, *, resuming: bool) -> None:
+        """The recipes' launch checks, before anything is written: the launch against the generated
+        preset's header (another process count is fine for a resume, which keeps its global batch)
+        and the config's wrap classes against the model (a config made for another model fails
+        inside accelerate's prepare otherwise); every problem in one line, exit 2 on every rank."""
+        from fsdp_presets.train.lora import check_wrap_classes
+        from fsdp_presets.train.startup import preset_launch_problem
+
+        trainer = self.trainer
+        problems = [preset_launch_problem(self._accelerator, launch_config_file(), resuming=resuming)]
+        try:
+            check_wrap_classes(self._accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None, trainer.model)
+        except UsageError as error:
+            problems.append(str(error))
+        if any(problems):
+            self._refuse("; ".join(problem for problem in problems if problem))
 
     def _newest_committed(self, output: Path) -> Path | None:
         """The newest ``checkpoint-N`` that has its manifest; the newest of all when none has one
@@ -208,16 +249,11 @@ class FSDPPresetsCallback(TrainerCallback):
         data_parallel = self._data_parallel_size()
         accumulation = accumulation_for(recorded, micro_batch_size=args.per_device_train_batch_size,
                                         data_parallel_size=data_parallel)
-        if accumulation is None:  # one line on the main process and exit 2 on every rank, as the recipes do
-            message = (f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
-                       f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes "
-                       f"cannot split; set per_device_train_batch_size so that it times {data_parallel} divides "
-                       f"{recorded}, or launch {saved.world_size} processes as it was saved (nothing was written)")
-            if self._accelerator.is_main_process:
-                print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
-            else:
-                time.sleep(COLLECTIVE_EXIT_DELAY_S)
-            raise SystemExit(2)
+        if accumulation is None:
+            self._refuse(f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
+                         f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes "
+                         f"cannot split; set per_device_train_batch_size so that it times {data_parallel} divides "
+                         f"{recorded}, or launch {saved.world_size} processes as it was saved (nothing was written)")
         self._say(f"resume from {checkpoint}: global batch kept at {recorded} samples: gradient_accumulation_steps "
                   f"{args.gradient_accumulation_steps} -> {accumulation} for {data_parallel} processes x "
                   f"per_device_train_batch_size {args.per_device_train_batch_size} (saved by {saved.world_size})")
@@ -290,6 +326,8 @@ class FSDPPresetsCallback(TrainerCallback):
             result = original(output_dir, _internal_call)
             self._after_save_model(output_dir)
             return result
+        if self._adapter_keys is not None:
+            return self._save_adapter(Path(output_dir or trainer.args.output_dir))
         previous = plugin.state_dict_type
         if "FULL_STATE_DICT" not in str(previous):
             self._say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
@@ -314,6 +352,29 @@ class FSDPPresetsCallback(TrainerCallback):
             folder = Path(output_dir or self.trainer.args.output_dir)
             if folder.is_dir():
                 self._settings_as_json(folder)
+
+    def _save_adapter(self, output_dir: Path) -> None:
+        """A peft model's ``save_model`` under FSDP: only the trainable weights are gathered (torch's
+        ``get_model_state_dict(ignore_frozen_params=True)``), and rank 0 writes the PEFT folder under
+        the key names peft gave them before FSDP wrapped the model (peft's own ``save_pretrained`` on
+        an FSDP1-wrapped model writes an empty adapter), as the recipes export it. The files go into
+        ``output_dir`` beside what it holds, as Trainer's own save puts them (``save_model()`` with
+        no folder writes into the output folder, next to ``checkpoint-N`` and the metrics)."""
+        from fsdp_presets.train.lora import export_adapter
+
+        trainer, accelerator = self.trainer, self._accelerator
+        self._say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
+                  "shards (the frozen base is not gathered), written by rank 0 under peft's key names")
+        staging = staging_sibling(output_dir)  # complete before any file of it is moved into output_dir
+        # the tokenizer Trainer's own save writes: processing_class, else the collator's
+        tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
+        export_adapter(accelerator, trainer.model_wrapped, tokenizer, staging, key_map=self._adapter_keys)
+        if accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            for path in sorted(staging.iterdir()):
+                os.replace(path, output_dir / path.name)
+            staging.rmdir()
+        accelerator.wait_for_everyone()
 
     def _save_checkpoint(self, original, model, trial, *args, **kwargs):
         original(model, trial, *args, **kwargs)

@@ -2,7 +2,10 @@
 project's guarantees (marked below).
 
     accelerate launch --config_file PRESET.yaml tests/workers/sft_lora_user.py \
-        --model MODEL_DIR --data train.jsonl --output-dir OUT
+        --model MODEL_DIR --data train.jsonl --output-dir OUT [--load-in-4bit]
+
+--load-in-4bit: QLoRA, the base loaded in 4 bits by bitsandbytes (nf4, stored as bfloat16 so that
+FSDP shards it), as TRL's QLoRA examples load it.
 """
 
 import argparse
@@ -18,6 +21,7 @@ parser.add_argument("--model", required=True)
 parser.add_argument("--data", required=True)
 parser.add_argument("--output-dir", required=True)
 parser.add_argument("--max-steps", type=int, default=6)
+parser.add_argument("--load-in-4bit", action="store_true")
 args = parser.parse_args()
 
 callbacks = [FSDPPresetsCallback()]  # the added line (2/2)
@@ -28,7 +32,15 @@ config = SFTConfig(
     learning_rate=3e-3, warmup_steps=2, logging_steps=2, save_steps=3, max_length=32, report_to=[], seed=0,
     data_seed=0, disable_tqdm=True, use_cpu=True, bf16=False, model_init_kwargs={"dtype": "float32"},
 )
-trainer = SFTTrainer(model=args.model, args=config, train_dataset=dataset, callbacks=callbacks,
+model = args.model
+if args.load_in_4bit:
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                      bnb_4bit_quant_storage=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(args.model, quantization_config=quantization, dtype=torch.float32)
+trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, callbacks=callbacks,
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 trainer.train()
-trainer.save_model(f"{args.output_dir}/final")
+trainer.save_model(args.output_dir)  # as TRL's examples save: into the output folder, beside checkpoint-N
