@@ -34,7 +34,8 @@ from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.preset.local_launch import launch_command
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
-                            causal_lm_args, drive_recipe, file_size_limit, tiny_bert, tiny_llama, tree_digest)
+                            causal_lm_args, drive_recipe, drive_recipes, file_size_limit, tiny_bert, tiny_llama,
+                            tree_digest)
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -195,19 +196,6 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
             args("long", "--no-packing", data=long_prompts),
     }
     trains = args("mixed", "--no-packing", "--seq-len", "64", data=mixed)
-    codes, errors, outputs = drive_recipe(CAUSAL_LM, [*cases.values(), trains])
-    assert codes == [2] * len(cases) + [0]
-    for expected, part in zip(cases, errors):
-        lines = error_lines(part)
-        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
-        assert TRACEBACK not in part
-    assert not any((tmp_path / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long"))
-    # Too long for --seq-len: cut and said so (and the ones with nothing left dropped), never a loss of 0.
-    assert "note: --data: --no-packing cuts samples to --seq-len 64 tokens: " in outputs[-1]
-    assert "of them dropped" in outputs[-1]
-    losses = [record["loss"] for record in read_metrics(tmp_path / "mixed" / "metrics.jsonl")
-              if record["kind"] == "train"]
-    assert len(losses) == 2 and all(loss > 1.0 for loss in losses)
 
     # The classification head: the tiny BERT's has 4 outputs (LABEL_0..3); the data has 3 or 5 labels.
     rows = [json.loads(line) for line in GENRES_TRAIN.read_text().splitlines()]
@@ -220,13 +208,30 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
         return ["--model", str(models["bert"]), "--data", str(data), "--max-eval-samples", "8",
                 "--output-dir", str(tmp_path / name), "--seq-len", "32", "--max-steps", "2", *extra]
 
-    cases = {"has fewer labels than the model's classification head: 3 (gospels, law, letters) against 4 outputs "
-             "(LABEL_0, LABEL_1, LABEL_2, LABEL_3); give data with the head's labels, or pass --new-head":
-             classify("three", three),
-             "has more labels than the model's classification head: 5": classify("five", five)}
-    codes, errors, _ = drive_recipe(CLASSIFICATION, [*cases.values(), classify("new-head", three, "--new-head")])
-    assert codes == [2, 2, 0]
-    for expected, part in zip(cases, errors):
+    head_cases = {"has fewer labels than the model's classification head: 3 (gospels, law, letters) against 4 "
+                  "outputs (LABEL_0, LABEL_1, LABEL_2, LABEL_3); give data with the head's labels, or pass --new-head":
+                  classify("three", three),
+                  "has more labels than the model's classification head: 5": classify("five", five)}
+
+    # Both recipes' cases in one process (torch imported once).
+    codes, errors, outputs = drive_recipes([*((CAUSAL_LM, argv) for argv in [*cases.values(), trains]),
+                                            *((CLASSIFICATION, argv) for argv in head_cases.values()),
+                                            (CLASSIFICATION, classify("new-head", three, "--new-head"))])
+    assert codes == [2] * len(cases) + [0] + [2, 2, 0]
+    causal_errors, head_errors = errors[:len(cases) + 1], errors[len(cases) + 1:]
+    for expected, part in zip(cases, causal_errors):
+        lines = error_lines(part)
+        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
+        assert TRACEBACK not in part
+    assert not any((tmp_path / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long"))
+    # Too long for --seq-len: cut and said so (and the ones with nothing left dropped), never a loss of 0.
+    assert "note: --data: --no-packing cuts samples to --seq-len 64 tokens: " in outputs[len(cases)]
+    assert "of them dropped" in outputs[len(cases)]
+    losses = [record["loss"] for record in read_metrics(tmp_path / "mixed" / "metrics.jsonl")
+              if record["kind"] == "train"]
+    assert len(losses) == 2 and all(loss > 1.0 for loss in losses)
+
+    for expected, part in zip(head_cases, head_errors):
         lines = error_lines(part, "sequence_classification.py")
         assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
         assert TRACEBACK not in part
