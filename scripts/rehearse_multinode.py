@@ -9,7 +9,8 @@ and the launch script are the ones users get: ``fsdp-presets generate MODEL --de
 --nodes 2 --launcher accelerate`` (the HSDP 2x2 preset: dp_replicate 2 nodes x dp_shard 2, and
 its per-node script), and ``fsdp-presets generate --from`` it for 1 node of 2 (the node left).
 
-1. **baseline**: one node, 4 processes, the HSDP 2x2 preset, ``--max-steps`` steps.
+1. **baseline**: one node, 4 processes, the HSDP 2x2 preset, ``--max-steps`` steps (forked from a
+   pre-imported server when ``FSDP_HARNESS_FORKED_LAUNCH=1``, as the test suite sets: tests/conftest.py).
 2. **two nodes**: the generated per-node script, run twice (``bash SCRIPT 0`` and ``bash SCRIPT
    1`` with ``MAIN_PROCESS_IP=127.0.0.1`` and a free ``MAIN_PROCESS_PORT``): two ``accelerate
    launch --num_machines 2 --machine_rank 0|1`` of 2 processes each, checkpoints every 2 steps
@@ -41,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_harness.launch import launch_env
+from fsdp_harness.launch import launch_env, run_launch_logged
 from fsdp_presets.preset.local_launch import free_port
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.train.metrics import train_losses
@@ -143,10 +144,19 @@ def wait_all(processes: list[subprocess.Popen], deadline_s: float) -> list[int]:
     return codes
 
 
-def single_node(config: Path, command: tuple[str, ...], processes: int, log: Path) -> int:
+def single_node(config: Path, command: tuple[str, ...], processes: int, log: Path, *, reference: bool = False) -> int:
+    """One node's ``accelerate launch``. ``reference``: a run that only gives the numbers the
+    rehearsal is compared with, which forks from a pre-imported server where the test suite asks
+    for it (``FSDP_HARNESS_FORKED_LAUNCH=1``: the same launch, less CPU; tests/conftest.py)."""
     # --num_machines 1: the HSDP preset says 2 machines; for the baseline all 4 processes share one.
-    return run_logged([*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_machines", "1",
-                       "--num_processes", str(processes), "--main_process_port", str(free_port()), *command], log)
+    line = [*ACCELERATE_LAUNCH, "--config_file", str(config), "--num_machines", "1",
+            "--num_processes", str(processes), "--main_process_port", str(free_port()), *command]
+    if not reference:
+        return run_logged(line, log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as stream:
+        stream.write("$ " + " ".join(line) + "\n")
+    return run_launch_logged(line, log, env=launch_env(), timeout=900, cwd=REPO)
 
 
 def tail(path: Path, lines: int = 25) -> str:
@@ -186,7 +196,7 @@ def lost_node(args, work: Path, model: Path, hsdp: Path, script: Path, one_node:
     if not args.no_baseline:
         print(f"[1/3] baseline: one node, 4 processes, HSDP 2x2, {args.max_steps} steps", flush=True)
         code = single_node(hsdp, recipe_command(model, work / "baseline", args, micro_batch=2), 4,
-                           work / "logs" / "baseline.log")
+                           work / "logs" / "baseline.log", reference=True)
         if code != 0:
             print(f"FAILED: the baseline exited with {code}:\n{tail(work / 'logs' / 'baseline.log')}")
             return 1

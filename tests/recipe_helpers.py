@@ -122,14 +122,14 @@ BERT_FSDP2 = HAND_WRITTEN_FSDP2 + "  fsdp_transformer_layer_cls_to_wrap: BertLay
 RECIPE_DRIVER = """
 import json, runpy, sys
 from fsdp_presets.train.loop import run_recipe
-script, cases = sys.argv[1], json.loads(sys.argv[2])
-main = runpy.run_path(script, run_name="recipe")["main"]
-codes = []
-for argv in cases:
+mains, codes = {}, []
+for script, argv in json.loads(sys.argv[1]):
+    if script not in mains:
+        mains[script] = runpy.run_path(script, run_name="recipe")["main"]
     print("=== case", file=sys.stderr, flush=True)
     print("=== case", flush=True)
     sys.argv = [script.rsplit("/", 1)[-1], *argv]
-    codes.append(run_recipe(main))
+    codes.append(run_recipe(mains[script]))
 print(json.dumps(codes))
 """
 """Runs a recipe's ``main`` once per case in one process (torch imported once), through
@@ -139,7 +139,13 @@ print(json.dumps(codes))
 def drive_recipe(recipe: Path, cases: list[list[str]], *, timeout: float = 600):
     """The recipe's main once per case in one process: ``(exit codes, stderr parts, stdout parts)``,
     one part per case."""
-    driven = subprocess.run([sys.executable, "-c", RECIPE_DRIVER, str(recipe), json.dumps(cases)],
+    return drive_recipes([(recipe, argv) for argv in cases], timeout=timeout)
+
+
+def drive_recipes(cases: list[tuple[Path, list[str]]], *, timeout: float = 600):
+    """:func:`drive_recipe` for cases of several recipes, ``(recipe, argv)`` each, in one process."""
+    cases = [[str(recipe), [str(arg) for arg in argv]] for recipe, argv in cases]
+    driven = subprocess.run([sys.executable, "-c", RECIPE_DRIVER, json.dumps(cases)],
                             capture_output=True, text=True, env=offline_env(), cwd=REPO, timeout=timeout)
     assert driven.returncode == 0, driven.stderr[-4000:]
     codes = json.loads(driven.stdout.strip().splitlines()[-1])

@@ -186,9 +186,10 @@ def test_fsdp2_full_shard_agrees_with_generated_ddp_baseline(fsdp2_check):
     assert_clean_logs(fsdp2_check)
 
 
+# One FSDP1 layout: FSDP1 FULL_SHARD equals DDP bit for bit through the recipe (tests/test_numerics.py),
+# and the check finds it agreeing up to the resume in the optimizer-state fault below.
 AGREEING_FP32 = {
     "fsdp2-no-reshard": {"fsdp": {"reshard_after_forward": False}},
-    "fsdp1-full-shard": {"fsdp": {"version": 1, "sharding_strategy": "FULL_SHARD"}},
     "fsdp1-shard-grad-op": {"fsdp": {"version": 1, "sharding_strategy": "SHARD_GRAD_OP"}},
     "fsdp2-activation-checkpointing": {"fsdp": {"activation_checkpointing": True}},
 }

@@ -2,7 +2,8 @@
 metrics.jsonl, exits 75 (the launcher 143 when it got the SIGTERM), and ``--resume auto`` continues
 bitwise; a second signal stops at once with the newest committed checkpoint intact.
 
-Real launches (executed, not forked: signals reach a real torchrun agent and real ranks).
+The signalled launches are real (executed, not forked: signals reach a real torchrun agent and real
+ranks); the resume, which nothing signals, is forked (tests/conftest.py).
 ``scripts/preemption_campaign.py`` signals at random moments (docs/benchmarks.md).
 """
 
@@ -91,8 +92,7 @@ def test_sigterm_at_the_launcher_saves_the_step_reached_and_resume_auto_continue
     assert max(train_losses(output / "metrics.jsonl")) == step  # the step in progress was finished and saved
     assert 3 <= step < 10 and checkpoint_verdict(saved).ok
     assert f"causal_lm.py: error: preempted (SIGTERM) at step {step}: saved {saved}; " in log
-    resumed = run_launch(runs.fsdp_config(root, 2), CAUSAL_LM, [*args[:-1], "10"], cwd=REPO, timeout=300,
-                         forked=False).check()
+    resumed = run_launch(runs.fsdp_config(root, 2), CAUSAL_LM, [*args[:-1], "10"], cwd=REPO, timeout=300).check()
     assert f"resumed from {saved}: step {step}" in resumed.stdout
     assert train_losses(output / "metrics.jsonl") == train_losses(reference / "metrics.jsonl")  # bitwise
 

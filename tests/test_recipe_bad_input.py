@@ -35,7 +35,7 @@ from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.preset.local_launch import launch_command
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
-                            causal_lm_args, drive_recipe, file_size_limit, tiny_bert, tiny_llama, tree_digest)
+                            causal_lm_args, drive_recipes, file_size_limit, tiny_bert, tiny_llama, tree_digest)
 
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -167,8 +167,12 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"llama": tiny_llama(root / "tiny-llama"), "bert": tiny_bert(root / "tiny-bert")}
 
 
-@pytest.mark.slow
-def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, tmp_path):
+@pytest.fixture(scope="module")
+def driven(models, tmp_path_factory) -> dict:
+    """Every case below, a call of its recipe's main, all in one process (torch imported once):
+    ``{"folder": their output folders, "causal" | "head" | "lora": {expected message: (exit status,
+    stderr, stdout)}}``; the case whose message is None must train."""
+    tmp_path = tmp_path_factory.mktemp("driven")
     latin1 = tmp_path / "latin1.jsonl"
     latin1.write_bytes(SFT_TRAIN.read_text().replace("Moses", "Mos\u00e9s").encode("latin-1", "replace"))
     latin1_text = tmp_path / "latin1.txt"
@@ -186,7 +190,7 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
                 "--max-eval-samples", "8", "--output-dir", str(tmp_path / name), "--seq-len", "32",
                 "--max-steps", "2", *extra]
 
-    cases = {
+    causal = {
         "--learning-rate nan is not a finite number; give a number such as 5e-5": args("nan", "--learning-rate", "nan"),
         "--learning-rate inf is not a finite number": args("inf", "--learning-rate", "inf"),
         "--seed -5 is out of range; give a whole number from 0 to 4294967295": args("seed", "--seed", "-5"),
@@ -194,21 +198,8 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
         f"--data {latin1_text} is not UTF-8 text: byte 0xe9 at offset 3 (line 1)": args("text", data=latin1_text),
         "--data: with --no-packing every sample is cut to --seq-len 32 tokens and the prompt of every sample fills":
             args("long", "--no-packing", data=long_prompts),
+        None: args("mixed", "--no-packing", "--seq-len", "64", data=mixed),
     }
-    trains = args("mixed", "--no-packing", "--seq-len", "64", data=mixed)
-    codes, errors, outputs = drive_recipe(CAUSAL_LM, [*cases.values(), trains])
-    assert codes == [2] * len(cases) + [0]
-    for expected, part in zip(cases, errors):
-        lines = error_lines(part)
-        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
-        assert TRACEBACK not in part
-    assert not any((tmp_path / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long"))
-    # Too long for --seq-len: cut and said so (and the ones with nothing left dropped), never a loss of 0.
-    assert "note: --data: --no-packing cuts samples to --seq-len 64 tokens: " in outputs[-1]
-    assert "of them dropped" in outputs[-1]
-    losses = [record["loss"] for record in read_metrics(tmp_path / "mixed" / "metrics.jsonl")
-              if record["kind"] == "train"]
-    assert len(losses) == 2 and all(loss > 1.0 for loss in losses)
 
     # The classification head: the tiny BERT's has 4 outputs (LABEL_0..3); the data has 3 or 5 labels.
     rows = [json.loads(line) for line in GENRES_TRAIN.read_text().splitlines()]
@@ -221,18 +212,59 @@ def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(models, t
         return ["--model", str(models["bert"]), "--data", str(data), "--max-eval-samples", "8",
                 "--output-dir", str(tmp_path / name), "--seq-len", "32", "--max-steps", "2", *extra]
 
-    cases = {"has fewer labels than the model's classification head: 3 (gospels, law, letters) against 4 outputs "
-             "(LABEL_0, LABEL_1, LABEL_2, LABEL_3); give data with the head's labels, or pass --new-head":
-             classify("three", three),
-             "has more labels than the model's classification head: 5": classify("five", five)}
-    codes, errors, _ = drive_recipe(CLASSIFICATION, [*cases.values(), classify("new-head", three, "--new-head")])
-    assert codes == [2, 2, 0]
-    for expected, part in zip(cases, errors):
-        lines = error_lines(part, "sequence_classification.py")
-        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
+    head = {"has fewer labels than the model's classification head: 3 (gospels, law, letters) against 4 outputs "
+            "(LABEL_0, LABEL_1, LABEL_2, LABEL_3); give data with the head's labels, or pass --new-head":
+            classify("three", three),
+            "has more labels than the model's classification head: 5": classify("five", five),
+            None: classify("new-head", three, "--new-head")}
+
+    def lora(name, *extra):
+        return ["--model", str(models["llama"]), "--data", str(SFT_TRAIN), "--output-dir", str(tmp_path / name),
+                "--seq-len", "32", "--max-steps", "1", "--lora-r", "4", *extra]
+
+    lora_cases = {"--lora-target-modules: q_prj match no module of the model (its linear layers: q_proj":
+                  lora("typo", "--lora-target-modules", "q_proj,q_prj"),
+                  None: lora("applied", "--lora-target-modules", "q_proj")}
+
+    groups = {"causal": (CAUSAL_LM, causal), "head": (CLASSIFICATION, head), "lora": (CAUSAL_LM, lora_cases)}
+    codes, errors, outputs = drive_recipes([(recipe, argv) for recipe, cases in groups.values()
+                                            for argv in cases.values()])
+    results, index = {"folder": tmp_path}, 0
+    for group, (_, cases) in groups.items():
+        results[group] = {}
+        for expected in cases:
+            results[group][expected] = (codes[index], errors[index], outputs[index])
+            index += 1
+    return results
+
+
+def assert_refused_in_one_line(cases: dict, script: str = "causal_lm.py") -> None:
+    """Every case but the one that trains: exit 2, one error line that says ``expected``, no traceback."""
+    for expected, (code, part, _) in cases.items():
+        if expected is None:
+            assert code == 0, part[-3000:]
+            continue
+        lines = error_lines(part, script)
+        assert code == 2 and len(lines) == 1 and expected in lines[0], (expected, code, part[-3000:])
         assert TRACEBACK not in part
-    assert not (tmp_path / "three").exists() and not (tmp_path / "five").exists()
-    exported = json.loads((tmp_path / "new-head" / "final" / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(driven):
+    folder = driven["folder"]
+    assert_refused_in_one_line(driven["causal"])
+    assert not any((folder / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long"))
+    # Too long for --seq-len: cut and said so (and the ones with nothing left dropped), never a loss of 0.
+    trained = driven["causal"][None][2]
+    assert "note: --data: --no-packing cuts samples to --seq-len 64 tokens: " in trained
+    assert "of them dropped" in trained
+    losses = [record["loss"] for record in read_metrics(folder / "mixed" / "metrics.jsonl")
+              if record["kind"] == "train"]
+    assert len(losses) == 2 and all(loss > 1.0 for loss in losses)
+
+    assert_refused_in_one_line(driven["head"], "sequence_classification.py")
+    assert not (folder / "three").exists() and not (folder / "five").exists()
+    exported = json.loads((folder / "new-head" / "final" / "config.json").read_text())
     assert exported["id2label"] == {"0": "gospels", "1": "law", "2": "letters"}
 
 
@@ -258,21 +290,10 @@ def test_lora_flags_need_peft_and_the_plan_bound_on_the_rank(monkeypatch):
 
 
 @pytest.mark.slow
-def test_lora_target_modules_that_match_nothing_are_refused_in_one_line(models, tmp_path):
-    def args(name, *extra):
-        return ["--model", str(models["llama"]), "--data", str(SFT_TRAIN), "--output-dir", str(tmp_path / name),
-                "--seq-len", "32", "--max-steps", "1", "--lora-r", "4", *extra]
-
-    cases = {"--lora-target-modules: q_prj match no module of the model (its linear layers: q_proj":
-             args("typo", "--lora-target-modules", "q_proj,q_prj")}
-    codes, errors, _ = drive_recipe(CAUSAL_LM, [*cases.values(), args("applied", "--lora-target-modules", "q_proj")])
-    assert codes == [2, 0]
-    for expected, part in zip(cases, errors):
-        lines = error_lines(part)
-        assert len(lines) == 1 and expected in lines[0], (expected, part[-3000:])
-        assert TRACEBACK not in part
-    assert not (tmp_path / "typo").exists()
-    recorded = json.loads((tmp_path / "applied" / "run.json").read_text())
+def test_lora_target_modules_that_match_nothing_are_refused_in_one_line(driven):
+    assert_refused_in_one_line(driven["lora"])
+    assert not (driven["folder"] / "typo").exists()
+    recorded = json.loads((driven["folder"] / "applied" / "run.json").read_text())
     assert recorded["lora"]["target_modules"] == ["q_proj"], recorded.get("lora")
 
 

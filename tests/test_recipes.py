@@ -184,12 +184,12 @@ def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
     run_dir = tmp_path / "genres"
     run_launch(config, CLASSIFICATION, [
         "--model", minilm, "--data", GENRES_TRAIN, "--eval-data", GENRES_EVAL, "--max-eval-samples", 160,
-        "--output-dir", run_dir, "--max-steps", 60, "--micro-batch-size", 8, "--seq-len", 40,
-        "--learning-rate", 3e-4, "--warmup-steps", 5, "--weight-decay", 0.01], cwd=REPO).check()
+        "--output-dir", run_dir, "--max-steps", 30, "--micro-batch-size", 8, "--seq-len", 40,
+        "--learning-rate", 6e-4, "--warmup-steps", 5, "--weight-decay", 0.01], cwd=REPO).check()
     evals = [record for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "eval"]
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 60
-    # Four balanced classes: chance is 0.25. Measured with these settings: about 0.29 before, 0.65-0.72
-    # after (a bag-of-words naive Bayes on all 1800 training verses reaches 0.80).
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 30
+    # Four balanced classes: chance is 0.25. Measured with these settings: 0.29 before, 0.65 after
+    # (60 steps at 3e-4: 0.67; a bag-of-words naive Bayes on all 1800 training verses reaches 0.80).
     chance = 0.25
     assert evals[-1]["accuracy"] >= 0.55, evals
     assert evals[-1]["accuracy"] > evals[0]["accuracy"] + 0.25 and evals[-1]["eval_loss"] < evals[0]["eval_loss"]

@@ -243,13 +243,26 @@ def _exclude_sharding_propagation():
 
 
 def _tracker_class():
+    from copy import deepcopy
+
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     class _RehearsalTracker(FSDPMemTracker):
-        """``FSDPMemTracker`` that does not count DTensor's sharding-propagation placeholders, and
-        remembers which module and pass were running when the peak was reached."""
+        """``FSDPMemTracker`` that does not count DTensor's sharding-propagation placeholders,
+        remembers which module and pass were running when the peak was reached, and keeps only
+        the rank's peak (not each module's)."""
 
         peak_where = ""
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # torch's version also walks every module tracked so far, on every op, to keep each
+            # module's own peak: for an 80-block model most of the rehearsal's time, and nothing
+            # here reads those peaks. The rank's peak is updated exactly as torch updates it.
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                    self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                    self._peak_mem_snap[device] = deepcopy(snapshot)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if getattr(_propagating, "depth", 0):

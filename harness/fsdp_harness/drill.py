@@ -39,7 +39,7 @@ from fsdp_presets.checkpoint.manager import committed_checkpoints
 from fsdp_presets.checkpoint.verify import verify_checkpoint
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
-from fsdp_harness.launch import launch_env
+from fsdp_harness.launch import forked_launches, launch_env, run_launch_logged
 
 KillMode = Literal["timer", "during-save"]
 KILL_MODES = ("timer", "during-save")
@@ -246,7 +246,12 @@ def _resumed_step(run_dir: Path) -> int | None:
 def run_watched(command: list[str], *, run_dir: Path, log_path: Path, env: dict[str, str] | None = None,
                 cwd=None, timeout_s: float = 900) -> tuple[int | None, dict[int, float]]:
     """Run ``command`` to the end; ``(exit status, {step: seconds from start until its train
-    line appeared})``: when steps and saves happen, for choosing kill moments."""
+    line appeared})``: when steps and saves happen, for choosing kill moments. Nothing signals
+    this run, so it forks from a pre-imported server where the test suite asks for it
+    (:func:`fsdp_harness.launch.forked_launches`)."""
+    if forked_launches():
+        return _run_watched_forked(command, run_dir=run_dir, log_path=log_path, env=launch_env(env), cwd=cwd,
+                                   timeout_s=timeout_s)
     launch = _Launch(command, log_path=log_path, env=launch_env(env), cwd=cwd)
     deadline = launch.started + timeout_s
     seen: dict[int, float] = {}
@@ -256,6 +261,33 @@ def run_watched(command: list[str], *, run_dir: Path, log_path: Path, env: dict[
         time.sleep(POLL_S)
     code = launch.wait(deadline)
     return code, seen
+
+
+def _run_watched_forked(command: list[str], *, run_dir: Path, log_path: Path, env: dict[str, str], cwd,
+                        timeout_s: float) -> tuple[int | None, dict[int, float]]:
+    """:func:`run_watched` through :func:`fsdp_harness.launch.run_launch_logged` (forked): the
+    launch runs in a thread while this one watches ``metrics.jsonl``; None when it timed out."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_path.write_text("")
+    outcome: dict[str, int | None] = {"code": None}
+
+    def launch() -> None:
+        try:
+            outcome["code"] = run_launch_logged(command, log_path, env=env, timeout=timeout_s, cwd=cwd)
+        except subprocess.TimeoutExpired:
+            pass
+
+    started = time.monotonic()
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    seen: dict[int, float] = {}
+    while thread.is_alive():
+        for step in train_steps(run_dir):
+            seen.setdefault(step, time.monotonic() - started)
+        thread.join(timeout=POLL_S)
+    for step in train_steps(run_dir):
+        seen.setdefault(step, time.monotonic() - started)
+    return outcome["code"], seen
 
 
 def kill_and_resume(command: list[str], *, run_dir: Path, plan: KillPlan, log_dir: Path | None = None,

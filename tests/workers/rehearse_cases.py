@@ -6,6 +6,8 @@ planner's total (one JSON line each), for tests/test_rehearse.py::
 
 ``layers`` (optional) truncates the model to its first N blocks: the per-family constants of
 ``fsdp_presets.plan.planner.BLOCK_ACTIVATIONS`` are checked at a fraction of a full model's cost.
+``"torch_peaks": true`` rehearses with torch's own peak bookkeeping (which also keeps every
+module's peak) instead of the rehearsal's (the rank's peak only), to show both find the same peak.
 """
 
 import json
@@ -22,7 +24,7 @@ def main() -> int:
     from fsdp_presets.plan.planner import plan
     from fsdp_presets.model.model_loading import build_meta_model, load_config
     from fsdp_presets.model.profile import profile_module
-    from fsdp_presets.rehearse.rehearsal import rehearse
+    from fsdp_presets.rehearse import rehearsal
 
     hf_logging.set_verbosity_error()
     for text in sys.argv[1:]:
@@ -38,8 +40,17 @@ def main() -> int:
                "FSDP_TRANSFORMER_CLS_TO_WRAP": ",".join(profile.wrap_classes),
                "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT", "ACCELERATE_MIXED_PRECISION": "bf16",
                "FSDP_ACTIVATION_CHECKPOINTING": "true" if case.get("ac") else "false"}
-        result = rehearse(config, env, world_size=case["gpus"], seq_len=case["seq_len"],
-                          micro_batch=case.get("micro_batch", 1), grad_accum=case.get("grad_accum", 1))
+        tracker_class = rehearsal._tracker_class
+        if case.get("torch_peaks"):
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            rehearsal._tracker_class = lambda: type("TorchPeaks", (tracker_class(),),
+                                                    {"_update_peak_stats": MemTracker._update_peak_stats})
+        try:
+            result = rehearsal.rehearse(config, env, world_size=case["gpus"], seq_len=case["seq_len"],
+                                        micro_batch=case.get("micro_batch", 1), grad_accum=case.get("grad_accum", 1))
+        finally:
+            rehearsal._tracker_class = tracker_class
         shape = TrainingShape(seq_len=case["seq_len"], micro_batch=case.get("micro_batch", 1),
                               grad_accum=case.get("grad_accum", 1), activation_checkpointing=bool(case.get("ac")))
         row = plan(profile, Hardware(gpus=case["gpus"], gpu_memory_bytes=80 * GiB), shape).get("FULL_SHARD", 2)
