@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="planner-accuracy-") as folder:
         os.environ["FSDP_PRESETS_CACHE"] = os.path.join(folder, "cache")
         os.environ["FSDP_PRESETS_PLAN_REHEARSAL"] = "on"
-        from fsdp_presets.commands.plan import with_rehearsed_terms
+        from fsdp_presets.preset.measured_activations import with_rehearsed_terms
         from fsdp_presets.preset.generate import load_profile
         from fsdp_presets.fileio import GiB
         from fsdp_presets.plan.shapes import Hardware, TrainingShape

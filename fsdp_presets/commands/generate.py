@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--baseline-output {baseline_output} is the same file as -o {output}")
 
     profile = load_profile(request.model, trust_remote_code=args.trust_remote_code)
-    files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch)
+    files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch,
+                                 trust_remote_code=args.trust_remote_code)
     from fsdp_presets.check.lint import check_generated
 
     check_generated(files, device=request.device)
@@ -161,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
           f"{summary['precision']}, activation checkpointing {'on' if summary['activation_checkpointing'] else 'off'}"
           f", offload {'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
           f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
+    print(f"memory figures: {preset.memory_figures}")
     if baseline_output:
         print(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
     for note in preset.notes:

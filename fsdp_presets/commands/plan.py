@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
+    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
+
     shape, terms_note = with_rehearsed_terms(args.model, shape, trust_remote_code=args.trust_remote_code)
     memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape, checkpointing=checkpointing,
                                                 offload=offload)
@@ -149,35 +151,6 @@ def run(args: argparse.Namespace) -> int:
         if args.diagram:
             print(f"diagram: {args.diagram}")
     return 0
-
-
-def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False):
-    """``(shape, note)``: ``shape`` with this model's own activation terms from a short, cached
-    rehearsal (:mod:`fsdp_presets.preset.measured_activations`) where one applies and can run, and
-    ``note`` (``source``: ``composed from a rehearsal`` or ``estimated``; ``how``) saying which."""
-    from fsdp_presets.preset.measured_activations import cache_dir, rehearsed_block_activations
-
-    if shape.lora is not None:
-        return shape, {"source": "estimated", "how": "LoRA/QLoRA terms from the family constants (rehearsals run "
-                       "full fine-tuning only)"}
-    if shape.attention != "fused":
-        return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
-                       "runs the model's own attention)"}
-    from fsdp_presets.model.model_loading import load_config
-
-    try:
-        config = load_config(source, trust_remote_code=trust_remote_code)
-    except Exception as error:  # noqa: BLE001 - any config the rehearsal cannot load: estimate, and say why
-        return shape, {"source": "estimated", "how": f"family constants: no config to rehearse ({error})"}
-    terms, problem = rehearsed_block_activations(config, seq_len=shape.seq_len, precision=shape.precision,
-                                                 trust_remote_code=trust_remote_code)
-    if terms is None:
-        return shape, {"source": "estimated", "how": f"family constants ({problem})"}
-    folder = cache_dir()
-    return shape.replace(measured=terms), {
-        "source": "composed from a rehearsal",
-        "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
-               f"estimated (cache: {folder if folder is not None else 'off'})"}
 
 
 # --------------------------------------------------------------------------- human output
