@@ -191,6 +191,8 @@ def _human(report, view, facts, model_note, *, verbose: bool = False) -> list[st
             lines.append(f"  wrapping not proved: {probe.skipped}")
         elif probe is not None and not probe.error:
             lines.append(f"  accelerate's FSDP preparation of the model (fake process group): {probe.unit_summary()}")
+    if report.memory_figures:
+        lines.append(f"  memory figures: {report.memory_figures}")
     for item in report.findings:
         if item.severity == "info" and not verbose:
             continue
