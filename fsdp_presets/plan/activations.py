@@ -53,6 +53,8 @@ class BlockActivations:
     fixed_in_block: int = 0
     """Rehearsed, with :attr:`in_block`: bytes in a block's backward that no micro-batch changes (an
     output head tied to the embedding keeps its gradient until the embedding's backward)."""
+    fixed_in_block_checkpointed: int = 0
+    """:attr:`fixed_in_block` under activation checkpointing."""
     fixed_in_tail: int = 0
     """Rehearsed, with :attr:`tail`: the same in the tail's backward."""
     tail_unsharded_params: int = 0
@@ -201,7 +203,8 @@ def in_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro
         return None
     tokens_hidden = _tokens_hidden(profile, shape, micro_batch)
     return max(0, max(0, profile.dims.num_layers - 1) * _saved_per_block(profile, shape, micro_batch)
-               + math.ceil(tokens_hidden * own) + family.fixed_in_block)
+               + math.ceil(tokens_hidden * own)
+               + (family.fixed_in_block_checkpointed if shape.activation_checkpointing else family.fixed_in_block))
 
 
 def tail_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:

@@ -7,9 +7,9 @@ and cached on disk::
 It lives with the presets because the rehearsal runs the accelerate config a preset decision
 writes for the model (the planner itself only composes the terms it is given). The rehearsal
 (:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks, one step)
-runs the config four times (:data:`RUNS`): 2 and 3 blocks at micro-batch 1, 2 blocks at
-micro-batch 2, and 2 blocks under activation checkpointing, each at full width and the real
-sequence length, with the embedding and head. Each run records what it held at three moments of
+runs the config five times (:data:`RUNS`): 2 and 3 blocks at micro-batch 1, 2 blocks at
+micro-batch 2, and 2 blocks under activation checkpointing at micro-batch 1 and 2, each at full
+width and the real sequence length, with the embedding and head. Each run records what it held at three moments of
 backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`): the loss's backward, the tail's (final
 norm, output head) and a block's. Besides model state and gathered parameters that is activations
 and temporaries: the difference between the 2- and 3-block runs is one block's saved activations
@@ -40,11 +40,11 @@ CACHE_ENV = "FSDP_PRESETS_CACHE"
 """Where the cache lives (a folder), or ``off``."""
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
 """Bumped when what a cache entry holds changes (older entries are then ignored)."""
 REHEARSED_WORLD_SIZE = 8
 """Fake ranks of the rehearsal (activations do not depend on it; the shards stay small)."""
-RUNS = ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True))
+RUNS = ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True), (2, 2, True))
 """The rehearsals, as (blocks, micro-batch, activation checkpointing): 2 blocks, not 1, so that a
 model whose first block differs (DeepSeek's dense first layers) keeps it in every run and the
 difference is a repeated block."""
@@ -111,9 +111,8 @@ def _unsharded(moment: dict[str, int], name: str) -> int:
 
 
 def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = False) -> dict:
-    """Rehearse ``config`` with 2 and 3 blocks, and with 2 blocks under activation checkpointing
-    (see the module notes), and return the cache entry: what each run held at each moment of
-    backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`), bytes at micro-batch 1."""
+    """Rehearse ``config`` as :data:`RUNS` says (see the module notes) and return the cache entry:
+    what each run held at each moment of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`)."""
     from fsdp_presets.rehearse.rehearsal import rehearse
     from fsdp_presets.preset.rehearse_request import config_env, decide_unchecked, request_from_flags
     from fsdp_presets.model.model_loading import build_meta_model
@@ -162,7 +161,7 @@ def terms_from_entry(entry: dict):
 
     seq_len, hidden, vocab = entry["seq_len"], entry["hidden_size"], entry["vocab_size"]
     tokens_hidden = seq_len * hidden * (4 if entry["precision"] == "fp32" else 2) / 2
-    first, second, doubled, checkpointed = entry["runs"]
+    first, second, doubled, checkpointed, checkpointed_doubled = entry["runs"]
     blocks = first["blocks"]
 
     def held(run, moment):
@@ -176,8 +175,10 @@ def terms_from_entry(entry: dict):
     logits, outside = float(LOGITS_BYTES_AT_PEAK), (rest - logits_bytes) / tokens_hidden
     if rest < logits_bytes:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
         logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
-    per_checkpointed = max(0.0, (held(checkpointed, "loss") - fixed["loss"] - rest) / blocks)
-    in_block_checkpointed = held(checkpointed, "block") - fixed["block"] - (blocks - 1) * per_checkpointed
+    checkpointed_per_token = {moment: held(checkpointed_doubled, moment) - held(checkpointed, moment)
+                              for moment in ("loss", "block")}
+    per_checkpointed = max(0.0, (checkpointed_per_token["loss"] - rest) / blocks)
+    in_block_checkpointed = checkpointed_per_token["block"] - (blocks - 1) * per_checkpointed
     tail = second["moments"]["tail"]
     return BlockActivations(saved=per_block / tokens_hidden, checkpointed=per_checkpointed / tokens_hidden,
                             outside=outside, logits=logits,
@@ -185,6 +186,7 @@ def terms_from_entry(entry: dict):
                             in_block_checkpointed=max(0.0, in_block_checkpointed) / tokens_hidden,
                             tail=max(0.0, per_token["tail"] - blocks * per_block) / tokens_hidden,
                             fixed_at_loss=fixed["loss"], fixed_in_block=fixed["block"], fixed_in_tail=fixed["tail"],
+                            fixed_in_block_checkpointed=held(checkpointed, "block") - checkpointed_per_token["block"],
                             tail_unsharded_params=_unsharded(tail, "params"),
                             tail_unsharded_grads=_unsharded(tail, "grads"),
                             measured=entry["measured"], rehearsed_seq_len=seq_len,
