@@ -71,7 +71,27 @@ def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, 
     assert abs(row.per_gpu.total - rehearsed) / rehearsed < 0.10, (row.per_gpu, document["rehearsal"], shape.measured)
     assert (row.per_gpu.total <= 80 * GiB * 0.9) == (rehearsed <= 80 * GiB * 0.9)  # the same verdict
     if model_type == "qwen3":
+        _generate_and_check_say_how(source, tmp_path)
         _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch)
+
+
+def _generate_and_check_say_how(source, tmp_path):
+    """``generate`` decides with the cached terms and says so, in the header too; so does ``check``."""
+    from fsdp_presets.check.findings import CheckContext
+    from fsdp_presets.check.lint import check_file, model_facts
+    from fsdp_presets.preset.emit_commands import LaunchHints
+    from fsdp_presets.preset.generate import render_files, write_files
+    from fsdp_presets.preset.request import PresetRequest
+
+    output = tmp_path / "preset.yaml"
+    files, preset = render_files(_profile(source), PresetRequest(model=source, gpus=8, seq_len=SEQ),
+                                 output=str(output), baseline_output=None, launch=LaunchHints())
+    assert preset.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), preset.memory_figures
+    assert preset.memory_plan.shape.measured is not None
+    assert "# memory figures: composed from a rehearsal" in files[str(output)]
+    write_files({output: files[str(output)]})
+    report, _ = check_file(output, context=CheckContext(model=model_facts(source)))
+    assert report.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), report.memory_figures
 
 
 def _profile(source):

@@ -57,6 +57,12 @@ class BlockActivations:
     """:attr:`fixed_in_block` under activation checkpointing."""
     fixed_in_tail: int = 0
     """Rehearsed, with :attr:`tail`: the same in the tail's backward."""
+    end: float | None = None
+    """Rehearsed: at the end of backward (the input embedding's), bytes per token and hidden unit
+    held besides the sharded state; None: not measured."""
+    fixed_at_end: int = 0
+    """With :attr:`end`: the bytes then that no micro-batch changes, gathered parameters and unsharded
+    gradients included (an output head tied to the embedding: its gradient and the embedding's)."""
     tail_unsharded_params: int = 0
     """With :attr:`tail`: bytes of unsharded parameters then (the tail kept gathered, and its
     all-gather's copy), which no GPU count or micro-batch changes."""
@@ -229,3 +235,11 @@ def mlp_width(profile: ModelProfile) -> int:
     """Widest MLP tensor per token: the intermediate size, times the experts each token visits."""
     return profile.dims.intermediate_size * max(1, profile.dims.num_experts_per_token)
 
+
+def end_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
+    """What the end of backward holds besides the sharded state, where rehearsed
+    (:attr:`BlockActivations.end`); None where not measured."""
+    family = block_activations(profile, shape)
+    if family.end is None:
+        return None
+    return max(0, math.ceil(_tokens_hidden(profile, shape, micro_batch) * family.end) + family.fixed_at_end)

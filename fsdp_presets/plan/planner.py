@@ -54,8 +54,8 @@ import dataclasses
 from fsdp_presets.arguments import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
-                                           block_activations, in_block_activation_bytes, logits_bytes, mlp_width,
-                                           tail_activation_bytes)
+                                           block_activations, end_bytes, in_block_activation_bytes, logits_bytes,
+                                           mlp_width, tail_activation_bytes)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
@@ -189,6 +189,12 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
             optimizer=state.optimizer, activations=tail,
             buffers=(gathered_at_loss - kept) * c + family.tail_unsharded_params
             + (0 if accumulated else family.tail_unsharded_grads) + accumulated))
+    end = end_bytes(profile, shape, micro_batch) if fsdp_version == 2 and name != "SHARD_GRAD_OP" else None
+    if end is not None:
+        # The end of backward as rehearsed for this model: a head tied to the embedding sums its
+        # gradient with the embedding's there (rehearsed: Command-R, 256k vocabulary).
+        moments.append(PerGpuBytes(params=state.params, grads=max(state.grads, grads), optimizer=state.optimizer,
+                                   activations=end, buffers=accumulated_at_end))
     return max(moments, key=lambda peak: peak.total)
 
 

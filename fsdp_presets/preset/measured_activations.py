@@ -40,7 +40,7 @@ CACHE_ENV = "FSDP_PRESETS_CACHE"
 """Where the cache lives (a folder), or ``off``."""
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
-CACHE_FORMAT = 5
+CACHE_FORMAT = 6
 """Bumped when what a cache entry holds changes (older entries are then ignored)."""
 REHEARSED_WORLD_SIZE = 8
 """Fake ranks of the rehearsal (activations do not depend on it; the shards stay small)."""
@@ -106,6 +106,11 @@ def _held(moment: dict[str, int]) -> int:
     return sum(count for name, count in moment.items() if name not in _EXCLUDED_CATEGORIES)
 
 
+def _besides_state(moment: dict[str, int]) -> int:
+    """What one moment holds besides the sharded state (gathered parameters and unsharded gradients too)."""
+    return sum(count for name, count in moment.items() if name not in ("params", "grads", "optimizer"))
+
+
 def _unsharded(moment: dict[str, int], name: str) -> int:
     return int(moment.get(f"unsharded {name}", 0))
 
@@ -130,7 +135,7 @@ def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = F
             result = rehearse(_layers(config, count), config_env(preset), world_size=REHEARSED_WORLD_SIZE,
                               seq_len=seq_len, micro_batch=micro_batch, iterations=1,
                               trust_remote_code=trust_remote_code)
-        missing = [moment for moment in ("loss", "tail", "block") if moment not in result.moments]
+        missing = [moment for moment in ("loss", "tail", "block", "embedding") if moment not in result.moments]
         if missing:
             raise ValueError(f"the rehearsal saw no {', '.join(missing)} moment in backward")
         runs.append({"blocks": count, "micro_batch": micro_batch, "checkpointing": checkpointing,
@@ -165,10 +170,11 @@ def terms_from_entry(entry: dict):
     blocks = first["blocks"]
 
     def held(run, moment):
-        return _held(run["moments"][moment])
+        return _held(run["moments"][moment]) if moment != "embedding" else _besides_state(run["moments"][moment])
 
     per_block = max(0, held(second, "loss") - held(first, "loss")) / (second["blocks"] - blocks)
-    per_token = {moment: held(doubled, moment) - held(first, moment) for moment in ("loss", "tail", "block")}
+    per_token = {moment: held(doubled, moment) - held(first, moment)
+                 for moment in ("loss", "tail", "block", "embedding")}
     fixed = {moment: held(first, moment) - per_token[moment] for moment in per_token}
     rest = max(0.0, per_token["loss"] - blocks * per_block)
     logits_bytes = seq_len * vocab * LOGITS_BYTES_AT_PEAK
@@ -185,6 +191,7 @@ def terms_from_entry(entry: dict):
                             in_block=max(0.0, per_token["block"] - (blocks - 1) * per_block) / tokens_hidden,
                             in_block_checkpointed=max(0.0, in_block_checkpointed) / tokens_hidden,
                             tail=max(0.0, per_token["tail"] - blocks * per_block) / tokens_hidden,
+                            end=max(0.0, per_token["embedding"]) / tokens_hidden, fixed_at_end=fixed["embedding"],
                             fixed_at_loss=fixed["loss"], fixed_in_block=fixed["block"], fixed_in_tail=fixed["tail"],
                             fixed_in_block_checkpointed=held(checkpointed, "block") - checkpointed_per_token["block"],
                             tail_unsharded_params=_unsharded(tail, "params"),
