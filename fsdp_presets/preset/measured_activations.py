@@ -9,14 +9,15 @@ writes for the model (the planner itself only composes the terms it is given). T
 (:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks, one step)
 runs the config five times (:data:`RUNS`): 2 and 3 blocks at micro-batch 1, 2 blocks at
 micro-batch 2, and 2 blocks under activation checkpointing at micro-batch 1 and 2, each at full
-width and the real sequence length, with the embedding and head. Each run records what it held at three moments of
-backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`): the loss's backward, the tail's (final
-norm, output head) and a block's. Besides model state and gathered parameters that is activations
-and temporaries: the difference between the 2- and 3-block runs is one block's saved activations
-(``saved``), the difference between micro-batches parts what grows with the tokens from what does
-not, the rest at the loss is the logits' loss tensors and what lives outside the blocks
-(``logits``, ``outside``), and the checkpointed run gives a checkpointed block (``checkpointed``)
-and a block's backward with its recomputation. These are the quantities
+width and the real sequence length, with the embedding and head. Each run records what it held at
+four moments of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`): the loss's backward, the
+tail's (final norm, output head), a block's and the end (the input embedding's). Besides model
+state and gathered parameters that is activations and temporaries: the difference between the 2-
+and 3-block runs is one block's saved activations (``saved``), the difference between
+micro-batches parts what grows with the tokens from what does not, the rest at the loss is the
+logits' loss tensors and what lives outside the blocks (``logits``, ``outside``), and the
+checkpointed runs give a checkpointed block (``checkpointed``) and a block's backward with its
+recomputation. These are the quantities
 :data:`~fsdp_presets.plan.activations.BLOCK_ACTIVATIONS` holds for the families measured by hand,
 now measured for every model. The planner scales them to any micro-batch, layer count, GPU count,
 strategy, accumulation and checkpointing setting.
