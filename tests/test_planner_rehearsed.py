@@ -88,7 +88,7 @@ def _generate_and_check_say_how(source, tmp_path):
                                  output=str(output), baseline_output=None, launch=LaunchHints())
     assert preset.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), preset.memory_figures
     assert preset.memory_plan.shape.measured is not None
-    assert "# memory figures: composed from a rehearsal" in files[str(output)]
+    assert "#   memory figures: composed from a rehearsal" in files[str(output)]
     write_files({output: files[str(output)]})
     report, _ = check_file(output, context=CheckContext(model=model_facts(source)))
     assert report.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), report.memory_figures
