@@ -4,7 +4,6 @@ config, exactly as a user launches them (fsdp_presets.enable_cpu_fsdp)."""
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import pytest

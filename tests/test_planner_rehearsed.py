@@ -2,7 +2,9 @@
 (fsdp_presets/preset/measured_activations.py) against a full rehearsal of the same config, on
 families the project keeps no constants for. Published configs, cut to 4 blocks and a 1024-token
 sequence so the suite stays fast: the planner composes per-block terms, so a 4-block model tests
-the composition as a 40-block one does (scripts/planner_accuracy.py runs full sizes)."""
+the composition as a 40-block one does (scripts/planner_accuracy.py runs full sizes). Each family
+is composed for another point of the grid (GPUs, micro-batch, accumulation, checkpointing) than
+the one its terms were rehearsed at."""
 
 from __future__ import annotations
 
@@ -11,7 +13,18 @@ import pytest
 from fsdp_harness.published_configs import FAMILIES, write_config
 from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
 
-LAYERS, SEQ, GPUS = 4, 1024, 8
+LAYERS, SEQ = 4, 1024
+COMPOSED = {
+    # model_type: (GPUs, micro-batch, accumulation, activation checkpointing) planned and rehearsed
+    "qwen3": (8, 1, 1, False), "starcoder2": (8, 1, 1, False), "olmo2": (8, 1, 1, False),
+    "deepseek_v2": (8, 1, 1, False),
+    "qwen3_moe": (64, 2, 1, True),  # mixture of experts (128), QK-norm
+    "gemma3_text": (8, 2, 1, False),  # sliding and full attention, a 262k vocabulary tied to the embedding
+    "cohere": (64, 1, 1, True),  # a 256k vocabulary, LayerNorm, attention and MLP in parallel
+    "granite": (16, 2, 1, True),  # GQA, embedding/residual/logit multipliers, tied head
+    "olmoe": (8, 1, 4, False),  # mixture of experts (64), QK-norm, under accumulation
+    "glm4": (64, 2, 4, True),  # GQA with 2 KV heads, partial rotary, attention biases
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +41,10 @@ def _model_folder(tmp_path, model_type):
     return write_config(tmp_path, model_type, layers=LAYERS)
 
 
+def test_every_published_family_is_tested():
+    assert sorted(COMPOSED) == sorted(FAMILIES)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, monkeypatch, model_type):
@@ -39,18 +56,42 @@ def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, 
 
     assert model_type not in BLOCK_ACTIVATIONS  # a family the planner had no constants for
     source = _model_folder(tmp_path, model_type)
-    shape, note = with_rehearsed_terms(source, TrainingShape(seq_len=SEQ))
+    gpus, micro_batch, accumulation, checkpointing = COMPOSED[model_type]
+    shape, note = with_rehearsed_terms(source, TrainingShape(seq_len=SEQ, micro_batch=micro_batch,
+                                                             grad_accum=accumulation,
+                                                             activation_checkpointing=checkpointing))
     assert note["source"] == "composed from a rehearsal", note
     assert list((rehearsal_cache / "activations").glob("*.json"))  # cached under the chosen folder
-    row = plan(_profile(source), Hardware(gpus=GPUS, gpu_memory_bytes=80 * GiB), shape).get("FULL_SHARD", 2)
+    row = plan(_profile(source), Hardware(gpus=gpus, gpu_memory_bytes=80 * GiB), shape).get("FULL_SHARD", 2)
     assert row.source == "composed from a rehearsal"
-    document, _, _ = rehearse_request(request_from_flags(source, gpus=GPUS, seq_len=SEQ, gpu_memory_gib=80),
-                                      source=source, preset_file=False)
+    request = request_from_flags(source, gpus=gpus, seq_len=SEQ, micro_batch=micro_batch, gpu_memory_gib=80,
+                                 activation_checkpointing="on" if checkpointing else "off")
+    document, _, _ = rehearse_request(request, source=source, preset_file=False, grad_accum=accumulation)
     rehearsed = document["rehearsal"]["per_gpu_peak_bytes"]
     assert abs(row.per_gpu.total - rehearsed) / rehearsed < 0.10, (row.per_gpu, document["rehearsal"], shape.measured)
     assert (row.per_gpu.total <= 80 * GiB * 0.9) == (rehearsed <= 80 * GiB * 0.9)  # the same verdict
     if model_type == "qwen3":
+        _generate_and_check_say_how(source, tmp_path)
         _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch)
+
+
+def _generate_and_check_say_how(source, tmp_path):
+    """``generate`` decides with the cached terms and says so, in the header too; so does ``check``."""
+    from fsdp_presets.check.findings import CheckContext
+    from fsdp_presets.check.lint import check_file, model_facts
+    from fsdp_presets.preset.emit_commands import LaunchHints
+    from fsdp_presets.preset.generate import render_files, write_files
+    from fsdp_presets.preset.request import PresetRequest
+
+    output = tmp_path / "preset.yaml"
+    files, preset = render_files(_profile(source), PresetRequest(model=source, gpus=8, seq_len=SEQ),
+                                 output=str(output), baseline_output=None, launch=LaunchHints())
+    assert preset.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), preset.memory_figures
+    assert preset.memory_plan.shape.measured is not None
+    assert "#   memory figures: composed from a rehearsal" in files[str(output)]
+    write_files({output: files[str(output)]})
+    report, _ = check_file(output, context=CheckContext(model=model_facts(source)))
+    assert report.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), report.memory_figures
 
 
 def _profile(source):

@@ -16,6 +16,7 @@ from fsdp_presets import cli
 from fsdp_presets.preset.emit import read_metadata, render_preset
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.request import PresetRequest, parse_global_batch
+from fsdp_presets.preset.generate import decide_with_rehearsed_terms
 from fsdp_presets.preset.presets import decide
 from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
@@ -309,7 +310,7 @@ def test_metadata_request_decides_the_same_preset_again():
     text = (CONFIGS / "llama-3.1-8b_2x8.yaml").read_text()
     metadata = read_metadata(text)
     request = PresetRequest.from_json(metadata["request"])
-    preset = decide(profile(request.model), request)
+    preset = decide_with_rehearsed_terms(profile(request.model), request)  # as generate decides
     assert preset.summary() == metadata["summary"]
     assert render_preset(preset, output="accelerate_configs/llama-3.1-8b_2x8.yaml",
                          baseline_output="accelerate_configs/llama-3.1-8b_2x8.ddp.yaml") == text

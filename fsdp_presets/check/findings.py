@@ -222,6 +222,9 @@ class CheckReport:
     """The file checked."""
     findings: list[Finding] = field(default_factory=list)
     """Every problem found, errors first."""
+    memory_figures: str | None = None
+    """How the memory rules' figures were obtained (composed from a rehearsal of the model, or
+    estimated, and from what); None where no memory rule ran."""
 
     @property
     def errors(self) -> list[Finding]:
@@ -248,7 +251,8 @@ class CheckReport:
 
     def to_json(self) -> dict:
         return {"path": self.path, "ok": self.ok, "errors": len(self.errors), "warnings": len(self.warnings),
-                "notes": len(self.notes), "infos": len(self.infos), "findings": [item.to_json() for item in self.findings]}
+                "notes": len(self.notes), "infos": len(self.infos), "memory_figures": self.memory_figures,
+                "findings": [item.to_json() for item in self.findings]}
 
 
 FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-memory", "async-save-host-memory",

@@ -48,6 +48,7 @@ import os
 from fsdp_presets.preset.accelerate_view import AccelerateRejected, AccelerateView, _whole, accelerate_view
 from fsdp_presets.check.findings import CheckContext, CheckReport, Finding, ModelFacts, _sorted, finding
 from fsdp_presets.check.rules_keys import lint_config  # noqa: F401
+from fsdp_presets.check.rules_memory import memory_figures
 from fsdp_presets.schema import FSDP_CONFIG, K, PARALLELISM_CONFIG, PARALLELISM_PREFIX, T, fsdp_where
 
 
@@ -134,6 +135,7 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
         drop = {superseded[rule] for rule in report.rules() & set(superseded)}
         report.findings = [item for item in report.findings if item.rule not in drop]
     report.findings = _sorted(report.findings)
+    report.memory_figures = memory_figures(config, context)
     return report, view
 
 

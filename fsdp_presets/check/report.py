@@ -125,6 +125,8 @@ def report_lines(report, view, facts, model_note, *, verbose: bool = False) -> l
             lines.append(f"  wrapping not proved: {probe.skipped}")
         elif probe is not None and not probe.error:
             lines.append(f"  accelerate's FSDP preparation of the model (fake process group): {probe.unit_summary()}")
+    if report.memory_figures:
+        lines.append(f"  memory figures: {report.memory_figures}")
     for item in report.findings:
         if item.severity == "info" and not verbose:
             continue

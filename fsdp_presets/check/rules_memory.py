@@ -3,6 +3,8 @@ view of the file on the GPUs and host RAM it is meant for)."""
 
 from __future__ import annotations
 
+import functools
+
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
@@ -11,7 +13,7 @@ from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.save_cost import staging_fit
 from fsdp_presets.preset.presets import full_state_dict_host_bytes
-from fsdp_presets.schema import K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
+from fsdp_presets.schema import FSDP_CONFIG, K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
 
 
 def lora_shape(context: CheckContext):
@@ -337,7 +339,33 @@ def _training_inputs(config, fsdp, context):
     shape = TrainingShape(seq_len=seq_len, micro_batch=micro_batch, precision=precision,
                           activation_checkpointing=checkpointing,
                           offload=bool(_boolean(fsdp.get(K.offload_params, False))), lora=lora)
+    if lora is None:
+        shape = shape.replace(measured=_own_terms(context.model.source, seq_len, precision)[0])
     return shape, _stated(shape, context), unknown
+
+
+@functools.lru_cache(maxsize=16)
+def _own_terms(source: str, seq_len: int, precision: str):
+    """``(terms or None, note)``: the model's activation terms from a short, cached rehearsal of its
+    config (:func:`fsdp_presets.preset.measured_activations.with_rehearsed_terms`)."""
+    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
+
+    shape, note = with_rehearsed_terms(source, TrainingShape(seq_len=seq_len, precision=precision))
+    return shape.measured, note
+
+
+def memory_figures(config, context: CheckContext) -> str | None:
+    """How the memory rules' figures for ``config`` are obtained: ``composed from a rehearsal`` of
+    the model (FSDP2) or ``estimated``, and from what; None where they do not run (no model, not
+    a GPU config)."""
+    if context.model is None or not isinstance(config, dict) or _device(config, context) != "gpu":
+        return None
+    fsdp = config.get(FSDP_CONFIG) if isinstance(config.get(FSDP_CONFIG), dict) else {}
+    shape = _training_inputs(config, fsdp, context)[0]
+    if shape.lora is not None:
+        return "estimated; LoRA/QLoRA terms from the family constants (rehearsals run full fine-tuning only)"
+    _, note = _own_terms(context.model.source, shape.seq_len, shape.precision)
+    return f"{note['source']}; {note['how']}"
 
 
 def _stated(shape, context) -> list[str]:

@@ -97,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--baseline-output {baseline_output} is the same file as -o {output}")
 
     profile = load_profile(request.model, trust_remote_code=args.trust_remote_code)
-    files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch)
+    files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch,
+                                 trust_remote_code=args.trust_remote_code)
     from fsdp_presets.check.lint import check_generated
 
     check_generated(files, device=request.device)

@@ -41,6 +41,34 @@ class BlockActivations:
     """Rehearsed, where a model peaks inside a block's backward (mixture-of-experts): bytes per
     token and hidden unit held there besides the other blocks' saved activations (that block's own
     activations and backward temporaries, what lives outside the blocks); None: not measured."""
+    in_block_checkpointed: float | None = None
+    """:attr:`in_block` under activation checkpointing (the block's recomputed activations
+    included); None: not measured."""
+    tail: float | None = None
+    """Rehearsed: in the backward of the modules after the blocks (final norm, output head), bytes
+    per token and hidden unit held besides the blocks' saved activations (the logits' loss tensors
+    are freed by then); None: not measured (the planner then has no such moment)."""
+    fixed_at_loss: int = 0
+    """Rehearsed: bytes at the loss's backward that no micro-batch changes (besides the terms above)."""
+    fixed_in_block: int = 0
+    """Rehearsed, with :attr:`in_block`: bytes in a block's backward that no micro-batch changes (an
+    output head tied to the embedding keeps its gradient until the embedding's backward)."""
+    fixed_in_block_checkpointed: int = 0
+    """:attr:`fixed_in_block` under activation checkpointing."""
+    fixed_in_tail: int = 0
+    """Rehearsed, with :attr:`tail`: the same in the tail's backward."""
+    end: float | None = None
+    """Rehearsed: at the end of backward (the input embedding's), bytes per token and hidden unit
+    held besides the sharded state; None: not measured."""
+    fixed_at_end: int = 0
+    """With :attr:`end`: the bytes then that no micro-batch changes, gathered parameters and unsharded
+    gradients included (an output head tied to the embedding: its gradient and the embedding's)."""
+    tail_unsharded_params: int = 0
+    """With :attr:`tail`: bytes of unsharded parameters then (the tail kept gathered, and its
+    all-gather's copy), which no GPU count or micro-batch changes."""
+    tail_unsharded_grads: int = 0
+    """With :attr:`tail`: bytes of unsharded gradients then (the output head's, before its
+    reduce-scatter)."""
 
 
 _REHEARSED = "fsdp-presets rehearse model_configs/{model} --gpus 8 --seq-len {seq} (FULL_SHARD, bf16, micro-batch 1) "
@@ -167,7 +195,7 @@ def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: i
     blocks = profile.dims.num_layers * (
         math.ceil(tokens_hidden * per_block) if shape.activation_checkpointing
         else activation_bytes_per_layer(profile, shape, b))
-    return blocks + math.ceil(tokens_hidden * family.outside) + logits_bytes(profile, shape, b)
+    return blocks + math.ceil(tokens_hidden * family.outside) + logits_bytes(profile, shape, b) + family.fixed_at_loss
 
 
 
@@ -176,15 +204,42 @@ def in_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro
     (:attr:`BlockActivations.in_block`): the other blocks' saved activations plus what that block
     holds. None where not measured (the planner then adds its estimate of the block's temporaries)."""
     family = block_activations(profile, shape)
-    if family.in_block is None:
+    own = family.in_block_checkpointed if shape.activation_checkpointing else family.in_block
+    if family.in_block is None or own is None:
         return None
     tokens_hidden = _tokens_hidden(profile, shape, micro_batch)
-    others = (math.ceil(tokens_hidden * family.checkpointed) if shape.activation_checkpointing
-              else activation_bytes_per_layer(profile, shape, micro_batch))
-    return max(0, profile.dims.num_layers - 1) * others + math.ceil(tokens_hidden * family.in_block)
+    return max(0, max(0, profile.dims.num_layers - 1) * _saved_per_block(profile, shape, micro_batch)
+               + math.ceil(tokens_hidden * own)
+               + (family.fixed_in_block_checkpointed if shape.activation_checkpointing else family.fixed_in_block))
+
+
+def tail_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
+    """Activations and temporaries in the backward of the tail (final norm, output head), where
+    rehearsed (:attr:`BlockActivations.tail`): every block's saved activations and what the
+    rehearsal held besides them. None where not measured."""
+    family = block_activations(profile, shape)
+    if family.tail is None:
+        return None
+    return max(0, profile.dims.num_layers * _saved_per_block(profile, shape, micro_batch)
+               + math.ceil(_tokens_hidden(profile, shape, micro_batch) * family.tail) + family.fixed_in_tail)
+
+
+def _saved_per_block(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
+    """One block's saved activations, checkpointed or not."""
+    if shape.activation_checkpointing:
+        return math.ceil(_tokens_hidden(profile, shape, micro_batch) * block_activations(profile, shape).checkpointed)
+    return activation_bytes_per_layer(profile, shape, micro_batch)
 
 
 def mlp_width(profile: ModelProfile) -> int:
     """Widest MLP tensor per token: the intermediate size, times the experts each token visits."""
     return profile.dims.intermediate_size * max(1, profile.dims.num_experts_per_token)
 
+
+def end_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
+    """What the end of backward holds besides the sharded state, where rehearsed
+    (:attr:`BlockActivations.end`); None where not measured."""
+    family = block_activations(profile, shape)
+    if family.end is None:
+        return None
+    return max(0, math.ceil(_tokens_hidden(profile, shape, micro_batch) * family.end) + family.fixed_at_end)

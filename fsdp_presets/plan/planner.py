@@ -54,7 +54,8 @@ import dataclasses
 from fsdp_presets.plan.limits import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
-                                           in_block_activation_bytes, logits_bytes, mlp_width)
+                                           block_activations, end_bytes, in_block_activation_bytes, logits_bytes,
+                                           mlp_width, tail_activation_bytes)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
@@ -147,6 +148,12 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     # In a block's backward the units reduced before it (the tail, the block after it) already
     # hold their fp32 gradient shards (measured: 0.74 GiB for Mixtral-8x7B at 8 GPUs).
     reduced_shards = grads or (state.grads * (largest + kept) // total if total else 0)
+    # Under no_sync the last micro-batch reduces each unit's accumulated gradients after its
+    # backward and frees them: in a block's backward those of the units reduced before it are gone,
+    # at the end of backward all but the unit in backward (rehearsed: Qwen3 at 8 GPUs, micro-batch 1
+    # x 4 under checkpointing peaks at the loss, not later in backward with every gradient held).
+    accumulated_in_block = accumulated - (accumulated * (largest + kept) // total if total else 0)
+    accumulated_at_end = accumulated * largest // total if total else 0
     at_loss = PerGpuBytes(params=state.params, grads=grads, optimizer=state.optimizer, activations=activations,
                           buffers=gathered_at_loss * c + accumulated)
     # Under activation checkpointing the block in backward first recomputes its full activations.
@@ -159,7 +166,7 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     in_block = PerGpuBytes(params=state.params, grads=reduced_shards, optimizer=state.optimizer,
                            activations=own if own is not None else activations - logits_bytes(profile, shape, micro_batch)
                            + recomputed + block_temporaries,
-                           buffers=(gathered_in_block - tail_resharded) * c + largest * c + accumulated)
+                           buffers=(gathered_in_block - tail_resharded) * c + largest * c + accumulated_in_block)
     # The end of backward: every gradient shard exists (the backward of the embedding, with the
     # last blocks gathered). Sharded states dominate here when they are large beside the
     # activations: fused experts over more ranks than experts (rehearsed: Mixtral-8x7B at 32
@@ -168,8 +175,27 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     at_end = PerGpuBytes(params=state.params, grads=max(state.grads, grads), optimizer=state.optimizer,
                          activations=recomputed + block_temporaries,
                          buffers=(gathered_in_block - (kept if name != "SHARD_GRAD_OP" else 0)) * c + largest * c
-                         + accumulated)
-    return max(at_loss, in_block, at_end, key=lambda peak: peak.total)
+                         + accumulated_at_end)
+    moments = [at_loss, in_block, at_end]
+    tail = tail_activation_bytes(profile, shape, micro_batch) if fsdp_version == 2 else None
+    if tail is not None:
+        # The tail's backward, where rehearsed for this model (block_activations): the logits' loss
+        # tensors are freed, the blocks' activations not yet, and the tail is gathered twice over
+        # with its unsharded gradients (accumulated ones already counted under no_sync).
+        # The tail's own gradient shards exist by then (its reduce-scatter is done).
+        family = block_activations(profile, shape)
+        moments.append(PerGpuBytes(
+            params=state.params, grads=grads or (state.grads * kept // total if total else 0),
+            optimizer=state.optimizer, activations=tail,
+            buffers=(gathered_at_loss - kept) * c + family.tail_unsharded_params
+            + (0 if accumulated else family.tail_unsharded_grads) + accumulated))
+    end = end_bytes(profile, shape, micro_batch) if fsdp_version == 2 and name != "SHARD_GRAD_OP" else None
+    if end is not None:
+        # The end of backward as rehearsed for this model: a head tied to the embedding sums its
+        # gradient with the embedding's there (rehearsed: Command-R, 256k vocabulary).
+        moments.append(PerGpuBytes(params=state.params, grads=max(state.grads, grads), optimizer=state.optimizer,
+                                   activations=end, buffers=accumulated_at_end))
+    return max(moments, key=lambda peak: peak.total)
 
 
 def offloads(shape: TrainingShape, name: str) -> bool:

@@ -168,6 +168,9 @@ class Preset:
     """The planner's row of the chosen strategy."""
     notes: tuple[str, ...] = ()
     """Adjustments made to the request (capped sequence length, rounded batch) and warnings."""
+    memory_figures: str = ""
+    """How the planner's figures were obtained (composed from a rehearsal of this model, or
+    estimated) and from what: :func:`fsdp_presets.preset.generate.decide_with_rehearsed_terms`."""
 
     @property
     def device(self) -> str:

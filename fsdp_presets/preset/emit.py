@@ -286,6 +286,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         f"{_device_word(preset)} sends per optimizer step; * = this preset:",
         *_wrapped(_hardware_line(preset), first="#   ", rest="#   "),
         *_planner_table(preset, mark=(preset.row.name, preset.row.fsdp_version)),
+        *_wrapped(f"memory figures: {preset.memory_figures}", first="#   ", rest="#   "),
         *_rehearsed_lines(preset, output),
         "#",
         "# Decisions:",

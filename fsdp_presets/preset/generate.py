@@ -170,18 +170,35 @@ def stored_launch(old: dict) -> dict[str, str]:
 # --------------------------------------------------------------------------- rendering
 
 
-def render_files(profile, request, *, output: str, baseline_output: str | None, launch):
+def render_files(profile, request, *, output: str, baseline_output: str | None, launch,
+                 trust_remote_code: bool = False):
     """``({path: text}, preset)``: decide and render, nothing written (the caller checks the texts
     with :func:`fsdp_presets.check.lint.check_generated` before writing them)."""
     from fsdp_presets.preset.emit import render_ddp_baseline, render_preset
-    from fsdp_presets.preset.presets import decide
 
-    preset = decide(profile, request)
+    preset = decide_with_rehearsed_terms(profile, request, trust_remote_code=trust_remote_code)
     files = {output: render_preset(preset, output=output, baseline_output=baseline_output, launch=launch)}
     if baseline_output is not None:
         files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
                                                      launch=launch)
     return files, preset
+
+
+def decide_with_rehearsed_terms(profile, request, *, trust_remote_code: bool = False):
+    """The preset of ``request``, its memory composed from a short, cached rehearsal of the model's
+    own config where one runs (:func:`fsdp_presets.preset.measured_activations.with_rehearsed_terms`;
+    decided again with those terms), else estimated from the family constants; its
+    ``memory_figures`` says which."""
+    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
+    from fsdp_presets.preset.presets import decide
+
+    preset = decide(profile, request)
+    shape, note = with_rehearsed_terms(request.model, preset.memory_plan.shape, trust_remote_code=trust_remote_code)
+    if shape.measured is not None:
+        preset = decide(profile, request, measured=shape.measured)
+    source = preset.row.source
+    how = note["how"] if source == note["source"] else f"{preset.row.label} from the family constants"
+    return dataclasses.replace(preset, memory_figures=f"{source}; {how}")
 
 
 # --------------------------------------------------------------------------- writing
@@ -222,6 +239,7 @@ def generated_lines(preset, *, output: str, baseline_output: str | None, launch_
                  f"{'on' if summary['activation_checkpointing'] else 'off'}, offload "
                  f"{'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
                  f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
+    lines.append(f"memory figures: {preset.memory_figures}")
     if baseline_output:
         lines.append(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
     lines += [f"note: {note}" for note in preset.notes]

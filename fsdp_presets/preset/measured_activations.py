@@ -6,15 +6,21 @@ and cached on disk::
 
 It lives with the presets because the rehearsal runs the accelerate config a preset decision
 writes for the model (the planner itself only composes the terms it is given). The rehearsal
-(:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks,
-micro-batch 1, one step) runs the config twice, with 1 and 2 blocks at full width and the real
-sequence length, embedding and head. At the peak (the loss's backward) what is neither model
-state nor gathered parameters is activations and temporaries; the difference between the two
-runs is one block's saved activations (``saved``), the rest with one block taken off is the
-logits' loss tensors and what lives outside the blocks (``logits``, ``outside``). These are the
-same quantities :data:`~fsdp_presets.plan.activations.BLOCK_ACTIVATIONS` holds for the families
-measured by hand ("with N and 2 layers"), now measured for every model. The planner scales them
-to any micro-batch, layer count, GPU count, strategy, accumulation and checkpointing setting.
+(:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks, one step)
+runs the config five times (:data:`RUNS`): 2 and 3 blocks at micro-batch 1, 2 blocks at
+micro-batch 2, and 2 blocks under activation checkpointing at micro-batch 1 and 2, each at full
+width and the real sequence length, with the embedding and head. Each run records what it held at
+four moments of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`): the loss's backward, the
+tail's (final norm, output head), a block's and the end (the input embedding's). Besides model
+state and gathered parameters that is activations and temporaries: the difference between the 2-
+and 3-block runs is one block's saved activations (``saved``), the difference between
+micro-batches parts what grows with the tokens from what does not, the rest at the loss is the
+logits' loss tensors and what lives outside the blocks (``logits``, ``outside``), and the
+checkpointed runs give a checkpointed block (``checkpointed``) and a block's backward with its
+recomputation. These are the quantities
+:data:`~fsdp_presets.plan.activations.BLOCK_ACTIVATIONS` holds for the families measured by hand,
+now measured for every model. The planner scales them to any micro-batch, layer count, GPU count,
+strategy, accumulation and checkpointing setting.
 
 The cache: one JSON file per config, sequence length and precision (and torch/transformers
 versions) under ``$FSDP_PRESETS_CACHE`` when set, else ``$XDG_CACHE_HOME/fsdp-presets`` (else
@@ -35,13 +41,14 @@ CACHE_ENV = "FSDP_PRESETS_CACHE"
 """Where the cache lives (a folder), or ``off``."""
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
-CACHE_FORMAT = 3
+CACHE_FORMAT = 6
 """Bumped when what a cache entry holds changes (older entries are then ignored)."""
 REHEARSED_WORLD_SIZE = 8
 """Fake ranks of the rehearsal (activations do not depend on it; the shards stay small)."""
-FIRST_BLOCK_COUNTS = (2, 3)
-"""Blocks of the first two rehearsals (2, not 1: a model whose first block differs, DeepSeek's dense
-first layers, keeps it in both, and the difference is a repeated block)."""
+RUNS = ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True), (2, 2, True))
+"""The rehearsals, as (blocks, micro-batch, activation checkpointing): 2 blocks, not 1, so that a
+model whose first block differs (DeepSeek's dense first layers) keeps it in every run and the
+difference is a repeated block."""
 OUTSIDE_ESTIMATE = 8.13
 """Bytes per token and hidden unit outside the blocks where no run measured them (the families'
 measured value, :data:`fsdp_presets.plan.activations.BLOCK_ACTIVATIONS`)."""
@@ -95,74 +102,102 @@ def _layers(config, count: int):
     return truncated
 
 
-def _peaks_in_a_block(where: str) -> bool:
-    """Whether a rehearsal's peak is past the loss's backward, in backward (the op decides: the
-    module names torch's tracker reports are not reliable inside nested FSDP units)."""
-    at_loss = any(mark in where for mark in ("_log_softmax_backward", "nll_loss", "lm_head"))
-    return where.startswith("backward") and not at_loss
+def _held(moment: dict[str, int]) -> int:
+    """Activations and temporaries of one moment of a rehearsal (:attr:`Rehearsal.moments`)."""
+    return sum(count for name, count in moment.items() if name not in _EXCLUDED_CATEGORIES)
+
+
+def _besides_state(moment: dict[str, int]) -> int:
+    """What one moment holds besides the sharded state (gathered parameters and unsharded gradients too)."""
+    return sum(count for name, count in moment.items() if name not in ("params", "grads", "optimizer"))
+
+
+def _unsharded(moment: dict[str, int], name: str) -> int:
+    return int(moment.get(f"unsharded {name}", 0))
 
 
 def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = False) -> dict:
-    """Rehearse ``config`` with 2 and 3 blocks (see the module notes; with 4 too where the peaks of
-    those two are not in the same place) and return the cache entry: bytes at micro-batch 1."""
+    """Rehearse ``config`` as :data:`RUNS` says (see the module notes) and return the cache entry:
+    what each run held at each moment of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`)."""
     from fsdp_presets.rehearse.rehearsal import rehearse
     from fsdp_presets.preset.rehearse_request import config_env, decide_unchecked, request_from_flags
     from fsdp_presets.model.model_loading import build_meta_model
     from fsdp_presets.model.profile import profile_module
 
     profile = profile_module(build_meta_model(_layers(config, 2), trust_remote_code=trust_remote_code))
-    request = request_from_flags("rehearsed-config", gpus=REHEARSED_WORLD_SIZE, seq_len=seq_len,
-                                 precision=precision, strategy="full")
-    preset, _ = decide_unchecked(profile, request)
-    env = config_env(preset)
     runs, seconds = [], 0.0
-    for count in FIRST_BLOCK_COUNTS + (FIRST_BLOCK_COUNTS[-1] + 1,):
-        if len(runs) == len(FIRST_BLOCK_COUNTS) and runs[0]["in_block"] == runs[1]["in_block"]:
-            break
+    for count, micro_batch, checkpointing in RUNS:
+        request = request_from_flags("rehearsed-config", gpus=REHEARSED_WORLD_SIZE, seq_len=seq_len,
+                                     precision=precision, strategy="full",
+                                     activation_checkpointing="on" if checkpointing else "off")
+        preset, _ = decide_unchecked(profile, request)
         with warnings.catch_warnings():  # accelerate's thread-count and torch's module-tracker advice: noise here
             warnings.simplefilter("ignore", UserWarning)
-            result = rehearse(_layers(config, count), env, world_size=REHEARSED_WORLD_SIZE, seq_len=seq_len,
-                              micro_batch=1, iterations=1, trust_remote_code=trust_remote_code)
-        held = sum(value for name, value in result.peak_by_category.items() if name not in _EXCLUDED_CATEGORIES)
-        runs.append({"blocks": count, "held": held, "in_block": _peaks_in_a_block(result.peak_where),
+            result = rehearse(_layers(config, count), config_env(preset), world_size=REHEARSED_WORLD_SIZE,
+                              seq_len=seq_len, micro_batch=micro_batch, iterations=1,
+                              trust_remote_code=trust_remote_code)
+        missing = [moment for moment in ("loss", "tail", "block", "embedding") if moment not in result.moments]
+        if missing:
+            raise ValueError(f"the rehearsal saw no {', '.join(missing)} moment in backward")
+        runs.append({"blocks": count, "micro_batch": micro_batch, "checkpointing": checkpointing,
+                     "moments": result.moments,
                      "where": result.peak_where})
         seconds += result.seconds
-    first, last = runs[-2], runs[-1]
-    per_block = max(0, last["held"] - first["held"])
     return {"format": CACHE_FORMAT, "seq_len": seq_len, "precision": precision,
             "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
-            "per_block": per_block, "runs": runs, "seconds": round(seconds, 1),
-            "measured": f"rehearsed with {', '.join(str(run['blocks']) for run in runs)} blocks (FSDP2 FULL_SHARD, "
-                        f"{precision}, seq {seq_len}, micro-batch 1): activations and temporaries "
-                        f"{', '.join(str(run['held']) for run in runs)} bytes at the peaks"}
+            "runs": runs, "seconds": round(seconds, 1),
+            "measured": f"rehearsed with {', '.join(_run_text(*run) for run in RUNS)} (FSDP2 FULL_SHARD, "
+                        f"{precision}, seq {seq_len}): activations and temporaries at the loss's backward "
+                        f"{', '.join(str(_held(run['moments']['loss'])) for run in runs)} bytes"}
+
+
+def _run_text(blocks: int, micro_batch: int, checkpointing: bool) -> str:
+    return f"{blocks} blocks at micro-batch {micro_batch}" + (" checkpointed" if checkpointing else "")
 
 
 def terms_from_entry(entry: dict):
-    """The :class:`~fsdp_presets.plan.activations.BlockActivations` of a cache entry: ``saved`` from
-    the difference per block; ``outside``/``logits`` from a run that peaked at the loss, ``in_block``
-    from one that peaked inside a block (the family estimates where no run did)."""
+    """The :class:`~fsdp_presets.plan.activations.BlockActivations` of a cache entry (runs as
+    :data:`RUNS`). Each moment of backward holds bytes that grow with the tokens and bytes that do
+    not (an output head's gradient held through backward, where it is tied to the embedding): the
+    runs at micro-batch 1 and 2 part them. At the loss's backward: ``saved`` from the difference
+    per block, ``outside``/``logits`` from the rest, ``checkpointed`` from the checkpointed run less
+    that rest; in a block's backward (``in_block``, ``in_block_checkpointed``) and the tail's
+    (``tail``) what is held besides the blocks' activations."""
     from fsdp_presets.plan.activations import LOGITS_BYTES_AT_PEAK, BlockActivations
 
     seq_len, hidden, vocab = entry["seq_len"], entry["hidden_size"], entry["vocab_size"]
-    compute_bytes = 4 if entry["precision"] == "fp32" else 2
-    tokens_hidden = seq_len * hidden * compute_bytes / 2
-    per_block = entry["per_block"]
-    at_loss = [run for run in entry["runs"] if not run["in_block"]]
-    in_block = [run for run in entry["runs"] if run["in_block"]]
-    logits, outside = float(LOGITS_BYTES_AT_PEAK), OUTSIDE_ESTIMATE
-    if at_loss:
-        rest = max(0, at_loss[-1]["held"] - at_loss[-1]["blocks"] * per_block)
-        logits_bytes = seq_len * vocab * LOGITS_BYTES_AT_PEAK
-        if rest >= logits_bytes:
-            outside = (rest - logits_bytes) / tokens_hidden
-        else:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
-            logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
-    own = None
-    if in_block:
-        run = in_block[-1]
-        own = max(0, run["held"] - (run["blocks"] - 1) * per_block) / tokens_hidden
-    return BlockActivations(saved=per_block / tokens_hidden, checkpointed=2.0, outside=outside, logits=logits,
-                            in_block=own, measured=entry["measured"], rehearsed_seq_len=seq_len,
+    tokens_hidden = seq_len * hidden * (4 if entry["precision"] == "fp32" else 2) / 2
+    first, second, doubled, checkpointed, checkpointed_doubled = entry["runs"]
+    blocks = first["blocks"]
+
+    def held(run, moment):
+        return _held(run["moments"][moment]) if moment != "embedding" else _besides_state(run["moments"][moment])
+
+    per_block = max(0, held(second, "loss") - held(first, "loss")) / (second["blocks"] - blocks)
+    per_token = {moment: held(doubled, moment) - held(first, moment)
+                 for moment in ("loss", "tail", "block", "embedding")}
+    fixed = {moment: held(first, moment) - per_token[moment] for moment in per_token}
+    rest = max(0.0, per_token["loss"] - blocks * per_block)
+    logits_bytes = seq_len * vocab * LOGITS_BYTES_AT_PEAK
+    logits, outside = float(LOGITS_BYTES_AT_PEAK), (rest - logits_bytes) / tokens_hidden
+    if rest < logits_bytes:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
+        logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
+    checkpointed_per_token = {moment: held(checkpointed_doubled, moment) - held(checkpointed, moment)
+                              for moment in ("loss", "block")}
+    per_checkpointed = max(0.0, (checkpointed_per_token["loss"] - rest) / blocks)
+    in_block_checkpointed = checkpointed_per_token["block"] - (blocks - 1) * per_checkpointed
+    tail = second["moments"]["tail"]
+    return BlockActivations(saved=per_block / tokens_hidden, checkpointed=per_checkpointed / tokens_hidden,
+                            outside=outside, logits=logits,
+                            in_block=max(0.0, per_token["block"] - (blocks - 1) * per_block) / tokens_hidden,
+                            in_block_checkpointed=max(0.0, in_block_checkpointed) / tokens_hidden,
+                            tail=max(0.0, per_token["tail"] - blocks * per_block) / tokens_hidden,
+                            end=max(0.0, per_token["embedding"]) / tokens_hidden, fixed_at_end=fixed["embedding"],
+                            fixed_at_loss=fixed["loss"], fixed_in_block=fixed["block"], fixed_in_tail=fixed["tail"],
+                            fixed_in_block_checkpointed=held(checkpointed, "block") - checkpointed_per_token["block"],
+                            tail_unsharded_params=_unsharded(tail, "params"),
+                            tail_unsharded_grads=_unsharded(tail, "grads"),
+                            measured=entry["measured"], rehearsed_seq_len=seq_len,
                             rehearsed_precision=entry["precision"])
 
 

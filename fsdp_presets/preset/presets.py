@@ -45,8 +45,10 @@ __all__ = ["decide", "full_state_dict_host_bytes"]
 # --------------------------------------------------------------------------- deciding
 
 
-def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
-    """The preset for ``profile`` on the layout of ``request``; UsageError when it cannot be made."""
+def decide(profile: ModelProfile, request: PresetRequest, *, measured=None) -> Preset:
+    """The preset for ``profile`` on the layout of ``request``; UsageError when it cannot be made.
+    ``measured``: the model's own activation terms
+    (:func:`fsdp_presets.preset.measured_activations.with_rehearsed_terms`), else the family's."""
     notes: list[str] = []
     seq_len = _seq_len(profile, request, notes)
     hardware = request.hardware
@@ -87,7 +89,7 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
         for name in candidates:
             for reduce_every in reductions:
                 for ac in checkpointing:
-                    shape = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=needed_micro,
+                    shape = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=needed_micro,
                                           precision=precision.planner_precision, activation_checkpointing=ac,
                                           offload=offload, grad_accum=2 if accumulating else 1,
                                           reduce_every_micro_batch=reduce_every)
@@ -107,13 +109,13 @@ def decide(profile: ModelProfile, request: PresetRequest) -> Preset:
             break
     if found is None:
         raise UsageError(_nothing_fits(profile, request, hardware, seq_len, precision, candidates, checkpointing,
-                                       offloading, needed_micro, host_short))
+                                       offloading, needed_micro, host_short, measured=measured))
     name, ac, offload, reduce_every, row = found
 
     micro = request.micro_batch or max(d for d in _divisors(per_rank) if d <= row.max_micro_batch)
     accumulation = per_rank // micro
     reduce_every = reduce_every and accumulation > 1
-    final_shape = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
+    final_shape = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
                                 activation_checkpointing=ac, offload=offload, grad_accum=accumulation,
                                 reduce_every_micro_batch=reduce_every)
     memory_plan = plan(profile, hardware, final_shape)
@@ -242,8 +244,8 @@ def _layout(request: PresetRequest) -> str:
 
 
 def _nothing_fits(profile, request, hardware, seq_len, precision, candidates, checkpointing, offloading,
-                  needed_micro, host_short) -> str:
-    widest = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=needed_micro, precision=precision.planner_precision,
+                  needed_micro, host_short, *, measured=None) -> str:
+    widest = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=needed_micro, precision=precision.planner_precision,
                            activation_checkpointing=checkpointing[-1], offload=offloading[-1])
     memory_plan = plan(profile, hardware, widest)
     tried = " or ".join(f"{name} (FSDP{request.fsdp_version})" for name in candidates)
@@ -265,7 +267,7 @@ def _nothing_fits(profile, request, hardware, seq_len, precision, candidates, ch
     if request.strategy != "auto" and fitting_other is not None and fitting_other.name != "DDP":
         message += f"; {fitting_other.label} would fit (--strategy {_flag_for(fitting_other.name)})"
     suggestions = memory_plan.suggestions or plan(
-        profile, hardware, TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=needed_micro,
+        profile, hardware, TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=needed_micro,
                                          precision=precision.planner_precision,
                                          activation_checkpointing=True, offload=request.device != "cpu")).suggestions
     if suggestions:

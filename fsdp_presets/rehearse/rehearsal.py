@@ -254,6 +254,11 @@ def _tracker_class():
         the rank's peak (not each module's)."""
 
         peak_where = ""
+        root_name = ""
+        block_names: tuple[str, ...] = ()
+        embedding_name = ""
+        moment = ""
+        moments: dict[str, tuple[int, dict]] = {}
 
         def _update_peak_stats(self, peak_state) -> None:
             # torch's version also walks every module tracked so far, on every op, to keep each
@@ -273,7 +278,32 @@ def _tracker_class():
                 parents = [name for name in self._mod_tracker.parents if name != "Global"]
                 phase = "optimizer step" if self._in_opt else ("backward" if self._mod_tracker.is_bw else "forward")
                 self.peak_where = f"{phase}, in {parents[-1] if parents else 'the top level'} ({func})"
+            if self.root_name and not self._in_opt:
+                self._remember_moment()
             return result
+
+        def _remember_moment(self) -> None:
+            """Each moment of backward (:data:`MOMENTS`) where what it holds besides the sharded state
+            is highest. Backward goes through them in order; a forward through the input embedding
+            starts again (the recomputation under activation checkpointing never runs it)."""
+            parents = [name for name in self._mod_tracker.parents if name not in ("Global", self.root_name)]
+            in_embedding = bool(self.embedding_name) and any(name.startswith(self.embedding_name) for name in parents)
+            if not self._mod_tracker.is_bw:  # forward, or a block's recomputation inside backward
+                if in_embedding:
+                    self.moment = ""
+                if not self.moment:
+                    return
+            else:
+                order = tuple(MOMENTS)
+                reached = "embedding" if in_embedding else "block" if any(
+                    name.startswith(self.block_names) for name in parents) else "tail" if parents else "loss"
+                if not self.moment or order.index(reached) > order.index(self.moment):
+                    self.moment = reached
+            for snap in self._curr_mem_snap.values():
+                held = sum(count for reftype, count in snap.items() if reftype != "Total" and
+                           CATEGORIES.get(str(getattr(reftype, "value", reftype))) not in _SHARDED_STATE)
+                if held > self.moments.get(self.moment, (-1, None))[0]:
+                    self.moments[self.moment] = (held, dict(snap))
 
     return _RehearsalTracker
 
@@ -296,6 +326,16 @@ CATEGORIES = {
     "Inputs": "temporaries",
 }
 """How the tracker's categories are shown."""
+_SHARDED_STATE = ("params", "grads", "optimizer")
+
+MOMENTS = {
+    "loss": "the loss's backward, before any module's (the logits' fp32 loss tensors live)",
+    "tail": "the backward of the modules after the blocks (final norm, output head), before any block's",
+    "block": "a block's backward (the blocks are the FSDP units that hold modules of their own)",
+    "embedding": "the input embedding's backward, the end of backward",
+}
+"""The moments of backward :attr:`Rehearsal.moments` holds, each where it holds the most besides the
+sharded state."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -315,6 +355,9 @@ class Rehearsal:
     units: int = 0
     """FSDP units accelerate built."""
     notes: list[str] = field(default_factory=list)
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per moment of backward (:data:`MOMENTS`), what rank 0 held where it held the most besides
+    its sharded state, split as :attr:`peak_by_category` is."""
 
     def to_json(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "peak_by_category": dict(self.peak_by_category),
@@ -384,6 +427,12 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
                 input_ids = torch.randint(0, vocab, (micro_batch, seq_len))
                 labels = input_ids.clone()
             tracker = _tracker_class()(model, getattr(optimizer, "optimizer", optimizer))
+            tracker.root_name, tracker.moments = type(model).__name__, {}
+            embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            tracker.embedding_name = next((f"{type(model).__name__}.{name}" for name, module in model.named_modules()
+                                           if name and module is embedding), "")
+            tracker.block_names = tuple(f"{type(model).__name__}.{name}" for name, module in model.named_modules()
+                                        if name and isinstance(module, FSDPModule) and next(module.children(), None))
             tracker.track_inputs((input_ids, labels))
             model.train()
             with fake.fake_mode, tracker:
@@ -402,20 +451,27 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
                     optimizer.zero_grad(set_to_none=True)
             snapshot = tracker.get_tracker_snapshot("peak")
             device_snapshot = max(snapshot.values(), key=lambda values: values.get("Total", 0))
-            by_category: dict[str, int] = {}
-            for reftype, count in device_snapshot.items():
-                if reftype == "Total":
-                    continue
-                name = CATEGORIES.get(str(getattr(reftype, "value", reftype)), str(reftype))
-                by_category[name] = by_category.get(name, 0) + int(count)
+            by_category = _by_category(device_snapshot)
             peak = int(device_snapshot.get("Total", sum(by_category.values())))
             where = tracker.peak_where
+            moments = {moment: _by_category(snap) for moment, (_, snap) in tracker.moments.items()}
             del model, optimizer, tracker
     finally:
         restore_propagation()
     return Rehearsal(peak_bytes=peak, peak_by_category=by_category, peak_where=where, iterations=iterations,
-                     seconds=time.perf_counter() - started, units=units)
+                     seconds=time.perf_counter() - started, units=units, moments=moments)
 
 
-__all__ = ["CATEGORIES", "FAKE_RUN_OVERRIDES", "FakeAccelerate", "Rehearsal", "causal_lm_summed_loss",
+def _by_category(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot (reference type -> bytes) split as :data:`CATEGORIES` names."""
+    by_category: dict[str, int] = {}
+    for reftype, count in snapshot.items():
+        if reftype == "Total":
+            continue
+        name = CATEGORIES.get(str(getattr(reftype, "value", reftype)), str(reftype))
+        by_category[name] = by_category.get(name, 0) + int(count)
+    return by_category
+
+
+__all__ = ["CATEGORIES", "FAKE_RUN_OVERRIDES", "MOMENTS", "FakeAccelerate", "Rehearsal", "causal_lm_summed_loss",
            "fake_accelerate", "rehearse"]
