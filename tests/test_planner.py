@@ -214,6 +214,24 @@ def test_max_micro_batch_is_the_largest_that_fits():
         assert not beyond.fits
 
 
+def test_max_micro_batch_bisects_when_the_linear_estimate_overshoots():
+    """A term that grows faster than linearly (here b**1.5) puts the estimate from b = 1 and 2 far
+    above the largest micro-batch that fits: found by bisection in a few evaluations, not by
+    stepping down one micro-batch at a time."""
+    from fsdp_presets.plan.planner import _max_micro_batch
+
+    calls = []
+
+    def total_at(b):
+        calls.append(b)
+        return 1000 + int(10 * b ** 1.5)
+
+    usable = 1000 + 10 * 40_000 ** 1.5
+    largest = _max_micro_batch(total_at, int(usable))
+    assert total_at(largest) <= usable < total_at(largest + 1)
+    assert len(calls) < 80  # the linear estimate is about 7.5 million: stepping down would take millions
+
+
 def test_recommendation_prefers_least_communication_then_fsdp2():
     tiny = make_profile(blocks=2, block_params=10_000, root_params=5_000, hidden=32, heads=4, vocab=64)
     hardware = Hardware(gpus=8, gpu_memory_bytes=80 * GiB)

@@ -261,16 +261,27 @@ def _source(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | Non
 
 
 def _max_micro_batch(total_at, usable: int) -> int:
-    """Largest b with total_at(b) <= usable; total_at grows linearly in b (activations)."""
+    """Largest b up to the linear estimate with total_at(b) <= usable. total_at grows with b
+    (activations), about linearly: the estimate from b = 1 and 2 is exact for linear terms, and
+    where rounding or terms that grow otherwise push it over, bisection finds the largest b that
+    fits below it (a few evaluations, not one per micro-batch: a small model on a large GPU fits
+    tens of thousands)."""
     if total_at(1) > usable:
         return 0
     per_sample = total_at(2) - total_at(1)
     if per_sample <= 0:
         return 1
     guess = 1 + (usable - total_at(1)) // per_sample
-    while guess > 1 and total_at(guess) > usable:  # ceil() rounding can push the guess over
-        guess -= 1
-    return guess
+    if total_at(guess) <= usable:
+        return guess
+    fits, over = 1, guess  # total_at(fits) <= usable < total_at(over)
+    while over - fits > 1:
+        middle = (fits + over) // 2
+        if total_at(middle) <= usable:
+            fits = middle
+        else:
+            over = middle
+    return fits
 
 
 # --------------------------------------------------------------------------- the plan
