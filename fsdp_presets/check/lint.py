@@ -47,7 +47,7 @@ import os
 # The checker's pieces, importable from here (the names other code uses).
 from fsdp_presets.preset.accelerate_view import AccelerateRejected, AccelerateView, _whole, accelerate_view
 from fsdp_presets.check.findings import CheckContext, CheckReport, Finding, ModelFacts, _sorted, finding
-from fsdp_presets.check.rules_keys import lint_config  # noqa: F401
+from fsdp_presets.check.rules_keys import lint_config
 from fsdp_presets.check.rules_memory import memory_figures
 from fsdp_presets.schema import FSDP_CONFIG, K, PARALLELISM_CONFIG, PARALLELISM_PREFIX, T, fsdp_where
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from fsdp_presets.checkpoint.layout import (ADAPTER_MODEL, ADAPTER_OPTIMIZER, DCP_METADATA, DCP_MODEL,  # noqa: F401
+from fsdp_presets.checkpoint.layout import (ADAPTER_MODEL, ADAPTER_OPTIMIZER, DCP_METADATA, DCP_MODEL,
                                             DCP_OPTIMIZER, DCP_RANK_FILE, DDP_MODEL, FULL_MODEL, OPTIMIZER_BIN,
                                             HF_WEIGHT_FILES, RNG_STATE_GLOB, WEIGHTS_SUFFIX, rng_state_rank)
 from fsdp_presets.errors import UsageError

@@ -15,7 +15,7 @@ from typing import Literal
 
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN, PRECISIONS, gpu_count, node_count
 from fsdp_presets.errors import UsageError, unknown_name_message
-from fsdp_presets.fileio import GiB  # noqa: F401 (bytes in a gibibyte: GPU memory is sold and reported in these)
+from fsdp_presets.fileio import GiB
 
 Precision = Literal["bf16", "fp16", "fp32"]
 """Accelerate's ``mixed_precision`` values (:data:`fsdp_presets.plan.limits.PRECISIONS`)."""
