@@ -76,6 +76,7 @@ def main():
 
     # ---- save: a Hugging Face folder (LoRA: the PEFT adapter) ----
     trainer.save_model(f"{args.output_dir}/final")
+    trainer.end()  # as transformers documents: the process group destroyed once, at the end
 
 
 if __name__ == "__main__":

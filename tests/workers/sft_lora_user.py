@@ -44,3 +44,4 @@ trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, callbacks=
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
 trainer.train()
 trainer.save_model(args.output_dir)  # as TRL's examples save: into the output folder, beside checkpoint-N
+trainer.end()  # as transformers documents: the process group destroyed once, at the very end of the script

@@ -60,3 +60,4 @@ trainer = Trainer(model=model, args=training_args, train_dataset=dataset, proces
                   data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False), callbacks=callbacks)
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 trainer.save_model(f"{args.output_dir}/final")
+trainer.end()  # as transformers documents: the process group destroyed once, at the very end of the script
