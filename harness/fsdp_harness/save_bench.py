@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     else:
         model = args.model
         if model is None:
-            from fsdp_harness.pretrained import default_cache, prepare_smollm2
+            from fsdp_presets.checkpoint.pretrained import default_cache, prepare_smollm2
 
             model = prepare_smollm2(default_cache())
         import shutil
