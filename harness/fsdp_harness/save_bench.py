@@ -23,7 +23,7 @@ from pathlib import Path
 from fsdp_harness.launch import run_launch
 from fsdp_presets.train.metrics import read_metrics
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # harness/fsdp_harness/x.py -> the checkout
 CAUSAL_LM = REPO / "recipes" / "causal_lm.py"
 FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml"
 SFT_TRAIN = REPO / "data" / "kjv_sft" / "train.jsonl"
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
         if model is None:
             from fsdp_presets.checkpoint.pretrained import default_cache, prepare_smollm2
 
-            model = prepare_smollm2(default_cache())
+            model = prepare_smollm2(default_cache(REPO))
         import shutil
 
         shutil.rmtree(args.work_dir, ignore_errors=True)
