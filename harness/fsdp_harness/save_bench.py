@@ -98,6 +98,7 @@ def planner_figures() -> list[str]:
     from fsdp_presets.plan.shapes import Hardware, TrainingShape
     from fsdp_presets.plan.planner import plan
     from fsdp_presets.plan.save_cost import format_save_costs
+    from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 
     lines = []
     for model, gpus, nodes, checkpointing, step_s in (("llama-3.1-8b", 8, 1, False, 10.0),
@@ -106,11 +107,12 @@ def planner_figures() -> list[str]:
                            Hardware(gpus=gpus, nodes=nodes, gpu_memory_bytes=80 * GiB),
                            TrainingShape(seq_len=4096, micro_batch=1, activation_checkpointing=checkpointing))
         chosen = memory_plan.recommended
-        text = format_save_costs(memory_plan, storage_bytes_per_s=2e9, mtbf_hours=24, step_time_s=step_s)
+        text = format_save_costs(memory_plan, storage_bytes_per_s=2e9, mtbf_hours=24, step_time_s=step_s,
+                                 host_bytes=DEFAULT_HOST_MEMORY_GIB["gpu"] * GiB)
         row = next(line for line in text if chosen is not None and line.startswith(chosen.label + " "))
         lines += [f"- {model}, {gpus} GPUs on {nodes} node(s), {step_s:g} s per step (assumed), 2 GB/s per node:",
                   "  `" + " ".join(row.split()) + "` (strategy, checkpoint, per GPU, blocked sync, blocked async, "
-                  "staging per node)", *("  " + line.strip() for line in text[-2:])]
+                  "staging per process, staging per node, fits host memory)", *("  " + line.strip() for line in text[-2:])]
     return lines
 
 
@@ -140,8 +142,10 @@ def render(report: dict) -> str:
         "for its write by design). Step times: the steps that trained while a background write was in flight "
         "(between a save's step and its `save` line) against all other steps of both kinds of launch but step 1.",
         "",
-        f"- {load_text(report)} on 2 cores: **the host was shared with other work during this run**, so absolute "
-        "times are inflated and noisy.",
+        f"- {load_text(report)} on 2 cores: " + (
+            "**the host was shared with other work during this run**, so absolute times are inflated and noisy."
+            if report.get("load_before", 2.0) >= 1.0 else
+            "nothing else ran; the benchmark's own processes are the load after."),
         f"- Checkpoint size: {', '.join(format_bytes(size) for size in sync['bytes'] + background['bytes'])} "
         "(sync, async: the same files; DCP's metadata differs by a few bytes).",
         "",
