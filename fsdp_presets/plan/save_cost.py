@@ -116,21 +116,17 @@ class StagingFit:
                 "in_use_bytes": self.in_use_bytes, "host_bytes": self.host_bytes, "fits": self.fits}
 
 
-def staging_fit(strategy, hardware, shape, *, host_bytes: float, cpu: bool = False) -> StagingFit:
+def staging_fit(strategy, hardware, shape, *, host_bytes: float) -> StagingFit:
     """``--async-save``'s staging copy of ``strategy`` (a :class:`StrategyPlan` planned with
-    ``shape``) on a node of ``host_bytes`` of host memory. On a CPU-only host (``cpu``) the
-    processes' usable shares are the host memory and their whole steps are already in it."""
+    ``shape``) on a GPU node of ``host_bytes`` of host memory, beside the states training offloads
+    there. (CPU presets save synchronously: the background write would share the cores that train.)"""
     from fsdp_presets.plan.planner import offloads
 
     cost = save_cost(strategy, hardware)
     per_node = hardware.gpus // hardware.nodes
-    if cpu:
-        in_use, host = strategy.per_gpu.total * per_node, hardware.usable_bytes * per_node
-    else:
-        in_use = strategy.model_state.total * per_node if offloads(shape, strategy.name) else 0
-        host = int(host_bytes)
+    in_use = strategy.model_state.total * per_node if offloads(shape, strategy.name) else 0
     return StagingFit(per_process_bytes=cost.staging_per_process_bytes, per_node_bytes=cost.staging_per_node_bytes,
-                      in_use_bytes=in_use, host_bytes=host)
+                      in_use_bytes=in_use, host_bytes=int(host_bytes))
 
 
 def save_costs_json(memory_plan, *, storage_bytes_per_s: float, host_bytes: float) -> dict:

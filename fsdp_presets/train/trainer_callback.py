@@ -341,8 +341,7 @@ class FSDPPresetsCallback(TrainerCallback):
             plugin.set_state_dict_type(previous)
         # Under FSDP the save is collective (the gather), but Trainer returns on the other ranks as soon
         # as they have sent their shards, while rank 0 still writes. Every rank returns once the folder
-        # is complete: a script may read it on any rank next, and ranks that end the script there tear
-        # the process group down together rather than one while rank 0 is still writing.
+        # is complete, so a script may read it on any rank next.
         self._accelerator.wait_for_everyone()
         self._after_save_model(output_dir)
         return result
