@@ -85,16 +85,17 @@ def main():
 
     def evaluate():
         model.eval()
-        totals = torch.zeros(3, dtype=torch.float64)  # loss sum, tokens, correct tokens
+        totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, tokens, correct tokens
         with torch.no_grad():
             for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
                                                  rank=rank, data_parallel_size=dp_size):
-                batch = loop.collate(eval_set, [index for index, _ in slots], columns)
-                batch["labels"][torch.tensor([not counts for _, counts in slots])] = recipe_data.IGNORE_INDEX
+                batch = loop.collate(eval_set, [index for index, _ in slots], columns, accelerator.device)
+                batch["labels"][torch.tensor([not counts for _, counts in slots], device=accelerator.device)] = \
+                    recipe_data.IGNORE_INDEX
                 loss, count, correct = summed_loss(model, batch)
                 totals += torch.stack([loss.double(), count.double(), correct.double()])
         model.train()
-        loss_sum, count, correct = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
+        loss_sum, count, correct = accelerator.reduce(totals, reduction="sum").tolist()
         eval_loss = loss_sum / max(count, 1)
         return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)),
                 "token_accuracy": correct / max(count, 1)}
@@ -103,11 +104,12 @@ def main():
     run.begin_training(evaluate, shown="perplexity")  # evaluates at step 0; Ctrl-C now saves, then stops
     while run.step < args.max_steps:
         started = time.perf_counter()
-        batches = [loop.collate(train_set, indices, columns) for indices in run.micro_batches(stream)]
+        batches = [loop.collate(train_set, indices, columns, accelerator.device)
+                   for indices in run.micro_batches(stream)]
         local_targets = sum(int((batch["labels"][:, 1:] != recipe_data.IGNORE_INDEX).sum()) for batch in batches)
         global_targets = accelerator.reduce(torch.tensor(float(local_targets), device=accelerator.device),
                                             reduction="sum").item()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for index, batch in enumerate(batches):
             with run.gradient_sync(last_micro_batch=index == len(batches) - 1):
                 loss, _, _ = summed_loss(model, batch)
@@ -115,7 +117,7 @@ def main():
                 accelerator.backward(loss * dp_size / max(global_targets, 1.0))
             loss_sum += loss.detach().double()
         grad_norm, lr = run.optimizer_step(optimizer, scheduler)
-        step_loss = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum").item()
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
         # metrics, NaN/inf stop (exit 1), evaluation and checkpoint when due, Ctrl-C: save and stop (exit 130)
         run.end_step(loss=step_loss / max(global_targets, 1.0), grad_norm=grad_norm, lr=lr,
                      tokens=run.global_batch * args.seq_len, started=started)

@@ -88,13 +88,13 @@ def main():
 
     def evaluate_model():
         model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         predictions, references, counted = [], [], []
         with torch.no_grad():
             for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
                                                  rank=rank, data_parallel_size=dp_size):
-                batch = loop.collate(eval_set, [index for index, _ in slots], COLUMNS)
-                keep = torch.tensor([counts for _, counts in slots])
+                batch = loop.collate(eval_set, [index for index, _ in slots], COLUMNS, accelerator.device)
+                keep = torch.tensor([counts for _, counts in slots], device=accelerator.device)
                 losses, predicted = sample_losses(model, batch)
                 loss_sum += losses[keep].sum().double()
                 predictions.append(predicted), references.append(batch["labels"]), counted.append(keep)
@@ -102,7 +102,7 @@ def main():
         # Every rank ran the same number of equal batches, so gather needs no padding.
         predicted, reference, keep = (accelerator.gather(torch.cat(part).to(accelerator.device))
                                       for part in (predictions, references, counted))
-        total_loss = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum").item()
+        total_loss = accelerator.reduce(loss_sum, reduction="sum").item()
         keep = keep.bool()
         correct = int((predicted[keep] == reference[keep]).sum())
         return {"eval_loss": total_loss / len(eval_set), "accuracy": correct / len(eval_set)}
@@ -111,9 +111,10 @@ def main():
     run.begin_training(evaluate_model, shown="accuracy")  # evaluates at step 0; Ctrl-C now saves, then stops
     while run.step < args.max_steps:
         started = time.perf_counter()
-        batches = [loop.collate(train_set, indices, COLUMNS) for indices in run.micro_batches(stream)]
+        batches = [loop.collate(train_set, indices, COLUMNS, accelerator.device)
+                   for indices in run.micro_batches(stream)]
         global_batch = run.global_batch
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for index, batch in enumerate(batches):
             with run.gradient_sync(last_micro_batch=index == len(batches) - 1):
                 loss = sample_losses(model, batch)[0].sum()
@@ -121,8 +122,8 @@ def main():
                 accelerator.backward(loss * dp_size / global_batch)
             loss_sum += loss.detach().double()
         grad_norm, lr = run.optimizer_step(optimizer, scheduler)
-        step_loss = accelerator.reduce(loss_sum.to(accelerator.device), reduction="sum").item() / global_batch
-        local_tokens = sum(batch["attention_mask"].sum() for batch in batches).float().to(accelerator.device)
+        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / global_batch
+        local_tokens = sum(batch["attention_mask"].sum() for batch in batches).float()
         tokens = accelerator.reduce(local_tokens, reduction="sum").item()
         # metrics, NaN/inf stop (exit 1), evaluation and checkpoint when due, Ctrl-C: save and stop (exit 130)
         run.end_step(loss=step_loss, grad_norm=grad_norm, lr=lr, tokens=tokens, started=started)

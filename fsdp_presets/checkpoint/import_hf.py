@@ -79,7 +79,8 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
     tokenizer, generation_config = tokenizer_and_generation_config(model_files, required=False)
     hf_logging.disable_progress_bar()
     try:
-        model, info = model_class(config).from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+        model, info = model_class(config).from_pretrained(hf_dir, dtype=torch.float32, use_kernels=False,
+                                                          output_loading_info=True)
     except Exception as error:
         raise UsageError(f"{hf_dir}: transformers cannot load it ({type(error).__name__}: "
                          f"{str(error).strip().splitlines()[0][:300] if str(error).strip() else ''})") from None

@@ -218,12 +218,13 @@ def eval_micro_batches(num_samples: int, *, micro_batch_size: int, rank: int,
     return batches
 
 
-def collate(dataset, indices: list[int], columns: tuple[str, ...]) -> dict:
-    """Rows ``indices`` of a tokenized ``datasets.Dataset`` as a dict of tensors."""
+def collate(dataset, indices: list[int], columns: tuple[str, ...], device) -> dict:
+    """Rows ``indices`` of a tokenized ``datasets.Dataset`` as a dict of tensors on ``device``
+    (the accelerator's: labels and masks meet the model's outputs there)."""
     import torch
 
     rows = dataset[indices]
-    return {column: torch.tensor(rows[column]) for column in columns}
+    return {column: torch.tensor(rows[column], device=device) for column in columns}
 
 
 # ---- process ----

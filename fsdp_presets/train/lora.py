@@ -149,7 +149,11 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
     if quantized:
         kwargs["quantization_config"] = quantization_config()
     base_dtype = torch.bfloat16 if lora is not None and mixed_precision == "bf16" else torch.float32
-    model = model_class.from_pretrained(path, dtype=base_dtype, trust_remote_code=False, **kwargs)
+    # use_kernels=False: transformers (5.x, with the `kernels` package it requires) otherwise swaps
+    # layers for kernels downloaded from the Hub on a GPU at the first train()/eval(): code from the
+    # network, like trust_remote_code, and on an offline host a crash (nothing is cached to load).
+    model = model_class.from_pretrained(path, dtype=base_dtype, trust_remote_code=False, use_kernels=False,
+                                        **kwargs)
     if quantized:
         keep_4bit_layout(model)
     if lora is None:
@@ -447,7 +451,8 @@ def export_merged(adapter_dir: Path, merged_dir: Path, *, model_class, base_path
     from peft import PeftModel
 
     kwargs = {"quantization_config": quantization_config()} if quantized else {}
-    base = model_class.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False, **kwargs)
+    base = model_class.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False, use_kernels=False,
+                                       **kwargs)
     if quantized:
         keep_4bit_layout(base)
         base = base.dequantize()  # merging into 4-bit weights would re-quantize them

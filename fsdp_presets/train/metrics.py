@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fsdp_presets.fileio import write_text_atomic
 
 
@@ -32,6 +34,16 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         if isinstance(record, dict) and "step" in record:
             records.append(record)
     return records
+
+
+def device_memory_peaks(device: torch.device) -> dict[str, int]:
+    """This process's peak CUDA memory so far on ``device`` (``max_memory_allocated``: tensors;
+    ``max_memory_reserved``: what the caching allocator holds, the part ``nvidia-smi`` shows less
+    the CUDA context); empty on any other device."""
+    if device.type != "cuda":
+        return {}
+    return {"max_memory_allocated": torch.cuda.max_memory_allocated(device),
+            "max_memory_reserved": torch.cuda.max_memory_reserved(device)}
 
 
 def train_losses(path: str | os.PathLike) -> dict[int, float]:
@@ -62,11 +74,12 @@ class MetricsLog:
             handle.flush()
 
     def log_train(self, *, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-                  step_time_s: float, samples_seen: int) -> None:
-        """One optimizer step (``step`` is 1-based)."""
+                  step_time_s: float, samples_seen: int, memory: dict[str, int] | None = None) -> None:
+        """One optimizer step (``step`` is 1-based); ``memory``: :func:`device_memory_peaks` of
+        the main process, on a GPU."""
         self._append({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
-                      "samples_seen": samples_seen})
+                      "samples_seen": samples_seen, **(memory or {})})
 
     def log_preempted(self, *, step: int, signal: str | None, checkpoint: str | None) -> None:
         """The run stopped on a preemption signal after ``step`` optimizer steps, ``checkpoint``

@@ -45,7 +45,7 @@ from fsdp_presets.numerics import clip_grad_norm, gradient_sync
 from fsdp_presets.train import interrupts, loop, preemption, startup
 from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_model import export_model
-from fsdp_presets.train.metrics import MetricsLog
+from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
 from fsdp_presets.train.plots import plot_run
 
 @dataclass(kw_only=True)
@@ -200,7 +200,8 @@ class RecipeRun:
         step, progress = self.step, live["progress"]
         step_time = time.perf_counter() - started
         self.metrics.log_train(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / step_time,
-                               step_time_s=step_time, samples_seen=self.samples)
+                               step_time_s=step_time, samples_seen=self.samples,
+                               memory=device_memory_peaks(accelerator.device))
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         startup.stop_if_diverged(accelerator, self.checkpoints, step=step, loss=loss, grad_norm=grad_norm,

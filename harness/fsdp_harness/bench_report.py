@@ -239,9 +239,10 @@ def default_gpu_section() -> str:
         "FLOPs utilisation and peak memory against the planner."))
 
 
-OTHER_SECTIONS = ("side-by-side", "step-profile", "exit-campaign", "async-save")
+OTHER_SECTIONS = ("side-by-side", "step-profile", "exit-campaign", "async-save", "gpu-fsdp")
 """Sections of docs/benchmarks.md that other scripts write (``bench.py --side-by-side``:
-``fsdp_harness.step_bench``; ``scripts/exit_campaign.py``); a full run keeps them."""
+``fsdp_harness.step_bench``; ``scripts/exit_campaign.py``; the GPU FSDP2 measurements); a full
+run keeps them."""
 
 
 def existing_section(path: Path, name: str) -> str | None:

@@ -152,7 +152,7 @@ def worker(argv: list[str]) -> None:
         train_set, _ = recipe_data.causal_lm_splits(data=args.data, eval_data=None, eval_fraction=0.01,
                                                    tokenizer=tokenizer, seq_len=args.seq_len, packing=True, seed=0)
     stream = loop.SampleStream(len(train_set), seed=0)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, use_kernels=False)
 
     def build_optimizer(model):
         return torch.optim.AdamW(param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.95)), None
@@ -168,8 +168,7 @@ def worker(argv: list[str]) -> None:
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         (indices,) = loop.rank_micro_batches(stream, samples_consumed=samples, micro_batch_size=args.micro_batch,
                                              accumulation_steps=1, rank=rank, data_parallel_size=world)
-        batch = {key: value.to(accelerator.device)  # a no-op on CPU
-                 for key, value in loop.collate(train_set, indices, ("input_ids", "labels")).items()}
+        batch = loop.collate(train_set, indices, ("input_ids", "labels"), accelerator.device)
         logits = model(input_ids=batch["input_ids"], use_cache=False).logits[:, :-1, :].float()
         labels = batch["labels"][:, 1:]
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
