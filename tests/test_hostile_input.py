@@ -420,6 +420,22 @@ def test_recipes_never_trust_remote_code():
     assert {"fsdp_presets/train/recipe.py", "fsdp_presets/train/loop.py", "fsdp_presets/train/lora.py"} <= loaders
 
 
+
+def test_recipes_load_models_without_hub_kernels(tmp_path):
+    """transformers' ``from_pretrained`` turns Hub kernels on by default (with the ``kernels``
+    package it requires): compiled code from the network at the first ``train()``/``eval()`` on a
+    GPU, and on an offline GPU host a crash. The recipes' loader turns them off."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.import_utils import is_kernels_available
+
+    from fsdp_harness.tiny_model import write_tiny_model
+    from fsdp_presets.train import lora
+
+    folder = write_tiny_model(tmp_path / "model", text="in the beginning was the word " * 20)
+    assert lora.load_model(AutoModelForCausalLM, str(folder), None, task_type="CAUSAL_LM").use_kernels is False
+    if is_kernels_available():  # what the loader guards against: the library default
+        assert AutoModelForCausalLM.from_pretrained(folder).use_kernels is True
+
 # --------------------------------------------------------------------------- compare
 
 
