@@ -6,7 +6,10 @@ The abort this prevents is a race at interpreter exit (1 launch in about 20 here
 handler), so a few launches cannot prove its absence: ``scripts/exit_campaign.py`` runs 100
 (docs/benchmarks.md), and every launch of the suite asserts the abort's message is absent. What
 these tests pin down deterministically is the mechanism, so one launch each shows it: with the
-handler the process group is destroyed before the interpreter shuts down; without it, it is not.
+handler the process group is destroyed before the interpreter shuts down; without it, it is not;
+and the ``slow-release`` ending makes the abort itself certain (gloo's worker thread still releasing
+a collective's tensors when the script returns), which the handler's wait for gloo's worker
+threads turns into exit 0.
 """
 
 from __future__ import annotations
