@@ -173,7 +173,10 @@ def wait_for_gloo_workers(timeout_s: float = GLOO_WORKERS_WAIT_S) -> bool:
     A thread is idle when it slept through a whole interval (4 switch intervals, at least 20 ms)
     without being switched in once: a worker that is still releasing a collective's tensors is
     running, runnable, or waiting for the GIL, which it gets during the interval (the GIL's own wait
-    wakes every switch interval), so it shows a context switch or a state other than sleeping."""
+    wakes every switch interval), so it shows a context switch or a state other than sleeping.
+    Limits: the threads are found by torch's name for them (:data:`GLOO_WORKER_THREAD`; a torch that
+    names them otherwise gets no wait), and a release that itself sleeps longer than the interval
+    would pass for idle."""
     interval = max(0.02, 4 * sys.getswitchinterval())
     deadline = time.monotonic() + timeout_s
     before = _gloo_worker_activity()
