@@ -1,22 +1,34 @@
-"""Tear the process group down in the right order when the interpreter exits.
+"""Tear the process group down in the right order when the interpreter exits, and let gloo's worker
+threads finish before the interpreter shuts down.
 
 A training script that never calls ``accelerator.end_training()`` leaves the default process
-group alive at exit. Python then frees the prepared model, optimizer and gloo's process group in
-whatever order interpreter shutdown and C++ static destruction reach them, and gloo sometimes
-aborts the process after a normal finish::
+group alive at exit, and even a script that does call it leaves gloo's threads running:
+``destroy_process_group`` only forgets the group, and torch joins gloo's worker threads when the
+last reference to the group goes, which the script's prepared model (FSDP keeps the group) holds
+until interpreter shutdown. A gloo worker thread that finishes a collective releases the work's
+tensors itself, and releasing a tensor that Python has seen takes the GIL (torch's
+``TensorImpl::decref_pyobject``, a ``noexcept`` function). A barrier right after a collective
+(``accelerator.wait_for_everyone()`` after a save's gather) keeps that collective's work, and its
+tensors, alive until the barrier's own work is released on the worker thread, just after the
+barrier returns, that is just as the script ends. When the worker asks for the GIL while the
+interpreter starts finalizing, CPython ends that thread (``pthread_exit``) inside the ``noexcept``
+function, and the C++ runtime aborts the process after a normal finish::
 
     terminate called without an active exception      (SIGABRT, launcher exit status 1)
 
-Measured: 1 launch in 12 of a minimal 2-process FSDP2 script on a loaded 2-core host. The
-launcher then reports a finished training as failed.
+(stack: ``ProcessGroupGloo::runLoop`` -> ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` ->
+``TensorImpl::decref_pyobject`` -> ``std::terminate``). Seen in 2 of 16 Trainer launches ending with
+``trainer.save_model`` on a loaded host (in the log kept, on the rank that waited in the barrier
+while rank 0 wrote the model); ``tests/workers/script_endings.py --ending slow-release`` reproduces
+it on every launch without the wait.
 
 :func:`install` (called by :func:`fsdp_presets.enable_cpu_fsdp` and
 :func:`fsdp_presets.check_launch`) registers one ``atexit`` handler that does what
-``end_training`` would have done, in the order that removes the abort: drop every prepared
-object accelerate still references, collect garbage (tensors that hold gloo buffers go while the
-group still exists), then ``destroy_process_group`` (which shuts every backend down and joins
-gloo's threads while the interpreter is alive). A script that did call ``end_training`` finds the
-group gone and the handler does nothing.
+``end_training`` would have done: drop every prepared object accelerate still references, collect
+garbage (tensors that hold gloo buffers go while the group still exists), then
+``destroy_process_group``; and then, however the group was destroyed, it waits, with the GIL free,
+until every gloo worker thread of the process is idle (:func:`wait_for_gloo_workers`), so no
+worker needs the interpreter once it shuts down.
 
 A process that dies of an uncaught exception is left alone: its peers may still be inside a
 collective with it, and a shutdown that waits for them would turn a failed run into a hung one.
@@ -31,10 +43,19 @@ import atexit
 import gc
 import os
 import sys
+import time
 import weakref
 
 CLEAN_EXIT = "clean-exit"
 """Name of this fix in ``FSDP_PRESETS_CPU_PATCHES_OFF``."""
+
+GLOO_WORKER_THREAD = "pt_gloo_runloop"
+"""The name torch gives gloo's worker threads (``ProcessGroupGloo::runLoop``), which run the
+collectives and release their tensors."""
+
+GLOO_WORKERS_WAIT_S = 10.0
+"""At most this long at exit for gloo's worker threads to go idle (they take milliseconds; a
+starved thread on a loaded host, a second or so)."""
 
 _accelerators: "weakref.WeakSet" = weakref.WeakSet()
 _installed = False
@@ -128,13 +149,62 @@ def _note_uncaught_exceptions() -> None:
 
 
 def _tear_down() -> None:
-    """The atexit handler: release, collect, destroy (see the module docstring)."""
+    """The atexit handler: release, collect, destroy, then wait for gloo's worker threads (see the
+    module docstring)."""
     import torch.distributed as dist
 
-    if _failed or not (dist.is_available() and dist.is_initialized()):
+    if _failed:
         return
-    _release_and_collect()
+    if dist.is_available() and dist.is_initialized():
+        _release_and_collect()
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # exiting anyway: say why the group could not be closed
+            print(f"fsdp_presets: process group not destroyed at exit ({error})", file=sys.stderr, flush=True)
+    if not wait_for_gloo_workers():
+        print(f"fsdp_presets: gloo's worker threads still busy after {GLOO_WORKERS_WAIT_S:.0f} s at exit; exiting "
+              "anyway", file=sys.stderr, flush=True)
+
+
+def wait_for_gloo_workers(timeout_s: float = GLOO_WORKERS_WAIT_S) -> bool:
+    """Wait, with the GIL free, until every gloo worker thread of this process is idle: False when
+    one is still busy after ``timeout_s``. True at once where there is none, or no ``/proc``.
+
+    A thread is idle when it slept through a whole interval (4 switch intervals, at least 20 ms)
+    without being switched in once: a worker that is still releasing a collective's tensors is
+    running, runnable, or waiting for the GIL, which it gets during the interval (the GIL's own wait
+    wakes every switch interval), so it shows a context switch or a state other than sleeping.
+    Limits: the threads are found by torch's name for them (:data:`GLOO_WORKER_THREAD`; a torch that
+    names them otherwise gets no wait), and a release that itself sleeps longer than the interval
+    would pass for idle."""
+    interval = max(0.02, 4 * sys.getswitchinterval())
+    deadline = time.monotonic() + timeout_s
+    before = _gloo_worker_activity()
+    while before:
+        time.sleep(interval)  # releases the GIL
+        after = _gloo_worker_activity()
+        if after == before and all(state == "S" for state, _ in before.values()):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        before = after
+    return True
+
+
+def _gloo_worker_activity() -> dict[str, tuple[str, str]]:
+    """Thread id -> (state letter, context-switch counts) of this process's gloo worker threads."""
+    activity = {}
     try:
-        dist.destroy_process_group()
-    except Exception as error:  # exiting anyway: say why the group could not be closed
-        print(f"fsdp_presets: process group not destroyed at exit ({error})", file=sys.stderr, flush=True)
+        threads = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: nothing to wait for
+        return activity
+    for thread in threads:
+        try:
+            with open(f"/proc/self/task/{thread}/status") as handle:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in handle if ":\t" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
+        if fields.get("Name") == GLOO_WORKER_THREAD:
+            activity[thread] = (fields.get("State", "?")[:1],
+                                f"{fields.get('voluntary_ctxt_switches')}/{fields.get('nonvoluntary_ctxt_switches')}")
+    return activity

@@ -81,8 +81,9 @@ def render(summary: dict) -> str:
         f"`python scripts/exit_campaign.py --launches {summary['launches_asked']} --busy {summary['busy']}"
         f"{' --fix-off' if summary['fix_off'] else ''}`: {summary['processes']}-process launches of "
         "`tests/workers/script_endings.py` (enable_cpu_fsdp, a tiny Llama, 3 steps) for each ending and strategy, "
-        f"taking turns, with {summary['busy'] or 'no'} extra CPU-bound processes started by the campaign; exit handler and "
-        f"collection before `destroy_process_group` {'off' if summary['fix_off'] else 'on'}. Endings: `none` (the "
+        f"taking turns, with {summary['busy'] or 'no'} extra CPU-bound processes started by the campaign; exit handler "
+        f"(collection before `destroy_process_group`, then a wait until gloo's worker threads are idle) "
+        f"{'off' if summary['fix_off'] else 'on'}. Endings: `none` (the "
         "script returns), `end-training` (`accelerator.end_training()`), `delete` (`del model, optimizer`, then "
         "`end_training()`), `trainer-end` (a `Trainer` trains, then `trainer.end()`), `trainer-save` (a `Trainer` "
         "with `FSDPPresetsCallback` trains, then `trainer.save_model(dir)`).",

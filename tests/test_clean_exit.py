@@ -6,17 +6,24 @@ The abort this prevents is a race at interpreter exit (1 launch in about 20 here
 handler), so a few launches cannot prove its absence: ``scripts/exit_campaign.py`` runs 100
 (docs/benchmarks.md), and every launch of the suite asserts the abort's message is absent. What
 these tests pin down deterministically is the mechanism, so one launch each shows it: with the
-handler the process group is destroyed before the interpreter shuts down; without it, it is not.
+handler the process group is destroyed before the interpreter shuts down; without it, it is not;
+and the ``slow-release`` ending makes the abort itself certain (gloo's worker thread still releasing
+a collective's tensors when the script returns), which the handler's wait for gloo's worker
+threads turns into exit 0.
 """
 
 from __future__ import annotations
 
+import ctypes
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from fsdp_presets.clean_exit import CLEAN_EXIT
+from fsdp_presets.clean_exit import CLEAN_EXIT, GLOO_WORKER_THREAD, wait_for_gloo_workers
 from fsdp_harness.launch import run_launch
 
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
@@ -81,10 +88,13 @@ def test_end_training_collects_garbage_while_the_group_still_exists():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ending, strategy", [("end-training", "ddp"), ("delete", "fsdp1"), ("trainer-end", "fsdp2")])
+@pytest.mark.parametrize("ending, strategy", [("end-training", "ddp"), ("delete", "fsdp1"), ("trainer-end", "fsdp2"),
+                                              ("slow-release", "fsdp2")])
 def test_a_finished_training_exits_0_whatever_the_scripts_ending(ending, strategy, tmp_path):
     """Real launches (not forked) of a user-style script; scripts/exit_campaign.py repeats every
-    ending under every strategy (docs/benchmarks.md)."""
+    ending under every strategy (docs/benchmarks.md). ``slow-release`` is the abort made
+    deterministic: gloo's worker thread still releases a collective's tensor, slowly, after the
+    script has returned; without the exit handler's wait for it, every launch aborts."""
     config = (accelerate_config(tmp_path, "ddp", distributed_type="MULTI_GPU") if strategy == "ddp"
               else accelerate_config(tmp_path, strategy, fsdp={"version": int(strategy[-1])}))
     result = run_launch(config, WORKER, ["--ending", ending], forked=False).check()
@@ -92,6 +102,37 @@ def test_a_finished_training_exits_0_whatever_the_scripts_ending(ending, strateg
     assert GLOO_EXIT_ABORT not in output
     assert output.count(" trained, distributed type ") == 2
     assert output.count("process group at exit: destroyed") == 2, output[-3000:]
+    if ending == "slow-release":
+        assert "rank 1: the collective's tensor released on a gloo worker thread" in output, output[-3000:]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread states from /proc (Linux)")
+def test_the_exit_waits_until_gloos_worker_threads_are_idle():
+    """A thread with the name of gloo's workers that keeps taking the GIL for 0.6 s, then sleeps on
+    an event: the wait returns only once it is idle, and says so; cut shorter, it says it is not."""
+    names = ctypes.CDLL(None, use_errno=True)
+    named, idle = threading.Semaphore(0), threading.Event()
+
+    def worker(seconds):
+        names.prctl(15, GLOO_WORKER_THREAD.encode(), 0, 0, 0)  # PR_SET_NAME, as torch names its threads
+        named.release()
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            time.sleep(0.005)
+        idle.wait()
+
+    threads = [threading.Thread(target=worker, args=(seconds,), daemon=True) for seconds in (0.6, 30)]
+    try:
+        threads[0].start()
+        named.acquire()
+        started = time.monotonic()
+        assert wait_for_gloo_workers(timeout_s=10)
+        assert time.monotonic() - started >= 0.5
+        threads[1].start()
+        named.acquire()
+        assert not wait_for_gloo_workers(timeout_s=0.2)
+    finally:
+        idle.set()
 
 
 @pytest.mark.slow

@@ -11,7 +11,10 @@ Endings (what user scripts do after a finished training):
   calls ``end_training()``);
 - ``trainer-save``: a ``Trainer`` with :class:`fsdp_presets.FSDPPresetsCallback` trains and the script
   ends with ``trainer.save_model(dir)``, as Trainer scripts do (under FSDP a full-state gather to rank
-  0, which then writes the folder while the other ranks could already be at exit).
+  0, which then writes the folder while the other ranks could already be at exit);
+- ``slow-release``: the script returns right after a collective whose tensor gloo's worker thread
+  releases late and slowly (:func:`slow_release`), as after ``wait_for_everyone()`` following a
+  save's gather on a loaded host: without the exit handler's wait this aborts on every launch.
 
 The launch's exit status is the test: whatever the ending, a finished training exits 0.
 """
@@ -22,7 +25,7 @@ import atexit
 import torch
 import torch.distributed as dist
 
-ENDINGS = ("none", "end-training", "delete", "trainer-end", "trainer-save")
+ENDINGS = ("none", "end-training", "delete", "trainer-end", "trainer-save", "slow-release")
 
 
 def report_group_at_exit():
@@ -31,6 +34,37 @@ def report_group_at_exit():
 
 
 atexit.register(report_group_at_exit)  # atexit runs handlers last-in first-out: this one runs last
+
+
+def slow_release(rank: int, seconds: float = 3.0) -> None:
+    """A collective whose tensor gloo's worker thread releases after the script has returned.
+
+    Rank 0 joins the all-reduce 0.5 s late, so on rank 1 it is still running when the barrier
+    snapshots the work in flight: the barrier's work keeps the all-reduce's work, and its tensor,
+    alive, and gloo's worker thread releases it when it releases the barrier's work, once the
+    barrier completes (the script keeps only the barrier's future). On rank 1 that release takes
+    ``seconds`` on the worker thread, giving the GIL up every 5 ms, as a thread starved of CPU does
+    on a loaded host; the script has returned long before."""
+    import threading
+    import time
+    import weakref
+
+    def released(_):
+        where = "the main thread" if threading.current_thread() is threading.main_thread() else "a gloo worker thread"
+        print(f"rank {rank}: the collective's tensor released on {where}", flush=True)
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            time.sleep(0.005)
+
+    tensor = torch.ones(1024)
+    slow_release.watch = weakref.ref(tensor, released) if rank == 1 else None
+    if rank == 0:
+        time.sleep(0.5)
+    work = dist.all_reduce(tensor, async_op=True)
+    barrier = dist.barrier(async_op=True)
+    done = barrier.get_future()
+    del work, barrier, tensor
+    done.wait()
 
 from accelerate import Accelerator  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -84,3 +118,5 @@ else:
         del model, optimizer
     if ending in ("end-training", "delete"):
         accelerator.end_training()
+    if ending == "slow-release":
+        slow_release(accelerator.process_index)
