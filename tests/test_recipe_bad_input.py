@@ -60,9 +60,16 @@ def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
 def test_malformed_environment_variables_are_found_at_start(monkeypatch):
     from fsdp_presets.train.startup import environment_problem
 
-    for name in ("FSDP_PRESETS_FAULT", "FSDP_PRESETS_STARTUP_TIMEOUT_S", "FSDP_PRESETS_UNTESTED_ACCELERATE"):
+    for name in ("FSDP_PRESETS_FAULT", "FSDP_PRESETS_STARTUP_TIMEOUT_S", "FSDP_PRESETS_UNTESTED_ACCELERATE",
+                 "FSDP_PRESETS_CPU_PATCHES_OFF"):
         monkeypatch.delenv(name, raising=False)
     assert environment_problem() is None
+    monkeypatch.setenv("FSDP_PRESETS_CPU_PATCHES_OFF", "clean-exit, sync-module-states")
+    assert environment_problem() is None
+    monkeypatch.setenv("FSDP_PRESETS_CPU_PATCHES_OFF", "full-state-dict-ofload")  # misspelt: the patch stays on
+    assert "FSDP_PRESETS_CPU_PATCHES_OFF='full-state-dict-ofload': full-state-dict-ofload names no patch" in \
+        environment_problem()
+    monkeypatch.delenv("FSDP_PRESETS_CPU_PATCHES_OFF")
     monkeypatch.setenv("FSDP_PRESETS_FAULT", "kill-during-save:step=six")
     monkeypatch.setenv("FSDP_PRESETS_STARTUP_TIMEOUT_S", "ten")
     problem = environment_problem()
