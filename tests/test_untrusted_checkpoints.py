@@ -379,6 +379,22 @@ def test_names_from_a_checkpoint_cannot_redraw_the_terminal(checkpoint, capsys):
     assert "x\\x1b[2K\\r" in out  # shown, escaped
 
 
+def test_weight_file_names_of_an_imported_folder_cannot_redraw_the_terminal(checkpoint, tmp_path, capsys):
+    from safetensors import safe_open
+
+    exported = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    shard = "model\x1b[2K\r  import OK-00001-of-00001.safetensors"  # named by the folder's own index
+    (exported / "model.safetensors").rename(exported / shard)
+    with safe_open(str(exported / shard), framework="pt") as handle:
+        index = {"metadata": {}, "weight_map": {key: shard for key in handle.keys()}}
+    (exported / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert cli.main(["import", str(exported), "--output", str(tmp_path / "start")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "model\\x1b[2K\\r  import OK" in out, out
+
+
 def test_a_stored_item_claiming_more_bytes_than_its_file_is_refused_before_reading(checkpoint, capsys):
     """An optimizer item (param_groups, stored as bytes) whose index entry claims 2^50 bytes: read as
     listed, it is a 1 PiB allocation (MemoryError)."""

@@ -61,7 +61,7 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
 
     from fsdp_presets.checkpoint.files import SafetensorsReader, TorchFileReader
     from fsdp_presets.checkpoint.manifest import IMPORTED_KIND, Manifest
-    from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic
+    from fsdp_presets.fileio import config_digest, printable, sha256_file, write_json_atomic
 
     hf_dir, output = Path(hf_dir), Path(output)
     refuse_links_out(hf_dir)  # first: a config.json linked to /dev/zero is named as the link it is
@@ -92,7 +92,7 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
         raise UsageError(f"{hf_dir}: its weights do not fit {type(model).__name__} ({'; '.join(problems)}); "
                          "nothing was written")
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    log(f"import: {hf_dir} ({', '.join(file.name for file in weight_files)}) -> {output}: "
+    log(f"import: {hf_dir} ({', '.join(printable(file.name) for file in weight_files)}) -> {output}: "
         f"{len(state)} tensors, fp32, DCP")
     with staged_folder(output, kind="import", force=force) as staging:
         with _quiet_single_process_warning():
