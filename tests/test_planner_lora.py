@@ -206,3 +206,19 @@ def test_generate_refuses_qlora_under_fsdp1(tmp_path):
     done = _generate(tmp_path, "--gpus", "2", "--method", "qlora", "--fsdp-version", "1", "-o", "q1.yaml")
     assert done.returncode == 2 and "--method qlora needs FSDP2" in done.stderr
     assert not (tmp_path / "q1.yaml").exists()
+
+
+def test_quantization_constants_are_in_the_peak_at_the_loss_too():
+    """Llama-3.1-8B's 128k-token logits put the peak at the loss, not inside a block; the replicated
+    quantization constants are on the GPU then as well: the peak moves by exactly what double
+    quantization saves on them (0.5 against 0.127 bits per quantized parameter)."""
+    from fsdp_presets.plan.lora_memory import quant_constant_bytes
+
+    profile = profile_model(str(REPO / "model_configs/llama-3.1-8b"))
+    peaks = {}
+    for double in (False, True):
+        lora = LoraShape(method="qlora", r=8, target_modules=("all-linear",), double_quant=double)
+        shape = TrainingShape(seq_len=4096, micro_batch=2, precision="bf16", activation_checkpointing=True, lora=lora)
+        row = plan(profile, Hardware(gpus=2, gpu_memory_bytes=24 * GiB), shape).get("FULL_SHARD", 2)
+        peaks[double] = (row.per_gpu.total, quant_constant_bytes(profile, lora))
+    assert peaks[False][0] - peaks[True][0] == peaks[False][1] - peaks[True][1] > 0.3 * GiB, peaks
