@@ -39,6 +39,10 @@ FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
 FSDP1_OPTIMIZER_RESUME = "fsdp1-optimizer-resume"
 SYNC_MODULE_STATES = "sync-module-states"
 GLOO_PAIR_COLLECTIVES = "gloo-pair-collectives"
+PATCH_NAMES = (FULL_STATE_DICT_OFFLOAD, FSDP1_OPTIMIZER_RESUME, SYNC_MODULE_STATES, GLOO_PAIR_COLLECTIVES,
+               clean_exit.CLEAN_EXIT)
+"""Every name ``FSDP_PRESETS_CPU_PATCHES_OFF`` understands (another one is refused at a recipe's start)."""
+PATCHES_OFF_ENV = "FSDP_PRESETS_CPU_PATCHES_OFF"
 
 # NOTE: accelerate builds a GradScaler only when the device is not the CPU, so on a CPU host fp16
 # has no loss scaling (small gradients underflow to zero, an overflow is not skipped), and DDP
@@ -130,7 +134,7 @@ def cpu_fsdp_enabled() -> bool:
 
 
 def _patch_off(name: str) -> bool:
-    return name in {item.strip() for item in os.environ.get("FSDP_PRESETS_CPU_PATCHES_OFF", "").split(",")}
+    return name in {item.strip() for item in os.environ.get(PATCHES_OFF_ENV, "").split(",")}
 
 
 def enable_cpu_fsdp() -> bool:

@@ -57,10 +57,7 @@ def read_regular_bytes(path: str | os.PathLike, *, limit: int) -> bytes:
     with open(path, "rb", opener=lambda name, flags: os.open(name, flags | os.O_NONBLOCK)) as handle:
         status = os.fstat(handle.fileno())
         if not stat.S_ISREG(status.st_mode):
-            kind = ("a directory" if stat.S_ISDIR(status.st_mode) else "a FIFO" if stat.S_ISFIFO(status.st_mode)
-                    else "a device" if stat.S_ISCHR(status.st_mode) or stat.S_ISBLK(status.st_mode)
-                    else "a socket" if stat.S_ISSOCK(status.st_mode) else "not a regular file")
-            raise UnreadableFile(f"{path} is {kind}, not a regular file; pass a file")
+            raise UnreadableFile(_not_regular(path, status.st_mode))
         if status.st_size > limit:
             raise UnreadableFile(f"{path} holds {format_bytes(status.st_size)}, more than the "
                                  f"{format_bytes(limit)} this reader accepts")
@@ -68,6 +65,28 @@ def read_regular_bytes(path: str | os.PathLike, *, limit: int) -> bytes:
     if len(data) > limit:
         raise UnreadableFile(f"{path} grew past the {format_bytes(limit)} this reader accepts while read")
     return data
+
+
+def _not_regular(path: Path, mode: int) -> str:
+    import stat
+
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")
+    return f"{path} is {kind}, not a regular file; pass a file"
+
+
+def not_regular_problem(path: str | os.PathLike) -> str | None:
+    """What an existing ``path`` is when it is not a regular file (after links), as
+    :func:`read_regular_bytes` says it; None for a regular file or a path that does not exist.
+    Nothing is opened, so a FIFO never blocks."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) else _not_regular(Path(path), mode)
 
 
 def read_regular_text(path: str | os.PathLike, *, limit: int) -> str:
@@ -78,6 +97,10 @@ def read_regular_text(path: str | os.PathLike, *, limit: int) -> str:
 CONFIG_MAX_BYTES = 16 * 1024**2
 """Largest JSON config read (a model's ``config.json``, a checkpoint's JSON files): 16 MiB. The
 largest published ``config.json`` files (with id-to-label tables) are a few hundred KiB."""
+MODEL_FILE_MAX_BYTES = 256 * 1024**2
+"""Largest tokenizer, chat template or other text file of a model folder (``*.json``, ``*.jinja``,
+``*.txt``, ``*.model``, ``*.tiktoken``) that ``import`` and ``export`` let transformers read whole:
+256 MiB. The largest published ``tokenizer.json`` files are a few tens of MiB."""
 YAML_MAX_BYTES = 1024**2
 """Largest accelerate config (or preset) read: 1 MiB. A generated preset is about 3 KiB."""
 YAML_MAX_DEPTH = 32

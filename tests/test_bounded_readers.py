@@ -86,8 +86,14 @@ def test_commands_refuse_a_fifo_config_in_one_line(tmp_path, capsys, monkeypatch
     os.mkfifo(fifo)
     status = cli.main([*command, str(fifo)])
     output = capsys.readouterr()
-    assert status in (1, 2)
-    assert "is a FIFO, not a regular file" in output.out + output.err
+    assert status == 2 and not output.out
+    assert output.err.strip().endswith("is a FIFO, not a regular file; pass a file)" if "--from" in command else
+                                       "is a FIFO, not a regular file; pass a file"), output.err
+    assert len(output.err.strip().splitlines()) == 1
+    if command == ["check"]:  # a device and a folder are no config file either
+        for path, kind in (("/dev/zero", "a device"), (str(tmp_path), "a directory")):
+            assert cli.main(["check", path]) == 2
+            assert capsys.readouterr().err.strip().endswith(f"{path} is {kind}, not a regular file; pass a file")
 
 
 def test_a_manifest_nested_too_deep_or_too_large_is_unreadable_not_a_crash(tmp_path):

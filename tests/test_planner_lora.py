@@ -46,6 +46,11 @@ def llama70b():
     return profile_model(str(REPO / "model_configs/llama-3.1-70b"))
 
 
+@pytest.fixture(scope="module")
+def llama8b():
+    return profile_model(str(REPO / "model_configs/llama-3.1-8b"))
+
+
 def _plan_json(*words):
     done = _cli("plan", *words, "--json")
     assert done.returncode == 0, done.stderr
@@ -181,7 +186,7 @@ def test_rehearse_refuses_lora_with_one_message(tmp_path):
     assert done.returncode == 2 and "only full fine-tuning is rehearsed" in done.stderr
 
 
-def test_the_sharding_guide_table_is_the_planners():
+def test_the_sharding_guide_table_is_the_planners(llama8b, llama70b):
     import re
 
     from fsdp_presets.plan.planner import plan_with_auto_savers
@@ -190,7 +195,7 @@ def test_the_sharding_guide_table_is_the_planners():
     rows = re.findall(r"^\| (llama-[\w.-]+) \| (q?lora) \| (\d+) x (\d+) \| ([^|]+) \| ([^|]+) \| ([^|]+) \|$", text,
                       flags=re.M)
     assert len(rows) == 24
-    profiles = {}
+    profiles = {"llama-3.1-8b": llama8b, "llama-3.1-70b": llama70b}
     for model, method, gpus, memory, label, total, savers in rows:
         profile = profiles.setdefault(model, profile_model(str(REPO / "model_configs" / model)))
         memory_plan, chosen = plan_with_auto_savers(
@@ -206,3 +211,19 @@ def test_generate_refuses_qlora_under_fsdp1(tmp_path):
     done = _generate(tmp_path, "--gpus", "2", "--method", "qlora", "--fsdp-version", "1", "-o", "q1.yaml")
     assert done.returncode == 2 and "--method qlora needs FSDP2" in done.stderr
     assert not (tmp_path / "q1.yaml").exists()
+
+
+def test_quantization_constants_are_in_the_peak_at_the_loss_too(llama8b):
+    """Llama-3.1-8B's 128k-token logits put the peak at the loss, not inside a block; the replicated
+    quantization constants are on the GPU then as well: the peak moves by exactly what double
+    quantization saves on them (0.5 against 0.127 bits per quantized parameter)."""
+    from fsdp_presets.plan.lora_memory import quant_constant_bytes
+
+    profile = llama8b
+    peaks = {}
+    for double in (False, True):
+        lora = LoraShape(method="qlora", r=8, target_modules=("all-linear",), double_quant=double)
+        shape = TrainingShape(seq_len=4096, micro_batch=2, precision="bf16", activation_checkpointing=True, lora=lora)
+        row = plan(profile, Hardware(gpus=2, gpu_memory_bytes=24 * GiB), shape).get("FULL_SHARD", 2)
+        peaks[double] = (row.per_gpu.total, quant_constant_bytes(profile, lora))
+    assert peaks[False][0] - peaks[True][0] == peaks[False][1] - peaks[True][1] > 0.3 * GiB, peaks

@@ -20,6 +20,7 @@ import io
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import time
@@ -60,9 +61,16 @@ def test_a_head_fits_named_labels_it_knows_and_placeholders_of_its_size_only():
 def test_malformed_environment_variables_are_found_at_start(monkeypatch):
     from fsdp_presets.train.startup import environment_problem
 
-    for name in ("FSDP_PRESETS_FAULT", "FSDP_PRESETS_STARTUP_TIMEOUT_S", "FSDP_PRESETS_UNTESTED_ACCELERATE"):
+    for name in ("FSDP_PRESETS_FAULT", "FSDP_PRESETS_STARTUP_TIMEOUT_S", "FSDP_PRESETS_UNTESTED_ACCELERATE",
+                 "FSDP_PRESETS_CPU_PATCHES_OFF"):
         monkeypatch.delenv(name, raising=False)
     assert environment_problem() is None
+    monkeypatch.setenv("FSDP_PRESETS_CPU_PATCHES_OFF", "clean-exit, sync-module-states")
+    assert environment_problem() is None
+    monkeypatch.setenv("FSDP_PRESETS_CPU_PATCHES_OFF", "full-state-dict-ofload")  # misspelt: the patch stays on
+    assert "FSDP_PRESETS_CPU_PATCHES_OFF='full-state-dict-ofload': full-state-dict-ofload names no patch" in \
+        environment_problem()
+    monkeypatch.delenv("FSDP_PRESETS_CPU_PATCHES_OFF")
     monkeypatch.setenv("FSDP_PRESETS_FAULT", "kill-during-save:step=six")
     monkeypatch.setenv("FSDP_PRESETS_STARTUP_TIMEOUT_S", "ten")
     problem = environment_problem()
@@ -110,13 +118,24 @@ def test_a_model_without_the_configs_wrap_class_is_named_with_its_own():
     check_wrap_classes(None, model)  # DDP
 
 
-def test_null_labels_are_refused_not_made_a_class(tmp_path):
+@pytest.mark.parametrize("labels, message", [
+    ([None, "law", "poetry"], "3 of 9 records have no label"),
+    (["", "law", " "], "6 of 9 records have no label"),
+    ([0.25, 0.5, 1], "label 0.25 is not a whole number"),  # regression scores: every value would be a class
+    ([["law"], ["poetry"], ["law"]], "column 'label' holds List"),
+    ([{"name": "law"}, {"name": "poetry"}, {"name": "law"}], "column 'label' holds {'name'"),
+    ([1, "law", 2], "column 'label' holds Json"),
+    (["law", "poetry", "letters"], None), ([0, 1, 2], None), ([True, False, True], None)])
+def test_null_labels_are_refused_not_made_a_class(tmp_path, labels, message):
     from fsdp_presets.train.data import _check_classification_columns, load_records
 
     data = tmp_path / "labels.jsonl"
-    data.write_text("".join(json.dumps({"text": f"verse {index}", "label": [None, "law", "poetry"][index % 3]}) + "\n"
+    data.write_text("".join(json.dumps({"text": f"verse {index}", "label": labels[index % 3]}) + "\n"
                             for index in range(9)))
-    with pytest.raises(UsageError, match="3 of 9 records have no label"):
+    if message is None:
+        _check_classification_columns(load_records(data), "--data", data)
+        return
+    with pytest.raises(UsageError, match=re.escape(message)):
         _check_classification_columns(load_records(data), "--data", data)
 
 

@@ -273,6 +273,44 @@ def test_an_export_drops_code_references_unless_asked_and_never_copies_code(chec
     assert "auto_map" in json.loads((kept / "config.json").read_text()) and not list(kept.glob("*.py"))
 
 
+def test_code_references_are_dropped_from_a_file_of_any_size(checkpoint, tmp_path, capsys):
+    """A tokenizer_config.json padded past the 16 MiB of a config still has its auto_map dropped."""
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES
+
+    plant_code_references(checkpoint)
+    padded = checkpoint / "model_config" / "tokenizer_config.json"
+    padded.write_text(json.dumps({**json.loads(padded.read_text()), "note": "x" * (CONFIG_MAX_BYTES + 1)}))
+    recompute_manifest(checkpoint)
+    output = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(output)]) == 0
+    assert "dropped auto_map from tokenizer_config.json" in capsys.readouterr().out
+    assert (output / "tokenizer_config.json").stat().st_size > CONFIG_MAX_BYTES
+    assert not [path.name for path in output.glob("*.json") if b"auto_map" in path.read_bytes()]
+
+
+def test_a_model_text_file_past_its_limit_is_refused_before_transformers_reads_it(checkpoint, tmp_path, capsys):
+    """A sparse tokenizer.json of 256 MiB + 1 (a few bytes on disk; at 20 GB, reading it took all of
+    memory): import and export refuse it by its size, in one line, and write nothing."""
+    from fsdp_presets.fileio import MODEL_FILE_MAX_BYTES, sha256_file
+
+    exported = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    for folder in (exported, checkpoint / "model_config"):
+        with open(folder / "tokenizer.json", "r+b") as handle:
+            handle.truncate(MODEL_FILE_MAX_BYTES + 1)
+    manifest = json.loads((checkpoint / MANIFEST).read_text())  # the attacker's manifest matches it
+    sparse = checkpoint / "model_config" / "tokenizer.json"
+    manifest["files"]["model_config/tokenizer.json"] = {"sha256": sha256_file(sparse), "bytes": MODEL_FILE_MAX_BYTES + 1}
+    (checkpoint / MANIFEST).write_text(json.dumps(manifest))
+    capsys.readouterr()
+    for argv, output in ((["import", str(exported)], tmp_path / "start"),
+                         (["export", str(checkpoint)], tmp_path / "again")):
+        assert cli.main([*argv, "--output", str(output)]) == 2
+        error = capsys.readouterr().err.strip()
+        assert "tokenizer.json holds 256.0 MiB, more than the 256.0 MiB a model folder's text files" in error
+        assert len(error.splitlines()) == 1 and not output.exists(), error
+
+
 def test_export_force_never_replaces_a_model_folder_that_looks_like_an_export(checkpoint, tmp_path, capsys):
     exported = tmp_path / "hf"
     assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
@@ -304,6 +342,12 @@ def test_import_refuses_a_link_out_of_the_model_folder_and_follows_a_cache_layou
     assert f"{exported / 'chat_template.jinja'} is a symbolic link to {secret}" in error
     assert len(error.strip().splitlines()) == 1 and not (tmp_path / "start").exists()
     (exported / "chat_template.jinja").unlink()
+    (exported / "config.json").rename(tmp_path / "config.json")
+    (exported / "config.json").symlink_to("/dev/zero")  # named as the link it is, never read
+    assert cli.main(["import", str(exported), "--output", str(tmp_path / "start")]) == 2
+    assert "config.json is a symbolic link to /dev/zero" in capsys.readouterr().err
+    (exported / "config.json").unlink()
+    (tmp_path / "config.json").rename(exported / "config.json")
     # a Hugging Face cache: snapshots/REV/name -> ../../blobs/HASH of the same cache
     cache = tmp_path / "hub" / "models--org--tiny"
     (cache / "blobs").mkdir(parents=True)
@@ -335,6 +379,22 @@ def test_names_from_a_checkpoint_cannot_redraw_the_terminal(checkpoint, capsys):
     assert "x\\x1b[2K\\r" in out  # shown, escaped
 
 
+def test_weight_file_names_of_an_imported_folder_cannot_redraw_the_terminal(checkpoint, tmp_path, capsys):
+    from safetensors import safe_open
+
+    exported = tmp_path / "hf"
+    assert cli.main(["export", str(checkpoint), "--output", str(exported)]) == 0
+    shard = "model\x1b[2K\r  import OK-00001-of-00001.safetensors"  # named by the folder's own index
+    (exported / "model.safetensors").rename(exported / shard)
+    with safe_open(str(exported / shard), framework="pt") as handle:
+        index = {"metadata": {}, "weight_map": {key: shard for key in handle.keys()}}
+    (exported / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert cli.main(["import", str(exported), "--output", str(tmp_path / "start")]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and "model\\x1b[2K\\r  import OK" in out, out
+
+
 def test_a_stored_item_claiming_more_bytes_than_its_file_is_refused_before_reading(checkpoint, capsys):
     """An optimizer item (param_groups, stored as bytes) whose index entry claims 2^50 bytes: read as
     listed, it is a 1 PiB allocation (MemoryError)."""
@@ -352,13 +412,17 @@ def test_a_stored_item_claiming_more_bytes_than_its_file_is_refused_before_readi
     assert "DAMAGED" in out and "past the end of the file" in out, out
 
 
-@pytest.mark.parametrize("command", ["inspect-checkpoint", "export"])
+@pytest.mark.parametrize("command", ["inspect-checkpoint", "export", "--resume"])
 def test_a_metadata_pickle_nested_too_deep_is_refused_in_one_line(checkpoint, tmp_path, capsys, command):
     """Allowed types only, 200,000 deep: unpickled, the set hashing the nested tuple overflows the C
     stack (exit 139)."""
     metadata = checkpoint / DCP_MODEL / DCP_METADATA
     metadata.write_bytes(b"\x80\x04cbuiltins\nfrozenset\n)" + b"\x85" * 200_000 + b"\x85\x85R.")
     recompute_manifest(checkpoint)
+    if command == "--resume":  # the recipes' --resume PATH, as their checkpoint manager resolves it
+        with pytest.raises(UsageError, match=f"--resume {checkpoint}: .*nests deeper than 64 levels"):
+            manager(tmp_path).resolve(str(checkpoint))
+        return
     argv = [command, str(checkpoint)] + (["--output", str(tmp_path / "hf")] if command == "export" else [])
     assert cli.main(argv) in (1, 2)
     said = capsys.readouterr()

@@ -15,7 +15,8 @@ from fsdp_presets.checkpoint.files import (CheckpointFiles, TensorInfo, WeightRe
                                            model_reader)
 from fsdp_presets.checkpoint.hf_model import (DTYPES, ExpectedTensors, ModelFiles, Verification, VerificationFailed,
                                               check_tensors, expected_tensors, find_model_files, from_pretrained_fp32,
-                                              load_model, tokenizer_and_generation_config, verify_models)
+                                              load_model, refuse_oversized_model_files,
+                                              tokenizer_and_generation_config, verify_models)
 from fsdp_presets.checkpoint.layout import (ADAPTER_MODEL, ADAPTER_WEIGHTS, HF_CONFIG, MANIFEST, MODEL_CONFIG, SAFETENSORS_INDEX,
                                             SAFETENSORS_SHARDS, WEIGHTS_SUFFIX)
 from fsdp_presets.checkpoint.outputs import check_output, staged_folder
@@ -149,6 +150,7 @@ def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool,
     if problem is not None:
         raise UsageError(f"{checkpoint}: {problem} (the checkpoint is damaged or was changed after it was saved; use "
                          "another checkpoint)")
+    refuse_oversized_model_files(checkpoint / MODEL_CONFIG)
     log(f"export: {checkpoint / ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
     with staged_folder(output, kind="export", force=force) as staging:
         tensors, total = export_checkpoint_adapter(checkpoint, staging, dtype=dtype, log=log)

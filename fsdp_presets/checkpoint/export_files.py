@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from fsdp_presets.checkpoint.layout import EXPORT_RECORD
-from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text, write_json_atomic
+from fsdp_presets.fileio import CONFIG_MAX_BYTES, MODEL_FILE_MAX_BYTES, read_regular_text, write_json_atomic
 
 CODE_REFERENCE_KEYS = ("auto_map", "custom_pipelines", "auto_mapping")
 """Keys of a Hugging Face JSON file that name Python code to import (transformers' ``auto_map``
@@ -34,10 +34,8 @@ def finish_export_folder(folder: Path, *, keep_code_references: bool, log: Calla
         path.unlink()
         log(f"export: left out {path.name}: an export holds no code")
     if not keep_code_references:
-        for path in sorted(folder.glob("*.json")):
-            if path.stat().st_size > CONFIG_MAX_BYTES:
-                continue  # a tokenizer vocabulary, not a config
-            document = json.loads(read_regular_text(path, limit=CONFIG_MAX_BYTES))
+        for path in sorted(folder.glob("*.json")):  # every one: a large file may carry the key as well
+            document = json.loads(read_regular_text(path, limit=MODEL_FILE_MAX_BYTES))
             dropped = [key for key in CODE_REFERENCE_KEYS if isinstance(document, dict) and key in document]
             if dropped:
                 for key in dropped:

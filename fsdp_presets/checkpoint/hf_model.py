@@ -5,6 +5,7 @@ tokenizer), the tensors a model of that config has, loading weights into its cla
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,31 @@ class ModelFiles:
     """The loaded ``PretrainedConfig``."""
 
 
+READ_WHOLE_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
+"""Files of a model folder that transformers' config, generation-config and tokenizer loaders read
+whole into memory (configs, ``tokenizer.json``, vocabularies and merges, chat templates,
+sentencepiece and tiktoken models). Weights are read by their own bounded readers."""
+
+
+def refuse_oversized_model_files(folder: Path) -> None:
+    """Refuse, before transformers reads any of them, a model folder whose ``config.json`` holds more
+    than :data:`~fsdp_presets.fileio.CONFIG_MAX_BYTES` or whose other :data:`READ_WHOLE_SUFFIXES`
+    files hold more than :data:`~fsdp_presets.fileio.MODEL_FILE_MAX_BYTES` (a sparse 20 GB
+    ``tokenizer.json`` takes a few bytes on disk and all of memory once read)."""
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES, MODEL_FILE_MAX_BYTES, format_bytes
+
+    for directory, _, names in os.walk(folder):
+        for name in sorted(names):
+            path = Path(directory) / name
+            if path.suffix not in READ_WHOLE_SUFFIXES or not path.is_file():
+                continue
+            limit = CONFIG_MAX_BYTES if path == folder / HF_CONFIG else MODEL_FILE_MAX_BYTES
+            size = path.stat().st_size
+            if size > limit:
+                raise UsageError(f"{path} holds {format_bytes(size)}, more than the {format_bytes(limit)} a model "
+                                 "folder's text files may hold; nothing was written")
+
+
 def find_model_files(checkpoint: Path, model: str | None) -> ModelFiles:
     """``--model`` when given, else ``CHECKPOINT/model_config``, else the ``model`` that the run
     folder's run.json records."""
@@ -57,6 +83,7 @@ def find_model_files(checkpoint: Path, model: str | None) -> ModelFiles:
             candidates.append((Path(recorded), f"model in {run_json}"))
     for folder, origin in candidates:
         if (folder / HF_CONFIG).is_file():
+            refuse_oversized_model_files(folder)
             try:
                 config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
             except Exception as error:

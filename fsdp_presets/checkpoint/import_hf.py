@@ -13,7 +13,8 @@ from typing import Callable
 from fsdp_presets.checkpoint.files import DcpReader, hf_weight_files
 from fsdp_presets.checkpoint.hf_model import (ModelFiles, Verification, VerificationFailed, expected_tensors,
                                               from_pretrained_fp32, load_model, model_class,
-                                              tokenizer_and_generation_config, verify_models)
+                                              refuse_oversized_model_files, tokenizer_and_generation_config,
+                                              verify_models)
 from fsdp_presets.checkpoint.layout import DCP_MODEL, HF_CONFIG, MANIFEST, MODEL_CONFIG, WEIGHTS_SUFFIX
 from fsdp_presets.checkpoint.outputs import check_output, staged_folder
 from fsdp_presets.errors import UsageError
@@ -60,12 +61,13 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
 
     from fsdp_presets.checkpoint.files import SafetensorsReader, TorchFileReader
     from fsdp_presets.checkpoint.manifest import IMPORTED_KIND, Manifest
-    from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic
+    from fsdp_presets.fileio import config_digest, printable, sha256_file, write_json_atomic
 
     hf_dir, output = Path(hf_dir), Path(output)
+    refuse_links_out(hf_dir)  # first: a config.json linked to /dev/zero is named as the link it is
     if not (hf_dir / HF_CONFIG).is_file():
         raise UsageError(f"{hf_dir}: no {HF_CONFIG} (give a Hugging Face model folder)")
-    refuse_links_out(hf_dir)
+    refuse_oversized_model_files(hf_dir)
     check_output(output, kind="import", force=force, source=hf_dir)
     weight_files = hf_weight_files(hf_dir)
     for file in weight_files:  # open each file before anything else: a damaged one is named here
@@ -91,7 +93,7 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
         raise UsageError(f"{hf_dir}: its weights do not fit {type(model).__name__} ({'; '.join(problems)}); "
                          "nothing was written")
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-    log(f"import: {hf_dir} ({', '.join(file.name for file in weight_files)}) -> {output}: "
+    log(f"import: {hf_dir} ({', '.join(printable(file.name) for file in weight_files)}) -> {output}: "
         f"{len(state)} tensors, fp32, DCP")
     with staged_folder(output, kind="import", force=force) as staging:
         with _quiet_single_process_warning():

@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     missing = [path for path in args.configs if not Path(path).exists()]
     if missing:
         problems.append(f"no such file: {', '.join(missing)}")
+    from fsdp_presets.fileio import not_regular_problem
+
+    problems += filter(None, map(not_regular_problem, args.configs))  # a FIFO, a device, a folder
     from fsdp_presets.plan.methods import lora_from_args
 
     try:

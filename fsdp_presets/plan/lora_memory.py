@@ -231,9 +231,10 @@ def lora_peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_versi
     units = lora_units(profile, shape, fsdp_version)
     activations = lora_activation_bytes(profile, shape, micro_batch)
     adapters = sum(unit.count * unit.adapter_params for unit in units)
-    # One Linear's weight dequantized for compute, and every quantization constant (replicated).
-    dequantized = max((unit.largest_dequantized for unit in units), default=0) * c + \
-        quant_constant_bytes(profile, shape.lora)
+    # One Linear's weight dequantized for compute (inside a block), and every quantization constant
+    # (replicated, on the GPU through the whole step, offload or not: at the loss as in a block).
+    constants = quant_constant_bytes(profile, shape.lora)
+    dequantized = max((unit.largest_dequantized for unit in units), default=0) * c + constants
     accumulated = 0
     if shape.grad_accum > 1 and not shape.reduce_every_micro_batch and fsdp_version is not None:
         accumulated = adapters * (STORED_PARAM_BYTES if c == 4 else ACCUMULATED_GRAD_BYTES[fsdp_version])
@@ -260,7 +261,7 @@ def lora_peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_versi
     largest_adapter = resharded[0].adapter_params if resharded else 0
     grads = state.grads if shape.grad_accum > 1 and shape.reduce_every_micro_batch else 0
     peak_at_loss = PerGpuBytes(params=state.params, grads=grads, optimizer=state.optimizer, activations=activations,
-                               buffers=at_loss + accumulated)
+                               buffers=at_loss + accumulated + constants)
     recomputed = 0
     if shape.activation_checkpointing:
         recomputed = activation_bytes_per_layer(profile, shape, micro_batch) + \

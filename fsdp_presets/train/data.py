@@ -251,10 +251,24 @@ def _check_classification_columns(records, flag: str, path) -> None:
         raise UsageError(f"{flag} {path} has columns {records.column_names}, missing {missing}; "
                          "classification data needs `text` and `label` columns")
     _require_string_columns(records, ("text",), flag, path, "")
-    unlabelled = sum(label is None for label in records["label"])
+    dtype = getattr(records.features["label"], "dtype", None)
+    if dtype not in _LABEL_DTYPES:  # a list or an object would become a class named by its repr
+        raise UsageError(f"{flag} {path}: column 'label' holds {dtype or records.features['label']}, not class names "
+                         "or whole numbers; give every record's label as text, or every one as a whole number")
+    labels = records["label"]
+    unlabelled = sum(label is None or (isinstance(label, str) and not label.strip()) for label in labels)
     if unlabelled:  # str(None) would make "None" a class of its own (a new head would learn it)
-        raise UsageError(f"{flag} {path}: {unlabelled} of {len(records)} records have no label (null); give every "
-                         "record a label, or leave those records out")
+        raise UsageError(f"{flag} {path}: {unlabelled} of {len(records)} records have no label (null or blank); give "
+                         "every record a label, or leave those records out")
+    fractional = next((label for label in labels if isinstance(label, float) and not label.is_integer()), None)
+    if fractional is not None:  # regression scores: each distinct value would become a class
+        raise UsageError(f"{flag} {path}: label {fractional} is not a whole number; classification needs class "
+                         "names or whole numbers (scores to regress on are not classes)")
+
+
+_LABEL_DTYPES = ("string", "large_string", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                 "bool", "float16", "float32", "float64", "null")
+"""Label column types a classification head can be numbered from (floats only when whole: see above)."""
 
 
 def fit_head(data_labels: list[str], head_labels: list[str], data) -> list[str]:

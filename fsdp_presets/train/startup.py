@@ -55,7 +55,7 @@ def check_start(accelerator, args) -> None:
 def environment_problem() -> str | None:
     """What is wrong with the ``FSDP_PRESETS_*`` variables this rank was started with (None: nothing),
     so that a malformed one stops every rank at start, not at the save or fault point that reads it."""
-    from fsdp_presets.cpu_fsdp import UNTESTED_ACCELERATE_OK
+    from fsdp_presets.cpu_fsdp import PATCH_NAMES, PATCHES_OFF_ENV, UNTESTED_ACCELERATE_OK
     from fsdp_presets.faults import fault_spec_problem
 
     problems = [fault_spec_problem()]
@@ -64,6 +64,10 @@ def environment_problem() -> str | None:
                         "above 0, such as 600")
     if os.environ.get(UNTESTED_ACCELERATE_OK, "1") not in ("0", "1", ""):
         problems.append(f"{UNTESTED_ACCELERATE_OK}={os.environ[UNTESTED_ACCELERATE_OK]!r}: give 1 (or leave it unset)")
+    unknown = sorted({name.strip() for name in os.environ.get(PATCHES_OFF_ENV, "").split(",")} - {"", *PATCH_NAMES})
+    if unknown:  # a misspelt name would leave the patch on and the run looking like proof that it is not needed
+        problems.append(f"{PATCHES_OFF_ENV}={os.environ[PATCHES_OFF_ENV]!r}: {', '.join(unknown)} names no patch "
+                        f"(the patches: {', '.join(PATCH_NAMES)})")
     problems = [problem for problem in problems if problem]
     return "; ".join(problems) + "; fix or unset the variable" if problems else None
 
