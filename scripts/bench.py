@@ -30,7 +30,7 @@ resume drill failed. Absolute times move with the load of a shared host; CPU tim
 ratios within one run much less.
 """
 
-from fsdp_harness.bench import main, parse_args  # noqa: F401 (parse_args: the documented flags)
+from fsdp_harness.bench import main
 
 if __name__ == "__main__":
     import sys

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fsdp_harness.drill import descendants, rank_pid  # noqa: F401 (re-exported for the tests)
 from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
 

@@ -28,12 +28,13 @@ from pathlib import Path
 import pytest
 
 from fsdp_presets.train.metrics import read_metrics
+from fsdp_harness.drill import rank_pid
 from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.preset.local_launch import launch_command
 import checkpoint_runs as runs
 import classification_runs
 from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL,
-                            SFT_TRAIN, causal_lm_args, drive_recipe, offline_env, rank_pid, tree_digest)
+                            SFT_TRAIN, causal_lm_args, drive_recipe, offline_env, tree_digest)
 
 STEPS = runs.REFERENCE_STEPS
 TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs

@@ -61,41 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
 
 
-_REQUEST_FLAGS = {
-    # argparse dest -> PresetRequest field
-    "gpus": "gpus", "nodes": "nodes", "device": "device", "gpu_memory": "gpu_memory_gib",
-    "host_memory": "host_memory_gib", "precision": "precision", "strategy": "strategy",
-    "fsdp_version": "fsdp_version", "state_dict": "state_dict", "activation_checkpointing": "activation_checkpointing",
-    "offload": "offload", "seq_len": "seq_len", "global_batch": "global_batch", "micro_batch": "micro_batch",
-    "method": "method", "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-    "lora_target_modules": "lora_target_modules",
-}
-
-
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fsdp_presets.errors import UsageError
-    from fsdp_presets.preset.generate import generate_problems, generation_request
-
-    given = {field: getattr(args, dest) for dest, field in _REQUEST_FLAGS.items() if getattr(args, dest) is not None}
-    problems, old = generate_problems(model=args.model, output=args.output, from_file=args.from_file, gpus=args.gpus,
-                                      baseline=args.baseline, baseline_output=args.baseline_output)
-    if problems:
-        raise UsageError("; ".join(problems))
-
-    request, launch = generation_request(given, model=args.model, old=old, from_file=args.from_file,
-                                         launch_model=args.launch_model, launch_data=args.launch_data)
-
-    from fsdp_presets.preset.emit_commands import default_baseline_path, launch_words
+    from fsdp_presets.preset.emit_commands import launch_words
     from fsdp_presets.preset.generate import (check_outputs, check_rescaled_batch, generated_lines, load_profile,
-                                              render_files, write_files)
+                                              render_files, request_from_args, write_files)
 
+    request, launch, old, baseline_output = request_from_args(args)
     output = str(args.output)
-    baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None
-    if baseline_output is not None and Path(baseline_output).resolve() == Path(output).resolve():
-        raise UsageError(f"--baseline-output {baseline_output} is the same file as -o {output}")
-
     profile = load_profile(request.model, trust_remote_code=args.trust_remote_code)
     files, preset = render_files(profile, request, output=output, baseline_output=baseline_output, launch=launch,
                                  trust_remote_code=args.trust_remote_code)

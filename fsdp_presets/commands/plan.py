@@ -57,63 +57,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
-    from fsdp_presets.errors import UsageError
     from fsdp_presets.fileio import GiB
-    from fsdp_presets.plan import limits
+    from fsdp_presets.plan.inputs import plan_inputs
     from fsdp_presets.plan.methods import lora_from_args
     from fsdp_presets.plan.planner import fit_seq_len, plan_with_auto_savers
     from fsdp_presets.plan.report import plan_json, plan_text
-    from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
-    from fsdp_presets.plan.shapes import Hardware, TrainingShape
     from fsdp_presets.preset.generate import load_profile
     from fsdp_presets.preset.measured_activations import with_rehearsed_terms
     from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 
-    # Validate every flag before touching the model, and report all problems at once.
-    problems = []
-    if args.diagram and Path(args.diagram).suffix.lower() not in (".png", ".svg", ".pdf"):
-        problems.append(f"--diagram {args.diagram}: give a .png (or .svg/.pdf) file name")
-    hardware = shape = None
-    lora_default = "auto" if args.method in ("lora", "qlora") else "off"
-    checkpointing = args.activation_checkpointing or lora_default
-    offload = args.offload or lora_default
-    try:
-        lora_from_args(args)  # the flags alone; target names are checked against the model below
-    except UsageError as error:
-        problems.append(str(error))
-    try:
-        hardware = Hardware(gpus=args.gpus, nodes=args.nodes or 1,
-                            gpu_memory_bytes=int((args.gpu_memory or limits.DEFAULT_GPU_MEMORY_GIB) * GiB))
-    except UsageError as error:
-        problems.append(str(error))
-    try:
-        shape = TrainingShape(
-            seq_len=args.seq_len or limits.DEFAULT_SEQ_LEN,
-            micro_batch=args.micro_batch or 1,
-            grad_accum=args.grad_accum or 1,
-            reduce_every_micro_batch=args.reduce_every_micro_batch,
-            precision="bf16" if args.precision in (None, "auto") else args.precision,  # plan is for GPUs
-            optimizer=args.optimizer,
-            activation_checkpointing=checkpointing == "on",
-            offload=offload == "on",
-            attention=args.attention,
-        )
-    except UsageError as error:
-        problems.append(str(error))
-    problems += save_input_problems(storage_gb_per_s=args.storage_bandwidth, mtbf_hours=args.mtbf,
-                                    step_time_s=args.seconds_per_step)
-    if problems:
-        raise UsageError("; ".join(problems))
-    storage = (args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9
+    inputs = plan_inputs(args)  # every flag checked before the model is read
+    storage, shape = inputs.storage_bytes_per_s, inputs.shape
     host = (args.host_memory or DEFAULT_HOST_MEMORY_GIB["gpu"]) * GiB
     profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
     shape, terms_note = with_rehearsed_terms(args.model, shape, trust_remote_code=args.trust_remote_code)
-    memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape, checkpointing=checkpointing,
-                                                offload=offload)
+    memory_plan, chosen = plan_with_auto_savers(profile, inputs.hardware, shape,
+                                                checkpointing=inputs.checkpointing, offload=inputs.offload)
 
     if args.diagram:
         from fsdp_presets.plan.diagram import draw_plan

@@ -1,5 +1,6 @@
 """From a request to files on disk: what ``fsdp-presets generate`` and scripts/make_presets.py do
-besides parsing flags. Decide, render and check the texts (:func:`render_files`), rescale a
+besides parsing flags. The request of generate's flags, all checked at once
+(:func:`request_from_args`); decide, render and check the texts (:func:`render_files`), rescale a
 generated preset to another GPU count (:func:`rescale_source`, :func:`rescaled_request`), refuse to
 replace a file ``generate`` did not write (:func:`check_generated_output`), and write every file
 through a temporary file loaded back by accelerate first (:func:`write_files`)::
@@ -52,6 +53,38 @@ def rescale_source(path) -> tuple[dict | None, str | None]:
         return None, (f"--from {path}: no '# fsdp-presets:' line of an FSDP preset in its header; only files "
                       "written by `fsdp-presets generate` can be rescaled")
     return old, None
+
+
+REQUEST_FLAGS = {
+    # generate's argparse dest -> PresetRequest field
+    "gpus": "gpus", "nodes": "nodes", "device": "device", "gpu_memory": "gpu_memory_gib",
+    "host_memory": "host_memory_gib", "precision": "precision", "strategy": "strategy",
+    "fsdp_version": "fsdp_version", "state_dict": "state_dict", "activation_checkpointing": "activation_checkpointing",
+    "offload": "offload", "seq_len": "seq_len", "global_batch": "global_batch", "micro_batch": "micro_batch",
+    "method": "method", "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
+    "lora_target_modules": "lora_target_modules",
+}
+
+
+def request_from_args(args):
+    """``(request, launch, old, baseline_output)`` of ``generate``'s parsed flags: the
+    :class:`PresetRequest` (of MODEL, or of the preset ``--from`` rescales, read into ``old``), the
+    header's launch hints and the DDP baseline's path (None without ``--baseline``). Every problem
+    with the flags together is raised at once (:class:`UsageError`), before the model is read."""
+    from fsdp_presets.preset.emit_commands import default_baseline_path
+
+    given = {field: getattr(args, dest) for dest, field in REQUEST_FLAGS.items() if getattr(args, dest) is not None}
+    problems, old = generate_problems(model=args.model, output=args.output, from_file=args.from_file, gpus=args.gpus,
+                                      baseline=args.baseline, baseline_output=args.baseline_output)
+    output = str(args.output)
+    baseline_output = (args.baseline_output or default_baseline_path(output)) if args.baseline else None
+    if baseline_output is not None and Path(baseline_output).resolve() == Path(output).resolve():
+        problems.append(f"--baseline-output {baseline_output} is the same file as -o {output}")
+    if problems:
+        raise UsageError("; ".join(problems))
+    request, launch = generation_request(given, model=args.model, old=old, from_file=args.from_file,
+                                         launch_model=args.launch_model, launch_data=args.launch_data)
+    return request, launch, old, baseline_output
 
 
 def generate_problems(*, model: str | None, output: str, from_file: str | None, gpus: int | None,

@@ -1,0 +1,81 @@
+"""The planner's inputs from ``fsdp-presets plan``'s flags: every flag checked before the model is
+read, every problem reported at once (one :class:`UsageError`), and the defaults a plan takes
+when a flag is not given::
+
+    inputs = plan_inputs(args)        # Hardware, TrainingShape, the saver choices, save-cost figures
+
+Standard library and the plan stage only (``limits``, ``shapes``, ``methods``, ``save_cost``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_presets.errors import UsageError
+from fsdp_presets.fileio import GiB
+from fsdp_presets.plan import limits
+from fsdp_presets.plan.methods import lora_from_args
+from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
+from fsdp_presets.plan.shapes import Hardware, TrainingShape
+
+__all__ = ["DIAGRAM_SUFFIXES", "PlanInputs", "plan_inputs"]
+
+DIAGRAM_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    hardware: Hardware
+    """The GPUs, nodes and memory per GPU the plan is for."""
+    shape: TrainingShape
+    """The step as asked for: sequence length, batch, precision, optimizer, savers (the sequence
+    length is fitted to the model and the LoRA shape added once the model is read)."""
+    checkpointing: str
+    """``on``, ``off`` or ``auto`` (with --method lora|qlora: on only when nothing fits without it)."""
+    offload: str
+    """``on``, ``off`` or ``auto``, as ``checkpointing``."""
+    storage_bytes_per_s: float
+    """Checkpoint write bandwidth per node (--storage-bandwidth, else the assumed default)."""
+
+
+def plan_inputs(args: argparse.Namespace) -> PlanInputs:
+    """The checked inputs of ``plan``'s parsed flags; raises one :class:`UsageError` naming every
+    problem. Nothing is read from disk."""
+    problems = []
+    if args.diagram and Path(args.diagram).suffix.lower() not in DIAGRAM_SUFFIXES:
+        problems.append(f"--diagram {args.diagram}: give a .png (or .svg/.pdf) file name")
+    hardware = shape = None
+    saver_default = "auto" if args.method in ("lora", "qlora") else "off"
+    checkpointing = args.activation_checkpointing or saver_default
+    offload = args.offload or saver_default
+    try:
+        lora_from_args(args)  # the flags alone; target names are checked against the model later
+    except UsageError as error:
+        problems.append(str(error))
+    try:
+        hardware = Hardware(gpus=args.gpus, nodes=args.nodes or 1,
+                            gpu_memory_bytes=int((args.gpu_memory or limits.DEFAULT_GPU_MEMORY_GIB) * GiB))
+    except UsageError as error:
+        problems.append(str(error))
+    try:
+        shape = TrainingShape(
+            seq_len=args.seq_len or limits.DEFAULT_SEQ_LEN,
+            micro_batch=args.micro_batch or 1,
+            grad_accum=args.grad_accum or 1,
+            reduce_every_micro_batch=args.reduce_every_micro_batch,
+            precision="bf16" if args.precision in (None, "auto") else args.precision,  # plan is for GPUs
+            optimizer=args.optimizer,
+            activation_checkpointing=checkpointing == "on",
+            offload=offload == "on",
+            attention=args.attention,
+        )
+    except UsageError as error:
+        problems.append(str(error))
+    problems += save_input_problems(storage_gb_per_s=args.storage_bandwidth, mtbf_hours=args.mtbf,
+                                    step_time_s=args.seconds_per_step)
+    if problems:
+        raise UsageError("; ".join(problems))
+    return PlanInputs(hardware=hardware, shape=shape, checkpointing=checkpointing, offload=offload,
+                      storage_bytes_per_s=(args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9)
