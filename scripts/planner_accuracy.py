@@ -7,7 +7,7 @@ composes the planner from the recorded table (seconds). Prints one line per poin
 rehearsed, difference, the fit verdicts) and the largest difference; exits 1 when a point is off by
 10% or more or its verdict differs::
 
-    nice -n 5 python scripts/planner_accuracy.py --record tests/data/planner_grid.json   # ~1 hour
+    nice -n 5 python scripts/planner_accuracy.py --record tests/data/planner_grid.json   # ~30 min, 2 cores
     python scripts/planner_accuracy.py --doc docs/benchmarks.md     # the section, from the table
 
 ``--doc`` writes the table and its settings into that file's ``planner-accuracy`` section.
