@@ -4,13 +4,17 @@ families the project keeps no constants for. Published configs, cut to 4 blocks 
 sequence so the suite stays fast: the planner composes per-block terms, so a 4-block model tests
 the composition as a 40-block one does (scripts/planner_accuracy.py runs full sizes). Each family
 is composed for another point of the grid (GPUs, micro-batch, accumulation, checkpointing) than
-the one its terms were rehearsed at."""
+the one its terms were rehearsed at, a point of the recorded grid (tests/data/planner_grid.json,
+fsdp_harness/planner_grid.py): the live rehearsals, short and full, must equal what the table
+recorded, so that tests/test_planner_grid.py, which plans every recorded point without
+rehearsing, cannot pass on a stale table."""
 
 from __future__ import annotations
 
 import pytest
 
-from fsdp_harness.published_configs import FAMILIES, write_config
+from fsdp_harness import planner_grid
+from fsdp_harness.published_configs import FAMILIES, config_hash, write_config
 from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
 
 LAYERS, SEQ = 4, 1024
@@ -21,7 +25,7 @@ COMPOSED = {
     "qwen3_moe": (64, 2, 1, True),  # mixture of experts (128), QK-norm
     "gemma3_text": (8, 2, 1, False),  # sliding and full attention, a 262k vocabulary tied to the embedding
     "cohere": (64, 1, 1, True),  # a 256k vocabulary, LayerNorm, attention and MLP in parallel
-    "granite": (16, 2, 1, True),  # GQA, embedding/residual/logit multipliers, tied head
+    "granite": (64, 1, 4, True),  # GQA, embedding/residual/logit multipliers, tied head
     "olmoe": (8, 1, 4, False),  # mixture of experts (64), QK-norm, under accumulation
     "glm4": (64, 2, 4, True),  # GQA with 2 KV heads, partial rotary, attention biases
 }
@@ -41,13 +45,21 @@ def _model_folder(tmp_path, model_type):
     return write_config(tmp_path, model_type, layers=LAYERS)
 
 
-def test_every_published_family_is_tested():
+@pytest.fixture(scope="module")
+def recorded():
+    return planner_grid.load(planner_grid.TABLE)
+
+
+def test_every_published_family_is_tested(recorded):
     assert sorted(COMPOSED) == sorted(FAMILIES)
+    for model_type, (gpus, micro_batch, accumulation, checkpointing) in COMPOSED.items():
+        point = planner_grid.find_point(recorded, model_type, gpus, micro_batch, accumulation, checkpointing)
+        assert (point["layers"], point["seq_len"]) == (LAYERS, SEQ)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, monkeypatch, model_type):
+def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, recorded, tmp_path, monkeypatch, model_type):
     from fsdp_presets.preset.measured_activations import with_rehearsed_terms
     from fsdp_presets.fileio import GiB
     from fsdp_presets.plan.shapes import Hardware, TrainingShape
@@ -70,9 +82,33 @@ def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, tmp_path, 
     rehearsed = document["rehearsal"]["per_gpu_peak_bytes"]
     assert abs(row.per_gpu.total - rehearsed) / rehearsed < 0.10, (row.per_gpu, document["rehearsal"], shape.measured)
     assert (row.per_gpu.total <= 80 * GiB * 0.9) == (rehearsed <= 80 * GiB * 0.9)  # the same verdict
+    _recorded_as_rehearsed(recorded, model_type, source, rehearsed)
     if model_type == "qwen3":
         _generate_and_check_say_how(source, tmp_path)
         _cache_is_used_and_can_be_turned_off(source, shape, monkeypatch)
+
+
+def _recorded_as_rehearsed(recorded, model_type, source, rehearsed):
+    """The recorded table holds what was rehearsed live: this point's full rehearsal (to 0.01%) and
+    the short rehearsal the planner composed from (the same bytes at every moment of every run)."""
+    import json
+
+    from fsdp_presets.model.model_loading import load_config
+    from fsdp_presets.preset.measured_activations import config_key
+    from fsdp_presets.preset.model_cache import cache_dir, config_digest
+
+    point = planner_grid.find_point(recorded, model_type, *COMPOSED[model_type])
+    assert point["config_hash"] == config_hash(model_type, layers=LAYERS), "record the table again"
+    assert abs(point["rehearsed_per_gpu_bytes"] - rehearsed) <= 1e-4 * rehearsed, \
+        f"{model_type}: recorded {point['rehearsed_per_gpu_bytes']}, rehearsed {rehearsed}: record the table again"
+    cached = cache_dir() / "activations" / f"{config_key(config_digest(load_config(source)), seq_len=SEQ, precision='bf16')}.json"
+
+    def measured(runs):  # what each run held at each moment (``where`` only names the op of a tie)
+        return [{key: value for key, value in run.items() if key != "where"} for run in runs]
+
+    live_runs = json.loads(cached.read_text(encoding="utf-8"))["runs"]
+    assert measured(live_runs) == measured(recorded["families"][model_type]["short_rehearsal"]["runs"]), \
+        "record the table again"
 
 
 def _generate_and_check_say_how(source, tmp_path):

@@ -170,6 +170,18 @@ class ModelProfile:
         }
 
 
+def profile_from_json(data: dict) -> ModelProfile:
+    """The :class:`ModelProfile` that :meth:`ModelProfile.to_json` wrote (its derived fields ignored)."""
+    return ModelProfile(
+        model_type=data["model_type"], architecture=data["architecture"], total_params=int(data["total_params"]),
+        units=[Unit(cls=unit["class"], count=int(unit["count"]), params_each=int(unit["params_each"]))
+               for unit in data["units"]],
+        wrap_classes=list(data["wrap_classes"]), embeddings=list(data["embeddings"]),
+        norm_classes=list(data["norm_classes"]), output_head=data["output_head"],
+        tied_embeddings=bool(data["tied_embeddings"]), dims=ModelDims(**data["dims"]),
+        structure=dict(data["structure"]))
+
+
 def format_profile(profile, *, source: str = "") -> str:
     """The readable form of a :class:`ModelProfile` (``fsdp-presets inspect``)."""
     dims = profile.dims

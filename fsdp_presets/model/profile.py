@@ -404,9 +404,11 @@ def _config_dtype(config: Any) -> str | None:
     return str(dtype).removeprefix("torch.")
 
 
-def profile_model(source: str, *, trust_remote_code: bool = False) -> ModelProfile:
-    """The profile of ``source`` (family name, model folder or config.json), built on meta."""
-    config = load_config(source, trust_remote_code=trust_remote_code)
+def profile_model(source: str, *, trust_remote_code: bool = False, config: Any = None) -> ModelProfile:
+    """The profile of ``source`` (family name, model folder or config.json; or its ``config``,
+    already loaded), built on meta."""
+    if config is None:
+        config = load_config(source, trust_remote_code=trust_remote_code)
     model = build_meta_model(config, trust_remote_code=trust_remote_code)
     try:
         return profile_module(model)

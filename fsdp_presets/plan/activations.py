@@ -208,7 +208,7 @@ def in_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro
     if family.in_block is None or own is None:
         return None
     tokens_hidden = _tokens_hidden(profile, shape, micro_batch)
-    return max(0, max(0, profile.dims.num_layers - 1) * _saved_per_block(profile, shape, micro_batch)
+    return max(0, max(0, profile.dims.num_layers - 1) * saved_per_block(profile, shape, micro_batch)
                + math.ceil(tokens_hidden * own)
                + (family.fixed_in_block_checkpointed if shape.activation_checkpointing else family.fixed_in_block))
 
@@ -220,11 +220,11 @@ def tail_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_bat
     family = block_activations(profile, shape)
     if family.tail is None:
         return None
-    return max(0, profile.dims.num_layers * _saved_per_block(profile, shape, micro_batch)
+    return max(0, profile.dims.num_layers * saved_per_block(profile, shape, micro_batch)
                + math.ceil(_tokens_hidden(profile, shape, micro_batch) * family.tail) + family.fixed_in_tail)
 
 
-def _saved_per_block(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
+def saved_per_block(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:
     """One block's saved activations, checkpointed or not."""
     if shape.activation_checkpointing:
         return math.ceil(_tokens_hidden(profile, shape, micro_batch) * block_activations(profile, shape).checkpointed)

@@ -55,7 +55,7 @@ from fsdp_presets.plan.limits import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
                                            block_activations, end_bytes, in_block_activation_bytes, logits_bytes,
-                                           mlp_width, tail_activation_bytes)
+                                           mlp_width, saved_per_block, tail_activation_bytes)
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
@@ -111,6 +111,8 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
       checkpointing, and the gradients of its MLP's two widest tensors are live (measured:
       Mixtral-8x7B peaks here, and Mistral-7B under activation checkpointing, with
       2 x s x b x intermediate x 2 bytes of temporaries).
+    - under accumulation (``no_sync``), the forward of a later micro-batch: the accumulated
+      unsharded gradients of the whole model beside the blocks' activations and gathered units.
 
     DDP and NO_SHARD are not rehearsed: model states, full gradients and the buffers below."""
     if shape.lora is not None:
@@ -177,6 +179,18 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
                          buffers=(gathered_in_block - (kept if name != "SHARD_GRAD_OP" else 0)) * c + largest * c
                          + accumulated_at_end)
     moments = [at_loss, in_block, at_end]
+    if accumulated and fsdp_version == 2:
+        # A later micro-batch's forward under no_sync, in its last block: the unsharded gradients
+        # of the whole model accumulated by the earlier ones, the saved activations of the blocks
+        # before it and its input, the tail kept gathered and three blocks' worth of gathered
+        # parameters (rehearsed: Granite-3.1-8B and StarCoder2-15B at 64 GPUs, micro-batch 1 x 4,
+        # peak there, Granite with 1.49 GiB of unsharded parameters: its 201M-parameter tail and
+        # 3 x 199M, and 3 blocks' activations).
+        block = max((unit.params_each for unit in profile.units), default=0)
+        before = max(0, profile.dims.num_layers - 1) * saved_per_block(profile, shape, micro_batch)
+        block_input = saved_per_block(profile, shape.replace(activation_checkpointing=True), micro_batch)
+        moments.append(PerGpuBytes(params=state.params, grads=grads, optimizer=state.optimizer,
+                                   activations=before + block_input, buffers=(kept + 3 * block) * c + accumulated))
     tail = tail_activation_bytes(profile, shape, micro_batch) if fsdp_version == 2 else None
     if tail is not None:
         # The tail's backward, where rehearsed for this model (block_activations): the logits' loss

@@ -23,14 +23,24 @@ from fsdp_presets.preset.request import PresetRequest, parse_global_batch
 
 
 def load_profile(source: str, *, trust_remote_code: bool = False):
-    """The model's :class:`~fsdp_presets.model.profile.ModelProfile`, with transformers' advisory
-    warnings silenced (token ids, deprecated keys: noise for a plan)."""
+    """The model's :class:`~fsdp_presets.model.profile.ModelProfile`, from the cache
+    (:mod:`fsdp_presets.preset.model_cache`: no torch, no transformers) or built on meta and then
+    cached, with transformers' advisory warnings silenced (token ids, deprecated keys: noise for a plan)."""
+    from fsdp_presets.preset.model_cache import cached_profile, store_profile
+
+    profile, _ = cached_profile(source, trust_remote_code=trust_remote_code)
+    if profile is not None:
+        return profile
     from transformers.utils import logging as hf_logging
 
+    from fsdp_presets.model.model_loading import load_config
     from fsdp_presets.model.profile import profile_model
 
     hf_logging.set_verbosity_error()
-    return profile_model(source, trust_remote_code=trust_remote_code)
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    profile = profile_model(source, trust_remote_code=trust_remote_code, config=config)
+    store_profile(source, profile, config, trust_remote_code=trust_remote_code)
+    return profile
 
 
 # --------------------------------------------------------------------------- rescaling

@@ -23,10 +23,10 @@ now measured for every model. The planner scales them to any micro-batch, layer 
 strategy, accumulation and checkpointing setting.
 
 The cache: one JSON file per config, sequence length and precision (and torch/transformers
-versions) under ``$FSDP_PRESETS_CACHE`` when set, else ``$XDG_CACHE_HOME/fsdp-presets`` (else
-``~/.cache/fsdp-presets``), in ``activations/``. ``FSDP_PRESETS_CACHE=off`` turns the cache off
-(every plan rehearses again). ``FSDP_PRESETS_PLAN_REHEARSAL=off`` turns the rehearsal off: the
-planner then uses the family constants and says so ("estimated").
+versions) in ``activations/`` of the cache folder (:mod:`fsdp_presets.preset.model_cache`: where
+it is, how to turn it off). Where that cache also holds the model's profile, the terms are found
+without loading the config (no torch, no transformers). ``FSDP_PRESETS_PLAN_REHEARSAL=off`` turns
+the rehearsal off: the planner then uses the family constants and says so ("estimated").
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ import os
 import warnings
 from pathlib import Path
 
-CACHE_ENV = "FSDP_PRESETS_CACHE"
-"""Where the cache lives (a folder), or ``off``."""
+from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, library_versions, read_entry,
+                                             write_entry)
+
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
 CACHE_FORMAT = 6
@@ -55,37 +56,22 @@ measured value, :data:`fsdp_presets.plan.activations.BLOCK_ACTIVATIONS`)."""
 _EXCLUDED_CATEGORIES = ("params", "grads", "optimizer", "unsharded params", "unsharded grads")
 
 
-def cache_dir() -> Path | None:
-    """The cache folder, or None when ``FSDP_PRESETS_CACHE=off``."""
-    chosen = os.environ.get(CACHE_ENV, "").strip()
-    if chosen.lower() == "off":
-        return None
-    if chosen:
-        return Path(chosen).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME", "").strip() or str(Path.home() / ".cache")
-    return Path(base) / "fsdp-presets"
-
-
-def config_key(config, *, seq_len: int, precision: str) -> str:
-    """Hash of everything the terms depend on: the config without its layer count (the terms are
+def config_key(digest: str, *, seq_len: int, precision: str) -> str:
+    """Name of a cache entry: the config's digest
+    (:func:`~fsdp_presets.preset.model_cache.config_digest`, without its layer count: the terms are
     per block), the sequence length, the precision and the library versions."""
-    import torch
-    import transformers
-
-    described = {key: value for key, value in config.to_dict().items()
-                 if key not in ("num_hidden_layers", "_name_or_path", "transformers_version", "layer_types")}
-    text = json.dumps({"config": described, "seq_len": seq_len, "precision": precision, "format": CACHE_FORMAT,
-                       "torch": torch.__version__, "transformers": transformers.__version__},
-                      sort_keys=True, default=str)
+    text = json.dumps({"config": digest, "seq_len": seq_len, "precision": precision, "format": CACHE_FORMAT,
+                       **library_versions()}, sort_keys=True)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
-def _read_cached(path: Path) -> dict | None:
-    try:
-        entry = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return entry if isinstance(entry, dict) and entry.get("format") == CACHE_FORMAT else None
+def _cached_entry(digest: str, *, seq_len: int, precision: str) -> tuple[Path | None, dict | None]:
+    """``(path, entry)`` of the terms of the config of ``digest`` (path None: the cache is off)."""
+    folder = cache_dir()
+    if folder is None:
+        return None, None
+    path = folder / "activations" / f"{config_key(digest, seq_len=seq_len, precision=precision)}.json"
+    return path, read_entry(path, format_=CACHE_FORMAT)
 
 
 def _layers(config, count: int):
@@ -210,25 +196,15 @@ def rehearsed_block_activations(config, *, seq_len: int, precision: str, trust_r
     if not getattr(config, "vocab_size", None) or not getattr(config, "hidden_size", None) or \
             not getattr(config, "num_hidden_layers", None):
         return None, "not a decoder with hidden_size, num_hidden_layers and vocab_size in its config"
-    folder = cache_dir()
-    path = None
-    if folder is not None:
-        path = folder / "activations" / f"{config_key(config, seq_len=seq_len, precision=precision)}.json"
-        entry = _read_cached(path)
-        if entry is not None:
-            return terms_from_entry(entry), None
+    path, entry = _cached_entry(config_digest(config), seq_len=seq_len, precision=precision)
+    if entry is not None:
+        return terms_from_entry(entry), None
     try:
         entry = measure(config, seq_len=seq_len, precision=precision, trust_remote_code=trust_remote_code)
     except Exception as error:  # any model the rehearsal cannot run: the planner falls back, and says why
         return None, f"the rehearsal could not run ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
     if path is not None:
-        from fsdp_presets.fileio import write_json_atomic
-
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(path, entry)
-        except OSError:
-            pass  # a read-only cache: the terms are still used, the next plan rehearses again
+        write_entry(path, entry)  # a read-only cache: the terms are still used, the next plan rehearses again
     return terms_from_entry(entry), None
 
 
@@ -242,7 +218,18 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
     if shape.attention != "fused":
         return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
                        "runs the model's own attention)"}
+    if os.environ.get(REHEARSAL_ENV, "").strip().lower() == "off":  # before loading the config: no transformers
+        return shape, {"source": "estimated", "how": f"family constants ({REHEARSAL_ENV}=off)"}
+    _, digest = cached_profile(source, trust_remote_code=trust_remote_code)  # no transformers when cached
+    _, entry = _cached_entry(digest, seq_len=shape.seq_len, precision=shape.precision) if digest else (None, None)
+    if entry is not None:
+        terms = terms_from_entry(entry)
+        return shape.replace(measured=terms), _composed_note(terms)
+    from transformers.utils import logging as hf_logging
+
     from fsdp_presets.model.model_loading import load_config
+
+    hf_logging.set_verbosity_error()  # advisory warnings (token ids, deprecated keys): noise for a plan
 
     try:
         config = load_config(source, trust_remote_code=trust_remote_code)
@@ -252,12 +239,15 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
                                                  trust_remote_code=trust_remote_code)
     if terms is None:
         return shape, {"source": "estimated", "how": f"family constants ({problem})"}
+    return shape.replace(measured=terms), _composed_note(terms)
+
+
+def _composed_note(terms) -> dict:
     folder = cache_dir()
-    return shape.replace(measured=terms), {
-        "source": "composed from a rehearsal",
-        "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
-               f"estimated (cache: {folder if folder is not None else 'off'})"}
+    return {"source": "composed from a rehearsal",
+            "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
+                   f"estimated (cache: {folder if folder is not None else 'off'})"}
 
 
-__all__ = ["CACHE_ENV", "REHEARSAL_ENV", "cache_dir", "config_key", "measure", "rehearsed_block_activations",
+__all__ = ["REHEARSAL_ENV", "config_key", "measure", "rehearsed_block_activations",
            "terms_from_entry", "with_rehearsed_terms"]

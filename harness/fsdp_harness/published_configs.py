@@ -5,6 +5,7 @@ against a rehearsal on. ``write_config`` puts one in a folder ``fsdp-presets`` c
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -58,12 +59,23 @@ PUBLISHED_LAYERS = {"qwen3": 36, "starcoder2": 40, "olmo2": 32, "deepseek_v2": 2
 Qwen3-30B-A3B, Gemma-3-1B, Command-R v01, Granite-3.1-8B, OLMoE-1B-7B-0924, GLM-4-9B-0414)."""
 
 
+def published_config(model_type: str, *, layers: int | None = None) -> dict:
+    """``model_type``'s published config as a ``config.json`` holds it (``layers`` blocks, default
+    the published count)."""
+    return {"model_type": model_type, "num_hidden_layers": layers or PUBLISHED_LAYERS[model_type],
+            **FAMILIES[model_type]}
+
+
+def config_hash(model_type: str, *, layers: int | None = None) -> str:
+    """A short digest of :func:`published_config` (what a recorded measurement of it was made of)."""
+    text = json.dumps(published_config(model_type, layers=layers), sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
 def write_config(folder, model_type: str, *, layers: int | None = None) -> str:
     """A model folder holding ``model_type``'s published config (``layers`` blocks, default the
     published count); returns its path."""
     folder = Path(folder) / model_type
     folder.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": model_type, "num_hidden_layers": layers or PUBLISHED_LAYERS[model_type],
-              **FAMILIES[model_type]}
-    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    (folder / "config.json").write_text(json.dumps(published_config(model_type, layers=layers)), encoding="utf-8")
     return str(folder)
