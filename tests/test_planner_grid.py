@@ -115,3 +115,17 @@ def test_a_cached_model_is_planned_without_torch_or_transformers(table, tmp_path
         assert model_cache.cached_profile(source) == (None, None)  # another config: not cached yet
         patch.setenv("FSDP_PRESETS_CACHE", "off")
         assert model_cache.cached_profile(source) == (None, None) and load_profile(source).num_blocks == 5
+
+
+@pytest.mark.parametrize("value", ["no", "0", "false", "yes"])
+def test_a_rehearsal_switch_other_than_on_or_off_is_refused_in_one_line(value, monkeypatch, capsys):
+    """``FSDP_PRESETS_PLAN_REHEARSAL=no`` once rehearsed anyway (only ``off`` was read)."""
+    from pathlib import Path
+
+    from fsdp_presets import cli
+
+    monkeypatch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", value)
+    model = Path(__file__).resolve().parent.parent / "model_configs" / "llama-3.1-8b"
+    assert cli.main(["plan", str(model), "--gpus", "8"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and f"FSDP_PRESETS_PLAN_REHEARSAL={value!r}" in error, error

@@ -37,6 +37,7 @@ import os
 import warnings
 from pathlib import Path
 
+from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, library_versions, read_entry,
                                              write_entry)
 
@@ -187,11 +188,21 @@ def terms_from_entry(entry: dict):
                             rehearsed_precision=entry["precision"])
 
 
+def rehearsal_enabled() -> bool:
+    """``FSDP_PRESETS_PLAN_REHEARSAL``: unset or ``on`` rehearses, ``off`` does not; any other
+    value is refused rather than read as one of them."""
+    value = os.environ.get(REHEARSAL_ENV, "").strip().lower()
+    if value not in ("", "on", "off"):
+        raise UsageError(f"{REHEARSAL_ENV}={value!r}: set it to off (family constants only) or on (the default), "
+                         "or unset it")
+    return value != "off"
+
+
 def rehearsed_block_activations(config, *, seq_len: int, precision: str, trust_remote_code: bool = False):
     """``(BlockActivations or None, problem or None)``: the model's own terms, from the cache or a
     new rehearsal (then cached); None and why where a rehearsal cannot run (the planner then
     estimates from the family constants)."""
-    if os.environ.get(REHEARSAL_ENV, "").strip().lower() == "off":
+    if not rehearsal_enabled():
         return None, f"{REHEARSAL_ENV}=off"
     if not getattr(config, "vocab_size", None) or not getattr(config, "hidden_size", None) or \
             not getattr(config, "num_hidden_layers", None):
@@ -218,7 +229,7 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
     if shape.attention != "fused":
         return shape, {"source": "estimated", "how": "eager attention from the family constants (the rehearsal "
                        "runs the model's own attention)"}
-    if os.environ.get(REHEARSAL_ENV, "").strip().lower() == "off":  # before loading the config: no transformers
+    if not rehearsal_enabled():  # before loading the config: no transformers
         return shape, {"source": "estimated", "how": f"family constants ({REHEARSAL_ENV}=off)"}
     _, digest = cached_profile(source, trust_remote_code=trust_remote_code)  # no transformers when cached
     _, entry = _cached_entry(digest, seq_len=shape.seq_len, precision=shape.precision) if digest else (None, None)
@@ -249,5 +260,5 @@ def _composed_note(terms) -> dict:
                    f"estimated (cache: {folder if folder is not None else 'off'})"}
 
 
-__all__ = ["REHEARSAL_ENV", "config_key", "measure", "rehearsed_block_activations",
+__all__ = ["REHEARSAL_ENV", "config_key", "measure", "rehearsal_enabled", "rehearsed_block_activations",
            "terms_from_entry", "with_rehearsed_terms"]
