@@ -77,8 +77,9 @@ def find_module(name: str, script_folder: str | None = None):
     spec = None
     if script_folder is not None:
         spec = importlib.machinery.PathFinder.find_spec(head, [script_folder])
-    if spec is None:
-        spec = importlib.util.find_spec(head)
+    if spec is None:  # from sys.path, as if not imported yet: an imported lazy module (transformers)
+        # would answer with a spec that has no source to read
+        spec = importlib.machinery.PathFinder.find_spec(head) or importlib.util.find_spec(head)
     prefix = head
     for part in rest:
         if spec is None:
