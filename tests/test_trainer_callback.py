@@ -12,15 +12,16 @@ resumes exactly from the newest committed checkpoint, a checkpoint saved in the 
 (bitsandbytes 4-bit on the CPU) trains and saves its adapter under FSDP2, and a launch that is not
 what the preset's header planned, for another model, is refused.
 
-The launches are shared by the tests (module-scoped fixtures), 10 real and 6 forked. Real launches
+The launches are shared by the tests (module-scoped fixtures), 10 real and 8 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
 FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, SFT + QLoRA, SFT + LoRA killed at
 step 5 and resumed, and one chain of three launches (SIGTERM at step 3, saved with ``async_save``;
 Trainer's resume on one process, which keeps the global batch (the preset for two processes: another
-count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, bit for
-bit the uninterrupted FSDP2 run, which saves synchronously). The DDP baselines, the refused resume,
-the refused launch, a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py), a
-few times cheaper.
+count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, saving in
+the background, bit for bit the uninterrupted FSDP2 run, which saves synchronously). The DDP
+baselines, the refused resume, the refused launches, a signal to one rank, a run saving in the
+background at every step and recipes/sft_trainer.py are forked (tests/conftest.py), a few times
+cheaper.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import pytest
 from fsdp_harness.launch import launch_command, launch_env, run_launch
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, RUN_JSON, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
                                             trainer_checkpoint_name)
+from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.cli import main as cli_main
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
@@ -389,22 +391,30 @@ def preempted_run(presets, tmp_path_factory) -> dict:
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
     return {"output": output, "status": status, "within_s": time.monotonic() - signalled, "log": log.read_text(),
-            "metrics": read_metrics(output / METRICS), "checkpoint_3": tree_digest(output / trainer_checkpoint_name(3)),
+            "metrics": read_metrics(output / METRICS), "checkpoint_3": _copy(output / trainer_checkpoint_name(3)),
             "went_on": [name for name in (trainer_checkpoint_name(4), "final") if (output / name).exists()]}
+
+
+def _copy(folder: Path) -> Path:
+    """A copy of ``folder`` beside it, as it is now (the launches after it write into its run folder)."""
+    copy = folder.parent.parent / f"{folder.name}-as-saved"
+    shutil.copytree(folder, copy)
+    return copy
 
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(preempted_run, presets) -> dict:
     """The preempted run resumed with Trainer's own resume on one process (the global batch kept);
     SIGKILLed inside the save of step 6 (its files written, its manifest not); resumed again on two
-    processes to the end, from the newest committed checkpoint: the preemption's."""
+    processes to the end, from the newest committed checkpoint: the preemption's, saving
+    checkpoint-6 in the background."""
     output = preempted_run["output"]
     killed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
                      env={FAULT_ENV: "kill-during-save:step=6"}, processes=1)
     after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
                   "run": json.loads((output / RUN_JSON).read_text()),
                   "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}
-    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume")
+    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", "--async-save")
     return {"killed": after_kill, "resumed": resumed, "output": output}
 
 
@@ -435,12 +445,7 @@ def test_a_checkpoint_saved_in_the_background_equals_the_synchronous_one_and_res
     # The preempted run saved step 3 with async_save=True, the uninterrupted run synchronously: the
     # same files, byte for byte (Trainer's scheduler, RNG states and trainer_state.json, and the DCP
     # shards the background writer wrote), but DCP's .metadata and the manifest (other bookkeeping).
-    synchronous = tree_digest(trainer_runs["fsdp2"] / trainer_checkpoint_name(3))
-    assert sorted(preempted_run["checkpoint_3"]) == sorted(synchronous)
-    same = {relative for relative in synchronous if relative != MANIFEST and not relative.endswith(".metadata")}
-    assert {relative: preempted_run["checkpoint_3"][relative] for relative in same} == \
-        {relative: synchronous[relative] for relative in same}
-    assert sum(relative.endswith(".distcp") for relative in same) == 4  # model and optimizer, two ranks
+    _assert_same_files(preempted_run["checkpoint_3"], trainer_runs["fsdp2"] / trainer_checkpoint_name(3))
     # One save line per save: in the background here, synchronous in the uninterrupted run.
     saves = [record for record in preempted_run["metrics"] if record["kind"] == "save"]
     assert [(record["step"], record["async"]) for record in saves] == [(3, True)], preempted_run["log"][-3000:]
@@ -452,7 +457,44 @@ def test_a_checkpoint_saved_in_the_background_equals_the_synchronous_one_and_res
         [(3, False), (6, False)]
     # Trainer's resume from it, on one process and on two: the uninterrupted run's losses, bit for bit
     # (steps 4-6 of the last launch of the chain resumed from this checkpoint).
-    assert _losses(killed_and_resumed["output"]) == _losses(trainer_runs["fsdp2"])
+    output = killed_and_resumed["output"]
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])
+    # That last launch saved step 6 in the background too: the synchronous checkpoint-6's files (but
+    # trainer_state.json: Trainer's logged loss of step 4 after a resume averages step 4 alone).
+    lines = read_metrics(output / METRICS)
+    assert [(line["step"], line["async"]) for line in lines if line["kind"] == "save"] == [(3, True), (6, True)]
+    _assert_same_files(output / trainer_checkpoint_name(6), trainer_runs["fsdp2"] / trainer_checkpoint_name(6),
+                       also_differ=("trainer_state.json",))
+
+
+def _assert_same_files(saved: Path, synchronous: Path, *, also_differ: tuple[str, ...] = ()) -> None:
+    """The files of a checkpoint saved in the background are byte for byte those of the synchronous
+    one of the same step, but DCP's .metadata and the manifest (other bookkeeping) and ``also_differ``."""
+    ours, theirs = tree_digest(saved), tree_digest(synchronous)
+    assert sorted(ours) == sorted(theirs)
+    same = {relative for relative in theirs
+            if relative not in (MANIFEST, *also_differ) and not relative.endswith(".metadata")}
+    assert {relative: ours[relative] for relative in same} == {relative: theirs[relative] for relative in same}
+    assert sum(relative.endswith(".distcp") for relative in same) == 4  # model and optimizer, two ranks
+
+
+def test_saves_in_the_background_are_committed_while_training_goes_on(trainer_runs, presets, tmp_path):
+    # A save every step: each one in flight while the next step trains (committed at the end of that
+    # step, when every rank's write has finished, or by the next save), at most one at a time.
+    output = tmp_path / "run"
+    _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--async-save", "--save-steps", 1, forked=None)
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])
+    lines = read_metrics(output / METRICS)
+    position = {(line["kind"], line["step"]): index for index, line in enumerate(lines)}
+    assert [(line["step"], line["async"]) for line in lines if line["kind"] == "save"] == [
+        (step, True) for step in range(1, 7)]
+    for step in range(1, 6):
+        assert position[("save", step)] > position[("train", step + 1)], step
+    for step in range(1, 7):
+        assert checkpoint_verdict(output / trainer_checkpoint_name(step)).ok, step
+    for step in (3, 6):  # trainer_state.json records save_steps
+        _assert_same_files(output / trainer_checkpoint_name(step), trainer_runs["fsdp2"] / trainer_checkpoint_name(step),
+                           also_differ=("trainer_state.json",))
 
 
 def test_async_save_is_refused_where_the_background_writer_cannot_save(presets, tmp_path):

@@ -420,6 +420,7 @@ class FSDPPresetsCallback(TrainerCallback):
                 self._saves(self._saver.save, step=step, samples_consumed=step * self._global_batch(),
                             write_extra=None, wait=False)
             else:
+                trainer_saves.clear_folder(accelerator, folder)
                 original(model, trial, *args, **kwargs)
         finally:
             trainer.args.save_total_limit = save_total_limit

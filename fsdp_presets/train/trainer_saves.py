@@ -51,8 +51,11 @@ class TrainerCheckpoints:
     """Main process: write the manifest of ``(folder, step, files)``, then rotate old checkpoints."""
 
     def begin_save(self, step: int) -> Path:
-        """``checkpoint-N`` of ``step``, which Trainer's own save is about to write."""
-        return self.directory / trainer_checkpoint_name(step)
+        """``checkpoint-N`` of ``step``, which Trainer's own save is about to write, emptied
+        (:func:`clear_folder`). Collective."""
+        folder = self.directory / trainer_checkpoint_name(step)
+        clear_folder(self.accelerator, folder)
+        return folder
 
     def commit(self, temporary: Path, *, step: int, samples_consumed: int,
                hashed: list[tuple[str, str, int]] | None = None) -> tuple[Path, int]:
@@ -76,15 +79,31 @@ class TrainerCheckpoints:
         return temporary, total_bytes
 
     def abandon(self, temporary: Path) -> None:
-        """A background write failed: remove its folder (main process; renamed first, so a kill
-        mid-delete leaves a dot-folder, never a checkpoint-looking one)."""
+        """A background write failed: remove its folder (main process)."""
         if self.accelerator.is_main_process and temporary.exists():
-            doomed = deleting_name(temporary)
-            os.rename(temporary, doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            _remove_tree(temporary)
 
     def stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
         """Staging failed: the error goes on as it is (the folder has no manifest: never resumed from)."""
+
+
+def clear_folder(accelerator, folder: Path) -> None:
+    """Remove ``folder`` before Trainer saves that step into it (main process; every rank waits):
+    a killed run's unfinished ``checkpoint-N`` (no manifest), or a committed one of the same step
+    saved again after a resume from an older one. Trainer writes into an existing folder and keeps
+    what it does not overwrite, so the new checkpoint would hold stale files (a one-process run's
+    ``rng_state.pth`` beside a two-process run's ``rng_state_N.pth``) and its manifest would vouch
+    for them. Collective."""
+    if accelerator.is_main_process and folder.exists():
+        _remove_tree(folder)
+    accelerator.wait_for_everyone()
+
+
+def _remove_tree(path: Path) -> None:
+    """Renamed first, then deleted: a kill mid-delete leaves a dot-folder, never a checkpoint-looking one."""
+    doomed = deleting_name(path)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def save_scheduler(trainer, output_dir: str) -> None:
