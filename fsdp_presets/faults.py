@@ -11,7 +11,8 @@ Points (where the code calls :func:`fault_point`):
 ``during-save``
     :class:`fsdp_presets.checkpoint.manager.CheckpointManager`, after every rank wrote its shards into the
     temporary folder and before the manifest is written and the folder committed.
-    ``FSDPPresetsCallback``: after Trainer wrote ``checkpoint-N`` and before its manifest.
+    ``FSDPPresetsCallback``: after Trainer wrote ``checkpoint-N`` and before its manifest (with
+    ``async_save=True``: its shards still being written in the background).
 ``save``
     The same, before anything of the save is written (the folder of the files is the temporary one).
 ``async-save``

@@ -39,7 +39,8 @@ def main():
     if unsupported:
         raise UsageError(f"{', '.join(unsupported)}: not available with SFTTrainer; use recipes/causal_lm.py")
     lora = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
-    callback = FSDPPresetsCallback(preempt_signals=args.preempt_signals)  # before the trainer: real FSDP on CPU too
+    # before the trainer: real FSDP on CPU too; --async-save: checkpoint shards written in the background
+    callback = FSDPPresetsCallback(preempt_signals=args.preempt_signals, async_save=args.async_save)
     from trl import SFTConfig, SFTTrainer
 
     # ---- data: prompt/response -> TRL's prompt/completion (the prompt is not trained on) ----

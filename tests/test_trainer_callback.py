@@ -6,17 +6,22 @@ PEFT adapter for SFT + LoRA, under FSDP1 too) whose logits equal DDP's, ``compar
 with and without the callback and catches a planted learning-rate change, every ``checkpoint-N``
 verifies, ``export`` needs only a config, a resume on another process count keeps the global batch,
 SIGTERM at the launcher commits the step reached (exit 75 on the ranks) and Trainer's own resume
-continues from it, a rank SIGKILLed in the middle of a save resumes exactly from the newest
-committed checkpoint, QLoRA (bitsandbytes 4-bit on the CPU) trains and saves its adapter under
-FSDP2, and a launch that is not what the preset's header planned, for another model, is refused.
+continues from it, a rank SIGKILLed in the middle of a save (Trainer) or of a run (SFT + LoRA)
+resumes exactly from the newest committed checkpoint, a checkpoint saved in the background
+(``async_save=True``) equals the synchronous one of its step and resumes exactly, QLoRA
+(bitsandbytes 4-bit on the CPU) trains and saves its adapter under FSDP2, and a launch that is not
+what the preset's header planned, for another model, is refused.
 
-The launches are shared by the tests (module-scoped fixtures), 7 real and 7 forked. Real launches
+The launches are shared by the tests (module-scoped fixtures), 10 real and 8 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
-FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, and one chain of three launches
-(SIGTERM at step 3; Trainer's resume on one process, which keeps the global batch (the preset for two
-processes: another count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, bit for
-bit the uninterrupted FSDP2 run). The DDP baselines, QLoRA, the refused resume, the refused launch,
-a signal to one rank and recipes/sft_trainer.py are forked (tests/conftest.py), a few times cheaper.
+FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, SFT + QLoRA, SFT + LoRA killed at
+step 5 and resumed, and one chain of three launches (SIGTERM at step 3, saved with ``async_save``;
+Trainer's resume on one process, which keeps the global batch (the preset for two processes: another
+count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, saving in
+the background, bit for bit the uninterrupted FSDP2 run, which saves synchronously). The DDP
+baselines, the refused resume, the refused launches, a signal to one rank, a run saving in the
+background at every step and recipes/sft_trainer.py are forked (tests/conftest.py), a few times
+cheaper.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ import pytest
 from fsdp_harness.launch import launch_command, launch_env, run_launch
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, RUN_JSON, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
                                             trainer_checkpoint_name)
+from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.cli import main as cli_main
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_presets.train.preemption import PREEMPTED_EXIT
-from recipe_helpers import REPO, SFT_TRAIN, causal_lm_args, tiny_llama
+from recipe_helpers import REPO, SFT_TRAIN, causal_lm_args, tiny_llama, tree_digest
 
 from conftest import GLOO_EXIT_ABORT
 
@@ -165,7 +171,7 @@ def test_compare_with_and_without_the_callback_and_a_planted_lr_change(trainer_r
     planted = tmp_path / "planted"
     shutil.copytree(trainer_runs["fsdp2"], planted)
     lines = [json.loads(line) for line in (planted / METRICS).read_text().splitlines()]
-    lines[3]["lr"] *= 1.5
+    next(line for line in lines if line["kind"] == "train" and line["step"] == 4)["lr"] *= 1.5
     (planted / METRICS).write_text("".join(json.dumps(line) + "\n" for line in lines))
     assert _cli(capsys, "compare", str(trainer_runs["ddp"]), str(planted))[0] == 1
     state = without / trainer_checkpoint_name(6) / "trainer_state.json"
@@ -230,13 +236,13 @@ def test_resume_on_one_process_keeps_the_global_batch(killed_and_resumed, traine
 def sft_runs(presets, tmp_path_factory) -> dict[str, Path]:
     """TRL SFT + LoRA under the DDP baseline (forked), an FSDP2 preset and an FSDP1 LoRA preset
     (``generate --fsdp-version 1 --method lora``), and QLoRA (``--load-in-4bit``) under a QLoRA
-    preset (forked: no DDP equality to prove there, bitsandbytes' 4-bit base differs from fp32)."""
+    preset (``generate --method qlora``)."""
     if not HAS_TRL:
         pytest.skip("trl is not installed (pip install --no-deps trl==1.16.0)")
     root = tmp_path_factory.mktemp("sft_runs")
     runs = {name: root / name for name in ("ddp", "fsdp2", "fsdp1", "qlora")}
     for name, preset, forked, extra in (("ddp", "ddp", None, ()), ("fsdp2", "fsdp2", False, ()),
-                                        ("fsdp1", "fsdp1-lora", False, ()), ("qlora", "qlora", None, ("--load-in-4bit",))):
+                                        ("fsdp1", "fsdp1-lora", False, ()), ("qlora", "qlora", False, ("--load-in-4bit",))):
         if name == "qlora" and not HAS_BITSANDBYTES:
             continue
         result = _launch(presets[preset], SFT_SCRIPT, presets["model"], runs[name], *extra, forked=forked)
@@ -294,6 +300,41 @@ def test_sft_qlora_trains_saves_the_adapter_and_verifies_its_checkpoints(sft_run
     assert torch.isfinite(adapted).all() and (adapted - plain).abs().max() > 1e-3
 
 
+@pytest.fixture(scope="module")
+def sft_killed_and_resumed(sft_runs, presets, tmp_path_factory) -> dict:
+    """The FSDP2 SFT + LoRA run of ``sft_runs`` (same flags), rank 1 SIGKILLed at the end of step 5
+    (checkpoint-3 committed), then the same script with Trainer's own resume, to the end."""
+    output = tmp_path_factory.mktemp("sft_killed") / "run"
+    killed = _launch(presets["fsdp2"], SFT_SCRIPT, presets["model"], output, "--kill-rank-at-step", 1, 5, check=False)
+    left = {"result": killed, "metrics": read_metrics(output / METRICS),
+            "checkpoints": sorted(path.name for path in output.glob("checkpoint-*")),
+            "committed": (output / trainer_checkpoint_name(3) / MANIFEST).is_file()}
+    resumed = _launch(presets["fsdp2"], SFT_SCRIPT, presets["model"], output, "--resume")
+    return {"killed": left, "resumed": resumed, "output": output}
+
+
+def test_sft_lora_killed_mid_run_resumes_exactly_with_trainers_own_resume(sft_killed_and_resumed, sft_runs, presets,
+                                                                         capsys):
+    import torch
+
+    killed, output = sft_killed_and_resumed["killed"], sft_killed_and_resumed["output"]
+    assert killed["result"].returncode != 0 and "failed (exitcode: -9) local_rank: 1" in killed["result"].stderr, \
+        killed["result"].stderr[-3000:]
+    assert killed["checkpoints"] == [trainer_checkpoint_name(3)] and killed["committed"]
+    uninterrupted = _losses(sft_runs["fsdp2"])
+    before_kill = _train_losses(killed["metrics"])
+    assert sorted(before_kill) == [1, 2, 3, 4]  # step 5 never reached the step boundary on both ranks
+    assert before_kill == {step: uninterrupted[step] for step in before_kill}
+    record = json.loads((output / RUN_JSON).read_text())
+    assert record["resumed_from"] == str(output / trainer_checkpoint_name(3)) and record["training"]["method"] == "lora"
+    assert _losses(output) == uninterrupted  # steps 4-6 again after the resume, bit for bit
+    torch.testing.assert_close(_adapter_logits(presets["model"], output), _adapter_logits(presets["model"],
+                                                                                         sft_runs["fsdp2"]),
+                               rtol=0, atol=0)
+    code, printed = _cli(capsys, "inspect-checkpoint", str(output / trainer_checkpoint_name(6)))
+    assert code == 0 and "integrity   OK" in printed, printed
+
+
 def test_a_launch_that_is_not_what_the_preset_planned_is_refused_on_every_rank(presets, tmp_path):
     # A fresh run under a preset made for one process of another model, launched on two (`accelerate
     # launch --num_processes 2`) with this model: both problems in one line, before anything is written.
@@ -328,13 +369,14 @@ def test_the_sft_trainer_recipe_with_lora_writes_its_run_folder(presets, tmp_pat
 # ---- signals and kills (real launches: a real torchrun agent forwards the signal to real ranks) ----
 @pytest.fixture(scope="module")
 def preempted_run(presets, tmp_path_factory) -> dict:
-    """The FSDP2 run of ``trainer_runs`` (same flags), sent SIGTERM at its launcher while rank 0 is
-    inside the save of step 3 (held there by a stall fault): the signal is answered once that save
-    is committed."""
+    """The FSDP2 run of ``trainer_runs`` (same flags) saving in the background (``async_save=True``),
+    sent SIGTERM at its launcher while rank 0 is inside the save of step 3 (held there by a stall
+    fault, the shards' write in flight): the signal is answered once that save is committed."""
     output = tmp_path_factory.mktemp("preempted") / "run"
     log = output.parent / "launch.log"
     with open(log, "w") as handle:
-        launcher = subprocess.Popen(launch_command(presets["fsdp2"], TRAINER_SCRIPT, _args(presets["model"], output)),
+        launcher = subprocess.Popen(launch_command(presets["fsdp2"], TRAINER_SCRIPT,
+                                                   _args(presets["model"], output, "--async-save")),
                                     cwd=REPO, env=launch_env({FAULT_ENV: "stall-during-save:step=3"}), stdout=handle,
                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
@@ -349,22 +391,30 @@ def preempted_run(presets, tmp_path_factory) -> dict:
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
     return {"output": output, "status": status, "within_s": time.monotonic() - signalled, "log": log.read_text(),
-            "metrics": read_metrics(output / METRICS),
+            "metrics": read_metrics(output / METRICS), "checkpoint_3": _copy(output / trainer_checkpoint_name(3)),
             "went_on": [name for name in (trainer_checkpoint_name(4), "final") if (output / name).exists()]}
+
+
+def _copy(folder: Path) -> Path:
+    """A copy of ``folder`` beside it, as it is now (the launches after it write into its run folder)."""
+    copy = folder.parent.parent / f"{folder.name}-as-saved"
+    shutil.copytree(folder, copy)
+    return copy
 
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(preempted_run, presets) -> dict:
     """The preempted run resumed with Trainer's own resume on one process (the global batch kept);
     SIGKILLed inside the save of step 6 (its files written, its manifest not); resumed again on two
-    processes to the end, from the newest committed checkpoint: the preemption's."""
+    processes to the end, from the newest committed checkpoint: the preemption's, saving
+    checkpoint-6 in the background."""
     output = preempted_run["output"]
     killed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
                      env={FAULT_ENV: "kill-during-save:step=6"}, processes=1)
     after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
                   "run": json.loads((output / RUN_JSON).read_text()),
                   "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}
-    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume")
+    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", "--async-save")
     return {"killed": after_kill, "resumed": resumed, "output": output}
 
 
@@ -388,6 +438,75 @@ def test_sigterm_commits_the_step_reached_and_trainer_resume_continues_exactly(p
     assert killed_and_resumed["killed"]["run"]["resumed_from"] == str(checkpoint)
     assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(checkpoint)
     assert _losses(output) == _losses(trainer_runs["fsdp2"])
+
+
+def test_a_checkpoint_saved_in_the_background_equals_the_synchronous_one_and_resumes_exactly(
+        preempted_run, killed_and_resumed, trainer_runs):
+    # The preempted run saved step 3 with async_save=True, the uninterrupted run synchronously: the
+    # same files, byte for byte (Trainer's scheduler, RNG states and trainer_state.json, and the DCP
+    # shards the background writer wrote), but DCP's .metadata and the manifest (other bookkeeping).
+    _assert_same_files(preempted_run["checkpoint_3"], trainer_runs["fsdp2"] / trainer_checkpoint_name(3))
+    # One save line per save: in the background here, synchronous in the uninterrupted run.
+    saves = [record for record in preempted_run["metrics"] if record["kind"] == "save"]
+    assert [(record["step"], record["async"]) for record in saves] == [(3, True)], preempted_run["log"][-3000:]
+    assert 0 < saves[0]["blocked_s"] <= saves[0]["total_s"]
+    manifest = json.loads((killed_and_resumed["output"] / trainer_checkpoint_name(3) / MANIFEST).read_text())
+    assert saves[0]["bytes"] == sum(entry["bytes"] for entry in manifest["files"].values())
+    records = read_metrics(trainer_runs["fsdp2"] / METRICS)
+    assert [(record["step"], record["async"]) for record in records if record["kind"] == "save"] == \
+        [(3, False), (6, False)]
+    # Trainer's resume from it, on one process and on two: the uninterrupted run's losses, bit for bit
+    # (steps 4-6 of the last launch of the chain resumed from this checkpoint).
+    output = killed_and_resumed["output"]
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])
+    # That last launch saved step 6 in the background too: the synchronous checkpoint-6's files (but
+    # trainer_state.json: Trainer's logged loss of step 4 after a resume averages step 4 alone).
+    lines = read_metrics(output / METRICS)
+    assert [(line["step"], line["async"]) for line in lines if line["kind"] == "save"] == [(3, True), (6, True)]
+    _assert_same_files(output / trainer_checkpoint_name(6), trainer_runs["fsdp2"] / trainer_checkpoint_name(6),
+                       also_differ=("trainer_state.json",))
+
+
+def _assert_same_files(saved: Path, synchronous: Path, *, also_differ: tuple[str, ...] = ()) -> None:
+    """The files of a checkpoint saved in the background are byte for byte those of the synchronous
+    one of the same step, but DCP's .metadata and the manifest (other bookkeeping) and ``also_differ``."""
+    ours, theirs = tree_digest(saved), tree_digest(synchronous)
+    assert sorted(ours) == sorted(theirs)
+    same = {relative for relative in theirs
+            if relative not in (MANIFEST, *also_differ) and not relative.endswith(".metadata")}
+    assert {relative: ours[relative] for relative in same} == {relative: theirs[relative] for relative in same}
+    assert sum(relative.endswith(".distcp") for relative in same) == 4  # model and optimizer, two ranks
+
+
+def test_saves_in_the_background_are_committed_while_training_goes_on(trainer_runs, presets, tmp_path):
+    # A save every step: each one in flight while the next step trains (committed at the end of that
+    # step, when every rank's write has finished, or by the next save), at most one at a time.
+    output = tmp_path / "run"
+    _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--async-save", "--save-steps", 1, forked=None)
+    assert _losses(output) == _losses(trainer_runs["fsdp2"])
+    lines = read_metrics(output / METRICS)
+    position = {(line["kind"], line["step"]): index for index, line in enumerate(lines)}
+    assert [(line["step"], line["async"]) for line in lines if line["kind"] == "save"] == [
+        (step, True) for step in range(1, 7)]
+    for step in range(1, 6):
+        assert position[("save", step)] > position[("train", step + 1)], step
+    for step in range(1, 7):
+        assert checkpoint_verdict(output / trainer_checkpoint_name(step)).ok, step
+    for step in (3, 6):  # trainer_state.json records save_steps
+        _assert_same_files(output / trainer_checkpoint_name(step), trainer_runs["fsdp2"] / trainer_checkpoint_name(step),
+                           also_differ=("trainer_state.json",))
+
+
+def test_async_save_is_refused_where_the_background_writer_cannot_save(presets, tmp_path):
+    # Under the DDP baseline (no sharded DCP checkpoints): one line, exit 2, before anything is written.
+    output = tmp_path / "run"
+    result = _launch(presets["ddp"], TRAINER_SCRIPT, presets["model"], output, "--async-save", check=False,
+                     forked=None)
+    said = [line for line in result.stderr.splitlines() if line.startswith("fsdp-presets: error:")]
+    assert said == ["fsdp-presets: error: FSDPPresetsCallback(async_save=True): --async-save needs an FSDP accelerate "
+                    "config (sharded DCP checkpoints); this run is MULTI_CPU: drop --async-save or launch with an "
+                    "FSDP2 config"], result.stderr[-3000:]
+    assert result.returncode != 0 and list(output.glob("*")) == []
 
 
 def test_a_rank_killed_mid_save_resumes_exactly_from_the_newest_committed_checkpoint(killed_and_resumed,

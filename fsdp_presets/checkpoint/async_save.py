@@ -84,6 +84,9 @@ class CheckpointSaver:
     """``--async-save``: write model and optimizer shards in the background."""
     on_saved: Callable[..., None]
     """Called with ``step, async_, blocked_s, total_s, bytes`` once a save is committed (the metrics line)."""
+    write_state_files: Callable[[Path], None] | None = None
+    """Writes, on every rank, what a background save holds besides the model and optimizer shards
+    (None: accelerate's own files, as ``save_state`` writes them; the Trainer integration: Trainer's)."""
     records: list[dict[str, Any]] = field(default_factory=list)
     """One entry per committed save of this process (for the summary)."""
     _groups: list[Any] = field(default_factory=list)
@@ -143,9 +146,11 @@ class CheckpointSaver:
 
         accelerator = self.accelerator
         temporary.mkdir(parents=True, exist_ok=True)  # every rank: save_state makes it too
-        # What save_state writes besides the FSDP model and optimizer (scheduler, random states, scaler).
-        save_accelerator_state(str(temporary), [], [], accelerator._schedulers, accelerator._dataloaders,
-                               accelerator.state.process_index, accelerator.step, accelerator.scaler)
+        if self.write_state_files is not None:
+            self.write_state_files(temporary)
+        else:  # What save_state writes besides the FSDP model and optimizer (scheduler, random states, scaler).
+            save_accelerator_state(str(temporary), [], [], accelerator._schedulers, accelerator._dataloaders,
+                                   accelerator.state.process_index, accelerator.step, accelerator.scaler)
         if accelerator.is_main_process and write_extra is not None:
             write_extra(temporary)
         fault_point("async-save", step=step, rank=accelerator.process_index, folder=temporary)

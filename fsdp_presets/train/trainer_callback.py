@@ -40,12 +40,18 @@ preset gets what the recipes give, with one added line::
   ``_save_checkpoint`` (with its manifest), ``metrics.jsonl`` gets a ``preempted`` line and every
   rank exits with status 75 (:data:`~fsdp_presets.train.preemption.PREEMPTED_EXIT`);
   ``trainer.train(resume_from_checkpoint=True)`` continues from it.
+- ``FSDPPresetsCallback(async_save=True)`` (FSDP2, ``SHARDED_STATE_DICT``, every weight trained):
+  each ``checkpoint-N``'s model and optimizer shards are written in the background while training
+  goes on, committed (its manifest) once every rank's write has finished, at most one save in
+  flight (:mod:`fsdp_presets.train.trainer_saves`). Every save, synchronous or not, is one ``save``
+  line in ``metrics.jsonl``.
 
 NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
 gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
 finds its Trainer once, at ``on_init_end`` (called at the end of ``Trainer.__init__``), and wraps
-five of that instance's methods (``train``, ``training_step``, ``_maybe_log_save_evaluate``,
-``save_model``, ``_save_checkpoint``): the class and other Trainers are untouched.
+six of that instance's methods (``train``, ``training_step``, ``_maybe_log_save_evaluate``,
+``save_model``, ``_save_checkpoint``, ``_save_optimizer_and_scheduler``): the class and other
+Trainers are untouched.
 """
 
 from __future__ import annotations
@@ -67,10 +73,11 @@ from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, UsageError
+from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
 from fsdp_presets.train import preemption
+from fsdp_presets.train import trainer_saves
 from fsdp_presets.train.metrics import MetricsLog
 
 
@@ -110,10 +117,12 @@ def _number(value) -> float | None:
 class FSDPPresetsCallback(TrainerCallback):
     """The recipes' guarantees for a Trainer/TRL script (see the module docstring)."""
 
-    def __init__(self, preempt_signals: str = preemption.DEFAULT_SIGNALS) -> None:
+    def __init__(self, preempt_signals: str = preemption.DEFAULT_SIGNALS, async_save: bool = False) -> None:
         from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
 
         self._signals = preemption.parse_signals(preempt_signals)  # "none": no preemption saves
+        self._async_save = async_save  # checkpoint-N's model and optimizer shards written in the background
+        self._saver = None  # during train() with async_save: the background writer (CheckpointSaver)
         enable_cpu_fsdp()  # before the Trainer builds its Accelerator
         self._saved_step: int | None = None
         self.trainer: Trainer | None = None
@@ -123,6 +132,7 @@ class FSDPPresetsCallback(TrainerCallback):
         self._step_started: float | None = None
         self._logged_step = 0
         self._adapter_keys: dict[str, str] | None = None  # a peft model's trainable names -> peft's keys
+        self._trainer_save = None  # async_save, during a save: Trainer's own _save_checkpoint of that step
 
     # ---- attach ----
     def on_init_end(self, args, state, control, **kwargs):
@@ -141,7 +151,8 @@ class FSDPPresetsCallback(TrainerCallback):
 
             self._adapter_keys = adapter_key_map(trainer.model)
             keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
-        for name in ("train", "training_step", "_maybe_log_save_evaluate", "save_model", "_save_checkpoint"):
+        for name in ("train", "training_step", "_maybe_log_save_evaluate", "save_model", "_save_checkpoint",
+                     "_save_optimizer_and_scheduler"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
         return control
 
@@ -195,9 +206,18 @@ class FSDPPresetsCallback(TrainerCallback):
                 "accelerate_config": launch_config_file(), "resumed_from": str(checkpoint) if checkpoint else None})
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
+        if self._async_save:
+            from fsdp_presets.checkpoint.async_save import CheckpointSaver
+
+            checkpoints = trainer_saves.TrainerCheckpoints(accelerator=self._accelerator, directory=output,
+                                                           commit_folder=self._commit)
+            self._saver = CheckpointSaver(manager=checkpoints, background=True, on_saved=self.metrics.log_save,
+                                          write_state_files=self._write_trainer_files)
         preemption.install(self._signals)
         try:
-            return original(resume_from_checkpoint, *args, **kwargs)
+            result = original(resume_from_checkpoint, *args, **kwargs)
+            self._saves(self._close_saver)  # the last save in flight committed before train() returns
+            return result
         finally:
             preemption.install(())  # the process's own handlers again (save_model after train is not a step)
 
@@ -211,6 +231,11 @@ class FSDPPresetsCallback(TrainerCallback):
 
         trainer = self.trainer
         problems = [preset_launch_problem(self._accelerator, launch_config_file(), resuming=resuming)]
+        if self._async_save:
+            from fsdp_presets.checkpoint.async_save import async_save_problem
+
+            problem = async_save_problem(self._accelerator, lora=self._adapter_keys is not None)
+            problems.append(problem and f"FSDPPresetsCallback(async_save=True): {problem}")
         try:
             check_wrap_classes(self._accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None, trainer.model)
         except UsageError as error:
@@ -291,6 +316,8 @@ class FSDPPresetsCallback(TrainerCallback):
                 samples_seen=step * self._global_batch())
             self._logged_step = step
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
+        if self._saver is not None:  # async_save: commit the save in flight once every rank's write is done
+            self._saves(self._saver.poll, step=step)
         # A preemption signal on any rank (one all-reduce, every rank at this step boundary): Trainer
         # saves this step through its own _save_checkpoint, then every rank stops.
         if self._signals and self._saved_step != step and preemption.should_stop(self._accelerator):
@@ -304,6 +331,8 @@ class FSDPPresetsCallback(TrainerCallback):
 
     def _preempted(self, step: int) -> NoReturn:
         """The ``preempted`` metrics line, one line on stderr, and exit 75 on every rank."""
+        if self._saver is not None:
+            self._saves(self._saver.wait)  # async_save: the save in flight (this step's, or an earlier) committed
         folder = Path(self.trainer._get_output_dir(trial=None)) / trainer_checkpoint_name(step)
         checkpoint = folder if (folder / MANIFEST).is_file() else None
         self.metrics.log_preempted(step=step, signal=preemption.received(),
@@ -322,6 +351,8 @@ class FSDPPresetsCallback(TrainerCallback):
         plugin = getattr(self._accelerator.state, "fsdp_plugin", None)
         if _internal_call:
             return original(output_dir, _internal_call)
+        if self._saver is not None:
+            self._saves(self._saver.wait)  # async_save: save_model inside train() (a callback's) waits too
         if not trainer.is_fsdp_enabled or plugin is None:
             result = original(output_dir, _internal_call)
             self._after_save_model(output_dir)
@@ -376,16 +407,64 @@ class FSDPPresetsCallback(TrainerCallback):
         accelerator.wait_for_everyone()
 
     def _save_checkpoint(self, original, model, trial, *args, **kwargs):
-        original(model, trial, *args, **kwargs)
         trainer, accelerator = self.trainer, self._accelerator
         step = trainer.state.global_step
         folder = Path(trainer._get_output_dir(trial=trial)) / trainer_checkpoint_name(step)
-        fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)  # drills
+        started = time.perf_counter()
+        # Trainer's rotation runs after the commit (self._commit), never before it: it would remove
+        # the last committed checkpoint for one that is not committed yet.
+        save_total_limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
+        try:
+            if self._saver is not None:  # async_save: Trainer's files now, the shards in the background
+                self._trainer_save = functools.partial(original, model, trial, *args, **kwargs)
+                self._saves(self._saver.save, step=step, samples_consumed=step * self._global_batch(),
+                            write_extra=None, wait=False)
+            else:
+                trainer_saves.clear_folder(accelerator, folder)
+                original(model, trial, *args, **kwargs)
+        finally:
+            trainer.args.save_total_limit = save_total_limit
+            self._trainer_save = None
+        # drills: sync, Trainer's files written and no manifest yet; async, the shards still being written
+        fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)
+        self._saved_step = step
+        if self._saver is not None:
+            return
         accelerator.wait_for_everyone()  # every rank's files (its RNG state, its DCP shards) are written
         if accelerator.is_main_process and folder.is_dir():
             self._commit(folder, step)
         accelerator.wait_for_everyone()
-        self._saved_step = step
+        elapsed = time.perf_counter() - started
+        committed = self.metrics.enabled and (folder / MANIFEST).is_file()  # main process
+        size = sum(entry["bytes"] for entry in Manifest.read(folder).files.values()) if committed else 0
+        self.metrics.log_save(step=step, async_=False, blocked_s=elapsed, total_s=elapsed, bytes=size)
+
+    def _write_trainer_files(self, folder: Path) -> None:
+        """async_save, on every rank: Trainer's own ``_save_checkpoint`` of this step without its
+        FSDP model and optimizer writes (``_save_optimizer_and_scheduler`` below), then data only."""
+        self._trainer_save()
+        if self._accelerator.is_main_process:
+            self._settings_as_json(folder)
+
+    def _save_optimizer_and_scheduler(self, original, output_dir):
+        if self._trainer_save is None:
+            return original(output_dir)
+        trainer_saves.save_scheduler(self.trainer, output_dir)  # the shards: by the background writer
+
+    def _saves(self, call, *args, **kwargs):
+        """``call`` of the background writer; a write that failed (reported on every rank by the
+        writer) becomes one line on the main process and exit 1 on every rank (2: refused input)."""
+        try:
+            return call(*args, **kwargs)
+        except (Finding, UsageError) as error:
+            if self._accelerator.is_main_process:
+                print(f"fsdp-presets: error: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(2 if isinstance(error, UsageError) else 1) from None
+
+    def _close_saver(self) -> None:
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()
 
     def _settings_as_json(self, folder: Path) -> None:
         """Data only: Trainer's pickle of TrainingArguments in ``folder`` replaced by the same settings
@@ -395,18 +474,20 @@ class FSDPPresetsCallback(TrainerCallback):
             write_text_atomic(folder / TRAINER_ARGS_JSON, self.trainer.args.to_json_string())
             pickled.unlink()
 
-    def _commit(self, folder: Path, step: int) -> None:
-        """Write ``manifest.json`` into a checkpoint Trainer finished (main process)."""
+    def _commit(self, folder: Path, step: int, files: dict[str, dict[str, Any]] | None = None) -> None:
+        """Write ``manifest.json`` into a checkpoint Trainer finished (main process; ``files``: the
+        hashes the ranks made, async_save), then Trainer's rotation of older ones."""
         import accelerate
         import torch
         import transformers
 
         trainer = self.trainer
-        self._settings_as_json(folder)
-        files = {}
-        for path in sorted(folder.rglob("*")):
-            if path.is_file() and path.name != MANIFEST:
-                files[str(path.relative_to(folder))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        if files is None:
+            self._settings_as_json(folder)
+            files = {}
+            for path in sorted(folder.rglob("*")):
+                if path.is_file() and path.name != MANIFEST:
+                    files[str(path.relative_to(folder))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         settings = distributed_settings(self._accelerator)
         model = self._accelerator.unwrap_model(trainer.model)
         manifest = Manifest(
@@ -417,4 +498,5 @@ class FSDPPresetsCallback(TrainerCallback):
                       "transformers": transformers.__version__},
             created_unix=time.time(), training=_lora_settings(model))
         write_json_atomic(folder / MANIFEST, asdict(manifest))
+        trainer_saves.rotate(trainer)
 

@@ -2,7 +2,7 @@
 project's guarantees (marked below).
 
     accelerate launch --config_file PRESET.yaml tests/workers/sft_lora_user.py \
-        --model MODEL_DIR --data train.jsonl --output-dir OUT [--load-in-4bit]
+        --model MODEL_DIR --data train.jsonl --output-dir OUT [--load-in-4bit] [--resume]
 
 --load-in-4bit: QLoRA, the base loaded in 4 bits by bitsandbytes (nf4, stored as bfloat16 so that
 FSDP shards it), as TRL's QLoRA examples load it.
@@ -22,9 +22,24 @@ parser.add_argument("--data", required=True)
 parser.add_argument("--output-dir", required=True)
 parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--load-in-4bit", action="store_true")
+parser.add_argument("--resume", action="store_true")
+parser.add_argument("--kill-rank-at-step", nargs=2, type=int, metavar=("RANK", "STEP"),
+                    help="tests: that rank SIGKILLs itself after that step (the out-of-memory killer, a lost node)")
 args = parser.parse_args()
 
 callbacks = [FSDPPresetsCallback()]  # the added line (2/2)
+if args.kill_rank_at_step:
+    import os
+    import signal
+
+    from transformers import TrainerCallback
+
+    class KillAtStep(TrainerCallback):
+        def on_step_end(self, arguments, state, control, **kwargs):
+            if [int(os.environ.get("RANK", "0")), state.global_step] == args.kill_rank_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks.append(KillAtStep())
 
 dataset = load_dataset("json", data_files=args.data, split="train").rename_column("response", "completion")
 config = SFTConfig(
@@ -42,6 +57,6 @@ if args.load_in_4bit:
     model = AutoModelForCausalLM.from_pretrained(args.model, quantization_config=quantization, dtype=torch.float32)
 trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, callbacks=callbacks,
                      peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-trainer.train()
+trainer.train(resume_from_checkpoint=True if args.resume else None)
 trainer.save_model(args.output_dir)  # as TRL's examples save: into the output folder, beside checkpoint-N
 trainer.end()  # as transformers documents: the process group destroyed once, at the very end of the script

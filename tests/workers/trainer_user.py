@@ -24,11 +24,12 @@ parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--no-callback", action="store_true")
+parser.add_argument("--async-save", action="store_true", help="checkpoint shards written in the background")
 parser.add_argument("--signal-rank-at-step", nargs=2, type=int, metavar=("RANK", "STEP"),
                     help="tests: that rank sends itself SIGUSR1 after that step (a scheduler's signal)")
 args = parser.parse_args()
 
-callbacks = [] if args.no_callback else [FSDPPresetsCallback()]  # the added line (2/2)
+callbacks = [] if args.no_callback else [FSDPPresetsCallback(async_save=args.async_save)]  # the added line (2/2)
 if args.signal_rank_at_step:
     import os
     import signal
