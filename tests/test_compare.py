@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets import compare
+from fsdp_presets.compare.records import checkpoint_step, load_run
+from fsdp_presets.compare.report import render_report, short_label, write_plot
+from fsdp_presets.compare.runs import Comparison, EARLY_STEPS, compare_runs
+from fsdp_presets.compare.tolerance import BF16_RELATIVE_TOLERANCE, FP32_RELATIVE_TOLERANCE, auto_tolerance
 from fsdp_presets.cli import main
 from fsdp_presets.errors import UsageError
 
@@ -69,7 +72,7 @@ def run_cli(*argv) -> int:
 
 def test_identical_runs_are_identical(tmp_path, capsys):
     base, cand = write_run(tmp_path / "ddp"), write_run(tmp_path / "fsdp")
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.verdict == "identical"
     assert comparison.first_divergent_step is None and comparison.diagnosis is None
     assert {m.metric for m in comparison.metrics} == {"samples_seen", "loss", "grad_norm", "lr", "eval_loss"}
@@ -83,10 +86,10 @@ def test_round_off_within_fp32_tolerance_agrees(tmp_path):
     # ~2 ulp of fp32 on every step, like one process against two (FIELD-NOTES.md: 9.5e-7 abs).
     noisy = [loss + 9.5e-7 * (-1) ** step for step, loss in enumerate(losses)]
     base, cand = write_run(tmp_path / "a"), write_run(tmp_path / "b", losses=noisy)
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.verdict == "within_tolerance"
     loss = comparison.metric("loss")
-    assert 0 < loss.max_deviation < compare.FP32_RELATIVE_TOLERANCE["loss"]
+    assert 0 < loss.max_deviation < FP32_RELATIVE_TOLERANCE["loss"]
     assert main(["compare", str(base), str(cand)]) == 0
 
 
@@ -98,7 +101,7 @@ def test_divergence_reports_the_first_step_over_tolerance(tmp_path, first_bad_st
     noisy = [loss * (1 + 2e-7) for loss in losses]
     cand_losses = perturbed(noisy, first_bad_step, 1e-4)
     base, cand = write_run(tmp_path / "a"), write_run(tmp_path / "b", losses=cand_losses)
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.verdict == "diverged"
     assert comparison.first_divergent_step == first_bad_step
     assert comparison.first_divergence.metric == "loss"
@@ -118,7 +121,7 @@ def test_nan_loss_in_the_candidate_is_a_divergence(tmp_path):
     losses = reference_losses()
     losses[11] = float("nan")
     base, cand = write_run(tmp_path / "a"), write_run(tmp_path / "b", losses=losses)
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.first_divergent_step == 12
     assert comparison.metric("loss").max_deviation == math.inf
     assert json.loads(json.dumps(comparison.to_json()))["metrics"][1]["max_deviation"] == "inf"
@@ -130,26 +133,26 @@ def test_nan_loss_in_the_candidate_is_a_divergence(tmp_path):
 
 
 def test_auto_tolerance_follows_precision(tmp_path):
-    fp32 = compare.load_run(write_run(tmp_path / "fp32"))
-    bf16 = compare.load_run(write_run(tmp_path / "bf16", precision="bf16"))
-    bare = compare.load_run(write_run(tmp_path / "bare", run_json=False))
-    assert compare.auto_tolerance(fp32, fp32).loss == compare.FP32_RELATIVE_TOLERANCE["loss"]
-    assert compare.auto_tolerance(fp32, fp32).grad_norm == compare.FP32_RELATIVE_TOLERANCE["grad_norm"]
+    fp32 = load_run(write_run(tmp_path / "fp32"))
+    bf16 = load_run(write_run(tmp_path / "bf16", precision="bf16"))
+    bare = load_run(write_run(tmp_path / "bare", run_json=False))
+    assert auto_tolerance(fp32, fp32).loss == FP32_RELATIVE_TOLERANCE["loss"]
+    assert auto_tolerance(fp32, fp32).grad_norm == FP32_RELATIVE_TOLERANCE["grad_norm"]
     # fp32 tolerance is "a few ulp": between 2 and 16 fp32 epsilons (2**-23).
-    assert 2 <= compare.FP32_RELATIVE_TOLERANCE["loss"] / 2.0**-23 <= 16
-    assert compare.auto_tolerance(bf16, bf16).loss == compare.BF16_RELATIVE_TOLERANCE["loss"]
-    assert compare.auto_tolerance(fp32, bf16).loss == compare.BF16_RELATIVE_TOLERANCE["loss"]
-    assert compare.auto_tolerance(fp32, bf16).grad_norm == compare.BF16_RELATIVE_TOLERANCE["grad_norm"]
-    unknown = compare.auto_tolerance(bare, bare)
-    assert unknown.loss == compare.FP32_RELATIVE_TOLERANCE["loss"] and "unknown" in unknown.source
+    assert 2 <= FP32_RELATIVE_TOLERANCE["loss"] / 2.0**-23 <= 16
+    assert auto_tolerance(bf16, bf16).loss == BF16_RELATIVE_TOLERANCE["loss"]
+    assert auto_tolerance(fp32, bf16).loss == BF16_RELATIVE_TOLERANCE["loss"]
+    assert auto_tolerance(fp32, bf16).grad_norm == BF16_RELATIVE_TOLERANCE["grad_norm"]
+    unknown = auto_tolerance(bare, bare)
+    assert unknown.loss == FP32_RELATIVE_TOLERANCE["loss"] and "unknown" in unknown.source
 
 
 def test_bf16_noise_passes_auto_but_fails_fp32(tmp_path):
-    noisy = perturbed(reference_losses(), 1, compare.BF16_RELATIVE_TOLERANCE["loss"] / 4)
+    noisy = perturbed(reference_losses(), 1, BF16_RELATIVE_TOLERANCE["loss"] / 4)
     base = write_run(tmp_path / "a", precision="bf16")
     cand = write_run(tmp_path / "b", precision="bf16", losses=noisy)
     assert run_cli(base, cand) == 0
-    assert run_cli(base, cand, "--tolerance", str(compare.FP32_RELATIVE_TOLERANCE["loss"])) == 1
+    assert run_cli(base, cand, "--tolerance", str(FP32_RELATIVE_TOLERANCE["loss"])) == 1
 
 
 @pytest.mark.parametrize("text", ["loose", "-1e-3", "1.5", "nan", "inf", ""])
@@ -162,7 +165,7 @@ def test_bad_tolerance_is_usage_error(tmp_path, text, capsys):
 def test_lr_is_compared_exactly_whatever_the_tolerance(tmp_path):
     base = write_run(tmp_path / "a")
     cand = write_run(tmp_path / "b", lrs=[1e-3 * (1 + 1e-6)] * STEPS)
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand), 0.5)
+    comparison = compare_runs(load_run(base), load_run(cand), 0.5)
     assert comparison.verdict == "diverged"
     assert comparison.first_divergence.metric == "lr"
 
@@ -172,10 +175,10 @@ def test_lr_is_compared_exactly_whatever_the_tolerance(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def compared(tmp_path, base_kwargs=None, **cand_kwargs) -> compare.Comparison:
+def compared(tmp_path, base_kwargs=None, **cand_kwargs) -> Comparison:
     base = write_run(tmp_path / "base", **(base_kwargs or {}))
     cand = write_run(tmp_path / "cand", **cand_kwargs)
-    return compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    return compare_runs(load_run(base), load_run(cand))
 
 
 def test_hint_step_one_loss_points_at_forward(tmp_path):
@@ -220,9 +223,9 @@ def test_resume_step_prefers_the_manifest(tmp_path):
     checkpoint = tmp_path / "ckpt" / "latest"
     checkpoint.mkdir(parents=True)
     (checkpoint / "manifest.json").write_text(json.dumps({"step": 7}))
-    assert compare.checkpoint_step(str(checkpoint)) == 7
-    assert compare.checkpoint_step("/nowhere/checkpoints/step-00000012") == 12
-    assert compare.checkpoint_step("/nowhere/else") is None
+    assert checkpoint_step(str(checkpoint)) == 7
+    assert checkpoint_step("/nowhere/checkpoints/step-00000012") == 12
+    assert checkpoint_step("/nowhere/else") is None
 
 
 def test_hint_late_gradual_drift_points_at_reduction_order(tmp_path):
@@ -230,7 +233,7 @@ def test_hint_late_gradual_drift_points_at_reduction_order(tmp_path):
     drift = [loss * (1 + 1e-8 * 2.0 ** step) for step, loss in enumerate(losses, start=1)]
     comparison = compared(tmp_path, losses=drift)
     step = comparison.first_divergent_step
-    assert step is not None and step > compare.EARLY_STEPS
+    assert step is not None and step > EARLY_STEPS
     assert 1e-8 * 2.0 ** (step - 1) <= 1e-6 < 1e-8 * 2.0 ** step
     assert "gradual" in comparison.diagnosis and "reduction order" in comparison.diagnosis
 
@@ -249,7 +252,7 @@ def test_hint_data_position(tmp_path):
         if line["kind"] == "train" and line["step"] >= 9:
             line["samples_seen"] += GLOBAL_BATCH  # a batch skipped after step 8
     (cand / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.first_divergent_step == 9 and comparison.first_divergence.metric == "samples_seen"
     assert "skipped or repeated" in comparison.diagnosis
 
@@ -265,7 +268,7 @@ def test_eval_only_divergence(tmp_path):
         lines.append(json.dumps(record))
     assert any('"eval"' in line for line in lines)
     (cand / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.first_divergence.metric == "eval_loss" and comparison.first_divergent_step == 5
     assert "evaluation" in comparison.diagnosis
 
@@ -279,13 +282,13 @@ def test_metrics_file_path_and_folder_are_both_accepted(tmp_path):
     base = write_run(tmp_path / "a")
     cand = write_run(tmp_path / "b")
     assert run_cli(base / "metrics.jsonl", cand) == 0
-    assert compare.load_run(base / "metrics.jsonl").info["seed"] == 1234
+    assert load_run(base / "metrics.jsonl").info["seed"] == 1234
 
 
 def test_steps_missing_from_one_run_are_noted_not_compared(tmp_path):
     base = write_run(tmp_path / "a")
     cand = write_run(tmp_path / "b", losses=reference_losses(12))
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.verdict == "identical"
     assert comparison.metric("loss").steps == list(range(1, 13))
     assert any("only in the baseline (steps 13-20)" in note for note in comparison.notes)
@@ -295,24 +298,24 @@ def test_incomplete_last_line_is_ignored_with_a_note(tmp_path):
     cand = write_run(tmp_path / "b")
     with open(cand / "metrics.jsonl", "a") as handle:
         handle.write('{"kind": "train", "step": 21, "lo')
-    record = compare.load_run(cand)
+    record = load_run(cand)
     assert max(record.series["loss"]) == 20
     assert any("incomplete" in note for note in record.notes)
 
 
 def test_evaluation_before_training_is_step_0(tmp_path):
-    record = compare.load_run(write_run(tmp_path / "a"))
+    record = load_run(write_run(tmp_path / "a"))
     assert min(record.series["eval_loss"]) == 0 and min(record.series["loss"]) == 1
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 0, "loss": 1.0}) + "\n")
     with pytest.raises(UsageError, match="integer 'step' >= 1"):
-        compare.load_run(bad)
+        load_run(bad)
 
 
 def test_run_without_run_json_is_compared_with_a_note(tmp_path):
     base, cand = write_run(tmp_path / "a", run_json=False), write_run(tmp_path / "b")
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.verdict == "identical"
     assert any("could not be checked" in note for note in comparison.notes)
 
@@ -341,7 +344,7 @@ def test_all_setup_differences_are_reported_at_once(tmp_path):
     base = write_run(tmp_path / "a")
     cand = write_run(tmp_path / "b", seed=7, global_batch_samples=16)
     with pytest.raises(UsageError) as error:
-        compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+        compare_runs(load_run(base), load_run(cand))
     assert "seed" in str(error.value) and "global batch" in str(error.value)
 
 
@@ -402,7 +405,7 @@ def test_json_output(tmp_path, capsys):
     loss = next(m for m in result["metrics"] if m["metric"] == "loss")
     assert loss["first_divergent_step"] == 4 and loss["max_deviation"] == pytest.approx(1e-3, rel=2e-3)
     assert loss["at_first_divergence"]["deviation"] == pytest.approx(1e-3, rel=2e-3)
-    assert result["tolerance"]["loss"] == compare.FP32_RELATIVE_TOLERANCE["loss"]
+    assert result["tolerance"]["loss"] == FP32_RELATIVE_TOLERANCE["loss"]
     assert result["diagnosis"]
 
 
@@ -422,28 +425,28 @@ def test_plot_and_report(tmp_path, capsys):
 
 def test_describe_names_the_layout(tmp_path):
     mesh = {"dp_replicate_size": 2, "dp_shard_size": 2, "tp_size": 1, "cp_size": 1}
-    record = compare.load_run(write_run(tmp_path / "a", world_size=4, fsdp={
+    record = load_run(write_run(tmp_path / "a", world_size=4, fsdp={
         "version": 2, "reshard_after_forward": False, "state_dict_type": "SHARDED_STATE_DICT",
         "activation_checkpointing": True, "hsdp_mesh": mesh}))
     assert record.describe()["fsdp"] == ("FSDP2, reshard_after_forward=False, activation_checkpointing=True, "
                                          "HSDP 2 x 2 (replicate x shard)")
-    assert compare.short_label(record) == record.describe()["fsdp"] + ", fp32, 4 processes"
+    assert short_label(record) == record.describe()["fsdp"] + ", fp32, 4 processes"
 
 
 def test_plot_marks_the_resume_point(tmp_path):
     checkpoint = tmp_path / "cand" / "checkpoints" / "step-00000010"
     checkpoint.mkdir(parents=True)
     comparison = compared(tmp_path, losses=perturbed(reference_losses(), 12, 1e-3), resumed_from=str(checkpoint))
-    compare.write_plot(comparison, tmp_path / "resumed.png")
+    write_plot(comparison, tmp_path / "resumed.png")
     assert (tmp_path / "resumed.png").stat().st_size > 10_000
-    assert "| resumed_from | - | " + str(checkpoint) + " |" in compare.render_report(comparison)
+    assert "| resumed_from | - | " + str(checkpoint) + " |" in render_report(comparison)
 
 
 def test_plot_of_identical_runs(tmp_path):
     base = write_run(tmp_path / "a")
     plot = tmp_path / "identical.png"
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(base))
-    compare.write_plot(comparison, plot)
+    comparison = compare_runs(load_run(base), load_run(base))
+    write_plot(comparison, plot)
     assert plot.stat().st_size > 10_000
 
 

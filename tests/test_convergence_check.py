@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_presets import compare
+from fsdp_presets.compare.records import load_run
+from fsdp_presets.compare.report import summary_lines
+from fsdp_presets.compare.runs import compare_runs
+from fsdp_presets.compare.tolerance import BF16_RELATIVE_TOLERANCE
 from fsdp_presets.cli import build_parser, main
 from fsdp_presets.commands import converge as converge_command
 from fsdp_presets.compare import converge as check
@@ -227,7 +230,7 @@ def test_bf16_fsdp_agrees_with_bf16_ddp(workdir, tiny_model):
     assert status == 0, result["diagnosis"]
     assert result["verdict"] == "within_tolerance"  # bf16 round-off differs, within the calibrated tolerance
     assert result["baseline"]["precision"] == result["candidate"]["precision"] == "bf16"
-    assert result["tolerance"]["loss"] == compare.BF16_RELATIVE_TOLERANCE["loss"]
+    assert result["tolerance"]["loss"] == BF16_RELATIVE_TOLERANCE["loss"]
 
 
 @pytest.mark.slow
@@ -239,8 +242,8 @@ def test_resumed_run_agrees_with_uninterrupted_baseline(workdir, tiny_model, fsd
     resumed = workdir / "fsdp2-resumed" / "candidate"
     assert json.loads((resumed / "run.json").read_text())["fsdp"]["state_dict_type"] == "SHARDED_STATE_DICT"
     # Exact resume: the resumed FSDP2 run equals the uninterrupted FSDP2 run, bit for bit.
-    uninterrupted = compare.compare_runs(compare.load_run(fsdp2_check / "candidate"), compare.load_run(resumed))
-    assert uninterrupted.verdict == "identical", compare.summary_lines(uninterrupted)
+    uninterrupted = compare_runs(load_run(fsdp2_check / "candidate"), load_run(resumed))
+    assert uninterrupted.verdict == "identical", summary_lines(uninterrupted)
     part1 = (workdir / "fsdp2-resumed" / "candidate-part1.log").read_text()
     assert f"[fault] kill at during-save, step {2 * RESUME_AT}" in part1
 

@@ -21,7 +21,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from fsdp_presets import cli, compare
+from fsdp_presets import cli
+from fsdp_presets.compare.records import load_run
+from fsdp_presets.compare.report import summary_lines
+from fsdp_presets.compare.runs import compare_runs
 
 from fsdp_presets.checkpoint.export import ExportReport, export_checkpoint, plan_export, verify_export
 from fsdp_presets.checkpoint.hf_model import VERIFY_TOLERANCE
@@ -159,8 +162,8 @@ def test_round_trip_export_import_resume_trains_like_the_trained_weights(referen
     assert f"started from imported weights {round_trip['imported']}: step 0, fresh optimizer" in round_trip["stdout"]
     run = json.loads((from_import / "run.json").read_text())
     assert run["fsdp"]["version"] == 1 and run["fsdp"]["state_dict_type"] == "FULL_STATE_DICT"
-    comparison = compare.compare_runs(compare.load_run(from_final), compare.load_run(from_import))
-    assert comparison.agrees, "\n".join(compare.summary_lines(comparison))
+    comparison = compare_runs(load_run(from_final), load_run(from_import))
+    assert comparison.agrees, "\n".join(summary_lines(comparison))
     assert comparison.metric("loss").steps == list(range(1, ROUND_TRIP_STEPS + 1))
     assert comparison.metric("loss").max_deviation <= LOSS_TOLERANCE
     # the imported weights were used: the untrained model (the reference's step 1) had another loss

@@ -25,7 +25,9 @@ import pytest
 import yaml
 
 from conftest import REPO, accelerate_config
-from fsdp_presets import cli, compare
+from fsdp_presets import cli
+from fsdp_presets.compare.records import load_run
+from fsdp_presets.compare.runs import compare_runs
 from fsdp_presets.preset.emit import read_metadata
 from test_compare import reference_losses, write_run
 from test_multinode import fake_tools, recorded
@@ -444,7 +446,7 @@ def test_two_runs_with_the_same_non_finite_loss_diverge(tmp_path, capsys, bad):
     losses = reference_losses()
     losses[4:] = [bad] * (len(losses) - 4)
     base, cand = write_run(tmp_path / "a", losses=losses), write_run(tmp_path / "b", losses=losses)
-    comparison = compare.compare_runs(compare.load_run(base), compare.load_run(cand))
+    comparison = compare_runs(load_run(base), load_run(cand))
     assert comparison.verdict == "diverged" and comparison.first_divergent_step == 5
     assert "not a number (NaN or inf)" in comparison.diagnosis
     assert cli.main(["compare", str(base), str(cand)]) == 1
@@ -455,7 +457,7 @@ def test_equal_overflowing_gradient_norms_still_agree(tmp_path):
     norms = [2.0 / step for step in range(1, len(reference_losses()) + 1)]
     norms[3] = float("inf")  # an fp16 overflow step, skipped by both runs
     base, cand = write_run(tmp_path / "a", grad_norms=norms), write_run(tmp_path / "b", grad_norms=norms)
-    assert compare.compare_runs(compare.load_run(base), compare.load_run(cand)).verdict == "identical"
+    assert compare_runs(load_run(base), load_run(cand)).verdict == "identical"
 
 
 def test_recipes_refuse_a_model_that_needs_its_own_code_in_one_line(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets import compare
+from fsdp_presets.compare.records import load_run
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import read_rank_results, run_launch
 
@@ -169,7 +169,7 @@ def test_run_json_and_compare_name_the_fsdp1_sharding_strategy(recipe_runs):
         assert recorded["version"] == 1 and recorded["sharding_strategy"] == strategy
         manifest = json.loads((run_dir / "checkpoints" / "step-00000002" / "manifest.json").read_text())
         assert manifest["fsdp"]["sharding_strategy"] == strategy
-        assert f"FSDP1, sharding_strategy={strategy}" in compare.load_run(run_dir).describe()["fsdp"]
+        assert f"FSDP1, sharding_strategy={strategy}" in load_run(run_dir).describe()["fsdp"]
     fsdp2 = json.loads((recipe_runs["fsdp2-full"][1] / "run.json").read_text())["fsdp"]
     assert fsdp2["sharding_strategy"] is None and fsdp2["reshard_after_forward"] is True
 

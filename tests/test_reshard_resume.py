@@ -25,7 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_presets import cli, compare
+from fsdp_presets import cli
+from fsdp_presets.compare.records import load_run
+from fsdp_presets.compare.report import summary_lines
+from fsdp_presets.compare.runs import compare_runs
 from fsdp_presets.errors import UsageError
 from fsdp_presets.checkpoint.resume import accumulation_for, keep_global_batch
 from fsdp_presets.train.loop import SampleStream, rank_micro_batches
@@ -76,8 +79,8 @@ def chain(request, root, reference) -> dict:
 
 @pytest.mark.slow
 def test_every_world_size_change_continues_like_the_uninterrupted_run(reference, chain):
-    comparison = compare.compare_runs(compare.load_run(reference), compare.load_run(chain["run_dir"]))
-    assert comparison.agrees, "\n".join(compare.summary_lines(comparison))
+    comparison = compare_runs(load_run(reference), load_run(chain["run_dir"]))
+    assert comparison.agrees, "\n".join(summary_lines(comparison))
     assert comparison.metric("loss").steps == list(range(3, runs.REFERENCE_STEPS + 1))
     assert comparison.metric("loss").max_deviation <= LOSS_TOLERANCE
     reference_metrics = _train_lines(reference)
@@ -162,8 +165,8 @@ def test_classification_resumed_on_another_process_count_keeps_the_global_batch_
         assert abs(resumed[step]["loss"] - expected[step]["loss"]) <= LOSS_TOLERANCE * abs(expected[step]["loss"])
         assert resumed[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=1e-5)
     # compare's own verdict on the whole record (eval loss and accuracy included)
-    comparison = compare.compare_runs(compare.load_run(reference), compare.load_run(run_dir))
-    assert comparison.agrees, "\n".join(compare.summary_lines(comparison))
+    comparison = compare_runs(load_run(reference), load_run(run_dir))
+    assert comparison.agrees, "\n".join(summary_lines(comparison))
 
 
 # ---- the data position, as arithmetic (fast) ----

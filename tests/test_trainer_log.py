@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from fsdp_presets import compare
+from fsdp_presets.compare.records import load_pair, load_run
+from fsdp_presets.compare.runs import compare_runs
 from fsdp_presets.checkpoint.layout import METRICS, TRAINER_STATE, trainer_checkpoint_name
 from fsdp_presets.errors import UsageError
 
@@ -24,10 +25,10 @@ def trainer_folder(root, losses, *, logging_steps=2, lr=1e-3, in_checkpoint=True
 
 def test_trainer_log_is_read_averaged_and_said(tmp_path):
     losses = [5.0, 4.5, 4.2, 4.0, 3.9, 3.8]
-    base = compare.load_run(trainer_folder(tmp_path / "a", losses))
+    base = load_run(trainer_folder(tmp_path / "a", losses))
     assert base.averaged_steps == 2 and base.series["loss"] == pytest.approx({2: 4.75, 4: 4.1, 6: 3.85})
-    cand = compare.load_run(trainer_folder(tmp_path / "b", losses, in_checkpoint=False))
-    comparison = compare.compare_runs(base, cand)
+    cand = load_run(trainer_folder(tmp_path / "b", losses, in_checkpoint=False))
+    comparison = compare_runs(base, cand)
     assert comparison.verdict == "identical"
     assert "logging_steps=2" in comparison.tolerance.source
     assert comparison.tolerance.loss == pytest.approx(1e-6 + 2 * 2.0 ** -23)
@@ -36,9 +37,9 @@ def test_trainer_log_is_read_averaged_and_said(tmp_path):
 
 def test_a_changed_learning_rate_in_trainer_log_diverges(tmp_path):
     losses = [5.0, 4.5, 4.2, 4.0]
-    base = compare.load_run(trainer_folder(tmp_path / "a", losses))
-    cand = compare.load_run(trainer_folder(tmp_path / "b", losses, lr=2e-3))
-    assert compare.compare_runs(base, cand).verdict == "diverged"
+    base = load_run(trainer_folder(tmp_path / "a", losses))
+    cand = load_run(trainer_folder(tmp_path / "b", losses, lr=2e-3))
+    assert compare_runs(base, cand).verdict == "diverged"
 
 
 def test_a_run_with_metrics_is_read_from_its_trainer_log_against_one_without(tmp_path):
@@ -47,12 +48,12 @@ def test_a_run_with_metrics_is_read_from_its_trainer_log_against_one_without(tmp
     (with_callback / METRICS).write_text("".join(
         json.dumps({"kind": "train", "step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0})
         + "\n" for step, loss in enumerate(losses, 1)))
-    assert compare.load_run(with_callback).averaged_steps is None  # its exact lines, alone
-    base, cand = compare.load_pair(with_callback, trainer_folder(tmp_path / "b", losses))
+    assert load_run(with_callback).averaged_steps is None  # its exact lines, alone
+    base, cand = load_pair(with_callback, trainer_folder(tmp_path / "b", losses))
     assert base.averaged_steps == cand.averaged_steps == 2
-    assert compare.compare_runs(base, cand).verdict == "identical"
+    assert compare_runs(base, cand).verdict == "identical"
 
 
 def test_a_folder_with_neither_is_refused(tmp_path):
     with pytest.raises(UsageError, match="no metrics.jsonl"):
-        compare.load_run(tmp_path)
+        load_run(tmp_path)

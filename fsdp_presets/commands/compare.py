@@ -25,25 +25,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from fsdp_presets import compare
+    from fsdp_presets.compare.records import load_pair
+    from fsdp_presets.compare.report import summary_lines, write_plot, write_report
+    from fsdp_presets.compare.runs import compare_runs
+    from fsdp_presets.compare.tolerance import parse_tolerance
     from fsdp_presets.errors import UsageError
 
-    tolerance = compare.parse_tolerance(args.tolerance)
+    tolerance = parse_tolerance(args.tolerance)
     for option, path, suffix in (("--plot", args.plot, ".png"), ("--report", args.report, ".md")):
         if path is not None and not path.lower().endswith(suffix):
             raise UsageError(f"{option} needs a {suffix} file name (got {path!r})")
-    baseline, candidate = compare.load_pair(args.baseline, args.candidate)
-    comparison = compare.compare_runs(baseline, candidate, tolerance)
+    baseline, candidate = load_pair(args.baseline, args.candidate)
+    comparison = compare_runs(baseline, candidate, tolerance)
     if args.plot:
-        compare.write_plot(comparison, args.plot)
+        write_plot(comparison, args.plot)
     if args.report:
-        compare.write_report(comparison, args.report, plot_path=args.plot)
+        write_report(comparison, args.report, plot_path=args.plot)
     if args.json:
         result = comparison.to_json()
         result["plot"], result["report"] = args.plot, args.report
         print(json.dumps(result, indent=2))
     else:
-        print("\n".join(compare.summary_lines(comparison)))
+        print("\n".join(summary_lines(comparison)))
         for label, path in (("plot", args.plot), ("report", args.report)):
             if path:
                 print(f"{label}: {path}")

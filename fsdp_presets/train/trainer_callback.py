@@ -78,7 +78,7 @@ from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
 from fsdp_presets.train import preemption
 from fsdp_presets.train import trainer_saves
-from fsdp_presets.train.metrics import MetricsLog
+from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
 
 
 def _calling_trainer() -> Trainer | None:
@@ -313,7 +313,7 @@ class FSDPPresetsCallback(TrainerCallback):
                 step=step, loss=float(total[0]) / self._accelerator.num_processes,
                 lr=float(learning_rate if learning_rate is not None else trainer._get_learning_rate()),
                 grad_norm=_number(grad_norm), tokens_per_s=float(total[1]) / step_time, step_time_s=step_time,
-                samples_seen=step * self._global_batch())
+                samples_seen=step * self._global_batch(), memory=device_memory_peaks(self._accelerator.device))
             self._logged_step = step
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
         if self._saver is not None:  # async_save: commit the save in flight once every rank's write is done
