@@ -244,11 +244,14 @@ def test_a_moved_name_a_missing_module_and_a_lazy_import_are_found(tmp_path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "helper.py").write_text("from fsdp_presets.fileio import GiB\nVALUE = 1\n")
+    (scripts / "lazy").mkdir()
+    (scripts / "lazy" / "__init__.py").write_text(
+        "def __getattr__(name):\n    raise AttributeError(name)\n__all__ = ['Made']\n")
     (scripts / "x.py").write_text(
         "import helper\n"
         "from helper import GiB, VALUE\n"  # both bound at helper's top level
         "from fsdp_presets.fileio import write_json_atomic\n"  # real
-        "from fsdp_presets.checkpoint import CheckpointManager\n"  # made by __getattr__, listed in __all__
+        "from lazy import Made\n"  # made by __getattr__, listed in __all__
         "from fsdp_presets.plan.report import no_such_name\n"
         "def later():\n"
         "    from fsdp_presets.preset.generate import generate_problems, moved_away\n"

@@ -50,21 +50,3 @@ digest, tensor names and shapes), and output goes to a hidden sibling folder tha
 place only when complete, so a failure leaves no output.
 """
 
-
-
-def __getattr__(name: str):
-    """``CheckpointManager`` and ``checkpoint_verdict`` are imported on first use, so that reading a
-    checkpoint (``from fsdp_presets.checkpoint import inspect``) does not load the collective
-    save and load of :mod:`~fsdp_presets.checkpoint.manager`."""
-    if name == "CheckpointManager":
-        from fsdp_presets.checkpoint.manager import CheckpointManager
-
-        return CheckpointManager
-    if name == "checkpoint_verdict":
-        from fsdp_presets.checkpoint.verify import checkpoint_verdict
-
-        return checkpoint_verdict
-    raise AttributeError(f"module 'fsdp_presets.checkpoint' has no attribute {name!r}")
-
-
-__all__ = ["CheckpointManager", "checkpoint_verdict"]
