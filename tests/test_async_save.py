@@ -168,3 +168,32 @@ def test_async_save_is_refused_where_dcp_cannot_write_in_the_background():
     assert async_save_problem(accelerator("MULTI_CPU"), lora=False).startswith("--async-save needs an FSDP")
     assert "FSDP1 with FULL_STATE_DICT" in async_save_problem(accelerator("FSDP", 1, "FULL_STATE_DICT"), lora=False)
     assert "LoRA" in async_save_problem(accelerator("FSDP"), lora=True)
+
+
+def test_the_background_writer_thread_yields_to_training_and_the_caller_keeps_its_priority():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fsdp_presets.checkpoint import async_save
+
+    def own_priority():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = own_priority()
+    with ThreadPoolExecutor(max_workers=1, initializer=async_save._yield_to_training) as worker:
+        assert worker.submit(own_priority).result() == max(before, async_save.BACKGROUND_NICE) == 19
+    assert own_priority() == before  # per thread: training keeps its priority
+
+
+def test_checkpoint_files_are_written_without_zip_crcs_and_load_back(tmp_path):
+    import torch
+
+    from fsdp_presets.checkpoint.manager import without_zip_crc
+
+    tensor = torch.arange(1000, dtype=torch.float32)
+    torch.save(tensor, tmp_path / "with.pt")
+    with without_zip_crc():
+        torch.save(tensor, tmp_path / "without.pt")
+    assert torch.serialization.get_crc32_options()  # restored afterwards
+    assert (tmp_path / "with.pt").read_bytes() != (tmp_path / "without.pt").read_bytes()
+    assert torch.equal(torch.load(tmp_path / "without.pt"), tensor)

@@ -165,9 +165,11 @@ def render(report: dict) -> str:
         "",
         "Ratios: mean blocked time async / sync; median step time with a write in flight / median of the other "
         "steps (both kinds of launch). What stays: training does not wait for the write; what costs: on this "
-        "host training and the background write (DCP serialising and writing each rank's shards, a thread per "
-        "folder) share the same 2 cores, so the steps that overlap a write are slower and the blocked time "
-        "includes the staging copy and the commit competing with them. On a GPU host the step runs on the "
+        "host training and the background write (one thread per process at the lowest scheduling priority: "
+        "DCP serialising and writing the rank's shards, then hashing its share for the manifest) share the "
+        "same 2 cores. The write takes the time training leaves idle first, so the steps that overlap it slow "
+        "down less, and a save due before the previous write finished waits for it (counted as blocked); the "
+        "blocked time is mostly the staging copy and the commit. On a GPU host the step runs on the "
         "GPU while the host writes. The planner's figures for the presets "
         "(`fsdp-presets plan MODEL --gpus N --mtbf 24 --seconds-per-step S`, recommended strategy):",
         "",
