@@ -41,17 +41,14 @@ def launch(model: Path, output: Path, *, background: bool, max_steps: int, save_
 
 def split_steps(lines: list[dict]) -> tuple[list[float], list[float]]:
     """Step times of the steps that trained while a background write was in flight, and of the others
-    (step 1 left out)."""
-    in_flight, normal, pending = [], [], False
-    for line in lines:
-        if line["kind"] == "save":
-            pending = False
-        elif line["kind"] == "train":
-            if line["step"] > 1:
-                (in_flight if pending else normal).append(line["step_time_s"])
-        if line["kind"] == "train" and any(other["kind"] == "save" and other["step"] == line["step"]
-                                           and other["async"] for other in lines):
-            pending = True  # the next steps train while this step's save is written
+    (step 1 left out). The save of step S is written from the end of step S until its ``save`` line,
+    which follows the train line of the step it was committed at (a later poll, or the next save)."""
+    committed_at = {line["step"]: index for index, line in enumerate(lines) if line["kind"] == "save" and line["async"]}
+    in_flight, normal = [], []
+    for index, line in enumerate(lines):
+        if line["kind"] == "train" and line["step"] > 1:
+            busy = any(step < line["step"] and index < committed for step, committed in committed_at.items())
+            (in_flight if busy else normal).append(line["step_time_s"])
     return in_flight, normal
 
 
