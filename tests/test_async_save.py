@@ -184,16 +184,3 @@ def test_the_background_writer_thread_yields_to_training_and_the_caller_keeps_it
         assert worker.submit(own_priority).result() == max(before, async_save.BACKGROUND_NICE) == 19
     assert own_priority() == before  # per thread: training keeps its priority
 
-
-def test_checkpoint_files_are_written_without_zip_crcs_and_load_back(tmp_path):
-    import torch
-
-    from fsdp_presets.checkpoint.manager import without_zip_crc
-
-    tensor = torch.arange(1000, dtype=torch.float32)
-    torch.save(tensor, tmp_path / "with.pt")
-    with without_zip_crc():
-        torch.save(tensor, tmp_path / "without.pt")
-    assert torch.serialization.get_crc32_options()  # restored afterwards
-    assert (tmp_path / "with.pt").read_bytes() != (tmp_path / "without.pt").read_bytes()
-    assert torch.equal(torch.load(tmp_path / "without.pt"), tensor)

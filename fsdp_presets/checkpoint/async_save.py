@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER
-from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints, hash_share, without_zip_crc
+from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints, hash_share
 from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, raise_on_every_rank,
                                  refused_write_class)
 from fsdp_presets.faults import fault_point
@@ -150,9 +150,8 @@ class CheckpointSaver:
         accelerator = self.accelerator
         temporary.mkdir(parents=True, exist_ok=True)  # every rank: save_state makes it too
         # What save_state writes besides the FSDP model and optimizer (scheduler, random states, scaler).
-        with without_zip_crc():  # as a synchronous save writes them (the same bytes)
-            save_accelerator_state(str(temporary), [], [], accelerator._schedulers, accelerator._dataloaders,
-                                   accelerator.state.process_index, accelerator.step, accelerator.scaler)
+        save_accelerator_state(str(temporary), [], [], accelerator._schedulers, accelerator._dataloaders,
+                               accelerator.state.process_index, accelerator.step, accelerator.scaler)
         if accelerator.is_main_process and write_extra is not None:
             write_extra(temporary)
         fault_point("async-save", step=step, rank=accelerator.process_index, folder=temporary)
@@ -278,10 +277,9 @@ def _write_then_hash(staged: list[tuple[str, Any]], folder: Path, *, group: Any,
     on every rank when one rank's write failed), then hash this rank's share of the complete folder."""
     import torch.distributed.checkpoint as dcp
 
-    with without_zip_crc():
-        for name, state in staged:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder / name), process_group=group,
-                     planner=_planner_classes()[name](enable_plan_caching=True))
+    for name, state in staged:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder / name), process_group=group,
+                 planner=_planner_classes()[name](enable_plan_caching=True))
     return hash_share(folder, rank=rank, world_size=world_size)
 
 

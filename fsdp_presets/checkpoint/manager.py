@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,22 +34,6 @@ from fsdp_presets.errors import (UsageError, disk_full_cause, disk_full_message,
                                  raise_on_every_rank, refused_write_class)
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import sha256_file, write_json_atomic
-
-@contextmanager
-def without_zip_crc():
-    """``torch.save`` without its per-record CRC-32 while saving a checkpoint (process-wide, restored
-    after): ``torch.load`` never checks it (DCP's reader included) and the manifest's SHA-256 of every
-    file is what verifies a checkpoint, so computing it only cost CPU, about 1 s per GB on a CPU host,
-    which a background write takes from training."""
-    import torch
-
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
 
 def _short(problem: str) -> str:
     """The first sentence of a problem, without the folder it is about (for a list of them)."""
@@ -134,11 +117,10 @@ class CheckpointManager:
         A refused write removes the folder and stops the run in one line. Collective."""
         temporary = self.begin_save(step)
         try:
-            with without_zip_crc():
-                if self.state is not None:
-                    self.state.save(temporary)
-                else:
-                    self.accelerator.save_state(str(temporary))
+            if self.state is not None:
+                self.state.save(temporary)
+            else:
+                self.accelerator.save_state(str(temporary))
             if self.accelerator.is_main_process and write_extra is not None:
                 write_extra(temporary)
         except BaseException as error:  # DCP reports every rank's write failure as a CheckpointException
