@@ -168,3 +168,19 @@ def test_async_save_is_refused_where_dcp_cannot_write_in_the_background():
     assert async_save_problem(accelerator("MULTI_CPU"), lora=False).startswith("--async-save needs an FSDP")
     assert "FSDP1 with FULL_STATE_DICT" in async_save_problem(accelerator("FSDP", 1, "FULL_STATE_DICT"), lora=False)
     assert "LoRA" in async_save_problem(accelerator("FSDP"), lora=True)
+
+
+def test_the_background_writer_thread_yields_to_training_and_the_caller_keeps_its_priority():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fsdp_presets.checkpoint import async_save
+
+    def own_priority():
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    before = own_priority()
+    with ThreadPoolExecutor(max_workers=1, initializer=async_save._yield_to_training) as worker:
+        assert worker.submit(own_priority).result() == max(before, async_save.BACKGROUND_NICE) == 19
+    assert own_priority() == before  # per thread: training keeps its priority
+

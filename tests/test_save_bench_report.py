@@ -21,3 +21,17 @@ def test_the_section_renders_from_a_saved_report_with_the_planners_figures():
     assert f"| {ratio:.2f} |" in text  # the ratio printed is the one the report's numbers give
     assert "llama-3.1-8b, 8 GPUs on 1 node(s)" in text and "llama-3.1-70b, 64 GPUs on 8 node(s)" in text
     assert "--async-save: save every " in text
+
+
+def test_a_step_counts_as_in_flight_until_its_saves_line_also_when_the_next_save_commits_it():
+    from fsdp_harness.save_bench import split_steps
+
+    def train(step):
+        return {"kind": "train", "step": step, "step_time_s": float(step)}
+
+    def save(step):
+        return {"kind": "save", "step": step, "async": True}
+
+    # Save 2 committed at the poll after step 3; save 4 only when save 6 began (after step 6's train line).
+    lines = [train(1), train(2), train(3), save(2), train(4), train(5), train(6), save(4), train(7), save(6), train(8)]
+    assert split_steps(lines) == ([3.0, 5.0, 6.0, 7.0], [2.0, 4.0, 8.0])

@@ -6,14 +6,16 @@ disk. With ``--async-save`` a save of step N:
 1. writes the small files at once, through accelerate's own writer (``save_accelerator_state``:
    scheduler, every rank's random state, the gradient scaler) and the model config (main process);
 2. takes the rank's model and optimizer state dicts the way accelerate's ``save_fsdp_model`` and
-   ``save_fsdp_optimizer`` do (FSDP2, ``SHARDED_STATE_DICT``: this rank's shards), and hands each to
-   ``torch.distributed.checkpoint.async_save`` into accelerate's folders (``pytorch_model_fsdp_0/``,
-   ``optimizer_0/``), so ``accelerator.load_state`` reads the checkpoint as if ``save_state`` wrote
-   it. ``async_save`` copies (stages) the tensors into host memory before it returns, so the files
-   hold step N's values while training moves on; a background thread writes them;
-3. returns to training. In the background each rank waits for both writes, then hashes its share
-   of the files for the manifest. At the end of each later step the ranks ask each other (one small
-   all-reduce) whether every rank is done; when all are, the save is committed as a synchronous one
+   ``save_fsdp_optimizer`` do (FSDP2, ``SHARDED_STATE_DICT``: this rank's shards) and copies (stages)
+   their tensors into host memory with DCP's stager, so the files hold step N's values while
+   training moves on;
+3. returns to training. One background thread per process, at the lowest scheduling priority
+   (training keeps its cores; the write takes the time training leaves idle first), writes each
+   staged state dict with ``torch.distributed.checkpoint.save`` into accelerate's folders
+   (``pytorch_model_fsdp_0/``, ``optimizer_0/``), so ``accelerator.load_state`` reads the
+   checkpoint as if ``save_state`` wrote it, then hashes its rank's share of the files for the
+   manifest. At the end of each later step the ranks ask each other (one small all-reduce) whether
+   every rank is done; when all are, the save is committed as a synchronous one
    (:meth:`CheckpointManager.commit`: manifest, one rename, pruning, which keeps the new checkpoint,
    so the last committed one is never removed).
 
@@ -22,9 +24,9 @@ of the run wait for it first. A background write that fails on any rank is repor
 (a :class:`Finding`, exit 1) naming the last committed checkpoint, which ``--resume auto`` continues
 from; the unfinished folder has no manifest, so nothing would ever resume from it.
 
-NOTE: each background write runs on a gloo process group of its own (one for the model, one for the
-optimizer, created once on every rank): ``async_save`` on the training's own group hangs, because
-the write's collectives and the step's interleave on one group (FIELD-NOTES, measured 2026-12-04).
+NOTE: the background writes run on a gloo process group of their own (created once on every rank):
+DCP's save on the training's own group hangs, because the write's collectives and the step's
+interleave on one group (FIELD-NOTES, measured 2026-12-04).
 
 Each save is one ``kind: save`` line in metrics.jsonl (:meth:`MetricsLog.log_save`): ``blocked_s``
 is the training time rank 0 lost to it (the small files and the staging copy, then, at the commit,
@@ -34,6 +36,9 @@ committed.
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,21 +94,22 @@ class CheckpointSaver:
     (None: accelerate's own files, as ``save_state`` writes them; the Trainer integration: Trainer's)."""
     records: list[dict[str, Any]] = field(default_factory=list)
     """One entry per committed save of this process (for the summary)."""
-    _groups: list[Any] = field(default_factory=list)
+    _group: Any = None
     _worker: Any = None
-    _writers: dict[str, Any] = field(default_factory=dict)
+    _stagers: dict[str, Any] = field(default_factory=dict)
     _in_flight: _InFlight | None = None
 
     def __post_init__(self) -> None:
         if self.background:
             import torch.distributed as dist
-
-            # One group per concurrent background write (model, optimizer), created once on every rank.
-            self._groups = [dist.new_group(backend="gloo") for _ in range(2)]
             from concurrent.futures import ThreadPoolExecutor
 
-            # Waits for both writes, then hashes this rank's share of the files for the manifest.
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-hash")
+            # The background writes' own gloo group, created once on every rank (NOTE above).
+            self._group = dist.new_group(backend="gloo")
+            # One thread per process writes the model's shards, then the optimizer's, then hashes this
+            # rank's share of the files, at a lower scheduling priority than training (_yield_to_training).
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write",
+                                              initializer=_yield_to_training)
 
     @property
     def accelerator(self):
@@ -125,21 +131,21 @@ class CheckpointSaver:
             return committed
         temporary = self.manager.begin_save(step)
         try:
-            futures = self._start_background(temporary, step=step, write_extra=write_extra)
+            staged = self._start_background(temporary, step=step, write_extra=write_extra)
         except BaseException as error:
             self.manager.stop_if_disk_full(error, step=step, temporary=temporary)
             raise
         accelerator = self.accelerator
-        written = self._worker.submit(_write_then_hash, futures, temporary, rank=accelerator.process_index,
-                                      world_size=accelerator.num_processes)
+        written = self._worker.submit(_write_then_hash, staged, temporary, group=self._group,
+                                      rank=accelerator.process_index, world_size=accelerator.num_processes)
         self._in_flight = _InFlight(step=step, samples_consumed=samples_consumed, temporary=temporary,
                                     written=written, started=started, blocked_s=time.perf_counter() - started)
         return self.wait() if wait else None
 
-    def _start_background(self, temporary: Path, *, step: int, write_extra) -> list[Any]:
-        """The small files now; the model and optimizer shards staged and handed to DCP's writer."""
+    def _start_background(self, temporary: Path, *, step: int, write_extra) -> list[tuple[str, Any]]:
+        """The small files now; the model and optimizer shards staged (copied into host memory) for
+        the background write: ``(folder name, staged state dict)`` of each."""
         import torch
-        import torch.distributed.checkpoint as dcp
         from accelerate.checkpointing import save_accelerator_state
         from accelerate.utils.fsdp_utils import _get_model_state_dict, _prepare_sd_options
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -158,24 +164,23 @@ class CheckpointSaver:
         [model], [optimizer] = accelerator._models, accelerator._optimizers
         model_state = _get_model_state_dict(model, sd_options=options)
         optimizer_state = get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=options)
-        futures = []
-        for (key, state, name), group in zip((("model", model_state, DCP_MODEL),
-                                              ("optimizer", optimizer_state, DCP_OPTIMIZER)), self._groups):
+        staged = []
+        for key, state, name in (("model", model_state, DCP_MODEL), ("optimizer", optimizer_state, DCP_OPTIMIZER)):
             (temporary / name).mkdir(parents=True, exist_ok=True)
             # One DCP stager per folder kind for the whole run (host memory, no pinning on a CPU-only
             # host), which keeps its copies' storage between saves: no fresh allocation of the rank's
             # shards per save. Safe: the next save stages only after this one's write finished (wait()).
-            stager = self._writers.get(name)
+            stager = self._stagers.get(name)
             if stager is None:
                 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
                 on_gpu = torch.cuda.is_available()
-                stager = self._writers[name] = DefaultStager(StagingOptions(
+                stager = self._stagers[name] = DefaultStager(StagingOptions(
                     use_pinned_memory=on_gpu, use_shared_memory=False, use_async_staging=False,
                     use_non_blocking_copy=False))
-            futures.append(dcp.async_save({key: state}, storage_writer=dcp.FileSystemWriter(temporary / name),
-                                          async_stager=stager, process_group=group))
-        return futures
+            # The copy is done when stage() returns: the files hold this step's values while training moves on.
+            staged.append((name, stager.stage({key: state})))
+        return staged
 
     # ---- commit ----
     def poll(self, *, step: int) -> None:
@@ -217,9 +222,9 @@ class CheckpointSaver:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-        for stager in self._writers.values():
+        for stager in self._stagers.values():
             stager.close()
-        self._writers.clear()
+        self._stagers.clear()
 
     def _stop(self, in_flight: _InFlight, failure: BaseException | None) -> None:
         from accelerate.utils import gather_object
@@ -270,18 +275,44 @@ class CheckpointSaver:
                 f"{total:.2f} s until committed, {format_bytes(self.records[-1]['bytes'])} each")
 
 
-def _write_then_hash(futures: list[Any], folder: Path, *, rank: int, world_size: int) -> list[tuple[str, str, int]]:
-    """In the background: wait for both DCP writes (each returns once every rank's files and the
-    metadata are written), then hash this rank's share of the now complete folder."""
-    failure = None
-    for future in futures:
-        try:
-            future.result()
-        except BaseException as error:  # noqa: BLE001 (the first one is reported)
-            failure = failure or error
-    if failure is not None:
-        raise failure
+def _write_then_hash(staged: list[tuple[str, Any]], folder: Path, *, group: Any, rank: int,
+                     world_size: int) -> list[tuple[str, str, int]]:
+    """In the background: write each staged state dict into its folder through DCP on the writes' own
+    group (each ``dcp.save`` returns once every rank's files and the metadata are written, and raises
+    on every rank when one rank's write failed), then hash this rank's share of the complete folder."""
+    import torch.distributed.checkpoint as dcp
+
+    for name, state in staged:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder / name), process_group=group,
+                 planner=_planner_classes()[name](enable_plan_caching=True))
     return hash_share(folder, rank=rank, world_size=world_size)
+
+
+@functools.cache
+def _planner_classes() -> dict[str, type]:
+    """DCP's default save planner, one subclass per folder: with plan caching, DCP keeps the plans of
+    a save by planner class and reuses them while every rank's plan is unchanged (the same shards
+    every save), so the coordinator neither merges nor validates the plans again and the ranks
+    exchange empty ones; a class each keeps the model's plans apart from the optimizer's."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    return {name: type(f"_{kind}SavePlanner", (DefaultSavePlanner,), {"__module__": __name__})
+            for name, kind in ((DCP_MODEL, "Model"), (DCP_OPTIMIZER, "Optimizer"))}
+
+
+BACKGROUND_NICE = 19
+"""Scheduling priority (Linux ``nice``) of the background writer thread: the lowest, so that where
+training keeps every core busy (a CPU-only host) the write takes the time training leaves idle
+before it takes the training's own."""
+
+
+def _yield_to_training() -> None:
+    """The background thread's initializer: lower its own priority (on Linux ``nice`` is per thread:
+    the training thread and the rest of the process keep theirs; elsewhere nothing changes)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
+        pass
 
 
 def _first_line(error: BaseException) -> str:

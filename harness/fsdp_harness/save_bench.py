@@ -41,17 +41,14 @@ def launch(model: Path, output: Path, *, background: bool, max_steps: int, save_
 
 def split_steps(lines: list[dict]) -> tuple[list[float], list[float]]:
     """Step times of the steps that trained while a background write was in flight, and of the others
-    (step 1 left out)."""
-    in_flight, normal, pending = [], [], False
-    for line in lines:
-        if line["kind"] == "save":
-            pending = False
-        elif line["kind"] == "train":
-            if line["step"] > 1:
-                (in_flight if pending else normal).append(line["step_time_s"])
-        if line["kind"] == "train" and any(other["kind"] == "save" and other["step"] == line["step"]
-                                           and other["async"] for other in lines):
-            pending = True  # the next steps train while this step's save is written
+    (step 1 left out). The save of step S is written from the end of step S until its ``save`` line,
+    which follows the train line of the step it was committed at (a later poll, or the next save)."""
+    committed_at = {line["step"]: index for index, line in enumerate(lines) if line["kind"] == "save" and line["async"]}
+    in_flight, normal = [], []
+    for index, line in enumerate(lines):
+        if line["kind"] == "train" and line["step"] > 1:
+            busy = any(step < line["step"] and index < committed for step, committed in committed_at.items())
+            (in_flight if busy else normal).append(line["step_time_s"])
     return in_flight, normal
 
 
@@ -165,9 +162,11 @@ def render(report: dict) -> str:
         "",
         "Ratios: mean blocked time async / sync; median step time with a write in flight / median of the other "
         "steps (both kinds of launch). What stays: training does not wait for the write; what costs: on this "
-        "host training and the background write (DCP serialising and writing each rank's shards, a thread per "
-        "folder) share the same 2 cores, so the steps that overlap a write are slower and the blocked time "
-        "includes the staging copy and the commit competing with them. On a GPU host the step runs on the "
+        "host training and the background write (one thread per process at the lowest scheduling priority: "
+        "DCP serialising and writing the rank's shards, then hashing its share for the manifest) share the "
+        "same 2 cores. The write takes the time training leaves idle first, so the steps that overlap it slow "
+        "down less, and a save due before the previous write finished waits for it (counted as blocked); the "
+        "blocked time is mostly the staging copy and the commit. On a GPU host the step runs on the "
         "GPU while the host writes. The planner's figures for the presets "
         "(`fsdp-presets plan MODEL --gpus N --mtbf 24 --seconds-per-step S`, recommended strategy):",
         "",
