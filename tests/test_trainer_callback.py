@@ -547,3 +547,18 @@ def test_a_signal_on_one_rank_stops_every_rank_after_saving_that_step(presets, t
     assert max(_train_losses(records)) == 2 and (checkpoint / MANIFEST).is_file()
     assert "trainer_user.py: error: preempted (signal on another rank) at step 2" in result.stderr
     assert result.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT}" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_failed_background_write_names_the_committed_checkpoint_trainer_resumes_from(tmp_path):
+    """The stop message of a failed background write, for Trainer's own folders: the newest
+    ``checkpoint-N`` with a manifest, and Trainer's resume (not the recipes' ``--resume auto``)."""
+    from fsdp_presets.train.trainer_saves import TrainerCheckpoints
+
+    checkpoints = TrainerCheckpoints(accelerator=None, directory=tmp_path, commit_folder=lambda *args: None)
+    assert "No earlier committed checkpoint" in checkpoints.kept_note()
+    for step, committed in ((3, True), (6, True), (9, False)):  # checkpoint-9: written, never committed
+        (tmp_path / trainer_checkpoint_name(step)).mkdir()
+        if committed:
+            (tmp_path / trainer_checkpoint_name(step) / MANIFEST).write_text("{}")
+    note = checkpoints.kept_note()
+    assert str(tmp_path / trainer_checkpoint_name(6)) in note and "resume_from_checkpoint=True" in note, note

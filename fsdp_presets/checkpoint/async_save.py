@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER
-from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints, hash_share
+from fsdp_presets.checkpoint.manager import CheckpointManager, hash_share
 from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full_message, raise_on_every_rank,
                                  refused_write_class)
 from fsdp_presets.faults import fault_point
@@ -235,14 +235,12 @@ class CheckpointSaver:
         first = next((report for report in reports if report), "unknown error")
         self.manager.abandon(in_flight.temporary)
         accelerator.wait_for_everyone()
-        previous = committed_checkpoints(self.manager.directory)
-        kept = (f"The last committed checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
-                if previous else "No earlier checkpoint exists in this run (--resume auto starts from step 0).")
+        kept = self.manager.kept_note()
         cause = disk_full_cause(failure, in_flight.temporary) if failure else None
         what = f"writing the checkpoint of step {in_flight.step} in the background"
         message = (disk_full_message(cause, what, self.manager.directory, kept=kept) if cause else
                    f"{what} failed ({first}); the run stopped and its unfinished folder was removed. {kept} "
-                   "Fix the cause (a writable --output-dir with space), then run the same command again")
+                   "Fix the cause (a writable output folder with space), then run the same command again")
         raise_on_every_rank(accelerator, message, error=refused_write_class(message) if cause else Finding)
 
     def _agree(self, local: float, *, reduction: str) -> float:

@@ -183,6 +183,12 @@ class CheckpointManager:
         accelerator.wait_for_everyone()
         return committed, total_bytes
 
+    def kept_note(self) -> str:
+        """What a failed save leaves to resume from, as the run's stop message says it."""
+        previous = committed_checkpoints(self.directory)
+        return (f"The last committed checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
+                if previous else "No earlier checkpoint exists in this run (--resume auto starts from step 0).")
+
     def abandon(self, temporary: Path) -> None:
         """Remove the unfinished folder of a save that failed (main process); the committed
         checkpoints are untouched."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.checkpoint.layout import deleting_name, trainer_checkpoint_name
+from fsdp_presets.checkpoint.layout import MANIFEST, TRAINER_CHECKPOINT_PATTERN, deleting_name, trainer_checkpoint_name
 from fsdp_presets.checkpoint.manager import hash_share
 
 
@@ -77,6 +77,16 @@ class TrainerCheckpoints:
             total_bytes = sum(size for _, _, size in hashed)
         accelerator.wait_for_everyone()
         return temporary, total_bytes
+
+    def kept_note(self) -> str:
+        """What a failed background write leaves to resume from: the newest ``checkpoint-N`` with a
+        manifest (committed), which Trainer's own resume continues from."""
+        committed = sorted((int(match.group(1)), entry) for entry in self.directory.glob("checkpoint-*")
+                           if (match := TRAINER_CHECKPOINT_PATTERN.match(entry.name)) and (entry / MANIFEST).is_file())
+        if not committed:
+            return "No earlier committed checkpoint exists in this run (Trainer starts from step 0)."
+        return (f"The last committed checkpoint, {committed[-1][1]}, is intact and Trainer's own resume "
+                "(trainer.train(resume_from_checkpoint=True)) continues from it.")
 
     def abandon(self, temporary: Path) -> None:
         """A background write failed: remove its folder (main process)."""
