@@ -7,7 +7,9 @@ is composed for another point of the grid (GPUs, micro-batch, accumulation, chec
 the one its terms were rehearsed at, a point of the recorded grid (tests/data/planner_grid.json,
 fsdp_harness/planner_grid.py): the live rehearsals, short and full, must equal what the table
 recorded, so that tests/test_planner_grid.py, which plans every recorded point without
-rehearsing, cannot pass on a stale table."""
+rehearsing, cannot pass on a stale table. Five families are rehearsed live here, one of each kind
+the planner must follow (LIVE); the other five are held to their recorded full rehearsals by
+tests/test_planner_grid.py alone."""
 
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ COMPOSED = {
     "glm4": (64, 2, 4, True),  # GQA with 2 KV heads, partial rotary, attention biases
 }
 
+LIVE = (
+    "deepseek_v2",  # mixture of experts with latent attention: the planner's -40% case before
+    "gemma3_text",  # sliding and full attention, a 262k vocabulary
+    "granite",  # GQA, the later micro-batch's forward under accumulation
+    "qwen3",  # QK-norm; generate and check say how their figures were obtained; the cache
+    "qwen3_moe",  # 128 experts, QK-norm, activation checkpointing
+)
+
 
 @pytest.fixture(scope="module")
 def rehearsal_cache(tmp_path_factory):
@@ -51,14 +61,14 @@ def recorded():
 
 
 def test_every_published_family_is_tested(recorded):
-    assert sorted(COMPOSED) == sorted(FAMILIES)
+    assert sorted(COMPOSED) == sorted(FAMILIES) and set(LIVE) <= set(FAMILIES)
     for model_type, (gpus, micro_batch, accumulation, checkpointing) in COMPOSED.items():
         point = planner_grid.find_point(recorded, model_type, gpus, micro_batch, accumulation, checkpointing)
         assert (point["layers"], point["seq_len"]) == (LAYERS, SEQ)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("model_type", LIVE)
 def test_planned_full_shard_matches_a_full_rehearsal(rehearsal_cache, recorded, tmp_path, monkeypatch, model_type):
     from fsdp_presets.preset.measured_activations import with_rehearsed_terms
     from fsdp_presets.fileio import GiB
