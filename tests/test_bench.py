@@ -159,6 +159,17 @@ def test_doc_sections_are_replaced_in_place():
     assert updated.startswith("# Benchmarks\n\nintro\n\n") and "middle" in updated and "\nb\n" in updated
     appended = doc_sections.replace(updated, "c", doc_sections.wrap("c", "c body"))
     assert appended.endswith(doc_sections.wrap("c", "c body")) and doc_sections.find(appended, "a") is not None
+    # what a full benchmark run keeps of the file it rewrites: every section, in order
+    assert doc_sections.names(appended + "<!-- d:start -->\nno end\n") == ["a", "b", "c"]
+
+
+def test_the_shipped_benchmarks_page_keeps_its_measurements_in_sections():
+    """A full benchmark run rewrites docs/benchmarks.md and keeps only its marked sections: every
+    measurement written by another script or by hand is inside one."""
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    names = doc_sections.names(text)
+    assert {"gpu-fsdp", "preemption-grace", "exit-campaign-notes", "planner-accuracy", "preemption-campaign",
+            "async-save", "exit-campaign"} <= set(names), names
 
 
 # ---- the GPU script: syntax and its Python part in dry mode ----

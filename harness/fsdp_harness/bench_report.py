@@ -239,12 +239,6 @@ def default_gpu_section() -> str:
         "FLOPs utilisation and peak memory against the planner."))
 
 
-OTHER_SECTIONS = ("side-by-side", "step-profile", "exit-campaign", "async-save", "gpu-fsdp")
-"""Sections of docs/benchmarks.md that other scripts write (``bench.py --side-by-side``:
-``fsdp_harness.step_bench``; ``scripts/exit_campaign.py``; the GPU FSDP2 measurements); a full
-run keeps them."""
-
-
 def existing_section(path: Path, name: str) -> str | None:
     """Section ``name`` of the document at ``path`` as it is now (None when absent)."""
     return doc_sections.find(path.read_text(), name) if path.is_file() else None
@@ -338,9 +332,11 @@ def publish(report: dict, output: Path, img_dir: Path) -> int:
     gpu_section = existing_section(output, GPU_SECTION)
     output.parent.mkdir(parents=True, exist_ok=True)
     text = render(report, images=relative, campaign_section=campaign_section, gpu_section=gpu_section)
-    for name in OTHER_SECTIONS:  # written into the same file by other scripts: kept as they are
-        if (section := existing_section(output, name)) and doc_sections.find(text, name) is None:
-            text = doc_sections.replace(text, name, section)
+    # Every other section of the file (written by other scripts, or measured by hand and marked as
+    # a section) is kept as it is.
+    for name in doc_sections.names(output.read_text()) if output.is_file() else []:
+        if doc_sections.find(text, name) is None:
+            text = doc_sections.replace(text, name, existing_section(output, name))
     output.write_text(text)
     output.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str))
     for what, value in headline(report):

@@ -10,6 +10,7 @@ the fault campaign, the GPU benchmark) without touching the others'::
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 
@@ -30,6 +31,11 @@ def find(document: str, name: str) -> str | None:
     if start not in document or end not in document.split(start, 1)[1]:
         return None
     return start + document.split(start, 1)[1].split(end, 1)[0] + end + "\n"
+
+
+def names(document: str) -> list[str]:
+    """The names of the sections ``document`` holds, in order."""
+    return [name for name in re.findall(r"^<!-- (\S+):start -->$", document, flags=re.M) if find(document, name)]
 
 
 def replace(document: str, name: str, section: str) -> str:
