@@ -15,8 +15,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fsdp_presets.fileio import write_text_atomic
 
 
@@ -36,12 +34,14 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def device_memory_peaks(device: torch.device) -> dict[str, int]:
+def device_memory_peaks(device) -> dict[str, int]:
     """This process's peak CUDA memory so far on ``device`` (``max_memory_allocated``: tensors;
     ``max_memory_reserved``: what the caching allocator holds, the part ``nvidia-smi`` shows less
     the CUDA context); empty on any other device."""
     if device.type != "cuda":
         return {}
+    import torch  # only here: readers of metrics files need no torch
+
     return {"max_memory_allocated": torch.cuda.max_memory_allocated(device),
             "max_memory_reserved": torch.cuda.max_memory_reserved(device)}
 

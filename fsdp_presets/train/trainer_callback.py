@@ -67,9 +67,8 @@ from typing import Any, NoReturn
 
 from transformers import Trainer, TrainerCallback
 
-from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE,
-                                            TRAINER_CHECKPOINT_PATTERN, RunFolder, staging_sibling,
-                                            trainer_checkpoint_name)
+from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE, RunFolder,
+                                            staging_sibling, trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
@@ -246,8 +245,7 @@ class FSDPPresetsCallback(TrainerCallback):
     def _newest_committed(self, output: Path) -> Path | None:
         """The newest ``checkpoint-N`` that has its manifest; the newest of all when none has one
         (a run written without the callback), None when there is none."""
-        found = sorted((int(match.group(1)), path) for path in (output.iterdir() if output.is_dir() else ())
-                       if (match := TRAINER_CHECKPOINT_PATTERN.match(path.name)) and path.is_dir())
+        found = trainer_saves.trainer_checkpoints(output)
         committed = [path for _, path in found if (path / MANIFEST).is_file()]
         if not committed:
             return found[-1][1] if found else None

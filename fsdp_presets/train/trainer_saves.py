@@ -81,11 +81,10 @@ class TrainerCheckpoints:
     def kept_note(self) -> str:
         """What a failed background write leaves to resume from: the newest ``checkpoint-N`` with a
         manifest (committed), which Trainer's own resume continues from."""
-        committed = sorted((int(match.group(1)), entry) for entry in self.directory.glob("checkpoint-*")
-                           if (match := TRAINER_CHECKPOINT_PATTERN.match(entry.name)) and (entry / MANIFEST).is_file())
+        committed = [folder for _, folder in trainer_checkpoints(self.directory) if (folder / MANIFEST).is_file()]
         if not committed:
             return "No earlier committed checkpoint exists in this run (Trainer starts from step 0)."
-        return (f"The last committed checkpoint, {committed[-1][1]}, is intact and Trainer's own resume "
+        return (f"The last committed checkpoint, {committed[-1]}, is intact and Trainer's own resume "
                 "(trainer.train(resume_from_checkpoint=True)) continues from it.")
 
     def abandon(self, temporary: Path) -> None:
@@ -95,6 +94,13 @@ class TrainerCheckpoints:
 
     def stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
         """Staging failed: the error goes on as it is (the folder has no manifest: never resumed from)."""
+
+
+def trainer_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """``[(step, folder)]`` of the ``checkpoint-N`` folders Trainer wrote under ``directory``, oldest
+    first (committed or not: a committed one holds its manifest)."""
+    return sorted((int(match.group(1)), entry) for entry in (directory.iterdir() if directory.is_dir() else ())
+                  if (match := TRAINER_CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir())
 
 
 def clear_folder(accelerator, folder: Path) -> None:
