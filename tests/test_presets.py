@@ -160,6 +160,15 @@ def test_token_batch_is_rounded_to_whole_sequences_per_rank_and_said():
     assert preset.batch.global_samples == 9 and any("rounded down to 9" in note for note in preset.notes)
 
 
+def test_cpu_default_global_batch_is_a_few_sequences_per_process_not_half_a_million_tokens():
+    # a tiny model fits thousands of sequences per process; a CPU step must still take seconds
+    preset = decide(profile("llama"), PresetRequest(model="llama", gpus=2, device="cpu", seq_len=64))
+    assert preset.batch.global_samples == 16 and preset.batch.micro_batch <= 8
+    assert "default 8 sequences per process on a CPU" in preset.batch.reason
+    gpu = decide(profile("llama"), PresetRequest(model="llama", gpus=2, seq_len=64))
+    assert gpu.batch.global_samples * 64 == 2**19  # GPUs keep the 0.5M-token default
+
+
 @pytest.mark.parametrize("request_kwargs, message", [
     (dict(gpus=6, nodes=4), "does not divide --gpus 6"),
     (dict(gpus=8, strategy="hybrid"), "needs --nodes > 1"),

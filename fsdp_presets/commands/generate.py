@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_savers(parser)
     arguments.add_seq_len(parser)
     add("--global-batch", metavar="SAMPLES|TOKENS",
-        help="per optimizer step: sequences (256) or tokens (1M, 512K, 524288tok); default 0.5M tokens")
+        help="per optimizer step: sequences (256) or tokens (1M, 512K, 524288tok); default 0.5M tokens (--device cpu: 8 sequences per process)")
     arguments.add_micro_batch(parser, default_help="the largest that fits and divides")
     add("--baseline", choices=("ddp",), help="also write the matching DDP config (default next to -o: NAME.ddp.yaml)")
     add("--baseline-output", metavar="FILE.yaml", help="where --baseline ddp writes (default NAME.ddp.yaml)")

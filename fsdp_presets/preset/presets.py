@@ -34,7 +34,7 @@ from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.save_cost import staging_fit
-from fsdp_presets.preset.request import (DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HOST_MEMORY_GIB, STRATEGY_NAMES,
+from fsdp_presets.preset.request import (CPU_DEFAULT_SEQUENCES_PER_PROCESS, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HOST_MEMORY_GIB, STRATEGY_NAMES,
                                          PresetRequest, parse_global_batch)
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.schema import K
@@ -172,7 +172,9 @@ def _precision(profile: ModelProfile, request: PresetRequest, notes: list[str]) 
 
 
 def _global_samples(request: PresetRequest, seq_len: int, data_parallel: int, notes: list[str]) -> int:
-    if request.global_batch is None:
+    if request.global_batch is None and request.device == "cpu":
+        value, unit = CPU_DEFAULT_SEQUENCES_PER_PROCESS * data_parallel, "samples"
+    elif request.global_batch is None:
         value, unit = DEFAULT_GLOBAL_BATCH_TOKENS, "tokens"
     else:
         value, unit = parse_global_batch(request.global_batch)
@@ -503,6 +505,8 @@ def _batch_reason(request, row, micro, accumulation, data_parallel, global_sampl
     else:
         how = (f"micro-batch {micro}: the largest that fits ({row.max_micro_batch} fits) and divides each rank's "
                f"{global_samples // data_parallel} sequences")
-    batch_source = "default 0.5M tokens" if request.global_batch is None else f"--global-batch {request.global_batch}"
+    batch_source = f"--global-batch {request.global_batch}" if request.global_batch is not None else \
+        f"default {CPU_DEFAULT_SEQUENCES_PER_PROCESS} sequences per process on a CPU" if request.device == "cpu" else \
+        "default 0.5M tokens"
     return (f"{micro} x {accumulation} accumulation x {data_parallel} data-parallel ranks = {global_samples} sequences "
             f"= {tokens:,} tokens per optimizer step ({batch_source}); {how}")

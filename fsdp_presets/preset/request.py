@@ -34,12 +34,16 @@ DEFAULT_GLOBAL_BATCH_TOKENS = 2**19
 """0.5M tokens per optimizer step when ``--global-batch`` is not given: GPT-3's batch for its
 125M-350M models (Brown et al. 2020, arXiv:2005.14165, Table 2.1) and the size of common
 fine-tuning batches (128-256 sequences of 2-4K tokens)."""
+CPU_DEFAULT_SEQUENCES_PER_PROCESS = 8
+"""The default global batch with ``--device cpu``: 8 sequences per process. A CPU run is a demo or a
+test, where a step must take seconds; 0.5M tokens would make the largest micro-batch that fits
+(thousands of sequences on a tiny model) take minutes per step."""
 
 _BATCH_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*(tok|toks|tokens)?\s*$")
 _BINARY = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
 
 __all__ = [
-    "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_HOST_MEMORY_GIB", "STATE_DICT_CHOICES", "STRATEGY_NAMES", "Device", "PresetRequest", "parse_global_batch"
+    "CPU_DEFAULT_SEQUENCES_PER_PROCESS", "CPU_RESERVED_BYTES", "DEFAULT_GLOBAL_BATCH_TOKENS", "DEFAULT_HOST_MEMORY_GIB", "STATE_DICT_CHOICES", "STRATEGY_NAMES", "Device", "PresetRequest", "parse_global_batch"
 ]
 
 
