@@ -38,8 +38,8 @@ import warnings
 from pathlib import Path
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, library_versions, read_entry,
-                                             write_entry)
+from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, describe_cache,
+                                             library_versions, read_entry, write_entry)
 
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
@@ -254,10 +254,9 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
 
 
 def _composed_note(terms) -> dict:
-    folder = cache_dir()
     return {"source": "composed from a rehearsal",
             "how": f"this config {terms.measured.split(':')[0]}; FSDP2 rows composed from it, FSDP1/DDP rows "
-                   f"estimated (cache: {folder if folder is not None else 'off'})"}
+                   f"estimated ({describe_cache()})"}
 
 
 __all__ = ["REHEARSAL_ENV", "config_key", "measure", "rehearsal_enabled", "rehearsed_block_activations",

@@ -45,6 +45,32 @@ def cache_dir() -> Path | None:
     return Path(base) / "fsdp-presets"
 
 
+def cache_problem(folder: Path) -> str | None:
+    """Why nothing can be cached in ``folder`` (not a folder, cannot be made or written), or None.
+    Planning still works without a cache; it only rehearses again each time."""
+    where = folder
+    while not where.exists() and where != where.parent:
+        where = where.parent  # the nearest existing ancestor is where the folder would be made
+    if where == folder and not folder.is_dir():
+        return f"{folder} is not a folder"
+    if where != folder and not where.is_dir():
+        return f"{folder} cannot be made: {where} is not a folder"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"{where} is not writable"
+    return None
+
+
+def describe_cache() -> str:
+    """``cache: FOLDER`` for a plan's note, with why nothing is cached when the folder cannot hold it."""
+    folder = cache_dir()
+    if folder is None:
+        return f"cache: off ({CACHE_ENV}=off)"
+    problem = cache_problem(folder)
+    if problem is None:
+        return f"cache: {folder}"
+    return f"cache: none, {problem}, so every plan rehearses again: set {CACHE_ENV} to a writable folder, or off"
+
+
 def library_versions() -> dict[str, str]:
     """The installed versions an entry depends on, read from package metadata (no import)."""
     from importlib.metadata import PackageNotFoundError, version
