@@ -128,6 +128,16 @@ def test_command_exit_codes_and_json(tmp_path, capsys):
     assert "named in the file's header" in capsys.readouterr().out
 
 
+def test_header_model_is_found_from_another_working_folder(tmp_path, monkeypatch, capsys):
+    # the shipped presets name model_configs/... from the repository's root; checked from elsewhere,
+    # the model is found above the config and its memory rules run
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["check", str(CONFIGS / "cpu_fsdp2_demo.yaml"), "--no-probe"]) == 0
+    out = capsys.readouterr().out
+    assert f"model: {CONFIGS.parent / 'model_configs' / 'smollm2-135m'} (named in the file's header as " \
+           "model_configs/smollm2-135m" in out and "could not be loaded" not in out
+
+
 def test_command_bad_input_exits_2(tmp_path, capsys):
     assert cli.main(["check", str(tmp_path / "missing.yaml")]) == 2
     assert "no such file" in capsys.readouterr().err
