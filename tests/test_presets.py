@@ -354,6 +354,15 @@ def test_rescale_keeps_the_global_batch_and_says_what_changed(tmp_path, capsys):
     assert "fsdp-presets generate model_configs/llama-3.1-8b --gpus 8" in output.read_text()
 
 
+def test_rescale_from_another_folder_finds_the_headers_model_above_the_preset(tmp_path, monkeypatch, capsys):
+    # the shipped presets name model_configs/... from the repository's root
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["generate", "--from", str(CONFIGS / "llama-3.1-8b_2x8.yaml"), "--gpus", "8",
+                     "-o", "rescaled.yaml"]) == 0, capsys.readouterr().err
+    model = read_metadata((tmp_path / "rescaled.yaml").read_text())["request"]["model"]
+    assert model == str(CONFIGS.parent / "model_configs" / "llama-3.1-8b")
+
+
 def test_rescale_to_a_count_that_cannot_keep_the_batch_is_refused(tmp_path, capsys):
     assert cli.main(["generate", "--from", str(CONFIGS / "llama-3.1-8b_2x8.yaml"), "--gpus", "24",
                      "-o", str(tmp_path / "x.yaml")]) == 2

@@ -5,11 +5,10 @@ as text or as JSON."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-from fsdp_presets.preset.emit import read_metadata
+from fsdp_presets.preset.emit import header_model_path, read_metadata
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -111,19 +110,6 @@ def model_from_header(path, cache: dict, model_facts):
     found = "" if source == named else f" as {named}, a path from the folder it was generated in"
     return facts, note or f"model: {source} (named in the file's header{found})"
 
-
-def header_model_path(config, source: str) -> str:
-    """The model a preset's header names, as a path from here: ``source`` itself when it exists from
-    the working folder (or is a family name), else the first folder above ``config`` that holds it
-    (``generate`` writes the model as given, relative to where it ran: the repository's presets
-    name ``model_configs/...`` from the repository's root)."""
-    given = Path(source)
-    if given.is_absolute() or given.exists():
-        return source
-    for folder in Path(config).resolve().parents:
-        if (folder / given).exists():
-            return str(folder / given)
-    return source
 
 
 def report_lines(report, view, facts, model_note, *, verbose: bool = False) -> list[str]:

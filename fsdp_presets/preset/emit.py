@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import operator
 import textwrap
+from pathlib import Path
 
 import yaml
 
@@ -380,8 +381,22 @@ def read_metadata(text: str) -> dict | None:
     return None
 
 
+def header_model_path(config, source: str) -> str:
+    """The model a preset's header names, as a path from here: ``source`` itself when it exists from
+    the working folder (or is not a path: a family name), else the first folder above ``config`` that holds it
+    (``generate`` writes the model as given, relative to where it ran: the repository's presets
+    name ``model_configs/...`` from the repository's root)."""
+    given = Path(source)
+    if given.is_absolute() or given.exists():
+        return source
+    for folder in Path(config).resolve().parents:
+        if (folder / given).exists():
+            return str(folder / given)
+    return source
+
+
 __all__ = [
     "METADATA_PREFIX", "accelerate_config", "config_yaml", "ddp_baseline_of", "ddp_config",
-    "emitted_constants", "machine_keys", "read_metadata", "render_ddp_baseline", "render_preset",
+    "emitted_constants", "header_model_path", "machine_keys", "read_metadata", "render_ddp_baseline", "render_preset",
     "written_config"
 ]

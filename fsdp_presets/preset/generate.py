@@ -153,6 +153,9 @@ def rescaled_request(old: dict, given: dict, *, source) -> PresetRequest:
     except TypeError as error:
         raise UsageError(f"--from {source}: its '# fsdp-presets:' line does not hold a request this "
                          f"version reads ({error}); regenerate it from the command in its header") from None
+    from fsdp_presets.preset.emit import header_model_path
+
+    old_request = dataclasses.replace(old_request, model=header_model_path(source, old_request.model))
     given = dict(given)
     if "gpus" not in given and "nodes" in given:
         given["gpus"] = old_request.gpus // old_request.nodes * given["nodes"]  # same GPUs per node
