@@ -28,3 +28,4 @@ def test_a_path_that_cannot_hold_the_cache_is_named_with_the_fix(tmp_path, monke
     note = describe_cache()
     assert problem in note and "every plan rehearses again" in note
     assert "set FSDP_PRESETS_CACHE to a writable folder, or off" in note
+

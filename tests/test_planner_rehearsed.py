@@ -135,6 +135,7 @@ def _generate_and_check_say_how(source, tmp_path):
     assert preset.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), preset.memory_figures
     assert preset.memory_plan.shape.measured is not None
     assert "#   memory figures: composed from a rehearsal" in files[str(output)]
+    assert "cache:" not in files[str(output)]  # a shared file: the local cache folder is no part of it
     write_files({output: files[str(output)]})
     report, _ = check_file(output, context=CheckContext(model=model_facts(source)))
     assert report.memory_figures.startswith("composed from a rehearsal; this config rehearsed"), report.memory_figures

@@ -365,7 +365,8 @@ def memory_figures(config, context: CheckContext) -> str | None:
     if shape.lora is not None:
         return "estimated; LoRA/QLoRA terms from the family constants (rehearsals run full fine-tuning only)"
     _, note = _own_terms(context.model.source, shape.seq_len, shape.precision)
-    return f"{note['source']}; {note['how']}"
+    cache = f" ({note['cache']})" if note.get("cache") else ""
+    return f"{note['source']}; {note['how']}{cache}"
 
 
 def _stated(shape, context) -> list[str]:

@@ -46,7 +46,8 @@ def plan_text(memory_plan, profile, *, source: str, chosen: list[str], seq_note:
         lines.append(f"note: {' and '.join(chosen)} turned on (auto): nothing fits without")
     if seq_note:
         lines.append(f"note: {seq_note}")
-    lines.append(f"activations: {terms_note['source']}: {terms_note['how']}")
+    cache = f" ({terms_note['cache']})" if terms_note.get("cache") else ""
+    lines.append(f"activations: {terms_note['source']}: {terms_note['how']}{cache}")
     if diagram:
         lines.append(f"diagram: {diagram}")
     return "\n".join(lines)

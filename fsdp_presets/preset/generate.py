@@ -273,6 +273,8 @@ def generated_lines(preset, *, output: str, baseline_output: str | None, launch_
                     rescaled_from: str | None = None, old_summary: dict | None = None) -> list[str]:
     """What ``generate`` says it wrote: the preset's choices, the baseline, the notes and the launch
     command; for a rescaled preset (``rescaled_from``, its ``old_summary``) what changed first."""
+    from fsdp_presets.preset.model_cache import describe_cache
+
     from fsdp_presets.preset.emit_commands import command_text
 
     summary = preset.summary()
@@ -285,7 +287,8 @@ def generated_lines(preset, *, output: str, baseline_output: str | None, launch_
                  f"{'on' if summary['activation_checkpointing'] else 'off'}, offload "
                  f"{'on' if summary['offload'] else 'off'}, micro-batch {summary['micro_batch']} x "
                  f"{summary['gradient_accumulation']} accumulation x {summary['data_parallel_size']} ranks")
-    lines.append(f"memory figures: {preset.memory_figures}")
+    cache = f" ({describe_cache()})" if preset.memory_figures.startswith("composed") else ""
+    lines.append(f"memory figures: {preset.memory_figures}{cache}")  # the header leaves the local folder out
     if baseline_output:
         lines.append(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
     lines += [f"note: {note}" for note in preset.notes]
