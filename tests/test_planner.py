@@ -351,6 +351,7 @@ def test_plan_table_and_diagram(capsys, tmp_path):
     assert "recommended: FULL_SHARD (FSDP2)" in out and "reason: FULL_SHARD (FSDP2) fits" in out
     assert "HYBRID_SHARD (FSDP1)" in out and "inter-node" in out
     assert diagram.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and diagram.stat().st_size > 20_000
+    assert [path.name for path in diagram.parent.iterdir()] == ["plan.png"]  # written through a temporary
 
 
 def test_plan_that_fits_nowhere_exits_0_with_suggestions(capsys):

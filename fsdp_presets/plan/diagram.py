@@ -45,6 +45,8 @@ def draw_plan(memory_plan: MemoryPlan, profile: ModelProfile, path: str) -> None
 
     import matplotlib
 
+    from fsdp_presets.fileio import atomic_path
+
     matplotlib.use("Agg")  # no display needed (servers, CI)
     import matplotlib.pyplot as plt
 
@@ -60,9 +62,11 @@ def draw_plan(memory_plan: MemoryPlan, profile: ModelProfile, path: str) -> None
         f"{memory_plan.shape.precision}, {memory_plan.shape.optimizer}"
     )
     figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        with atomic_path(path, suffix=Path(path).suffix) as temporary:  # never half an image
+            figure.savefig(temporary, dpi=110, format=Path(path).suffix.lstrip(".") or None)
+    finally:
+        plt.close(figure)
 
 
 def _draw_memory(axes, memory_plan: MemoryPlan) -> None:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from fsdp_presets.checkpoint.layout import LOSS_PLOT, METRICS, PLOTS, THROUGHPUT_PLOT
+from fsdp_presets.fileio import atomic_path
 from fsdp_presets.train.metrics import read_metrics
 
 
@@ -52,8 +53,11 @@ def _plot(pyplot, records: dict[str, list[dict]], draw, path: Path, *, ylabel: s
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    pyplot.close(figure)
+    try:
+        with atomic_path(path, suffix=path.suffix) as temporary:  # never half an image
+            figure.savefig(temporary, dpi=110, format=path.suffix.lstrip(".") or None)
+    finally:
+        pyplot.close(figure)
     return path
 
 
