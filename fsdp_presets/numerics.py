@@ -72,6 +72,10 @@ def local_square_sums(model, fsdp1_groups: list = ()) -> tuple[list[tuple[Any, l
     return [(squares, groups) for squares, groups in sums.values()], gradients
 
 
+EXACT_NORM_TYPES = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
+"""accelerate's distributed types whose gradient norm :func:`clip_grad_norm` computes itself."""
+
+
 def clip_grad_norm(accelerator, model, max_norm: float) -> float:
     """Clip the gradients of a prepared model to ``max_norm`` (0: only measure) and return their
     global L2 norm, the same number, bit for bit, under DDP, FSDP1 and FSDP2.
@@ -80,10 +84,12 @@ def clip_grad_norm(accelerator, model, max_norm: float) -> float:
     sharding (FSDP: per shard, then across ranks; DDP: per whole tensor), so the norms differ in
     the last bits, the clip coefficients too, and a clipped FSDP run drifts away from its DDP twin.
     Here every local gradient (a shard or a whole tensor) is squared and summed in float64 (a
-    float32 square is exact in float64), the sums are all-reduced over the ranks that hold the
-    other shards, and the root is rounded to float32: the float64 totals of two layouts differ by
-    ~1e-16 relative, far below float32's 6e-8 step, so the float32 norm, the coefficient
+    float32 or bfloat16 square is exact in float64), the sums are all-reduced over the ranks that
+    hold the other shards, and the root is rounded to float32: the float64 totals of two layouts
+    differ by ~1e-16 relative, far below float32's 6e-8 step, so the float32 norm, the coefficient
     ``max_norm / (norm + 1e-6)`` (torch's formula) and the clipped gradients are equal everywhere.
+    For bfloat16 gradients (TRL trains QLoRA adapters in bfloat16) accelerate's norm, computed in
+    the gradients' own dtype, differs between layouts by a whole bfloat16 step (2^-8 relative).
     Other distributed types (DeepSpeed, XLA) fall back to accelerate's own clipping.
     """
     import math
@@ -91,8 +97,7 @@ def clip_grad_norm(accelerator, model, max_norm: float) -> float:
     import torch
     import torch.distributed as dist
 
-    kind = accelerator.distributed_type.value
-    if kind not in ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP"):
+    if accelerator.distributed_type.value not in EXACT_NORM_TYPES:
         return scalar(accelerator.clip_grad_norm_(model.parameters(), max_norm or float("inf")))
     accelerator.unscale_gradients()  # fp16: the loss scale comes off before measuring (accelerate does too)
     fsdp1_groups: list = []

@@ -45,13 +45,18 @@ preset gets what the recipes give, with one added line::
   goes on, committed (its manifest) once every rank's write has finished, at most one save in
   flight (:mod:`fsdp_presets.train.trainer_saves`). Every save, synchronous or not, is one ``save``
   line in ``metrics.jsonl``.
+- gradient clipping (``max_grad_norm``) with the recipes' norm
+  (:func:`fsdp_presets.numerics.clip_grad_norm`): accelerate's norm is summed in the gradients'
+  dtype in an order that depends on the sharding, so an FSDP run's clip coefficient differed from
+  its DDP baseline's in the last bits (float32) or by a bfloat16 step (TRL's QLoRA adapters), and
+  its losses drifted from the baseline's; with this norm they are equal, bit for bit.
 
 NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
 gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
 finds its Trainer once, at ``on_init_end`` (called at the end of ``Trainer.__init__``), and wraps
-six of that instance's methods (``train``, ``training_step``, ``_maybe_log_save_evaluate``,
-``save_model``, ``_save_checkpoint``, ``_save_optimizer_and_scheduler``): the class and other
-Trainers are untouched.
+eight of that instance's methods (``train``, ``training_step``, ``_clip_grad_norm``,
+``_get_grad_norm``, ``_maybe_log_save_evaluate``, ``save_model``, ``_save_checkpoint``,
+``_save_optimizer_and_scheduler``): the class and other Trainers are untouched.
 """
 
 from __future__ import annotations
@@ -132,6 +137,7 @@ class FSDPPresetsCallback(TrainerCallback):
         self._logged_step = 0
         self._adapter_keys: dict[str, str] | None = None  # a peft model's trainable names -> peft's keys
         self._trainer_save = None  # async_save, during a save: Trainer's own _save_checkpoint of that step
+        self._save_total_limit = None  # during a save: the user's save_total_limit (Trainer's is set aside)
 
     # ---- attach ----
     def on_init_end(self, args, state, control, **kwargs):
@@ -150,8 +156,8 @@ class FSDPPresetsCallback(TrainerCallback):
 
             self._adapter_keys = adapter_key_map(trainer.model)
             keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
-        for name in ("train", "training_step", "_maybe_log_save_evaluate", "save_model", "_save_checkpoint",
-                     "_save_optimizer_and_scheduler"):
+        for name in ("train", "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
+                     "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
         return control
 
@@ -181,9 +187,9 @@ class FSDPPresetsCallback(TrainerCallback):
     # ---- train: resume check, run.json, metrics log ----
     def _train(self, original, resume_from_checkpoint=None, *args, **kwargs):
         trainer = self.trainer
-        checkpoint = resume_from_checkpoint
-        if checkpoint is True:
-            checkpoint = self._newest_committed(Path(trainer.args.output_dir))
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = self._newest_committed(Path(trainer.args.output_dir))
+        checkpoint = resume_from_checkpoint if resume_from_checkpoint is not True else None
         self._check_launch(resuming=bool(checkpoint))
         step = 0
         if checkpoint:
@@ -242,17 +248,13 @@ class FSDPPresetsCallback(TrainerCallback):
         if any(problems):
             self._refuse("; ".join(problem for problem in problems if problem))
 
-    def _newest_committed(self, output: Path) -> Path | None:
-        """The newest ``checkpoint-N`` that has its manifest; the newest of all when none has one
-        (a run written without the callback), None when there is none."""
-        found = trainer_saves.trainer_checkpoints(output)
-        committed = [path for _, path in found if (path / MANIFEST).is_file()]
-        if not committed:
-            return found[-1][1] if found else None
-        if committed[-1] != found[-1][1]:
-            self._say(f"{found[-1][1]} has no {MANIFEST}: it was cut short before it was committed; resuming from "
-                      f"{committed[-1]}, the newest committed checkpoint")
-        return committed[-1]
+    def _newest_committed(self, output: Path) -> Path | bool | None:
+        """The checkpoint ``resume_from_checkpoint=True`` continues from (:func:`trainer_saves.resume_choice`):
+        None (from step 0) when every folder there is uncommitted, True (Trainer's own error) when there is none."""
+        checkpoint, note = trainer_saves.resume_choice(output)
+        if note:
+            self._say(note)
+        return checkpoint if checkpoint is not None or note else True
 
     def _keep_global_batch(self, checkpoint: Path) -> int:
         """The checkpoint's step; on another process count, the gradient accumulation that keeps its
@@ -293,6 +295,23 @@ class FSDPPresetsCallback(TrainerCallback):
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         self._step_tokens += float(mask.sum()) if mask is not None else float(ids.numel()) if ids is not None else 0.0
         return loss
+
+    def _clip_grad_norm(self, original, model):
+        """Trainer's clipping (``max_grad_norm`` > 0) with the norm that is the same, bit for bit, under
+        DDP, FSDP1 and FSDP2 (:func:`fsdp_presets.numerics.clip_grad_norm`)."""
+        from fsdp_presets.numerics import EXACT_NORM_TYPES, clip_grad_norm
+
+        if self._accelerator.distributed_type.value not in EXACT_NORM_TYPES:
+            return original(model)
+        return clip_grad_norm(self._accelerator, model, self.trainer.args.max_grad_norm)
+
+    def _get_grad_norm(self, original, model, grad_norm=None):
+        """The logged norm when nothing is clipped (``max_grad_norm`` 0): the same norm, only measured."""
+        from fsdp_presets.numerics import EXACT_NORM_TYPES, clip_grad_norm
+
+        if grad_norm is None and self._accelerator.distributed_type.value in EXACT_NORM_TYPES:
+            grad_norm = clip_grad_norm(self._accelerator, model, 0.0)
+        return original(model, grad_norm=grad_norm)
 
     def _maybe_log_save_evaluate(self, original, tr_loss, grad_norm, *args, **kwargs):
         trainer = self.trainer
@@ -412,17 +431,21 @@ class FSDPPresetsCallback(TrainerCallback):
         # Trainer's rotation runs after the commit (self._commit), never before it: it would remove
         # the last committed checkpoint for one that is not committed yet.
         save_total_limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
+        self._save_total_limit = save_total_limit  # a save in flight committed by this one rotates with it
         try:
             if self._saver is not None:  # async_save: Trainer's files now, the shards in the background
                 self._trainer_save = functools.partial(original, model, trial, *args, **kwargs)
+                # The last step's save is committed at once: no training is left to overlap, and the
+                # end of train() reads (load_best_model_at_end) or removes (save_total_limit=1 and a
+                # best checkpoint) checkpoints, which must not meet a folder still being written.
                 self._saves(self._saver.save, step=step, samples_consumed=step * self._global_batch(),
-                            write_extra=None, wait=False)
+                            write_extra=None, wait=step >= trainer.state.max_steps)
             else:
                 trainer_saves.clear_folder(accelerator, folder)
                 original(model, trial, *args, **kwargs)
         finally:
             trainer.args.save_total_limit = save_total_limit
-            self._trainer_save = None
+            self._trainer_save, self._save_total_limit = None, None
         # drills: sync, Trainer's files written and no manifest yet; async, the shards still being written
         fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)
         self._saved_step = step
@@ -496,5 +519,6 @@ class FSDPPresetsCallback(TrainerCallback):
                       "transformers": transformers.__version__},
             created_unix=time.time(), training=_lora_settings(model))
         write_json_atomic(folder / MANIFEST, asdict(manifest))
-        trainer_saves.rotate(trainer)
+        trainer_saves.rotate(trainer, save_total_limit=trainer.args.save_total_limit if self._save_total_limit is None
+                             else self._save_total_limit)
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.checkpoint.layout import MANIFEST, TRAINER_CHECKPOINT_PATTERN, deleting_name, trainer_checkpoint_name
+from fsdp_presets.checkpoint.layout import (MANIFEST, RUN_JSON, TRAINER_CHECKPOINT_PATTERN, deleting_name,
+                                            trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manager import hash_share
 
 
@@ -103,6 +104,25 @@ def trainer_checkpoints(directory: Path) -> list[tuple[int, Path]]:
                   if (match := TRAINER_CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir())
 
 
+def resume_choice(directory: Path) -> tuple[Path | None, str | None]:
+    """The ``checkpoint-N`` under ``directory`` that ``trainer.train(resume_from_checkpoint=True)``
+    continues from, and a line saying why when it is not the newest folder: the newest committed
+    one (with its manifest); None when none is (training starts from step 0), never a folder a
+    killed or interrupted run left without its manifest, even the only one. A run folder written
+    without the callback (no ``run.json``, no manifest anywhere): the newest folder, as Trainer
+    picks it."""
+    found = trainer_checkpoints(directory)
+    committed = [folder for _, folder in found if (folder / MANIFEST).is_file()]
+    if not committed and not (directory / RUN_JSON).is_file():
+        return (found[-1][1] if found else None), None
+    if not found or committed[-1:] == [found[-1][1]]:
+        return (committed[-1] if committed else None), None
+    instead = (f"resuming from {committed[-1]}, the newest committed checkpoint" if committed else
+               "no checkpoint of this run was committed: training starts from step 0")
+    return (committed[-1] if committed else None), (f"{found[-1][1]} has no {MANIFEST}: it was cut short before it "
+                                                     f"was committed; {instead}")
+
+
 def clear_folder(accelerator, folder: Path) -> None:
     """Remove ``folder`` before Trainer saves that step into it (main process; every rank waits):
     a killed run's unfinished ``checkpoint-N`` (no manifest), or a committed one of the same step
@@ -137,10 +157,11 @@ def save_scheduler(trainer, output_dir: str) -> None:
         reissue_pt_warnings(caught_warnings)
 
 
-def rotate(trainer) -> None:
-    """Trainer's own rotation of old ``checkpoint-N`` folders (``save_total_limit``; main process),
-    run after a commit rather than before it."""
+def rotate(trainer, *, save_total_limit: int | None) -> None:
+    """Trainer's own rotation of old ``checkpoint-N`` folders (the user's ``save_total_limit``, which
+    the callback sets aside while Trainer saves; main process), run after a commit rather than before
+    it: a save in flight, committed when the next save begins, is rotated with the user's limit too."""
     from transformers.trainer_utils import rotate_checkpoints
 
-    rotate_checkpoints(output_dir=trainer._get_output_dir(trial=None), save_total_limit=trainer.args.save_total_limit,
+    rotate_checkpoints(output_dir=trainer._get_output_dir(trial=None), save_total_limit=save_total_limit,
                        best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)

@@ -19,6 +19,7 @@ parser.add_argument("--data", required=True)
 parser.add_argument("--output-dir", required=True)
 parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--save-steps", type=int, default=3)
+parser.add_argument("--save-total-limit", type=int, default=None)
 parser.add_argument("--learning-rate", type=float, default=3e-3)
 parser.add_argument("--batch-size", type=int, default=2)
 parser.add_argument("--gradient-accumulation-steps", type=int, default=2)
@@ -55,6 +56,7 @@ training_args = TrainingArguments(
     output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
     gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
     warmup_steps=2, weight_decay=0.1, logging_steps=2, save_steps=args.save_steps, save_strategy="steps",
+    save_total_limit=args.save_total_limit,
     report_to=[], seed=0, data_seed=0, disable_tqdm=True, use_cpu=True,
 )
 trainer = Trainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
