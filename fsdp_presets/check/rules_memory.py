@@ -11,6 +11,7 @@ from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
+from fsdp_presets.plan.allocator import tensors_and_shown
 from fsdp_presets.plan.save_cost import staging_fit
 from fsdp_presets.preset.presets import full_state_dict_host_bytes
 from fsdp_presets.schema import FSDP_CONFIG, K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
@@ -267,19 +268,19 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
                                          for words, alone in enough)
             findings.append(finding(
                 "fits-only-if", f"{where} fits only if {conditions}, of {usable:.1f} usable; as the config alone says "
-                f"it needs {row.per_gpu.total / GiB:.1f} GiB ({assumed})",
+                f"it needs {tensors_and_shown(row)} ({assumed})",
                 f"make sure the training script does so, or say what it does: --script TRAIN.py, "
                 f"{', '.join(_FLAG_OF[key] for key in unknown)}", None))
         elif precision == "fp32" and "precision" not in unknown and \
                 plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version).fits:
             bf16 = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
             findings.append(finding(
-                "fp32-does-not-fit", f"fp32: {where} needs {row.per_gpu.total / GiB:.1f} GiB per GPU of "
+                "fp32-does-not-fit", f"fp32: {where} needs {tensors_and_shown(row)} of "
                 f"{usable:.1f} usable ({assumed}); bf16 needs {bf16.per_gpu.total / GiB:.1f}",
                 f"set {T.mixed_precision}: bf16 (or bf16=True in the Trainer's arguments)", T.mixed_precision))
         else:
             findings.append(finding(
-                "does-not-fit", f"{where} needs {(lower or row).per_gpu.total / GiB:.1f} GiB per GPU of {usable:.1f} "
+                "does-not-fit", f"{where} needs {tensors_and_shown(lower or row)} of {usable:.1f} "
                 f"usable ({', '.join(_stated(best, context)) if lower is not None else assumed})",
                 "`fsdp-presets plan` / `fsdp-presets generate` for what fits (activation checkpointing, offload, "
                 "more GPUs)", None))

@@ -117,7 +117,7 @@ class LoraUnit:
 _DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def _base_bytes_per_param(shape: TrainingShape) -> int:
+def base_bytes_per_param(shape: TrainingShape) -> int:
     """The frozen base's storage: the dtype it was loaded in when known (PEFT's LoRA example loads
     it in fp32 under bf16 mixed precision); else LoRA in the compute dtype, and QLoRA in bf16, its
     quant storage dtype, whatever mixed_precision says (transformers' Trainer sets FSDP's mixed
@@ -154,7 +154,7 @@ def quant_constant_bytes(profile: ModelProfile, lora: LoraShape) -> int:
 def lora_units(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> list[LoraUnit]:
     """The FSDP units (as :func:`fsdp_units`) with LoRA's bytes; for DDP (``None``) the FSDP2 split."""
     lora = shape.lora
-    base = _base_bytes_per_param(shape)
+    base = base_bytes_per_param(shape)
     units = []
     for unit in fsdp_units(profile, fsdp_version or 2):
         block = next((u for u in profile.units if u.cls == unit.name and u.params_each == unit.params), None)

@@ -56,6 +56,7 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
                                            block_activations, end_bytes, in_block_activation_bytes, logits_bytes,
                                            mlp_width, saved_per_block, tail_activation_bytes)
+from fsdp_presets.plan.allocator import allocator_reserve, nvidia_smi_bytes, unit_bytes
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
@@ -251,6 +252,9 @@ def _strategy_plan(
         return _peak(profile, shape, name, fsdp_version, on_gpu, micro_batch).total
 
     per_gpu = _peak(profile, shape, name, fsdp_version, on_gpu, shape.micro_batch)
+    reserve = allocator_reserve(unit_bytes(profile, shape, fsdp_version, shard_size), fsdp_version=fsdp_version,
+                                name=name, offloaded=offloaded, state_grads_on_gpu=on_gpu.grads,
+                                peak_grads=per_gpu.grads, peak_total=per_gpu.total)
     return StrategyPlan(
         name=name,
         fsdp_version=fsdp_version,
@@ -261,6 +265,8 @@ def _strategy_plan(
         fits=per_gpu.total <= hardware.usable_bytes,
         max_micro_batch=_max_micro_batch(total_at, hardware.usable_bytes),
         comm=comm,
+        allocator_reserve=reserve.total,
+        nvidia_smi=nvidia_smi_bytes(per_gpu.total, reserve, hardware.gpu_memory_bytes),
         notes=tuple(notes),
         source=_source(profile, shape, fsdp_version),
     )
@@ -343,8 +349,9 @@ def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> Mem
     if best is not None:
         others = [s for s in strategies if not s.fits]
         reason = (
-            f"{best.label} fits with the least communication: {format_bytes(best.per_gpu.total)} of "
-            f"{format_bytes(hardware.usable_bytes)} usable per GPU at micro-batch {shape.micro_batch} (up to "
+            f"{best.label} fits with the least communication: {format_bytes(best.per_gpu.total)} of tensors "
+            f"(~{format_bytes(best.nvidia_smi)} as nvidia-smi shows it) of {format_bytes(hardware.usable_bytes)} "
+            f"usable per GPU at micro-batch {shape.micro_batch} (up to "
             f"{best.max_micro_batch}), {format_bytes(best.comm.total, binary=False)} sent per GPU per step"
         )
         if best.comm.inter_node:

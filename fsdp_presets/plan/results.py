@@ -121,6 +121,11 @@ class StrategyPlan:
     """Communication per GPU per optimizer step."""
     notes: tuple[str, ...] = ()
     """Caveats that apply to this row (e.g. offload not available)."""
+    allocator_reserve: int = 0
+    """What torch's caching allocator holds beyond ``per_gpu`` at the peak
+    (:mod:`fsdp_presets.plan.allocator`)."""
+    nvidia_smi: int = 0
+    """What ``nvidia-smi`` shows at the peak: ``per_gpu``, ``allocator_reserve`` and the CUDA context."""
     source: str = "estimated"
     """How the figures were obtained: ``composed from a rehearsal`` (this model's own activation
     terms, :mod:`fsdp_presets.preset.measured_activations`, composed for a strategy a rehearsal can
@@ -140,6 +145,8 @@ class StrategyPlan:
             "per_gpu_bytes": self.per_gpu.to_json(),
             "fits": self.fits,
             "max_micro_batch": self.max_micro_batch,
+            "allocator_reserve_bytes": self.allocator_reserve,
+            "nvidia_smi_bytes": self.nvidia_smi,
             "source": self.source,
             "comm_bytes_per_step": self.comm.to_json(),
             "notes": list(self.notes),
