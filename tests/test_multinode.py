@@ -300,7 +300,7 @@ def test_two_node_rehearsal_matches_one_node_and_resumes_on_the_node_left(tmp_pa
 
 @pytest.mark.slow
 def test_a_node_that_never_joins_fails_the_first_within_the_timeout(tmp_path):
-    join_timeout = 5  # seconds: the wait is the cost of this test; start-up is outside it
+    join_timeout = 3  # seconds: the wait is the cost of this test; start-up is outside it
     started = time.monotonic()
     completed = subprocess.run([sys.executable, "scripts/rehearse_multinode.py", "--work-dir", str(tmp_path / "j"),
                                 "--drill", "missing-node", "--join-timeout", str(join_timeout)],
