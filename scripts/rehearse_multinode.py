@@ -7,7 +7,8 @@ Every launch is ``accelerate launch`` of ``recipes/causal_lm.py`` (a tiny Llama 
 shipped data's words, ``data/kjv_sft``), real FSDP2 over gloo on this host's CPUs. The configs
 and the launch script are the ones users get: ``fsdp-presets generate MODEL --device cpu --gpus 4
 --nodes 2 --launcher accelerate`` (the HSDP 2x2 preset: dp_replicate 2 nodes x dp_shard 2, and
-its per-node script), and ``fsdp-presets generate --from`` it for 1 node of 2 (the node left).
+its per-node script), and ``fsdp-presets generate --from`` it for 1 node of 2 (the node left). Both
+run in this process, with their command line as ``sys.argv``, as the console script runs them.
 
 1. **baseline**: one node, 4 processes, the HSDP 2x2 preset, ``--max-steps`` steps (forked from a
    pre-imported server when ``FSDP_HARNESS_FORKED_LAUNCH=1``, as the test suite sets: tests/conftest.py).
@@ -34,6 +35,7 @@ message that says a node did not join, instead of waiting for ever.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -50,7 +52,6 @@ from fsdp_presets.train.metrics import train_losses
 REPO = Path(__file__).resolve().parent.parent
 
 ACCELERATE_LAUNCH = (sys.executable, "-m", "accelerate.commands.launch")
-FSDP_PRESETS = (sys.executable, "-m", "fsdp_presets.cli")
 NODES, PROCESSES_PER_NODE = 2, 2
 GLOBAL_BATCH = 8  # samples per optimizer step: micro-batch 2 x 4 ranks, or 4 x 2 ranks after the loss
 SEQ_LEN = 32
@@ -95,16 +96,33 @@ def generate_presets(work: Path, model: Path, args, *, rescaled: bool = True) ->
     script = work / "configs" / "hsdp_2x2.accelerate.sh"
     log = work / "logs" / "generate.log"
     command = " ".join(recipe_command(model, work / "run", args, micro_batch=2))
-    steps = [[*FSDP_PRESETS, "generate", str(model), "--device", "cpu", "--gpus", str(NODES * PROCESSES_PER_NODE),
+    steps = [["generate", str(model), "--device", "cpu", "--gpus", str(NODES * PROCESSES_PER_NODE),
               "--nodes", str(NODES), "--seq-len", str(SEQ_LEN), "--global-batch", str(GLOBAL_BATCH), "-o", str(hsdp),
               "--launcher", "accelerate", "--command", command, "--join-timeout", str(args.join_timeout),
               "--launch-output", str(script)],
-             [*FSDP_PRESETS, "generate", "--from", str(hsdp), "--gpus", str(PROCESSES_PER_NODE), "--nodes", "1",
-              "-o", str(one_node)]]
+             ["generate", "--from", str(hsdp), "--gpus", str(PROCESSES_PER_NODE), "--nodes", "1", "-o", str(one_node)]]
     for step in steps if rescaled else steps[:1]:
-        if run_logged(step, log, timeout=300) != 0:
+        if fsdp_presets_command(step, log) != 0:
             raise SystemExit(f"FAILED: fsdp-presets generate failed:\n{tail(log)}")
     return hsdp, script, one_node
+
+
+def fsdp_presets_command(argv: list[str], log: Path) -> int:
+    """``fsdp-presets ARGV`` in this process (which has imported torch and transformers already:
+    a child process would import them again), its output appended to ``log``, its command line in
+    ``sys.argv`` (a generated script's ``# Made by:`` line) while it runs."""
+    from fsdp_presets import cli
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as stream:
+        stream.write("$ fsdp-presets " + " ".join(argv) + "\n")
+        stream.flush()
+        saved_argv, sys.argv = sys.argv, ["fsdp-presets", *argv]
+        try:
+            with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+                return cli.main(argv)
+        finally:
+            sys.argv = saved_argv
 
 
 def recipe_command(model: Path, output_dir: Path, args, *, micro_batch: int) -> tuple[str, ...]:

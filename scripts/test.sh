@@ -6,10 +6,10 @@
 #
 # The tests run on one pytest-xdist worker per CPU core, at most 4 (FSDP_PRESETS_TEST_WORKERS=N to
 # choose; 0 runs them in this process). Each test module runs whole on one worker, the longest first
-# (tests/conftest.py).
+# (tests/conftest.py orders them; --no-loadscope-reorder keeps xdist from reordering them by size).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 workers="${FSDP_PRESETS_TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --durations=15 "$@"
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder --durations=15 "$@"

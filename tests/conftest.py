@@ -66,11 +66,13 @@ LONGEST_MODULES = ("test_planner_rehearsed", "test_recipes", "test_multinode", "
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``scripts/test.sh`` runs ``-n N --dist loadfile``: each module runs
-    whole on one worker) the longest modules start first, then the others by their number of slow
-    tests, so that no long module starts last. The runs that ``tests/*_runs.py`` make once per
+    """Under pytest-xdist (``scripts/test.sh`` runs ``-n N --dist loadfile --no-loadscope-reorder``:
+    each module runs whole on one worker, in the order the workers collected them; without
+    ``--no-loadscope-reorder`` xdist orders the modules by their number of tests instead) the
+    longest modules start first, then the others by their number of slow tests, so that no long
+    module starts last. The runs that ``tests/*_runs.py`` make once per
     session are made once per worker that uses them (under its own base temp folder)."""
-    if not getattr(config.option, "numprocesses", None):
+    if not hasattr(config, "workerinput"):  # the workers collect and order; xdist sends their order
         return
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
 

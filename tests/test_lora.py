@@ -49,6 +49,17 @@ def _launch(config: Path, args: list, *, processes: int = 2, env: dict | None = 
     return result
 
 
+def _cli(capsys, *args) -> tuple[int, str, str]:
+    """``fsdp-presets ARGS`` in this process (torch, transformers and peft are imported once per
+    test run): (exit status, stdout, stderr)."""
+    from fsdp_presets import cli
+
+    capsys.readouterr()
+    code = cli.main([str(arg) for arg in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 def _losses(run_dir: Path) -> dict[int, float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {line["step"]: line["loss"] for line in lines if line["kind"] == "train"}
@@ -99,16 +110,11 @@ def test_lora_fsdp2_and_fsdp1_equal_lora_ddp_step_by_step(lora_runs):
 
 
 @pytest.mark.slow
-def test_compare_reads_lora_runs_unchanged(lora_runs, tmp_path):
-    import subprocess
-    import sys
-
+def test_compare_reads_lora_runs_unchanged(lora_runs, tmp_path, capsys):
     for name in ("fsdp2", "fsdp1"):
-        result = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "compare", str(lora_runs["ddp"]),
-                                 str(lora_runs[name]), "--report", str(tmp_path / f"{name}.md")],
-                                capture_output=True, text=True, cwd=REPO)
-        assert result.returncode == 0, result.stdout + result.stderr
-        assert result.stdout.startswith(("IDENTICAL", "AGREE within tolerance")), result.stdout
+        code, out, err = _cli(capsys, "compare", lora_runs["ddp"], lora_runs[name], "--report", tmp_path / f"{name}.md")
+        assert code == 0, out + err
+        assert out.startswith(("IDENTICAL", "AGREE within tolerance")), out
 
 
 @pytest.mark.slow
@@ -202,11 +208,8 @@ def test_exported_adapter_and_merged_model_give_the_trained_logits(lora_runs, ro
 
 
 @pytest.mark.slow
-def test_export_command_writes_a_peft_folder_from_a_lora_checkpoint(lora_runs, tmp_path):
+def test_export_command_writes_a_peft_folder_from_a_lora_checkpoint(lora_runs, tmp_path, capsys):
     """The FSDP1 run's checkpoint: peft would have written zeros from the wrapped FSDP1 model."""
-    import subprocess
-    import sys
-
     import torch
     from safetensors.torch import load_file
 
@@ -216,10 +219,9 @@ def test_export_command_writes_a_peft_folder_from_a_lora_checkpoint(lora_runs, t
     shutil.copytree(lora_runs["fsdp1"] / "checkpoints" / f"step-{STEPS:08d}", checkpoint)
     plant_code_references(checkpoint)
     output = tmp_path / "adapter"
-    result = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "export", str(checkpoint), "--output",
-                             str(output)], capture_output=True, text=True, cwd=REPO)
-    assert result.returncode == 0, result.stderr
-    assert not list(output.glob("*.py")) and "dropped auto_map from tokenizer_config.json" in result.stdout
+    code, out, err = _cli(capsys, "export", checkpoint, "--output", output)
+    assert code == 0, err
+    assert not list(output.glob("*.py")) and "dropped auto_map from tokenizer_config.json" in out
     assert "auto_map" not in json.loads((output / "tokenizer_config.json").read_text())
     written = load_file(output / "adapter_model.safetensors")
     final = load_file(lora_runs["fsdp1"] / "final" / "adapter_model.safetensors")

@@ -3,17 +3,21 @@ the two-node rehearsal on one host, and the node-join timeout."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
 
 from conftest import REPO, WORKERS, accelerate_config
+from fsdp_presets import cli
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
                                     job_from_config, render_slurm)
@@ -71,10 +75,15 @@ def hsdp_2x8(tmp_path) -> Path:
 
 
 def write_with_cli(config: Path, launcher: str, output: Path, *extra, command: str = TRAIN_COMMAND) -> Path:
-    completed = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "launcher", str(config.name),
-                                "--launcher", launcher, "-o", str(output), "--command", command, *extra],
-                               capture_output=True, text=True, cwd=config.parent, timeout=120)
-    assert completed.returncode == 0, completed.stderr
+    """``fsdp-presets launcher`` run in this process, from the config's folder, with the argv of
+    the command line (the script's ``# Made by:`` line); tests/test_hostile_input.py runs it in a
+    child process."""
+    argv = ["launcher", config.name, "--launcher", launcher, "-o", str(output), "--command", command, *extra]
+    errors = io.StringIO()
+    with contextlib.chdir(config.parent), mock.patch.object(sys, "argv", ["fsdp-presets", *argv]), \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+        code = cli.main(argv)
+    assert code == 0, errors.getvalue()
     return output
 
 
@@ -167,8 +176,6 @@ def test_per_node_script_runs_the_node_it_is_given(tmp_path, hsdp_2x8, launcher)
 
 
 def test_generate_writes_the_launch_script_next_to_the_hsdp_preset(tmp_path, monkeypatch, capsys):
-    from fsdp_presets import cli
-
     monkeypatch.chdir(tmp_path)  # in this process: torch and transformers are imported once per test run
     code = cli.main(["generate", "llama", "--device", "cpu", "--gpus", "4", "--nodes", "2", "--seq-len", "32",
                      "--global-batch", "8", "-o", "configs/llama_2x2.yaml", "--launcher", "slurm", "--time", "1:00:00"])
@@ -293,7 +300,7 @@ def test_two_node_rehearsal_matches_one_node_and_resumes_on_the_node_left(tmp_pa
 
 @pytest.mark.slow
 def test_a_node_that_never_joins_fails_the_first_within_the_timeout(tmp_path):
-    join_timeout = 5  # seconds: the wait is the cost of this test; start-up is outside it
+    join_timeout = 3  # seconds: the wait is the cost of this test; start-up is outside it
     started = time.monotonic()
     completed = subprocess.run([sys.executable, "scripts/rehearse_multinode.py", "--work-dir", str(tmp_path / "j"),
                                 "--drill", "missing-node", "--join-timeout", str(join_timeout)],
