@@ -186,14 +186,19 @@ def test_the_background_writer_thread_yields_to_training_and_the_caller_keeps_it
 
 
 
-def test_shard_files_hashed_as_written_are_byte_for_byte_dcps_own_with_their_digests(tmp_path):
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
+def test_shard_files_hashed_as_written_are_byte_for_byte_dcps_own_with_their_digests(tmp_path, monkeypatch, direct):
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from fsdp_presets.checkpoint import direct_write
     from fsdp_presets.checkpoint.direct_write import CHUNK_BYTES, HashingFileSystem, HashingWriter
     from fsdp_presets.fileio import sha256_file
+
+    if not direct:  # a file system that refuses O_DIRECT
+        monkeypatch.setattr(direct_write, "_set_direct", lambda descriptor, on: False)
 
     # Tensors of odd sizes around one aligned chunk: whole chunks, a partial tail, small records.
     state = {"big": torch.arange(CHUNK_BYTES // 4 + 1001, dtype=torch.float32),
@@ -206,7 +211,6 @@ def test_shard_files_hashed_as_written_are_byte_for_byte_dcps_own_with_their_dig
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
         loaded = {key: torch.zeros_like(value) for key, value in state.items()}
         dcp.load(loaded, checkpoint_id=tmp_path / "hashed", no_dist=True)
-    file_system.close()
     [(path, (digest, size))] = file_system.digests.items()
     assert path == tmp_path / "hashed" / "__0_0.distcp" and size > CHUNK_BYTES
     assert path.read_bytes() == (tmp_path / "plain" / path.name).read_bytes()  # exact size, same bytes

@@ -229,7 +229,6 @@ class CheckpointSaver:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
-            self._file_system.close()
         for stager in self._stagers.values():
             stager.close()
         self._stagers.clear()

@@ -6,11 +6,11 @@ system's ``create_stream``. :class:`HashingFileSystem` gives it, for those files
 
 - hashes the bytes on their way to the file (SHA-256, the manifest's digest), so the commit does not
   read the rank's shards back to hash them;
-- writes them with ``O_DIRECT`` where the file system takes it: from one reused, page-aligned
-  buffer straight to the device, so the write neither fills the page cache (fresh pages the kernel
+- writes them with ``O_DIRECT`` where the file system takes it: from a page-aligned buffer
+  straight to the device, so the write neither fills the page cache (fresh pages the kernel
   must find, zero and later write back, in the kernel's time taken from training) nor evicts the
-  training's memory. Where ``O_DIRECT`` is refused (tmpfs, some network file systems) the same
-  bytes go through the page cache as before.
+  training's memory. Where ``O_DIRECT`` is refused (some file systems do) the same bytes go
+  through the page cache, as DCP's own writer does.
 
 Every large copy, digest and write runs in a call that releases the GIL: the writer thread runs
 at the lowest priority and must not hold the lock training needs while the scheduler leaves it
@@ -55,13 +55,13 @@ class DirectFile:
     """A write-only file (DCP's stream for one ``.distcp`` file) that hashes what it writes and
     writes whole aligned chunks with ``O_DIRECT`` where it can."""
 
-    def __init__(self, path: Path, buffer: mmap.mmap):
+    def __init__(self, path: Path):
         self.path = path
         # Through the built-in open, as every other checkpoint writer: a full-disk drill's /dev/full
         # (fsdp_presets.faults) reaches this file too.
         self._file = open(path, "wb", buffering=0)  # noqa: SIM115 (closed by close())
-        self._buffer = buffer
-        self._buffer_address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        self._buffer = mmap.mmap(-1, CHUNK_BYTES)  # page-aligned
+        self._buffer_address = ctypes.addressof(ctypes.c_char.from_buffer(self._buffer))
         self._filled = 0
         self._written = 0
         self._hasher = hashlib.sha256()
@@ -109,13 +109,13 @@ class DirectFile:
                     os.ftruncate(self._file.fileno(), self._written)
             os.fsync(self._file.fileno())
         finally:
-            self.closed = True
-            self._file.close()
+            self.abandon()
 
     def abandon(self) -> None:
         """Close without finishing (the write failed; the folder is removed by the caller)."""
         self.closed = True
         self._file.close()
+        self._buffer.close()
 
     def hexdigest(self) -> str:
         return self._hasher.hexdigest()
@@ -138,7 +138,7 @@ class DirectFile:
                 except OSError as error:
                     if not (self._direct and error.errno == errno.EINVAL):
                         raise
-                    # The device wants a larger alignment than ALIGNMENT: the page cache, as before.
+                    # The device wants a larger alignment than ALIGNMENT: the page cache from here on.
                     self._direct = _set_direct(self._file.fileno(), False)
                     length = kept
                     continue
@@ -163,12 +163,10 @@ def _set_direct(descriptor: int, on: bool) -> bool:
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local file system, with the ``.distcp`` files written by :class:`DirectFile`. One per
-    writer thread (its files are written one after another through one buffer)."""
+    """DCP's local file system, with the ``.distcp`` files written by :class:`DirectFile`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.buffer = mmap.mmap(-1, CHUNK_BYTES)  # page-aligned
         self.digests: dict[Path, tuple[str, int]] = {}
         """``path: (SHA-256, bytes)`` of every shard file written to the end (and fsynced)."""
 
@@ -179,7 +177,7 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        stream = DirectFile(path, self.buffer)
+        stream = DirectFile(path)
         try:
             yield stream
             stream.close()  # DCP closed it already (after its fsync): a no-op then
@@ -187,9 +185,6 @@ class HashingFileSystem(FileSystem):
             stream.abandon()
             raise
         self.digests[path] = (stream.hexdigest(), stream.size)
-
-    def close(self) -> None:
-        self.buffer.close()
 
 
 class HashingWriter(FileSystemWriter):
