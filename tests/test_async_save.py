@@ -184,3 +184,55 @@ def test_the_background_writer_thread_yields_to_training_and_the_caller_keeps_it
         assert worker.submit(own_priority).result() == max(before, async_save.BACKGROUND_NICE) == 19
     assert own_priority() == before  # per thread: training keeps its priority
 
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
+def test_shard_files_hashed_as_written_are_byte_for_byte_dcps_own_with_their_digests(tmp_path, monkeypatch, direct):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_presets.checkpoint import direct_write
+    from fsdp_presets.checkpoint.direct_write import CHUNK_BYTES, HashingFileSystem, HashingWriter
+    from fsdp_presets.fileio import sha256_file
+
+    if not direct:  # a file system that refuses O_DIRECT
+        monkeypatch.setattr(direct_write, "_set_direct", lambda descriptor, on: False)
+
+    # Tensors of odd sizes around one aligned chunk: whole chunks, a partial tail, small records.
+    state = {"big": torch.arange(CHUNK_BYTES // 4 + 1001, dtype=torch.float32),
+             **{f"small.{index}": torch.full((index * 7 + 3,), float(index)) for index in range(5)},
+             "step": torch.tensor(3.0)}
+    file_system = HashingFileSystem()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "no process group: a single process" note
+        dcp.save(state, storage_writer=HashingWriter(tmp_path / "hashed", file_system), no_dist=True)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"), no_dist=True)
+        loaded = {key: torch.zeros_like(value) for key, value in state.items()}
+        dcp.load(loaded, checkpoint_id=tmp_path / "hashed", no_dist=True)
+    [(path, (digest, size))] = file_system.digests.items()
+    assert path == tmp_path / "hashed" / "__0_0.distcp" and size > CHUNK_BYTES
+    assert path.read_bytes() == (tmp_path / "plain" / path.name).read_bytes()  # exact size, same bytes
+    assert digest == sha256_file(path)
+    assert all(torch.equal(loaded[key], value) for key, value in state.items())
+
+
+def test_each_rank_hashes_its_own_shard_files_and_a_share_of_the_rest_once(tmp_path):
+    from fsdp_presets.checkpoint.manager import hash_share
+    from fsdp_presets.fileio import sha256_file
+
+    names = ["optimizer_0/__0_0.distcp", "optimizer_0/__1_0.distcp", "optimizer_0/.metadata",
+             "pytorch_model_fsdp_0/__0_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp",
+             "pytorch_model_fsdp_0/.metadata", "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]
+    for index, name in enumerate(names):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(bytes([index]) * (index + 1))
+    written = {"optimizer_0/__1_0.distcp": ("digest recorded while writing", 2)}
+    shares = [hash_share(tmp_path, rank=rank, world_size=2, written=written if rank == 1 else None) for rank in (0, 1)]
+    assert sorted(name for share in shares for name, _, _ in share) == sorted(names)  # every file, once
+    assert {name for name, _, _ in shares[1] if name.endswith(".distcp")} == {
+        "optimizer_0/__1_0.distcp", "pytorch_model_fsdp_0/__1_0.distcp"}  # a rank's own shard files
+    assert ("optimizer_0/__1_0.distcp", "digest recorded while writing", 2) in shares[1]  # not read again
+    assert all(digest == sha256_file(tmp_path / name) and size == (tmp_path / name).stat().st_size
+               for share in shares for name, digest, size in share if name not in written)

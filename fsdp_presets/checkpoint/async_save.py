@@ -13,8 +13,9 @@ disk. With ``--async-save`` a save of step N:
    (training keeps its cores; the write takes the time training leaves idle first), writes each
    staged state dict with ``torch.distributed.checkpoint.save`` into accelerate's folders
    (``pytorch_model_fsdp_0/``, ``optimizer_0/``), so ``accelerator.load_state`` reads the
-   checkpoint as if ``save_state`` wrote it, then hashes its rank's share of the files for the
-   manifest. At the end of each later step the ranks ask each other (one small all-reduce) whether
+   checkpoint as if ``save_state`` wrote it: the rank's shard files past the page cache, hashed for
+   the manifest on their way to the disk (:mod:`~fsdp_presets.checkpoint.direct_write`), then the
+   rest of its share of the small files. At the end of each later step the ranks ask each other (one small all-reduce) whether
    every rank is done; when all are, the save is committed as a synchronous one
    (:meth:`CheckpointManager.commit`: manifest, one rename, pruning, which keeps the new checkpoint,
    so the last committed one is never removed).
@@ -96,6 +97,7 @@ class CheckpointSaver:
     """One entry per committed save of this process (for the summary)."""
     _group: Any = None
     _worker: Any = None
+    _file_system: Any = None
     _stagers: dict[str, Any] = field(default_factory=dict)
     _in_flight: _InFlight | None = None
 
@@ -110,6 +112,10 @@ class CheckpointSaver:
             # rank's share of the files, at a lower scheduling priority than training (_yield_to_training).
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-write",
                                               initializer=_yield_to_training)
+            from fsdp_presets.checkpoint.direct_write import HashingFileSystem
+
+            # The thread's shard files: past the page cache, hashed as they are written (direct_write).
+            self._file_system = HashingFileSystem()
 
     @property
     def accelerator(self):
@@ -137,7 +143,8 @@ class CheckpointSaver:
             raise
         accelerator = self.accelerator
         written = self._worker.submit(_write_then_hash, staged, temporary, group=self._group,
-                                      rank=accelerator.process_index, world_size=accelerator.num_processes)
+                                      file_system=self._file_system, rank=accelerator.process_index,
+                                      world_size=accelerator.num_processes)
         self._in_flight = _InFlight(step=step, samples_consumed=samples_consumed, temporary=temporary,
                                     written=written, started=started, blocked_s=time.perf_counter() - started)
         return self.wait() if wait else None
@@ -273,17 +280,23 @@ class CheckpointSaver:
                 f"{total:.2f} s until committed, {format_bytes(self.records[-1]['bytes'])} each")
 
 
-def _write_then_hash(staged: list[tuple[str, Any]], folder: Path, *, group: Any, rank: int,
+def _write_then_hash(staged: list[tuple[str, Any]], folder: Path, *, group: Any, file_system: Any, rank: int,
                      world_size: int) -> list[tuple[str, str, int]]:
     """In the background: write each staged state dict into its folder through DCP on the writes' own
     group (each ``dcp.save`` returns once every rank's files and the metadata are written, and raises
-    on every rank when one rank's write failed), then hash this rank's share of the complete folder."""
+    on every rank when one rank's write failed), the rank's shard files through ``file_system``
+    (:class:`~fsdp_presets.checkpoint.direct_write.HashingFileSystem`: hashed as they are written),
+    then hash the rest of this rank's share of the complete folder."""
     import torch.distributed.checkpoint as dcp
 
+    from fsdp_presets.checkpoint.direct_write import HashingWriter
+
+    file_system.digests.clear()
     for name, state in staged:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(folder / name), process_group=group,
+        dcp.save(state, storage_writer=HashingWriter(folder / name, file_system), process_group=group,
                  planner=_planner_classes()[name](enable_plan_caching=True))
-    return hash_share(folder, rank=rank, world_size=world_size)
+    written = {str(path.relative_to(folder)): digest for path, digest in file_system.digests.items()}
+    return hash_share(folder, rank=rank, world_size=world_size, written=written)
 
 
 @functools.cache

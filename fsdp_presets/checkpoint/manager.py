@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.checkpoint.layout import (FINAL, MANIFEST, TEMPORARY_STEP_PREFIX, deleting_name, step_folder_name,
-                                            step_of, temporary_step_folder)
+from fsdp_presets.checkpoint.layout import (DCP_RANK_FILE, FINAL, MANIFEST, TEMPORARY_STEP_PREFIX, deleting_name,
+                                            step_folder_name, step_of, temporary_step_folder)
 from fsdp_presets.checkpoint.manifest import ADAPTER_KIND, TRAINING_KIND, Manifest
 from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.errors import (UsageError, disk_full_cause, disk_full_message, rank_local,
@@ -51,12 +51,25 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
     return sorted(found)
 
 
-def hash_share(folder: Path, *, rank: int, world_size: int) -> list[tuple[str, str, int]]:
-    """``(relative path, SHA-256, bytes)`` of every ``world_size``-th file of a complete save folder,
-    starting at ``rank``: this rank's share of the manifest's hashing."""
+def hash_share(folder: Path, *, rank: int, world_size: int,
+               written: dict[str, tuple[str, int]] | None = None) -> list[tuple[str, str, int]]:
+    """``(relative path, SHA-256, bytes)`` of this rank's share of a complete save folder's files:
+    the DCP data files it wrote (``__RANK_N.distcp``: each rank's own), and every ``world_size``-th
+    of the other files, starting at ``rank``. ``written``: ``relative path: (SHA-256, bytes)`` of
+    files hashed as they were written (not read again)."""
+    written = written or {}
     relative_paths = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
-    return [(relative, sha256_file(folder / relative), (folder / relative).stat().st_size)
-            for relative in relative_paths[rank::world_size]]
+    others = []
+    mine = []
+    for relative in relative_paths:
+        writer = DCP_RANK_FILE.match(Path(relative).name)
+        if writer is None:
+            others.append(relative)
+        elif int(writer.group(1)) % world_size == rank:
+            mine.append(relative)
+    return [(relative, *written[relative]) if relative in written else
+            (relative, sha256_file(folder / relative), (folder / relative).stat().st_size)
+            for relative in sorted(mine + others[rank::world_size])]
 
 
 def _library_versions() -> dict[str, str]:
@@ -152,7 +165,7 @@ class CheckpointManager:
         accelerator.wait_for_everyone()
         fault_point("during-save", step=step, rank=accelerator.process_index)
 
-        # Every rank hashes every world_size-th file; the main process gathers the results.
+        # Every rank hashes its share (hash_share); the main process gathers the results.
         from accelerate.utils import gather_object
 
         if hashed is None:
