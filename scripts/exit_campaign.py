@@ -120,9 +120,9 @@ def main(argv=None) -> int:
 
     cells = [{"ending": ending, "strategy": strategy, "items": []} for ending in endings for strategy in strategies]
     this_run = {"started": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "host": f"{platform.machine()} "
-           f"{os.cpu_count()} cores", "torch": torch.__version__, "accelerate": accelerate.__version__,
-           "busy": args.busy, "per_cell_asked": args.launches, "load_before": os.getloadavg()[0],
-           "commit": campaign_record.commit(REPO)}
+                f"{os.cpu_count()} cores", "torch": torch.__version__, "accelerate": accelerate.__version__,
+                "busy": args.busy, "per_cell_asked": args.launches, "load_before": os.getloadavg()[0],
+                "commit": campaign_record.commit(REPO)}
     record = campaign_record.new_record("exit", settings, this_run, cells)
 
     def save() -> dict:

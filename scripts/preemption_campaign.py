@@ -151,7 +151,7 @@ def main(argv=None) -> int:
     rng = random.Random(f"{args.seed}:{len(previous['runs']) if previous else 0}")
     cells = [{"strategy": strategy, "items": []} for strategy in strategies]
     this_run = {"started": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "per_cell_asked": args.trials,
-           "seed": args.seed, "load_before": os.getloadavg()[0], "commit": campaign_record.commit(REPO)}
+                "seed": args.seed, "load_before": os.getloadavg()[0], "commit": campaign_record.commit(REPO)}
     record = campaign_record.new_record("preemption", settings, this_run, cells)
 
     def save() -> dict:

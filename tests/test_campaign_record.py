@@ -84,6 +84,7 @@ def test_a_run_with_other_settings_or_of_another_campaign_is_refused(tmp_path):
     with pytest.raises(cr.RecordError, match="merge it into another file"):
         cr.merge(on, new_exit_run({("none", "ddp"): [launch()]}, fix_off=True))
     cr.check_settings(cr.load(tmp_path / "missing.json", "exit"), {"processes": 2, "fix_off": True})  # a new file takes any
+    assert cr.merge(on, new_exit_run({("none", "ddp"): []})) == on  # a run stopped before its first launch adds nothing
     path = tmp_path / "exit.json"
     cr.write(path, on)
     with pytest.raises(cr.RecordError, match=f"{path}: not a record of the preemption campaign"):

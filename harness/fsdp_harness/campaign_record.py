@@ -131,11 +131,14 @@ def _order(campaign: str, key: tuple) -> tuple:
 def merge(previous: dict, new: dict) -> dict:
     """``previous`` and ``new`` as one record: the runs of both (``new``'s after), each cell's items
     added up (``new``'s items renumbered to its runs' new indices), cells in the campaign's order.
-    :class:`RecordError` when the campaigns or the settings differ."""
+    A run that made nothing (stopped before its first item) adds nothing. :class:`RecordError` when
+    the campaigns or the settings differ."""
     campaign = new["campaign"]
     if previous["campaign"] != campaign:
-        raise RecordError(f"cannot add a {campaign} campaign to a {previous['campaign']} campaign record")
+        raise RecordError(f"cannot add a {campaign} campaign to a record of the {previous['campaign']} campaign")
     check_settings(previous, new["settings"])
+    if not any(cell["items"] for cell in new["cells"]):
+        return previous
     offset = len(previous["runs"])
     cells = {_key(cell, campaign): {**cell, "items": list(cell["items"])} for cell in previous["cells"]}
     for cell in new["cells"]:
