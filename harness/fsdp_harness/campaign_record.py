@@ -11,7 +11,8 @@ A record::
      "runs": [{"started": "2026-12-04T19:04Z", "load_before": 11.2, "load_after": 11.9, ...}, ...],
      "cells": [{"ending": "none", "strategy": "ddp", "items": [{"ok": true, "run": 0, ...}, ...]}, ...]}
 
-Each item (a launch, a trial) names the run that made it (its index in ``runs``). Runs merge only
+Each item (a launch, a trial) names the run that made it (its index in ``runs``; a record of one
+run, as a campaign writes it while it runs, may leave that out). Runs merge only
 when their ``settings`` agree (an exit campaign with the exit handler off is another experiment).
 A single run's file in the older layout (``launches_asked``/``cells``/``launches``, or
 ``trials_asked``/``strategies``) loads as a record of one run.
@@ -142,7 +143,7 @@ def merge(previous: dict, new: dict) -> dict:
     offset = len(previous["runs"])
     cells = {_key(cell, campaign): {**cell, "items": list(cell["items"])} for cell in previous["cells"]}
     for cell in new["cells"]:
-        items = [dict(item, run=item["run"] + offset) for item in cell["items"]]
+        items = [dict(item, run=item.get("run", 0) + offset) for item in cell["items"]]
         key = _key(cell, campaign)
         if key in cells:
             cells[key]["items"] += items
@@ -186,7 +187,7 @@ def runs_table(record: dict) -> list[str]:
     lines = ["| run | started (UTC) | items | per cell | load average before / during (median) / after | notes |",
              "|---:|---|---:|---:|---|---|"]
     for index, run in enumerate(record["runs"]):
-        items = [item for cell in record["cells"] for item in cell["items"] if item["run"] == index]
+        items = [item for cell in record["cells"] for item in cell["items"] if item.get("run", 0) == index]
         during = [item["load"] for item in items if "load" in item]
         notes = [f"{run['busy']} extra CPU-bound processes" if run.get("busy") else "no extra CPU-bound processes"]
         notes += [f"commit {run['commit']}"] if run.get("commit") else []
