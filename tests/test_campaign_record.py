@@ -74,9 +74,9 @@ def test_runs_add_up_per_cell_each_item_keeps_its_run_and_the_report_lists_only_
         assert absent not in text
     assert "Not run yet: none under fsdp1, none under fsdp2, end-training under ddp," in text and "trainer-save under ddp." in text
     # one row per run: when, how many, the load before / during (median of the items') / after
-    assert "| 1 | 2026-12-04 | 6 | 3 | 11.2 / not recorded / 11.9 |" in text
-    assert "| 2 | 2026-12-05T09:00Z | 4 | 2 | 3.0 / 6.0 / 4.0 |" in text and "commit abc1234" in text
-    assert "| 3 | 2026-12-06T10:00Z | 1 | 2 | 3.0 / 2.0 / 4.0 |" in text
+    assert "| 1 | 2026-12-04 | trainer-save (fsdp1, fsdp2) | 6 | 3 | 11.2 / not recorded / 11.9 |" in text
+    assert "| 2 | 2026-12-05T09:00Z | none (ddp); trainer-save (fsdp1) | 4 | 2 | 3.0 / 6.0 / 4.0 |" in text
+    assert "commit abc1234" in text and "| 3 | 2026-12-06T10:00Z | none (ddp) | 1 | 2 | 3.0 / 2.0 / 4.0 |" in text
 
 
 def test_a_run_with_other_settings_or_of_another_campaign_is_refused(tmp_path):
@@ -110,7 +110,7 @@ def test_preemption_trials_add_up_and_the_moments_are_grouped(tmp_path):
     assert cr.counts(merged) == {("fsdp2",): 2, ("fsdp1",): 2}
     text = cr.render_preemption(merged, "docs/data/preemption_campaign.json", 16)
     assert "| fsdp1 | 2 | 2 | 0 | 18.0 / 18.0 | 1 at random (signalled at steps 3-3); 1 as the evaluation after step 6 starts | 18 to go |" in text
-    assert "4 trials in 2 run(s)" in text
+    assert "4 trials in 2 run(s)" in text and "| 2 | 2026-12-05T09:00Z | fsdp1 | 1 | 1 | 5.0 / 5.5 / 6.0 |" in text
 
 
 def test_the_repository_records_load_and_their_cells_are_the_reports():

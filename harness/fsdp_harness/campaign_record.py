@@ -184,15 +184,22 @@ def _median(values: list[float]) -> float:
 
 def runs_table(record: dict) -> list[str]:
     """One row per run: when, what it made, and the host's load (1-minute averages)."""
-    lines = ["| run | started (UTC) | items | per cell | load average before / during (median) / after | notes |",
-             "|---:|---|---:|---:|---|---|"]
+    lines = ["| run | started (UTC) | ran | items | asked per cell | load average before / during (median) / after "
+             "| notes |",
+             "|---:|---|---|---:|---:|---|---|"]
     for index, run in enumerate(record["runs"]):
         items = [item for cell in record["cells"] for item in cell["items"] if item.get("run", 0) == index]
+        ran: dict[str, list[str]] = {}
+        for cell in record["cells"]:
+            if any(item.get("run", 0) == index for item in cell["items"]):
+                ran.setdefault(cell.get("ending", ""), []).append(cell["strategy"])
+        ran_text = "; ".join(f"{ending} ({', '.join(strategies)})" if ending else ", ".join(strategies)
+                             for ending, strategies in ran.items())
         during = [item["load"] for item in items if "load" in item]
         notes = [f"{run['busy']} extra CPU-bound processes" if run.get("busy") else "no extra CPU-bound processes"]
         notes += [f"commit {run['commit']}"] if run.get("commit") else []
         notes += [f"torch {run['torch']}, accelerate {run['accelerate']}"] if run.get("torch") else []
-        lines.append(f"| {index + 1} | {run.get('started', run.get('date', '?'))} | {len(items)} | "
+        lines.append(f"| {index + 1} | {run.get('started', run.get('date', '?'))} | {ran_text} | {len(items)} | "
                      f"{run.get('per_cell_asked', '?')} | {run['load_before']:.1f} / "
                      f"{f'{_median(during):.1f}' if during else 'not recorded'} / {run['load_after']:.1f} | "
                      f"{'; '.join(notes)} |")
@@ -204,7 +211,7 @@ def _load_span(record: dict) -> str:
     loads += [item["load"] for cell in record["cells"] for item in cell["items"] if "load" in item]
     dates = sorted({run.get("started", run.get("date", "?"))[:10] for run in record["runs"]})
     return (f"{len(record['runs'])} run(s) on {', '.join(dates)}, load average {min(loads):.1f}-{max(loads):.1f} "
-            "(1-minute; a shared host: other work was running too)")
+            "(1-minute, the campaign's own launches included; a shared 2-core host: other work was running too)")
 
 
 def render_exit(record: dict, record_path: str) -> str:
