@@ -103,14 +103,15 @@ def test_preemption_trials_add_up_and_the_moments_are_grouped(tmp_path):
     legacy.write_text(json.dumps({"trials_asked": 2, "date": "2026-12-04", "load_before": 10.2, "load_after": 8.7,
                                   "strategies": {"fsdp2": [trial("0.23 s after step 8", 8), trial("inside the save of step 8")],
                                                  "fsdp1": [trial("0.04 s after step 3", 3)]}}))
-    run = {"started": "2026-12-05T09:00Z", "per_cell_asked": 1, "load_before": 5.0, "load_after": 6.0}
+    run = {"started": "2026-12-05T09:00Z", "per_cell_asked": 1, "load_before": 5.0, "load_after": 6.0,
+           "note": "a note written into the record"}
     new = cr.new_record("preemption", {"steps": 16}, run, [
         {"strategy": "fsdp1", "items": [dict(trial("as the evaluation after step 6 starts"), load=5.5)]}])
     merged = cr.merge(cr.load(legacy, "preemption"), new)
     assert cr.counts(merged) == {("fsdp2",): 2, ("fsdp1",): 2}
     text = cr.render_preemption(merged, "docs/data/preemption_campaign.json", 16)
     assert "| fsdp1 | 2 | 2 | 0 | 18.0 / 18.0 | 1 at random (signalled at steps 3-3); 1 as the evaluation after step 6 starts | 18 to go |" in text
-    assert "4 trials in 2 run(s)" in text and "| 2 | 2026-12-05T09:00Z | fsdp1 | 1 | 1 | 5.0 / 5.5 / 6.0 |" in text
+    assert "4 trials in 2 run(s)" in text and "| 2 | 2026-12-05T09:00Z | fsdp1 | 1 | 1 | 5.0 / 5.5 / 6.0 | no extra CPU-bound processes; a note written into the record |" in text
 
 
 def test_the_repository_records_load_and_their_cells_are_the_reports():

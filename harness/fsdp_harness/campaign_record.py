@@ -199,6 +199,7 @@ def runs_table(record: dict) -> list[str]:
         notes = [f"{run['busy']} extra CPU-bound processes" if run.get("busy") else "no extra CPU-bound processes"]
         notes += [f"commit {run['commit']}"] if run.get("commit") else []
         notes += [f"torch {run['torch']}, accelerate {run['accelerate']}"] if run.get("torch") else []
+        notes += [run["note"]] if run.get("note") else []  # written into the record by hand
         lines.append(f"| {index + 1} | {run.get('started', run.get('date', '?'))} | {ran_text} | {len(items)} | "
                      f"{run.get('per_cell_asked', '?')} | {run['load_before']:.1f} / "
                      f"{f'{_median(during):.1f}' if during else 'not recorded'} / {run['load_after']:.1f} | "
