@@ -170,5 +170,6 @@ def main(argv=None) -> int:
         print(f"wrote the {SECTION} section of {args.doc}", flush=True)
     return 1 if failed else 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
