@@ -2,7 +2,8 @@
 every finished training must exit 0.
 
     python scripts/exit_campaign.py [--launches 50] [--busy 2] [--endings none,end-training,...]
-        [--strategies ddp,fsdp1,fsdp2] [--fix-off] [--doc docs/benchmarks.md]
+        [--strategies ddp,fsdp1,fsdp2] [--fix-off] [--merge docs/data/exit_campaign.json] [--minutes M]
+        [--doc docs/benchmarks.md]
 
 Each launch runs ``tests/workers/script_endings.py --ending ENDING`` (``enable_cpu_fsdp()``, a tiny
 Llama, 3 steps, then ``none``: the script just returns; ``end-training``: ``accelerator.end_training()``;
@@ -15,9 +16,13 @@ gloo's exit abort ("terminate called without an active exception"). ``--busy K``
 CPU-bound processes running during the campaign (a loaded host makes the abort likelier).
 ``--fix-off`` switches :mod:`fsdp_presets.clean_exit` off, for comparison.
 
-Results: ``WORK_DIR/exit_campaign.json`` and, unless ``--no-doc``, the ``exit-campaign`` section of
-``docs/benchmarks.md`` (rewritten in place). Exit status 1 when any launch failed. About 6-12 s per
-launch on a 2-core host (``trainer-end`` about twice that).
+Results: ``WORK_DIR/exit_campaign.json`` (this run) and, unless ``--no-doc``, the ``exit-campaign``
+section of ``docs/benchmarks.md`` (rewritten in place). ``--merge FILE`` adds this run to the record in
+FILE (rewritten after every round; the repository keeps ``docs/data/exit_campaign.json``) and the
+section reports the whole record: totals, runs, their dates and load averages
+(:mod:`fsdp_harness.campaign_record`); runs with other settings (``--fix-off``, ``--processes``) are
+refused (exit status 2). ``--minutes M`` starts no round that would end later than M minutes in.
+Exit status 1 when any launch failed. About 15-45 s per launch on a loaded 2-core host.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import multiprocessing
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from fsdp_harness import doc_sections
+from fsdp_harness import campaign_record, doc_sections
 from fsdp_harness.launch import launch_env, write_accelerate_config
 from fsdp_presets.preset.local_launch import launch_command
 from fsdp_presets.clean_exit import CLEAN_EXIT
@@ -40,9 +46,10 @@ from fsdp_presets.clean_exit import CLEAN_EXIT
 REPO = Path(__file__).resolve().parent.parent
 
 WORKER = REPO / "tests" / "workers" / "script_endings.py"
-ENDINGS = ("none", "end-training", "delete", "trainer-end", "trainer-save")
-STRATEGIES = ("ddp", "fsdp1", "fsdp2")
+ENDINGS = campaign_record.EXIT_ENDINGS
+STRATEGIES = campaign_record.EXIT_STRATEGIES
 DOC = REPO / "docs" / "benchmarks.md"
+RECORD = REPO / "docs" / "data" / "exit_campaign.json"
 SECTION = "exit-campaign"
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
@@ -66,47 +73,13 @@ def one_launch(config: Path, ending: str, processes: int, fix_off: bool) -> dict
     aborted = GLOO_EXIT_ABORT in output
     ok = completed.returncode == 0 and trained == processes and not aborted
     return {"returncode": completed.returncode, "ranks_trained": trained, "gloo_abort": aborted,
-            "seconds": round(time.perf_counter() - started, 2), "ok": ok, "tail": "" if ok else output[-3000:]}
+            "seconds": round(time.perf_counter() - started, 2), "load": round(os.getloadavg()[0], 2), "ok": ok,
+            "tail": "" if ok else output[-3000:]}
 
 
 def _spin(_: int) -> None:
     while True:
         pass
-
-
-def render(summary: dict) -> str:
-    lines = [
-        "## Exit campaign: every way a script ends",
-        "",
-        f"`python scripts/exit_campaign.py --launches {summary['launches_asked']} --busy {summary['busy']}"
-        f"{' --fix-off' if summary['fix_off'] else ''}`: {summary['processes']}-process launches of "
-        "`tests/workers/script_endings.py` (enable_cpu_fsdp, a tiny Llama, 3 steps) for each ending and strategy, "
-        f"taking turns, with {summary['busy'] or 'no'} extra CPU-bound processes started by the campaign; exit handler "
-        f"(collection before `destroy_process_group`, then a wait until gloo's worker threads are idle) "
-        f"{'off' if summary['fix_off'] else 'on'}. Endings: `none` (the "
-        "script returns), `end-training` (`accelerator.end_training()`), `delete` (`del model, optimizer`, then "
-        "`end_training()`), `trainer-end` (a `Trainer` trains, then `trainer.end()`), `trainer-save` (a `Trainer` "
-        "with `FSDPPresetsCallback` trains, then `trainer.save_model(dir)`).",
-        "",
-        "| ending | strategy | launches | exit 0 | gloo abort | seconds per launch (median) |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for cell in summary["cells"]:
-        launches = cell["launches"]
-        if not launches:
-            continue
-        seconds = sorted(launch["seconds"] for launch in launches)
-        failed = [launch for launch in launches if not launch["ok"]]
-        codes = sorted({launch["returncode"] for launch in failed})
-        lines.append(f"| {cell['ending']} | {cell['strategy']} | {len(launches)} | {len(launches) - len(failed)}"
-                     f"{' (failed: exit ' + ', '.join(map(str, codes)) + ')' if failed else ''} "
-                     f"| {sum(launch['gloo_abort'] for launch in launches)} | {seconds[len(seconds) // 2]:.1f} |")
-    lines += ["", f"Measured {summary['date']} on {summary['host']} (torch {summary['torch']}, accelerate "
-              f"{summary['accelerate']}), load average {summary['load_before']:.1f} before and "
-              f"{summary['load_after']:.1f} after (a shared host: other work was running too). The full check is "
-              "`--launches 50 --busy 2` (50 launches of every ending under every strategy, two CPU-bound processes "
-              f"beside them); this run made {summary['launches_asked']} of each."]
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -117,15 +90,27 @@ def main(argv=None) -> int:
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {', '.join(STRATEGIES)}")
     parser.add_argument("--busy", type=int, default=2, help="other CPU-bound processes kept running meanwhile")
     parser.add_argument("--fix-off", action="store_true", help="switch the exit handler off (comparison)")
+    parser.add_argument("--merge", metavar="FILE", help="add this run to the campaign record in FILE (created when "
+                        f"missing; the repository's is {RECORD.relative_to(REPO)}) and report the total")
+    parser.add_argument("--minutes", type=float, help="start no round that would end after this many minutes "
+                        "(judged by the last round's time), so every cell gets the same count")
     parser.add_argument("--work-dir", help="where exit_campaign.json goes (default: a temporary folder)")
     parser.add_argument("--doc", default=str(DOC), help="markdown file whose exit-campaign section is rewritten")
     parser.add_argument("--no-doc", action="store_true", help="write no documentation")
     args = parser.parse_args(argv)
     endings, strategies = args.endings.split(","), args.strategies.split(",")
-    if args.launches < 1 or args.processes < 2 or args.busy < 0:
-        parser.error("--launches must be >= 1, --processes >= 2 and --busy >= 0")
+    if args.launches < 1 or args.processes < 2 or args.busy < 0 or (args.minutes is not None and args.minutes <= 0):
+        parser.error("--launches must be >= 1, --processes >= 2, --busy >= 0 and --minutes > 0")
     if set(endings) - set(ENDINGS) or set(strategies) - set(STRATEGIES):
         parser.error(f"--endings takes {', '.join(ENDINGS)}; --strategies takes {', '.join(STRATEGIES)}")
+    settings = {"processes": args.processes, "fix_off": args.fix_off}
+    try:
+        previous = campaign_record.load(args.merge, "exit") if args.merge else None
+        if previous is not None:
+            campaign_record.check_settings(previous, settings)
+    except campaign_record.RecordError as error:
+        print(f"exit_campaign.py: {error}", file=sys.stderr)
+        return 2
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="exit-campaign-"))
     work.mkdir(parents=True, exist_ok=True)
     configs = {strategy: write_config(work, strategy, args.processes) for strategy in strategies}
@@ -133,36 +118,55 @@ def main(argv=None) -> int:
     import accelerate
     import torch
 
-    load_before = os.getloadavg()[0]
-    cells = [{"ending": ending, "strategy": strategy, "launches": []} for ending in endings for strategy in strategies]
-    summary = {"launches_asked": args.launches, "processes": args.processes, "busy": args.busy,
-               "fix_off": args.fix_off, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-               "host": f"{platform.machine()} {os.cpu_count()} cores", "torch": torch.__version__,
-               "accelerate": accelerate.__version__, "load_before": load_before, "cells": cells}
+    cells = [{"ending": ending, "strategy": strategy, "items": []} for ending in endings for strategy in strategies]
+    this_run = {"started": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "host": f"{platform.machine()} "
+                f"{os.cpu_count()} cores", "torch": torch.__version__, "accelerate": accelerate.__version__,
+                "busy": args.busy, "per_cell_asked": args.launches, "load_before": os.getloadavg()[0],
+                "commit": campaign_record.commit(REPO)}
+    record = campaign_record.new_record("exit", settings, this_run, cells)
+
+    def save() -> dict:
+        this_run["load_after"] = os.getloadavg()[0]
+        campaign_record.write(work / "exit_campaign.json", record)
+        if previous is None:
+            return record
+        merged = campaign_record.merge(previous, record)
+        campaign_record.write(args.merge, merged)
+        return merged
+
     spinners = [multiprocessing.Process(target=_spin, args=(index,), daemon=True) for index in range(args.busy)]
     for spinner in spinners:
         spinner.start()
+    started, round_s = time.monotonic(), 0.0
     try:
         for round_index in range(1, args.launches + 1):
+            if args.minutes is not None and time.monotonic() - started + round_s > args.minutes * 60:
+                print(f"stopped before round {round_index}: it would not end within --minutes {args.minutes:g}",
+                      flush=True)
+                break
+            round_started = time.monotonic()
             for cell in cells:
                 result = one_launch(configs[cell["strategy"]], cell["ending"], args.processes, args.fix_off)
-                cell["launches"].append(result)
+                cell["items"].append(result)
                 status = "ok" if result["ok"] else f"FAILED (exit {result['returncode']}, abort {result['gloo_abort']})"
                 print(f"round {round_index}/{args.launches} {cell['ending']} {cell['strategy']}: {status}, "
-                      f"{result['seconds']:.1f} s", flush=True)
+                      f"{result['seconds']:.1f} s, load {result['load']:.1f}", flush=True)
+            round_s = time.monotonic() - round_started
+            save()
     except KeyboardInterrupt:
         print("stopped: the launches done so far are reported", flush=True)
     finally:
         for spinner in spinners:
             spinner.terminate()
-    summary["load_after"] = os.getloadavg()[0]
-    (work / "exit_campaign.json").write_text(json.dumps(summary, indent=1))
-    launches = [launch for cell in cells for launch in cell["launches"]]
+    total = save()
+    launches = [launch for cell in cells for launch in cell["items"]]
     failed = sum(not launch["ok"] for launch in launches)
-    print(f"{len(launches) - failed}/{len(launches)} launches exited 0 without an abort "
-          f"(results: {work / 'exit_campaign.json'})", flush=True)
+    print(f"{len(launches) - failed}/{len(launches)} launches exited 0 without an abort (results: "
+          f"{work / 'exit_campaign.json'}{'; record: ' + args.merge if args.merge else ''})", flush=True)
     if not args.no_doc and launches:
-        doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(SECTION, render(summary)))
+        shown = args.merge or str(work / "exit_campaign.json")
+        doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(
+            SECTION, campaign_record.render_exit(total, campaign_record.shown_path(shown, REPO))))
         print(f"wrote the {SECTION} section of {args.doc}", flush=True)
     return 1 if failed else 0
 

@@ -2,6 +2,7 @@
 mid-evaluation, mid-save), relaunch it, and check that nothing is lost.
 
     python scripts/preemption_campaign.py [--trials 20] [--strategies fsdp2,fsdp1] [--doc docs/benchmarks.md]
+        [--merge docs/data/preemption_campaign.json] [--minutes M]
 
 Each trial launches ``recipes/causal_lm.py`` (a tiny Llama, 2 gloo processes, 16 steps, an evaluation
 every 3 steps, a checkpoint every 4) and sends SIGTERM to the ``accelerate launch`` process, as
@@ -13,8 +14,13 @@ newest committed checkpoint is the step the run reached (at most 1 step lost), m
 ``preempted`` line, and the same command relaunched (``--resume auto``) finishes with losses equal,
 bitwise, to an uninterrupted run of the same strategy.
 
-Results: ``WORK_DIR/preemption_campaign.json`` and the ``preemption-campaign`` section of
-``docs/benchmarks.md``. Exit status 1 when any trial failed.
+The strategies take turns (one trial each per round), after one uninterrupted run of each.
+Results: ``WORK_DIR/preemption_campaign.json`` (this run) and the ``preemption-campaign`` section of
+``docs/benchmarks.md``. ``--merge FILE`` adds this run to the record in FILE (rewritten after every
+round; the repository keeps ``docs/data/preemption_campaign.json``; the held moments continue their
+turns) and the section reports the whole record: totals, runs, their dates and load averages
+(:mod:`fsdp_harness.campaign_record`). ``--minutes M`` starts no round that would end later than M
+minutes in. Exit status 1 when any trial failed, 2 when the --merge file is not a record.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from fsdp_harness import doc_sections
+from fsdp_harness import campaign_record, doc_sections
 from fsdp_harness.launch import launch_command, launch_env, write_accelerate_config
 from fsdp_harness.tiny_model import write_tiny_model
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS
@@ -42,6 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "causal_lm.py"
 SFT = REPO / "data" / "kjv_sft"
 DOC = REPO / "docs" / "benchmarks.md"
+RECORD = REPO / "docs" / "data" / "preemption_campaign.json"
 SECTION = "preemption-campaign"
 STEPS = 16
 GRACE_S = 30.0  # torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT unset)
@@ -106,80 +114,93 @@ def trial(config: Path, model: Path, output: Path, reference: dict, rng: random.
     if train_losses(output / METRICS) != reference:
         problems.append("losses differ from the uninterrupted run")
     return {"moment": moment, "step_seen_at_signal": reached, "preempted_at": newest, "last_logged": last,
-            "stop_s": round(stop_s, 2), "launcher_status": code, "ok": not problems, "problems": problems}
-
-
-def render(summary: dict) -> str:
-    lines = ["## Preemption campaign: SIGTERM at random moments, then --resume auto", "",
-             f"`python scripts/preemption_campaign.py --trials {summary['trials_asked']}`: 2-process launches of "
-             f"`recipes/causal_lm.py` (tiny Llama, {STEPS} steps, evaluation every 3, checkpoint every 4), SIGTERM "
-             "to the `accelerate launch` process at a random moment, or as the evaluation after step 6 starts, or inside the "
-             "save of step 8 (the three take turns), "
-             "then the same command again.", "",
-             "| strategy | trials | passed | steps lost (max) | signal to launcher exit, s (median / max) | moments |",
-             "|---|---:|---:|---:|---:|---|"]
-    for strategy, trials in summary["strategies"].items():
-        if not trials:
-            continue
-        stops = sorted(item["stop_s"] for item in trials)
-        lost = max(item["last_logged"] - (item["preempted_at"] or 0) for item in trials)
-        moments = "; ".join(item["moment"] for item in trials)
-        lines.append(f"| {strategy} | {len(trials)} | {sum(item['ok'] for item in trials)} | {lost} | "
-                     f"{stops[len(stops) // 2]:.1f} / {stops[-1]:.1f} | {moments} |")
-    lines += ["", f"Measured {summary['date']} on a shared 2-core host (load average {summary['load_before']:.1f} "
-              f"before, {summary['load_after']:.1f} after). A trial passes when the launcher exits 143 within "
-              "torchrun's 30 s grace, the newest committed checkpoint is the step reached (at most 1 step lost), "
-              "metrics.jsonl says `preempted` at that step, and the relaunch ends with losses bitwise equal to an "
-              "uninterrupted run. The stop times of the held trials include the fault's 8 s hold. The full check is "
-              f"`--trials 20`; this run made {summary['trials_asked']} per strategy. A second signal is "
-              "`tests/test_preemption.py`'s (the previous checkpoint stays intact)."]
-    return "\n".join(lines)
+            "stop_s": round(stop_s, 2), "launcher_status": code, "load": round(os.getloadavg()[0], 2),
+            "ok": not problems, "problems": problems}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=20, help="trials per strategy")
     parser.add_argument("--strategies", default="fsdp2,fsdp1")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="of the random moments (mixed with the number of "
+                        "runs already in the --merge record, so an added run draws new moments)")
+    parser.add_argument("--merge", metavar="FILE", help="add this run to the campaign record in FILE (created when "
+                        f"missing; the repository's is {RECORD.relative_to(REPO)}) and report the total")
+    parser.add_argument("--minutes", type=float, help="start no round (one trial per strategy) that would end after "
+                        "this many minutes (judged by the last round's time)")
     parser.add_argument("--work-dir")
     parser.add_argument("--doc", default=str(DOC))
     parser.add_argument("--no-doc", action="store_true")
     args = parser.parse_args(argv)
     strategies = args.strategies.split(",")
-    if args.trials < 1 or set(strategies) - {"fsdp1", "fsdp2"}:
-        parser.error("--trials must be >= 1 and --strategies a list of fsdp1, fsdp2")
+    if args.trials < 1 or set(strategies) - {"fsdp1", "fsdp2"} or (args.minutes is not None and args.minutes <= 0):
+        parser.error("--trials must be >= 1, --minutes > 0 and --strategies a list of fsdp1, fsdp2")
+    settings = {"steps": STEPS}
+    try:
+        previous = campaign_record.load(args.merge, "preemption") if args.merge else None
+        if previous is not None:
+            campaign_record.check_settings(previous, settings)
+    except campaign_record.RecordError as error:
+        print(f"preemption_campaign.py: {error}", file=sys.stderr)
+        return 2
+    done = campaign_record.counts(previous) if previous else {}
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="preemption-campaign-"))
     work.mkdir(parents=True, exist_ok=True)
     model = write_tiny_model(work / "tiny-llama", kind="llama-tied", text=(SFT / "train.jsonl").read_text(),
                              max_positions=128)
-    rng = random.Random(args.seed)
-    summary = {"trials_asked": args.trials, "date": time.strftime("%Y-%m-%d", time.gmtime()),
-               "load_before": os.getloadavg()[0], "strategies": {strategy: [] for strategy in strategies}}
+    rng = random.Random(f"{args.seed}:{len(previous['runs']) if previous else 0}")
+    cells = [{"strategy": strategy, "items": []} for strategy in strategies]
+    this_run = {"started": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "per_cell_asked": args.trials,
+                "seed": args.seed, "load_before": os.getloadavg()[0], "commit": campaign_record.commit(REPO)}
+    record = campaign_record.new_record("preemption", settings, this_run, cells)
+
+    def save() -> dict:
+        this_run["load_after"] = os.getloadavg()[0]
+        campaign_record.write(work / "preemption_campaign.json", record)
+        if previous is None:
+            return record
+        merged = campaign_record.merge(previous, record)
+        campaign_record.write(args.merge, merged)
+        return merged
+
+    started, round_s = time.monotonic(), 0.0
     try:
+        configs, references = {}, {}
         for strategy in strategies:
-            config = write_accelerate_config(work / f"{strategy}.yaml", num_processes=2,
-                                             fsdp={"version": int(strategy[-1])})
+            configs[strategy] = write_accelerate_config(work / f"{strategy}.yaml", num_processes=2,
+                                                        fsdp={"version": int(strategy[-1])})
             reference_dir = work / f"reference-{strategy}"
-            if run(launch_command(config, RECIPE, recipe_args(model, reference_dir)), work / f"{strategy}.log"):
+            if run(launch_command(configs[strategy], RECIPE, recipe_args(model, reference_dir)), work / f"{strategy}.log"):
                 raise SystemExit(f"the uninterrupted {strategy} run failed: see {work / f'{strategy}.log'}")
-            reference = train_losses(reference_dir / METRICS)
-            for index in range(args.trials):
-                result = trial(config, model, work / f"{strategy}-{index}", reference, rng, held=(None, "mid-evaluation", "mid-save")[index % 3])
-                summary["strategies"][strategy].append(result)
+            references[strategy] = train_losses(reference_dir / METRICS)
+        for index in range(args.trials):
+            if args.minutes is not None and time.monotonic() - started + round_s > args.minutes * 60:
+                print(f"stopped before round {index + 1}: it would not end within --minutes {args.minutes:g}", flush=True)
+                break
+            round_started = time.monotonic()
+            for cell in cells:
+                strategy = cell["strategy"]
+                turn = done.get((strategy,), 0) + index  # the held moments take turns across runs too
+                result = trial(configs[strategy], model, work / f"{strategy}-{index}", references[strategy], rng,
+                               held=(None, "mid-evaluation", "mid-save")[turn % 3])
+                cell["items"].append(result)
                 print(f"{strategy} trial {index + 1}/{args.trials}: {'ok' if result['ok'] else 'FAILED'} "
-                      f"({result['moment']}: preempted at {result['preempted_at']}, {result['stop_s']} s) "
-                      f"{'; '.join(result['problems'])}", flush=True)
+                      f"({result['moment']}: preempted at {result['preempted_at']}, {result['stop_s']} s, load "
+                      f"{result['load']:.1f}) {'; '.join(result['problems'])}", flush=True)
+            round_s = time.monotonic() - round_started
+            save()
     except KeyboardInterrupt:
         print("stopped: the trials done so far are reported", flush=True)
-    summary["load_after"] = os.getloadavg()[0]
-    (work / "preemption_campaign.json").write_text(json.dumps(summary, indent=1))
-    trials = [item for items in summary["strategies"].values() for item in items]
+    total = save()
+    trials = [item for cell in cells for item in cell["items"]]
     failed = sum(not item["ok"] for item in trials)
-    print(f"{len(trials) - failed}/{len(trials)} trials passed ({work / 'preemption_campaign.json'})", flush=True)
+    print(f"{len(trials) - failed}/{len(trials)} trials passed ({work / 'preemption_campaign.json'}"
+          f"{'; record: ' + args.merge if args.merge else ''})", flush=True)
     if not args.no_doc and trials:
-        doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(SECTION, render(summary)))
+        shown = campaign_record.shown_path(args.merge or work / "preemption_campaign.json", REPO)
+        doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(
+            SECTION, campaign_record.render_preemption(total, shown, STEPS)))
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
