@@ -50,6 +50,14 @@ class BlockActivations:
     are freed by then); None: not measured (the planner then has no such moment)."""
     fixed_at_loss: int = 0
     """Rehearsed: bytes at the loss's backward that no micro-batch changes (besides the terms above)."""
+    outside_checkpointed: float | None = None
+    """Rehearsed: :attr:`outside` under activation checkpointing, measured apart, because without
+    checkpointing :attr:`outside` also holds what the blocks unlike the repeated one save beyond it
+    (DeepSeek's dense first layer saves less than a mixture-of-experts block), a difference a
+    checkpointed block, which keeps only its input, does not have. May be negative (only its sum
+    with :attr:`logits` is measured). None: :attr:`outside`."""
+    fixed_at_loss_checkpointed: int = 0
+    """With :attr:`outside_checkpointed`: :attr:`fixed_at_loss` under activation checkpointing."""
     fixed_in_block: int = 0
     """Rehearsed, with :attr:`in_block`: bytes in a block's backward that no micro-batch changes (an
     output head tied to the embedding keeps its gradient until the embedding's backward)."""
@@ -57,6 +65,11 @@ class BlockActivations:
     """:attr:`fixed_in_block` under activation checkpointing."""
     fixed_in_tail: int = 0
     """Rehearsed, with :attr:`tail`: the same in the tail's backward."""
+    tail_checkpointed: float | None = None
+    """Rehearsed: :attr:`tail` under activation checkpointing (see :attr:`outside_checkpointed`);
+    None: :attr:`tail`."""
+    fixed_in_tail_checkpointed: int = 0
+    """With :attr:`tail_checkpointed`: :attr:`fixed_in_tail` under activation checkpointing."""
     end: float | None = None
     """Rehearsed: at the end of backward (the input embedding's), bytes per token and hidden unit
     held besides the sharded state; None: not measured."""
@@ -195,7 +208,10 @@ def activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: i
     blocks = profile.dims.num_layers * (
         math.ceil(tokens_hidden * per_block) if shape.activation_checkpointing
         else activation_bytes_per_layer(profile, shape, b))
-    return blocks + math.ceil(tokens_hidden * family.outside) + logits_bytes(profile, shape, b) + family.fixed_at_loss
+    outside, fixed = family.outside, family.fixed_at_loss
+    if shape.activation_checkpointing and family.outside_checkpointed is not None:
+        outside, fixed = family.outside_checkpointed, family.fixed_at_loss_checkpointed
+    return max(0, blocks + math.ceil(tokens_hidden * outside) + logits_bytes(profile, shape, b) + fixed)
 
 
 
@@ -213,6 +229,20 @@ def in_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro
                + (family.fixed_in_block_checkpointed if shape.activation_checkpointing else family.fixed_in_block))
 
 
+def last_block_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
+    """Activations and temporaries in the backward of the last blocks backward reaches, where
+    rehearsed (:attr:`BlockActivations.in_block`): what that block holds (its recomputation under
+    activation checkpointing, its backward's temporaries), no other block's saved activations left.
+    Late in backward, beside nearly every gradient shard (rehearsed: DeepSeek-V2-Lite at 8 GPUs,
+    micro-batch 2 under checkpointing, peaks there). None where not measured."""
+    family = block_activations(profile, shape)
+    own = family.in_block_checkpointed if shape.activation_checkpointing else family.in_block
+    if family.in_block is None or own is None:
+        return None
+    return max(0, math.ceil(_tokens_hidden(profile, shape, micro_batch) * own)
+               + (family.fixed_in_block_checkpointed if shape.activation_checkpointing else family.fixed_in_block))
+
+
 def tail_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int | None:
     """Activations and temporaries in the backward of the tail (final norm, output head), where
     rehearsed (:attr:`BlockActivations.tail`): every block's saved activations and what the
@@ -220,8 +250,11 @@ def tail_activation_bytes(profile: ModelProfile, shape: TrainingShape, micro_bat
     family = block_activations(profile, shape)
     if family.tail is None:
         return None
+    tail, fixed = family.tail, family.fixed_in_tail
+    if shape.activation_checkpointing and family.tail_checkpointed is not None:
+        tail, fixed = family.tail_checkpointed, family.fixed_in_tail_checkpointed
     return max(0, profile.dims.num_layers * saved_per_block(profile, shape, micro_batch)
-               + math.ceil(_tokens_hidden(profile, shape, micro_batch) * family.tail) + family.fixed_in_tail)
+               + math.ceil(_tokens_hidden(profile, shape, micro_batch) * tail) + fixed)
 
 
 def saved_per_block(profile: ModelProfile, shape: TrainingShape, micro_batch: int) -> int:

@@ -54,16 +54,18 @@ import dataclasses
 from fsdp_presets.plan.limits import MAX_GPUS
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.activations import (activation_bytes, activation_bytes_per_layer, activation_source,
-                                           block_activations, end_bytes, in_block_activation_bytes, logits_bytes,
-                                           mlp_width, saved_per_block, tail_activation_bytes)
+                                           block_activations, end_bytes, in_block_activation_bytes,
+                                           last_block_activation_bytes, logits_bytes, mlp_width, saved_per_block,
+                                           tail_activation_bytes)
 from fsdp_presets.plan.allocator import allocator_reserve, nvidia_smi_bytes, unit_bytes
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
-from fsdp_presets.plan.model_state import ACCUMULATED_GRAD_BYTES, fsdp_units, model_state_bytes
+from fsdp_presets.plan.model_state import ACCUMULATED_GRAD_BYTES, fsdp_units, input_embedding_params, model_state_bytes
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import MemoryPlan, ModelStateBytes, PerGpuBytes, StrategyPlan
-from fsdp_presets.plan.shapes import STORED_PARAM_BYTES, Hardware, TrainingShape
+from fsdp_presets.plan.shapes import (OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARY_BYTES, STORED_PARAM_BYTES,
+                                      Hardware, TrainingShape)
 
 __all__ = ["fit_seq_len", "human_bytes", "offloads", "plan", "plan_with_auto_savers", "strategies_for"]
 
@@ -114,6 +116,9 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
       2 x s x b x intermediate x 2 bytes of temporaries).
     - under accumulation (``no_sync``), the forward of a later micro-batch: the accumulated
       unsharded gradients of the whole model beside the blocks' activations and gathered units.
+    - the optimizer step: the model states, every gradient shard and the step's own temporaries
+      (:data:`~fsdp_presets.plan.shapes.OPTIMIZER_STEP_TEMPORARY_BYTES`); the peak where the states
+      are large beside the activations (few GPUs, activation checkpointing).
 
     DDP and NO_SHARD are not rehearsed: model states, full gradients and the buffers below."""
     if shape.lora is not None:
@@ -175,11 +180,22 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     # activations: fused experts over more ranks than experts (rehearsed: Mixtral-8x7B at 32
     # GPUs, rank 0 peaks late in backward with most of its 21 GiB of gradient shards).
     # (The tail kept gathered through backward is resharded after its own backward, early on.)
-    at_end = PerGpuBytes(params=state.params, grads=max(state.grads, grads), optimizer=state.optimizer,
-                         activations=recomputed + block_temporaries,
+    # Where a block's backward was rehearsed for this model, the last block holds what it held there,
+    # beside the gradient shards of every unit but itself and the input embedding, reduced after it
+    # (rehearsed: DeepSeek-V2-Lite at 8 GPUs, micro-batch 2 under checkpointing, peaks there).
+    last_block = last_block_activation_bytes(profile, shape, micro_batch)
+    embedding = input_embedding_params(profile) or (
+        min(profile.dims.vocab_size * profile.dims.hidden_size, profile.root_params) if profile.tied_embeddings else 0)
+    unreduced = state.grads * (largest + embedding) // total if total and last_block is not None else 0
+    at_end = PerGpuBytes(params=state.params, grads=max(state.grads - unreduced, grads), optimizer=state.optimizer,
+                         activations=recomputed + block_temporaries if last_block is None else last_block,
                          buffers=(gathered_in_block - (kept if name != "SHARD_GRAD_OP" else 0)) * c + largest * c
                          + accumulated_at_end)
-    moments = [at_loss, in_block, at_end]
+    step_temporaries = (state.optimizer * OPTIMIZER_STEP_TEMPORARY_BYTES.get(shape.optimizer, 0)
+                        // OPTIMIZER_STATE_BYTES[shape.optimizer])
+    at_step = PerGpuBytes(params=state.params, grads=state.grads, optimizer=state.optimizer, activations=0,
+                          buffers=step_temporaries)
+    moments = [at_loss, in_block, at_end, at_step]
     if accumulated and fsdp_version == 2:
         # A later micro-batch's forward under no_sync, in its last block: the unsharded gradients
         # of the whole model accumulated by the earlier ones, the saved activations of the blocks
@@ -281,21 +297,27 @@ def _source(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | Non
 
 
 def _max_micro_batch(total_at, usable: int) -> int:
-    """Largest b up to the linear estimate with total_at(b) <= usable. total_at grows with b
-    (activations), about linearly: the estimate from b = 1 and 2 is exact for linear terms, and
-    where rounding or terms that grow otherwise push it over, bisection finds the largest b that
-    fits below it (a few evaluations, not one per micro-batch: a small model on a large GPU fits
-    tens of thousands)."""
+    """Largest b with total_at(b) <= usable. total_at grows with b (activations), about linearly
+    past the moments that do not grow with it (the optimizer step): the estimate from b = 1 and 2
+    is exact for linear terms and is taken when b + 1 is over; below, doubling finds a b that is
+    over (a peak that does not grow with b hid the growth at b = 1 and 2), and where rounding or
+    terms that grow otherwise push the estimate over, bisection finds the largest b that fits
+    below it (a few evaluations, not one per micro-batch: a small model on a large GPU fits tens
+    of thousands)."""
     if total_at(1) > usable:
         return 0
     per_sample = total_at(2) - total_at(1)
-    if per_sample <= 0:
-        return 1
-    guess = 1 + (usable - total_at(1)) // per_sample
-    if total_at(guess) <= usable:
-        return guess
-    fits, over = 1, guess  # total_at(fits) <= usable < total_at(over)
-    while over - fits > 1:
+    guess = 1 + (usable - total_at(1)) // per_sample if per_sample > 0 else 2
+    fits, over = 1, guess
+    for _ in range(64):
+        if total_at(over) > usable:
+            break
+        if total_at(over + 1) > usable:
+            return over
+        fits, over = over, over * 2
+    else:
+        return fits  # nothing grows with b: any micro-batch fits
+    while over - fits > 1:  # total_at(fits) <= usable < total_at(over)
         middle = (fits + over) // 2
         if total_at(middle) <= usable:
             fits = middle

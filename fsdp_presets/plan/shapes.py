@@ -34,6 +34,12 @@ OPTIMIZER_STATE_BYTES = MappingProxyType(
 )
 """Optimizer state bytes per parameter (fp32 state, as torch.optim keeps for fp32 parameters)."""
 
+OPTIMIZER_STEP_TEMPORARY_BYTES = MappingProxyType({"adamw": 4, "adam": 4})
+"""Bytes per parameter the optimizer step allocates besides its state: torch's foreach Adam/AdamW
+(the default for CUDA tensors) computes the square root of the whole group's variance at once, one
+fp32 tensor per parameter (rehearsed: DeepSeek-V2-Lite at 8 GPUs under activation checkpointing
+peaks there, ``_foreach_sqrt``, with 5 x 4 bytes per parameter shard). Not rehearsed for the others."""
+
 STORED_PARAM_BYTES = 4
 """fp32 parameters (and the gradients FSDP/DDP keep in the parameter dtype): see module notes."""
 

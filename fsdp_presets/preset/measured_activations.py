@@ -7,17 +7,18 @@ and cached on disk::
 It lives with the presets because the rehearsal runs the accelerate config a preset decision
 writes for the model (the planner itself only composes the terms it is given). The rehearsal
 (:func:`fsdp_presets.rehearse.rehearsal.rehearse`, FSDP2 FULL_SHARD on 8 fake ranks, one step)
-runs the config five times (:data:`RUNS`): 2 and 3 blocks at micro-batch 1, 2 blocks at
-micro-batch 2, and 2 blocks under activation checkpointing at micro-batch 1 and 2, each at full
-width and the real sequence length, with the embedding and head. Each run records what it held at
+runs the config six times (:data:`RUNS`): 2 and 3 blocks at micro-batch 1, 2 blocks at
+micro-batch 2, and the same three under activation checkpointing, each at full width and the real
+sequence length, with the embedding and head. Each run records what it held at
 four moments of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`): the loss's backward, the
 tail's (final norm, output head), a block's and the end (the input embedding's). Besides model
 state and gathered parameters that is activations and temporaries: the difference between the 2-
 and 3-block runs is one block's saved activations (``saved``), the difference between
 micro-batches parts what grows with the tokens from what does not, the rest at the loss is the
 logits' loss tensors and what lives outside the blocks (``logits``, ``outside``), and the
-checkpointed runs give a checkpointed block (``checkpointed``) and a block's backward with its
-recomputation. These are the quantities
+checkpointed runs give the same apart (``checkpointed``, ``outside_checkpointed``: a model whose
+first blocks differ from the rest, DeepSeek's dense first layer, saves another amount in them
+without checkpointing but not with it) and a block's backward with its recomputation. These are the quantities
 :data:`~fsdp_presets.plan.activations.BLOCK_ACTIVATIONS` holds for the families measured by hand,
 now measured for every model. The planner scales them to any micro-batch, layer count, GPU count,
 strategy, accumulation and checkpointing setting.
@@ -43,14 +44,16 @@ from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_d
 
 REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
 """``off``: never rehearse for a plan (family constants only)."""
-CACHE_FORMAT = 6
+CACHE_FORMAT = 7
 """Bumped when what a cache entry holds changes (older entries are then ignored)."""
 REHEARSED_WORLD_SIZE = 8
 """Fake ranks of the rehearsal (activations do not depend on it; the shards stay small)."""
-RUNS = ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True), (2, 2, True))
+RUNS = ((2, 1, False), (3, 1, False), (2, 2, False), (2, 1, True), (2, 2, True), (3, 1, True))
 """The rehearsals, as (blocks, micro-batch, activation checkpointing): 2 blocks, not 1, so that a
 model whose first block differs (DeepSeek's dense first layers) keeps it in every run and the
-difference is a repeated block."""
+difference is a repeated block; 3 blocks checkpointed too, so that a checkpointed block is
+measured by itself, not as what is left of the checkpointed run once the other runs' outside of
+the blocks (which holds that first block's difference) is taken off."""
 OUTSIDE_ESTIMATE = 8.13
 """Bytes per token and hidden unit outside the blocks where no run measured them (the families'
 measured value, :data:`fsdp_presets.plan.activations.BLOCK_ACTIVATIONS`)."""
@@ -147,14 +150,14 @@ def terms_from_entry(entry: dict):
     :data:`RUNS`). Each moment of backward holds bytes that grow with the tokens and bytes that do
     not (an output head's gradient held through backward, where it is tied to the embedding): the
     runs at micro-batch 1 and 2 part them. At the loss's backward: ``saved`` from the difference
-    per block, ``outside``/``logits`` from the rest, ``checkpointed`` from the checkpointed run less
-    that rest; in a block's backward (``in_block``, ``in_block_checkpointed``) and the tail's
+    per block, ``outside``/``logits`` from the rest, and the same of the checkpointed runs
+    (``checkpointed``, ``outside_checkpointed``); in a block's backward (``in_block``, ``in_block_checkpointed``) and the tail's
     (``tail``) what is held besides the blocks' activations."""
     from fsdp_presets.plan.activations import LOGITS_BYTES_AT_PEAK, BlockActivations
 
     seq_len, hidden, vocab = entry["seq_len"], entry["hidden_size"], entry["vocab_size"]
     tokens_hidden = seq_len * hidden * (4 if entry["precision"] == "fp32" else 2) / 2
-    first, second, doubled, checkpointed, checkpointed_doubled = entry["runs"]
+    first, second, doubled, checkpointed, checkpointed_doubled, checkpointed_third = entry["runs"]
     blocks = first["blocks"]
 
     def held(run, moment):
@@ -170,8 +173,10 @@ def terms_from_entry(entry: dict):
     if rest < logits_bytes:  # a head that keeps less than the usual loss tensors: all of the rest scales with the logits
         logits, outside = (rest / (seq_len * vocab) if vocab else 0.0), 0.0
     checkpointed_per_token = {moment: held(checkpointed_doubled, moment) - held(checkpointed, moment)
-                              for moment in ("loss", "block")}
-    per_checkpointed = max(0.0, (checkpointed_per_token["loss"] - rest) / blocks)
+                              for moment in ("loss", "tail", "block")}
+    per_checkpointed = max(0.0, (held(checkpointed_third, "loss") - held(checkpointed, "loss"))
+                           / (checkpointed_third["blocks"] - blocks))
+    checkpointed_rest = checkpointed_per_token["loss"] - blocks * per_checkpointed
     in_block_checkpointed = checkpointed_per_token["block"] - (blocks - 1) * per_checkpointed
     tail = second["moments"]["tail"]
     return BlockActivations(saved=per_block / tokens_hidden, checkpointed=per_checkpointed / tokens_hidden,
@@ -181,6 +186,10 @@ def terms_from_entry(entry: dict):
                             tail=max(0.0, per_token["tail"] - blocks * per_block) / tokens_hidden,
                             end=max(0.0, per_token["embedding"]) / tokens_hidden, fixed_at_end=fixed["embedding"],
                             fixed_at_loss=fixed["loss"], fixed_in_block=fixed["block"], fixed_in_tail=fixed["tail"],
+                            outside_checkpointed=(checkpointed_rest - seq_len * vocab * logits) / tokens_hidden,
+                            fixed_at_loss_checkpointed=held(checkpointed, "loss") - checkpointed_per_token["loss"],
+                            tail_checkpointed=(checkpointed_per_token["tail"] - blocks * per_checkpointed) / tokens_hidden,
+                            fixed_in_tail_checkpointed=held(checkpointed, "tail") - checkpointed_per_token["tail"],
                             fixed_in_block_checkpointed=held(checkpointed, "block") - checkpointed_per_token["block"],
                             tail_unsharded_params=_unsharded(tail, "params"),
                             tail_unsharded_grads=_unsharded(tail, "grads"),

@@ -38,6 +38,10 @@ FORMAT = 1
 """Bumped when what the table holds changes."""
 TABLE = Path(__file__).resolve().parents[2] / "tests" / "data" / "planner_grid.json"
 """The recorded table (in the checkout the harness is installed from)."""
+FULL_DEPTH_TABLE = TABLE.with_name("planner_full_depth.json")
+"""The same grid for a few families at their published depth and a 4096-token sequence
+(``scripts/planner_accuracy.py --record ... --full-depth --seq-len 4096``): the 4-block cut does not
+show how the terms compose with depth."""
 LIMIT = 0.10
 """The largest difference allowed between the planner and the rehearsal."""
 
@@ -50,14 +54,23 @@ def versions() -> dict[str, str]:
     return {"torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def load(path=TABLE) -> dict:
-    """The recorded table at ``path`` (an empty one when there is none)."""
+def load(path=TABLE, *, current: bool = True) -> dict:
+    """The recorded table at ``path`` (an empty one when there is none). ``current``: refuse short
+    rehearsals of another format than the planner reads (a table about to be recorded again may
+    hold them)."""
     path = Path(path)
     if not path.is_file():
         return {"format": FORMAT, "families": {}, "points": []}
+    from fsdp_presets.preset.measured_activations import CACHE_FORMAT
+
     table = json.loads(path.read_text(encoding="utf-8"))
     if table.get("format") != FORMAT:
         raise ValueError(f"{path}: format {table.get('format')}, expected {FORMAT}: record it again")
+    stale = sorted(family for family, record in table["families"].items()
+                   if record["short_rehearsal"].get("format") != CACHE_FORMAT)
+    if stale and current:
+        raise ValueError(f"{path}: the short rehearsals of {', '.join(stale)} are not of format {CACHE_FORMAT}: "
+                         f"record them again (scripts/planner_accuracy.py --record {path} --short-only)")
     return table
 
 
@@ -88,23 +101,32 @@ def find_point(table: dict, family: str, gpus: int, micro_batch: int, grad_accum
                    f"accumulation {grad_accum}, checkpointing {checkpointing}")
 
 
+def rehearse_short(folder, family: str, *, layers: int, seq_len: int, precision: str = "bf16", log=print) -> dict:
+    """``family``'s record: the short rehearsal the planner composes from (no full rehearsal)."""
+    from fsdp_presets.model.model_loading import load_config
+    from fsdp_presets.preset.measured_activations import measure
+
+    source = write_config(folder, family, layers=layers)
+    started = time.monotonic()
+    entry = measure(load_config(source), seq_len=seq_len, precision=precision)
+    record = {"config_hash": config_hash(family, layers=layers), "layers": layers, "seq_len": seq_len,
+              "precision": precision, "short_rehearsal": entry, "seconds": round(time.monotonic() - started, 1),
+              **versions()}
+    log(f"{family:12} short rehearsal {record['seconds']:.1f} s")
+    return record
+
+
 def rehearse_family(folder, family: str, *, layers: int, seq_len: int, gpu_memory_gib: float,
                     precision: str = "bf16", log=print) -> tuple[dict, list[dict]]:
     """``(record, points)``: ``family``'s short rehearsal and a full rehearsal at every point of
     :data:`GRID` (one after another, in this process)."""
     from fsdp_presets.fileio import GiB
-    from fsdp_presets.model.model_loading import load_config
     from fsdp_presets.plan.shapes import Hardware
-    from fsdp_presets.preset.measured_activations import measure
     from fsdp_presets.preset.rehearse_request import rehearse_request, request_from_flags
 
+    record = rehearse_short(folder, family, layers=layers, seq_len=seq_len, precision=precision, log=log)
     source = write_config(folder, family, layers=layers)
-    digest, found = config_hash(family, layers=layers), versions()
-    started = time.monotonic()
-    entry = measure(load_config(source), seq_len=seq_len, precision=precision)
-    record = {"config_hash": digest, "layers": layers, "seq_len": seq_len, "precision": precision,
-              "short_rehearsal": entry, "seconds": round(time.monotonic() - started, 1), **found}
-    log(f"{family:12} short rehearsal {record['seconds']:.1f} s")
+    digest, found = record["config_hash"], versions()
     hardware_of = {gpus: Hardware(gpus=gpus, gpu_memory_bytes=int(gpu_memory_gib * GiB)) for gpus, *_ in GRID}
     points = []
     for gpus, micro, accumulation, checkpointing in GRID:
