@@ -28,7 +28,6 @@ Exit status 1 when any launch failed. About 15-45 s per launch on a loaded 2-cor
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import platform

@@ -26,7 +26,6 @@ minutes in. Exit status 1 when any trial failed, 2 when the --merge file is not 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal

@@ -22,8 +22,6 @@ import types
 from functools import lru_cache
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parent.parent
 SCANNED = ("fsdp_presets", "harness/fsdp_harness", "recipes", "scripts")
 """Where the imports are read: the package, the harness, the recipes, the scripts."""

@@ -182,7 +182,7 @@ def test_generate_writes_the_launch_script_next_to_the_hsdp_preset(tmp_path, mon
     captured = capsys.readouterr()
     assert code == 0, captured.err
     script = tmp_path / "configs" / "llama_2x2.slurm.sh"
-    assert f"wrote configs/llama_2x2.slurm.sh" in captured.out
+    assert "wrote configs/llama_2x2.slurm.sh" in captured.out
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=2" in text
