@@ -83,6 +83,22 @@ def test_keep_last_prunes_the_oldest(tmp_path):
     assert sorted(entry.name for entry in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
 
 
+def test_a_pruned_checkpoint_is_renamed_out_of_the_way_then_handed_to_the_deleter(tmp_path):
+    """Background saves delete pruned checkpoints on their writer thread (delete_pruned): the commit
+    only renames the old folder to a hidden name that nothing resumes from."""
+    handed = []
+    checkpoints = manager(tmp_path, keep_last=1)
+    checkpoints.delete_pruned = handed.append
+    for step in (2, 4):
+        checkpoints.save(step=step, samples_consumed=step * 8)
+    [doomed] = handed
+    assert doomed.parent == tmp_path / "checkpoints" and doomed.name.startswith(".")
+    assert (doomed / MANIFEST).is_file()  # not deleted yet: the deleter's job
+    assert [step for step, _ in committed_checkpoints(tmp_path / "checkpoints")] == [4]
+    assert checkpoints.latest_valid() == tmp_path / "checkpoints" / "step-00000004"
+    shutil.rmtree(doomed)
+
+
 @pytest.mark.parametrize("damage, expected", [
     (lambda folder: (folder / "model.safetensors").write_bytes(b"weights 3" * 50), "model.safetensors has 450 bytes"),
     (lambda folder: (folder / "model.safetensors").write_bytes(b"weights 9" * 100), "does not match its SHA-256"),

@@ -116,6 +116,17 @@ class CheckpointSaver:
 
             # The thread's shard files: past the page cache, hashed as they are written (direct_write).
             self._file_system = HashingFileSystem()
+            # Pruned checkpoints are deleted by the same thread (after the rename that takes them out of
+            # the way, in the commit): a training step never waits for an old checkpoint's files to go.
+            self.manager.delete_pruned = self._delete_in_background
+
+    def _delete_in_background(self, folder: Path) -> None:
+        import shutil
+
+        if self._worker is None:  # closed: at once
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            self._worker.submit(shutil.rmtree, folder, ignore_errors=True)
 
     @property
     def accelerator(self):

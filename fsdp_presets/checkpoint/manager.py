@@ -81,12 +81,15 @@ def _library_versions() -> dict[str, str]:
             "transformers": transformers.__version__}
 
 
-def _remove_tree(path: Path) -> None:
-    """Rename first (atomic), then delete: a kill mid-delete leaves a dot-folder that is ignored,
-    never a committed-looking folder with files missing."""
+def _remove_tree(path: Path, delete: Callable[[Path], None] | None = None) -> None:
+    """Rename first (atomic), then delete (``delete(renamed)``; at once when None): a kill mid-delete
+    leaves a dot-folder that is ignored, never a committed-looking folder with files missing."""
     doomed = deleting_name(path)
     os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if delete is None:
+        shutil.rmtree(doomed, ignore_errors=True)
+    else:
+        delete(doomed)
 
 
 @dataclass(kw_only=True)
@@ -110,6 +113,10 @@ class CheckpointManager:
     ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.train.lora.TrainableState`), or None."""
     training: dict[str, Any] | None = None
     """Recorded in each manifest (:attr:`Manifest.training`)."""
+    delete_pruned: Callable[[Path], None] | None = None
+    """How a pruned checkpoint, once renamed out of the way, is deleted (None: at once, before the
+    commit returns; background saves hand it to their writer thread, so that deleting the files of
+    an old checkpoint does not block training)."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -236,7 +243,7 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         for _, folder in committed_checkpoints(self.directory)[:-self.keep_last]:
-            _remove_tree(folder)
+            _remove_tree(folder, self.delete_pruned)
 
     # ---- find ----
     def latest_valid(self) -> Path | None:
