@@ -140,7 +140,8 @@ def render(report: dict) -> str:
         "(between a save's step and its `save` line) against all other steps of both kinds of launch but step 1.",
         "",
         f"- {load_text(report)} on 2 cores: " + (
-            "**the host was shared with other work during this run**, so absolute times are inflated and noisy."
+            "**other work ran on the host just before or during this run** (a 1-minute load average of 1 or "
+            "more at its start), so absolute times may be inflated and noisy."
             if report.get("load_before", 2.0) >= 1.0 else
             "nothing else ran; the benchmark's own processes are the load after."),
         f"- Checkpoint size: {', '.join(format_bytes(size) for size in sync['bytes'] + background['bytes'])} "
@@ -179,8 +180,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="a causal-LM folder (default: SmolLM2-135M, prepared)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-steps", type=int, default=8)
-    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--max-steps", type=int, default=12)
+    parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "bench-async-save")
     parser.add_argument("--output", type=Path, default=REPO / "docs" / "benchmarks.md", help="the report's file")
     parser.add_argument("--render", type=Path, metavar="REPORT.json", help="rewrite the section from a saved report")
