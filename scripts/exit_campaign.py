@@ -125,13 +125,8 @@ def main(argv=None) -> int:
     record = campaign_record.new_record("exit", settings, this_run, cells)
 
     def save() -> dict:
-        this_run["load_after"] = os.getloadavg()[0]
-        campaign_record.write(work / "exit_campaign.json", record)
-        if previous is None:
-            return record
-        merged = campaign_record.merge(previous, record)
-        campaign_record.write(args.merge, merged)
-        return merged
+        return campaign_record.save_run(record, this_run, path=work / "exit_campaign.json", previous=previous,
+                                        merge_into=args.merge)
 
     spinners = [multiprocessing.Process(target=_spin, args=(index,), daemon=True) for index in range(args.busy)]
     for spinner in spinners:

@@ -154,13 +154,8 @@ def main(argv=None) -> int:
     record = campaign_record.new_record("preemption", settings, this_run, cells)
 
     def save() -> dict:
-        this_run["load_after"] = os.getloadavg()[0]
-        campaign_record.write(work / "preemption_campaign.json", record)
-        if previous is None:
-            return record
-        merged = campaign_record.merge(previous, record)
-        campaign_record.write(args.merge, merged)
-        return merged
+        return campaign_record.save_run(record, this_run, path=work / "preemption_campaign.json", previous=previous,
+                                        merge_into=args.merge)
 
     started, round_s = time.monotonic(), 0.0
     try:

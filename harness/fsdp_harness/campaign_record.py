@@ -178,6 +178,19 @@ def write(path: str | os.PathLike, record: dict) -> None:
     write_text_atomic(path, dumps(record) + "\n")
 
 
+def save_run(record: dict, run: dict, *, path: Path, previous: dict | None,
+             merge_into: str | os.PathLike | None) -> dict:
+    """Write this run's record to ``path`` (its load average now as ``load_after``) and, with a
+    ``previous`` record, the two merged to ``merge_into``; returns what the report shows."""
+    run["load_after"] = os.getloadavg()[0]
+    write(path, record)
+    if previous is None:
+        return record
+    merged = merge(previous, record)
+    write(merge_into, merged)
+    return merged
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
