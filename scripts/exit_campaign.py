@@ -2,8 +2,8 @@
 every finished training must exit 0.
 
     python scripts/exit_campaign.py [--launches 50] [--busy 2] [--endings none,end-training,...]
-        [--strategies ddp,fsdp1,fsdp2] [--fix-off] [--merge docs/data/exit_campaign.json] [--minutes M]
-        [--doc docs/benchmarks.md]
+        [--strategies ddp,fsdp1,fsdp2] [--parallel 1] [--fix-off] [--merge docs/data/exit_campaign.json]
+        [--minutes M] [--doc docs/benchmarks.md]
 
 Each launch runs ``tests/workers/script_endings.py --ending ENDING`` (``enable_cpu_fsdp()``, a tiny
 Llama, 3 steps, then ``none``: the script just returns; ``end-training``: ``accelerator.end_training()``;
@@ -13,7 +13,10 @@ ends with ``trainer.save_model(dir)``) through ``accelerate launch`` with 2 gloo
 ending and strategy; the cells take turns, so a campaign cut short still covers each of them. A
 launch passes when the launcher exits 0, every rank printed that it trained, and nobody printed
 gloo's exit abort ("terminate called without an active exception"). ``--busy K`` keeps K other
-CPU-bound processes running during the campaign (a loaded host makes the abort likelier).
+CPU-bound processes running during the campaign (a loaded host makes the abort likelier);
+``--parallel P`` keeps P launches running at a time (each round's launches still start in the cells'
+order), so that a launch also shares the host with P - 1 others: a busier host, and on a few cores
+more launches per hour than one at a time beside the busy processes.
 ``--fix-off`` switches :mod:`fsdp_presets.clean_exit` off, for comparison.
 
 Results: ``WORK_DIR/exit_campaign.json`` (this run) and, unless ``--no-doc``, the ``exit-campaign``
@@ -28,6 +31,7 @@ Exit status 1 when any launch failed. About 15-45 s per launch on a loaded 2-cor
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import multiprocessing
 import os
 import platform
@@ -88,6 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--endings", default=",".join(ENDINGS), help=f"comma-separated, of {', '.join(ENDINGS)}")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help=f"comma-separated, of {', '.join(STRATEGIES)}")
     parser.add_argument("--busy", type=int, default=2, help="other CPU-bound processes kept running meanwhile")
+    parser.add_argument("--parallel", type=int, default=1, help="launches running at a time")
     parser.add_argument("--fix-off", action="store_true", help="switch the exit handler off (comparison)")
     parser.add_argument("--merge", metavar="FILE", help="add this run to the campaign record in FILE (created when "
                         f"missing; the repository's is {RECORD.relative_to(REPO)}) and report the total")
@@ -98,8 +103,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-doc", action="store_true", help="write no documentation")
     args = parser.parse_args(argv)
     endings, strategies = args.endings.split(","), args.strategies.split(",")
-    if args.launches < 1 or args.processes < 2 or args.busy < 0 or (args.minutes is not None and args.minutes <= 0):
-        parser.error("--launches must be >= 1, --processes >= 2, --busy >= 0 and --minutes > 0")
+    if args.launches < 1 or args.processes < 2 or args.busy < 0 or args.parallel < 1 or \
+            (args.minutes is not None and args.minutes <= 0):
+        parser.error("--launches must be >= 1, --processes >= 2, --busy >= 0, --parallel >= 1 and --minutes > 0")
     if set(endings) - set(ENDINGS) or set(strategies) - set(STRATEGIES):
         parser.error(f"--endings takes {', '.join(ENDINGS)}; --strategies takes {', '.join(STRATEGIES)}")
     settings = {"processes": args.processes, "fix_off": args.fix_off}
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
     cells = [{"ending": ending, "strategy": strategy, "items": []} for ending in endings for strategy in strategies]
     this_run = {"started": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "host": f"{platform.machine()} "
                 f"{os.cpu_count()} cores", "torch": torch.__version__, "accelerate": accelerate.__version__,
-                "busy": args.busy, "per_cell_asked": args.launches, "load_before": os.getloadavg()[0],
+                "busy": args.busy, "parallel": args.parallel, "per_cell_asked": args.launches, "load_before": os.getloadavg()[0],
                 "commit": campaign_record.commit(REPO)}
     record = campaign_record.new_record("exit", settings, this_run, cells)
 
@@ -132,6 +138,7 @@ def main(argv=None) -> int:
     for spinner in spinners:
         spinner.start()
     started, round_s = time.monotonic(), 0.0
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel)
     try:
         for round_index in range(1, args.launches + 1):
             if args.minutes is not None and time.monotonic() - started + round_s > args.minutes * 60:
@@ -139,8 +146,10 @@ def main(argv=None) -> int:
                       flush=True)
                 break
             round_started = time.monotonic()
-            for cell in cells:
-                result = one_launch(configs[cell["strategy"]], cell["ending"], args.processes, args.fix_off)
+            futures = [pool.submit(one_launch, configs[cell["strategy"]], cell["ending"], args.processes, args.fix_off)
+                       for cell in cells]
+            for cell, future in zip(cells, futures):
+                result = future.result()
                 cell["items"].append(result)
                 status = "ok" if result["ok"] else f"FAILED (exit {result['returncode']}, abort {result['gloo_abort']})"
                 print(f"round {round_index}/{args.launches} {cell['ending']} {cell['strategy']}: {status}, "
@@ -150,6 +159,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("stopped: the launches done so far are reported", flush=True)
     finally:
+        pool.shutdown(wait=False, cancel_futures=True)
         for spinner in spinners:
             spinner.terminate()
     total = save()

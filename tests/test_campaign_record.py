@@ -34,9 +34,11 @@ def legacy_exit_run(cells, *, date="2026-12-04", load=(11.2, 11.9), fix_off=Fals
                       for (ending, strategy), items in cells.items()]}
 
 
-def new_exit_run(cells, *, started="2026-12-05T09:00Z", fix_off=False, load=(3.0, 4.0)):
+def new_exit_run(cells, *, started="2026-12-05T09:00Z", fix_off=False, load=(3.0, 4.0), parallel=None):
     run = {"started": started, "busy": 0, "per_cell_asked": 2, "load_before": load[0], "load_after": load[1],
            "commit": "abc1234"}
+    if parallel is not None:  # written since launches could run side by side; older runs have no such key
+        run["parallel"] = parallel
     return cr.new_record("exit", {"processes": 2, "fix_off": fix_off}, run,
                          [{"ending": ending, "strategy": strategy, "items": list(items)}  # no "run": as a script writes
                           for (ending, strategy), items in cells.items()])
@@ -62,7 +64,7 @@ def test_runs_add_up_per_cell_each_item_keeps_its_run_and_the_report_lists_only_
     cr.write(record, merged)
     assert cr.load(record, "exit") == merged  # the compact layout reads back as written
     third = cr.merge(cr.load(record, "exit"), new_exit_run({("none", "ddp"): [launch(load=2.0)]},
-                                                           started="2026-12-06T10:00Z"))
+                                                           started="2026-12-06T10:00Z", parallel=3))
     assert cr.counts(third)[("none", "ddp")] == 3 and len(third["runs"]) == 3
 
     text = cr.render_exit(third, "docs/data/exit_campaign.json")
@@ -76,7 +78,9 @@ def test_runs_add_up_per_cell_each_item_keeps_its_run_and_the_report_lists_only_
     # one row per run: when, how many, the load before / during (median of the items') / after
     assert "| 1 | 2026-12-04 | trainer-save (fsdp1, fsdp2) | 6 | 3 | 11.2 / not recorded / 11.9 |" in text
     assert "| 2 | 2026-12-05T09:00Z | none (ddp); trainer-save (fsdp1) | 4 | 2 | 3.0 / 6.0 / 4.0 |" in text
-    assert "commit abc1234" in text and "| 3 | 2026-12-06T10:00Z | none (ddp) | 1 | 2 | 3.0 / 2.0 / 4.0 |" in text
+    assert "commit abc1234" in text and "| 3 | 2026-12-06T10:00Z | none (ddp) | 1 | 2 | 3.0 / 2.0 / 4.0 | " \
+        "no extra CPU-bound processes; 3 launches at a time; commit abc1234 |" in text
+    assert "launches at a time" not in text.split("| 3 | 2026-12-06")[0]  # runs one launch at a time say nothing
 
 
 def test_a_run_with_other_settings_or_of_another_campaign_is_refused(tmp_path):

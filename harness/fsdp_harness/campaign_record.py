@@ -210,6 +210,7 @@ def runs_table(record: dict) -> list[str]:
                              for ending, strategies in ran.items())
         during = [item["load"] for item in items if "load" in item]
         notes = [f"{run['busy']} extra CPU-bound processes" if run.get("busy") else "no extra CPU-bound processes"]
+        notes += [f"{run['parallel']} launches at a time"] if run.get("parallel", 1) > 1 else []
         notes += [f"commit {run['commit']}"] if run.get("commit") else []
         notes += [f"torch {run['torch']}, accelerate {run['accelerate']}"] if run.get("torch") else []
         notes += [run["note"]] if run.get("note") else []  # written into the record by hand
@@ -260,8 +261,9 @@ def render_exit(record: dict, record_path: str) -> str:
                if not any(cell["ending"] == ending and cell["strategy"] == strategy for cell in cells)]
     lines += ["", *runs_table(record), "",
               f"Measured in {_load_span(record)}. The full check is {full} launches of every ending under every "
-              "strategy on a host kept busy by two other CPU-bound processes (`--busy 2`, or other work); a run "
-              "adds to the record with `--merge`."
+              "strategy on a host kept busy by two other CPU-bound processes (`--busy 2`, or other work; with "
+              "`--parallel P` each launch also shares the host with P - 1 other launches); a run adds to the record "
+              "with `--merge`."
               + (f" Not run yet: {', '.join(missing)}." if missing else "")]
     return "\n".join(lines)
 
