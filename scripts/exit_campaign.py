@@ -53,7 +53,7 @@ ENDINGS = campaign_record.EXIT_ENDINGS
 STRATEGIES = campaign_record.EXIT_STRATEGIES
 DOC = REPO / "docs" / "benchmarks.md"
 RECORD = REPO / "docs" / "data" / "exit_campaign.json"
-SECTION = "exit-campaign"
+SECTION = campaign_record.SECTIONS["exit"]
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
@@ -169,8 +169,8 @@ def main(argv=None) -> int:
           f"{work / 'exit_campaign.json'}{'; record: ' + args.merge if args.merge else ''})", flush=True)
     if not args.no_doc and launches:
         shown = args.merge or str(work / "exit_campaign.json")
-        doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(
-            SECTION, campaign_record.render_exit(total, campaign_record.shown_path(shown, REPO))))
+        doc_sections.replace_in_file(args.doc, SECTION, campaign_record.section(
+            total, campaign_record.shown_path(shown, REPO)))
         print(f"wrote the {SECTION} section of {args.doc}", flush=True)
     return 1 if failed else 0
 

@@ -49,7 +49,7 @@ RECIPE = REPO / "recipes" / "causal_lm.py"
 SFT = REPO / "data" / "kjv_sft"
 DOC = REPO / "docs" / "benchmarks.md"
 RECORD = REPO / "docs" / "data" / "preemption_campaign.json"
-SECTION = "preemption-campaign"
+SECTION = campaign_record.SECTIONS["preemption"]
 STEPS = 16
 GRACE_S = 30.0  # torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT unset)
 
@@ -192,8 +192,7 @@ def main(argv=None) -> int:
           f"{'; record: ' + args.merge if args.merge else ''})", flush=True)
     if not args.no_doc and trials:
         shown = campaign_record.shown_path(args.merge or work / "preemption_campaign.json", REPO)
-        doc_sections.replace_in_file(args.doc, SECTION, doc_sections.wrap(
-            SECTION, campaign_record.render_preemption(total, shown, STEPS)))
+        doc_sections.replace_in_file(args.doc, SECTION, campaign_record.section(total, shown))
     return 1 if failed else 0
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_harness import campaign_record as cr
+from fsdp_harness import doc_sections
 
 REPO = Path(__file__).resolve().parent.parent
 RECORDS = REPO / "docs" / "data"
@@ -113,14 +114,14 @@ def test_preemption_trials_add_up_and_the_moments_are_grouped(tmp_path):
         {"strategy": "fsdp1", "items": [dict(trial("as the evaluation after step 6 starts"), load=5.5)]}])
     merged = cr.merge(cr.load(legacy, "preemption"), new)
     assert cr.counts(merged) == {("fsdp2",): 2, ("fsdp1",): 2}
-    text = cr.render_preemption(merged, "docs/data/preemption_campaign.json", 16)
+    text = cr.render_preemption(merged, "docs/data/preemption_campaign.json")
     assert "| fsdp1 | 2 | 2 | 0 | 18.0 / 18.0 | 1 at random (signalled at steps 3-3); 1 as the evaluation after step 6 starts | 18 to go |" in text
     assert "4 trials in 2 run(s)" in text and "| 2 | 2026-12-05T09:00Z | fsdp1 | 1 | 1 | 5.0 / 5.5 / 6.0 | no extra CPU-bound processes; a note written into the record |" in text
 
 
 def test_the_repository_records_load_and_their_cells_are_the_reports():
     for campaign, render in (("exit", lambda record: cr.render_exit(record, "x")),
-                             ("preemption", lambda record: cr.render_preemption(record, "x", 16))):
+                             ("preemption", lambda record: cr.render_preemption(record, "x"))):
         record = cr.load(RECORDS / f"{campaign}_campaign.json", campaign)
         assert record["runs"] and all(0 <= item["run"] < len(record["runs"])
                                       for cell in record["cells"] for item in cell["items"])
@@ -138,3 +139,26 @@ def test_a_merge_file_that_is_no_record_stops_the_script_before_any_launch(tmp_p
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0 and f"not a record of the {campaign} campaign" in done.stderr
     assert bad.read_text() == '{"campaign": "other"}' and not (tmp_path / "work").exists()
+
+
+def test_the_benchmarks_page_shows_each_record_as_it_is_now():
+    document = (REPO / "docs" / "benchmarks.md").read_text()
+    for campaign, name in cr.SECTIONS.items():
+        shown = f"docs/data/{campaign}_campaign.json"
+        assert doc_sections.find(document, name) == cr.section(cr.load(REPO / shown, campaign), shown), \
+            f"docs/benchmarks.md's {name} section is not {shown} rendered: python -m fsdp_harness.campaign_record {shown}"
+
+
+def test_the_section_is_rendered_again_from_a_record_with_a_note_written_by_hand(tmp_path, monkeypatch):
+    record = new_exit_run({("none", "ddp"): [launch(load=3.0)]})
+    record["runs"][0]["note"] = "the host was shared with other work"
+    cr.write(tmp_path / "exit.json", record)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\n<!-- other:start -->\nkept\n<!-- other:end -->\n")
+    monkeypatch.chdir(tmp_path)
+    assert cr.main(["exit.json", "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "kept" in text and doc_sections.find(text, "exit-campaign") == cr.section(record, "exit.json")
+    assert "| no extra CPU-bound processes; commit abc1234; the host was shared with other work |" in text
+    (tmp_path / "other.json").write_text('{"campaign": "other"}')
+    assert cr.main(["other.json", "--doc", str(doc)]) == 2 and doc.read_text() == text

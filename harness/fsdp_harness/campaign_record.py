@@ -3,7 +3,8 @@
 ``docs/data/exit_campaign.json`` and ``docs/data/preemption_campaign.json``), add the launches or
 trials they made to those already in FILE, rewrite it, and render their section of
 ``docs/benchmarks.md`` from the whole record: the totals, how many runs made them, each run's date,
-settings and load averages.
+settings and load averages. A note written into a run by hand (``"note"``) shows in its row;
+``python -m fsdp_harness.campaign_record docs/data/exit_campaign.json`` renders the section again.
 
 A record::
 
@@ -20,12 +21,15 @@ A single run's file in the older layout (``launches_asked``/``cells``/``launches
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
+from fsdp_harness import doc_sections
 from fsdp_presets.fileio import write_text_atomic
 
 EXIT_ENDINGS = ("none", "end-training", "delete", "trainer-end", "trainer-save")
@@ -33,6 +37,8 @@ EXIT_STRATEGIES = ("ddp", "fsdp1", "fsdp2")
 PREEMPTION_STRATEGIES = ("fsdp2", "fsdp1")
 KEYS = {"exit": ("ending", "strategy"), "preemption": ("strategy",)}
 FULL_CHECK = {"exit": 50, "preemption": 20}
+SECTIONS = {"exit": "exit-campaign", "preemption": "preemption-campaign"}
+"""Each campaign's section of docs/benchmarks.md."""
 ENDING_TEXT = {
     "none": "`none` (the script returns)",
     "end-training": "`end-training` (`accelerator.end_training()`)",
@@ -226,7 +232,7 @@ def _load_span(record: dict) -> str:
     loads += [item["load"] for cell in record["cells"] for item in cell["items"] if "load" in item]
     dates = sorted({run.get("started", run.get("date", "?"))[:10] for run in record["runs"]})
     return (f"{len(record['runs'])} run(s) on {', '.join(dates)}, load average {min(loads):.1f}-{max(loads):.1f} "
-            "(1-minute, the campaign's own launches included; a shared 2-core host: other work was running too)")
+            "(1-minute averages, the campaign's own launches included; a run's notes say what else ran)")
 
 
 def render_exit(record: dict, record_path: str) -> str:
@@ -279,9 +285,9 @@ def _moments(items: list[dict]) -> str:
     return "; ".join(parts + [f"{count} {moment}" for moment, count in held.items()])
 
 
-def render_preemption(record: dict, record_path: str, steps: int) -> str:
+def render_preemption(record: dict, record_path: str) -> str:
     """The ``preemption-campaign`` section of docs/benchmarks.md from a whole (merged) record."""
-    full = FULL_CHECK["preemption"]
+    full, steps = FULL_CHECK["preemption"], record["settings"]["steps"]
     total = sum(len(cell["items"]) for cell in record["cells"])
     lines = ["## Preemption campaign: SIGTERM at random moments, then --resume auto", "",
              f"`python scripts/preemption_campaign.py --merge {record_path}`: 2-process launches of "
@@ -306,3 +312,33 @@ def render_preemption(record: dict, record_path: str, steps: int) -> str:
               "the same strategy made at the start of the same run. The stop times of the held trials include the fault's 8 s hold. A second "
               "signal is `tests/test_preemption.py`'s (the previous checkpoint stays intact)."]
     return "\n".join(lines)
+
+
+def section(record: dict, record_path: str) -> str:
+    """The record's section of docs/benchmarks.md, between its markers (:mod:`fsdp_harness.doc_sections`)."""
+    render = render_exit if record["campaign"] == "exit" else render_preemption
+    return doc_sections.wrap(SECTIONS[record["campaign"]], render(record, record_path))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Render a campaign record's section of the benchmarks page "
+                                     "again (after a note was written into a run by hand).")
+    parser.add_argument("record", help="docs/data/exit_campaign.json or docs/data/preemption_campaign.json")
+    parser.add_argument("--doc", default="docs/benchmarks.md", help="the markdown file whose section is rewritten")
+    args = parser.parse_args(argv)
+    try:
+        campaign = json.loads(Path(args.record).read_text()).get("campaign")
+        if campaign not in SECTIONS:
+            raise RecordError(f"{args.record}: not a campaign record (campaign is {campaign!r}, not one of "
+                              f"{', '.join(SECTIONS)})")
+        record = load(args.record, campaign)
+    except (OSError, ValueError, AttributeError) as error:
+        print(f"campaign_record: {error}", file=sys.stderr)
+        return 2
+    doc_sections.replace_in_file(args.doc, SECTIONS[campaign], section(record, shown_path(args.record, Path.cwd())))
+    print(f"wrote the {SECTIONS[campaign]} section of {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
