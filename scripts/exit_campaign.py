@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_harness import campaign_record, doc_sections
+from fsdp_harness import campaign_record
 from fsdp_harness.launch import launch_env, write_accelerate_config
 from fsdp_presets.preset.local_launch import launch_command
 from fsdp_presets.clean_exit import CLEAN_EXIT
@@ -54,7 +54,6 @@ ENDINGS = campaign_record.EXIT_ENDINGS
 STRATEGIES = campaign_record.EXIT_STRATEGIES
 DOC = REPO / "docs" / "benchmarks.md"
 RECORD = REPO / "docs" / "data" / "exit_campaign.json"
-SECTION = campaign_record.SECTIONS["exit"]
 GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
@@ -171,9 +170,8 @@ def main(argv=None) -> int:
           f"{work / 'exit_campaign.json'}{'; record: ' + args.merge if args.merge else ''})", flush=True)
     if not args.no_doc and launches:
         shown = args.merge or str(work / "exit_campaign.json")
-        doc_sections.replace_in_file(args.doc, SECTION, campaign_record.section(
-            total, campaign_record.shown_path(shown, REPO)))
-        print(f"wrote the {SECTION} section of {args.doc}", flush=True)
+        name = campaign_record.write_section(args.doc, total, campaign_record.shown_path(shown, REPO))
+        print(f"wrote the {name} section of {args.doc}", flush=True)
     return 1 if failed else 0
 
 

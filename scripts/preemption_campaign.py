@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_harness import campaign_record, doc_sections
+from fsdp_harness import campaign_record
 from fsdp_harness.launch import launch_command, launch_env, write_accelerate_config
 from fsdp_harness.tiny_model import write_tiny_model
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS
@@ -49,7 +49,6 @@ RECIPE = REPO / "recipes" / "causal_lm.py"
 SFT = REPO / "data" / "kjv_sft"
 DOC = REPO / "docs" / "benchmarks.md"
 RECORD = REPO / "docs" / "data" / "preemption_campaign.json"
-SECTION = campaign_record.SECTIONS["preemption"]
 STEPS = 16
 GRACE_S = 30.0  # torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT unset)
 
@@ -192,7 +191,7 @@ def main(argv=None) -> int:
           f"{'; record: ' + args.merge if args.merge else ''})", flush=True)
     if not args.no_doc and trials:
         shown = campaign_record.shown_path(args.merge or work / "preemption_campaign.json", REPO)
-        doc_sections.replace_in_file(args.doc, SECTION, campaign_record.section(total, shown))
+        campaign_record.write_section(args.doc, total, shown)
     return 1 if failed else 0
 
 if __name__ == "__main__":

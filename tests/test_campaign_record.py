@@ -149,7 +149,7 @@ def test_the_benchmarks_page_shows_each_record_as_it_is_now():
             f"docs/benchmarks.md's {name} section is not {shown} rendered: python -m fsdp_harness.campaign_record {shown}"
 
 
-def test_the_section_is_rendered_again_from_a_record_with_a_note_written_by_hand(tmp_path, monkeypatch):
+def test_the_section_is_rendered_again_from_a_record_with_a_note_written_by_hand(tmp_path, monkeypatch, capsys):
     record = new_exit_run({("none", "ddp"): [launch(load=3.0)]})
     record["runs"][0]["note"] = "the host was shared with other work"
     cr.write(tmp_path / "exit.json", record)
@@ -161,4 +161,7 @@ def test_the_section_is_rendered_again_from_a_record_with_a_note_written_by_hand
     assert "kept" in text and doc_sections.find(text, "exit-campaign") == cr.section(record, "exit.json")
     assert "| no extra CPU-bound processes; commit abc1234; the host was shared with other work |" in text
     (tmp_path / "other.json").write_text('{"campaign": "other"}')
+    capsys.readouterr()
     assert cr.main(["other.json", "--doc", str(doc)]) == 2 and doc.read_text() == text
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "other.json: not a campaign record" in error and "wrote with --merge" in error

@@ -320,6 +320,13 @@ def section(record: dict, record_path: str) -> str:
     return doc_sections.wrap(SECTIONS[record["campaign"]], render(record, record_path))
 
 
+def write_section(doc: str | os.PathLike, record: dict, record_path: str) -> str:
+    """Rewrite the record's section of ``doc`` (``record_path``: the record's file as the section
+    names it); returns the section's name."""
+    doc_sections.replace_in_file(doc, SECTIONS[record["campaign"]], section(record, record_path))
+    return SECTIONS[record["campaign"]]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Render a campaign record's section of the benchmarks page "
                                      "again (after a note was written into a run by hand).")
@@ -330,13 +337,14 @@ def main(argv=None) -> int:
         campaign = json.loads(Path(args.record).read_text()).get("campaign")
         if campaign not in SECTIONS:
             raise RecordError(f"{args.record}: not a campaign record (campaign is {campaign!r}, not one of "
-                              f"{', '.join(SECTIONS)})")
+                              f"{', '.join(SECTIONS)}); give a file that scripts/exit_campaign.py or "
+                              "scripts/preemption_campaign.py wrote with --merge")
         record = load(args.record, campaign)
     except (OSError, ValueError, AttributeError) as error:
         print(f"campaign_record: {error}", file=sys.stderr)
         return 2
-    doc_sections.replace_in_file(args.doc, SECTIONS[campaign], section(record, shown_path(args.record, Path.cwd())))
-    print(f"wrote the {SECTIONS[campaign]} section of {args.doc}")
+    name = write_section(args.doc, record, shown_path(args.record, Path.cwd()))
+    print(f"wrote the {name} section of {args.doc}")
     return 0
 
 
