@@ -54,9 +54,12 @@ def test_every_shared_flag_has_one_type_default_and_choices():
     for option, by_command in sorted(_flags().items()):
         compared = {command: action for command, action in by_command.items()
                     if (option, command) not in DIFFERENT_ON_PURPOSE}
-        if option == "--gpus":  # inspect-checkpoint repeats it (one count per question): same check, a list
-            compared = {command: action for command, action in compared.items() if command != "inspect-checkpoint"}
+        if option == "--gpus":  # inspect-checkpoint repeats it (one count per question), plan takes a list
+            # (a scaling table): each count the same check
+            compared = {command: action for command, action in compared.items()
+                        if command not in ("inspect-checkpoint", "plan")}
             assert by_command["inspect-checkpoint"].type is limits.gpu_count
+            assert by_command["plan"].type is limits.gpu_counts
         signatures = {command: _signature(action) for command, action in compared.items()}
         if len(set(signatures.values())) > 1:
             drift.append(f"{option}: {signatures}")

@@ -371,7 +371,7 @@ def test_plan_table_and_diagram(capsys, tmp_path):
     assert code == 0
     # 70B with Adam needs 16 x 70.6 GB of model states: sharding over one 8-GPU node (HSDP)
     # leaves 131 GiB per GPU; over all 32 GPUs, 33 GiB.
-    assert "recommended: FULL_SHARD (FSDP2)" in out and "reason: FULL_SHARD (FSDP2) fits" in out
+    assert "recommended: FULL_SHARD (FSDP2)" in out and "reason: FULL_SHARD (FSDP2) is the fastest that fits" in out
     assert "HYBRID_SHARD (FSDP1)" in out and "inter-node" in out
     assert diagram.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and diagram.stat().st_size > 20_000
     assert [path.name for path in diagram.parent.iterdir()] == ["plan.png"]  # written through a temporary

@@ -4,12 +4,16 @@
     fsdp-presets plan llama --gpus 2 --gpu-memory 24 --json
     fsdp-presets plan path/to/model --gpus 8 --gpu-memory 80 --diagram plan.png
     fsdp-presets plan model_configs/llama-3.1-8b --gpus 8 --gpu-memory 80 --seq-len 4096 --grad-accum 4
+    fsdp-presets plan model_configs/llama-3.1-70b --gpus 8,16,32,64,128 --gpu H100-SXM --tokens 10e9
 
 Per GPU at the step's peak (the start of backward, as a rehearsal measures it: ``fsdp-presets
 rehearse``): parameters, gradients, optimizer state, activations and transient buffers for DDP,
 NO_SHARD, SHARD_GRAD_OP, FULL_SHARD and (with --nodes > 1) HYBRID_SHARD, FSDP1 and FSDP2;
-whether each fits, the largest micro-batch that does, and the bytes each GPU sends per step.
-Formulas and their sources: :mod:`fsdp_presets.plan.planner`.
+whether each fits, the largest micro-batch that does, and the bytes each GPU sends per step; the
+step time, tokens/s per GPU, MFU and the share of the step waiting on communication on the GPU
+type (``--gpu``, H100-SXM unless given), and the fastest configuration that fits. Several
+``--gpus`` counts print a scaling table. Formulas and their sources: :mod:`fsdp_presets.plan.planner`
+(memory) and :mod:`fsdp_presets.plan.step_time` (time).
 """
 
 from __future__ import annotations
@@ -23,10 +27,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments
     from fsdp_presets.plan.methods import add_method_arguments
 
+    from fsdp_presets.plan.gpus import GPU_NAMES
+    from fsdp_presets.plan.limits import gpu_counts, inter_node_gbps, token_count
+
     arguments.add_model(parser)
-    arguments.add_gpus(parser, required=True)
+    parser.add_argument("--gpus", type=gpu_counts, required=True, metavar="N[,N...]",
+                        help="GPUs in the whole job; several counts (8,16,32,64) print a scaling table with "
+                        "8 GPUs a node above 8")
     arguments.add_nodes(parser)
-    arguments.add_gpu_memory(parser)
+    parser.add_argument("--gpu", metavar="NAME", help=f"GPU type for step times and memory: {', '.join(GPU_NAMES)} "
+                        "(case-insensitive; default H100-SXM for the times, --gpu-memory for the memory)")
+    parser.add_argument("--inter-node-gbps", type=inter_node_gbps, metavar="Gb/s",
+                        help="one GPU's network to other nodes in Gb/s (default: the GPU type's usual cluster, "
+                        "e.g. 400 for H100-SXM: one 400 Gb/s adapter per GPU)")
+    parser.add_argument("--tokens", type=token_count, metavar="N",
+                        help="tokens to train on (10e9): adds training time and GPU-hours")
+    arguments.add_gpu_memory(parser, default_help=", or the --gpu type's")
     arguments.add_seq_len(parser, default_help="; a longer one given here is refused")
     arguments.add_micro_batch(parser)
     arguments.add_grad_accum(parser, extra_help="; under no_sync FSDP keeps unsharded gradients of the whole "
@@ -49,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_host_memory(parser, default_help="; prints what a save costs, and whether --async-save's staging "
                               "copy fits beside the offloaded states")
     parser.add_argument("--seconds-per-step", type=float, metavar="SECONDS",
-                        help="seconds per optimizer step, to give the save interval in steps")
+                        help="seconds per optimizer step, to give the save interval in steps (default: the "
+                        "predicted step time of the recommended strategy)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--diagram", metavar="FILE.png", help="draw per-GPU memory and the unit split to this file")
     arguments.add_trust_remote_code(parser)
@@ -59,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from fsdp_presets.fileio import GiB
+    from fsdp_presets.plan.fastest import fastest
     from fsdp_presets.plan.inputs import plan_inputs
     from fsdp_presets.plan.methods import lora_from_args
     from fsdp_presets.plan.planner import fit_seq_len, plan_with_auto_savers
-    from fsdp_presets.plan.report import plan_json, plan_text
+    from fsdp_presets.plan.report import plan_json, plan_text, scaling_json, scaling_text
     from fsdp_presets.preset.generate import load_profile
     from fsdp_presets.preset.measured_activations import with_rehearsed_terms
     from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
@@ -74,20 +92,35 @@ def run(args: argparse.Namespace) -> int:
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
     shape, terms_note = with_rehearsed_terms(args.model, shape, trust_remote_code=args.trust_remote_code)
-    memory_plan, chosen = plan_with_auto_savers(profile, inputs.hardware, shape,
-                                                checkpointing=inputs.checkpointing, offload=inputs.offload)
+    plans = []
+    for hardware in inputs.hardwares:
+        memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape,
+                                                    checkpointing=inputs.checkpointing, offload=inputs.offload)
+        plans.append((memory_plan, chosen, fastest(profile, hardware, memory_plan.shape)))
+    gpu_note = None if inputs.gpu_named else (f"step times for {inputs.hardware.gpu.name} GPUs: give --gpu for "
+                                               "yours")
 
+    if len(plans) > 1:
+        if args.json:
+            print(json.dumps(scaling_json(plans, profile, source=args.model, tokens=args.tokens), indent=2))
+        else:
+            print(scaling_text(plans, profile, source=args.model, tokens=args.tokens, gpu_note=gpu_note))
+        return 0
+    memory_plan, chosen, found = plans[0]
     if args.diagram:
         from fsdp_presets.plan.diagram import draw_plan
 
         draw_plan(memory_plan, profile, args.diagram)
     if args.json:
         print(json.dumps(plan_json(memory_plan, profile, source=args.model, chosen=chosen, storage_bytes_per_s=storage,
-                                   host_bytes=host, terms_note=terms_note), indent=2))
+                                   host_bytes=host, terms_note=terms_note, fastest=found, tokens=args.tokens),
+                         indent=2))
     else:
+        predicted = memory_plan.recommended.time.step_s if memory_plan.recommended is not None else None
         print(plan_text(memory_plan, profile, source=args.model, chosen=chosen, seq_note=seq_note,
                         terms_note=terms_note, storage_bytes_per_s=storage, host_bytes=host,
                         saves=any(value is not None for value in (args.mtbf, args.storage_bandwidth, args.host_memory)),
                         mtbf_hours=args.mtbf,
-                        step_time_s=args.seconds_per_step, diagram=args.diagram))
+                        step_time_s=args.seconds_per_step or predicted, diagram=args.diagram, fastest=found,
+                        tokens=args.tokens, gpu_note=gpu_note))
     return 0

@@ -17,12 +17,17 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB
 from fsdp_presets.plan import limits
 from fsdp_presets.plan.methods import lora_from_args
+from fsdp_presets.plan.gpus import GpuType, gpu_type
 from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 
 __all__ = ["DIAGRAM_SUFFIXES", "PlanInputs", "plan_inputs"]
 
 DIAGRAM_SUFFIXES = (".png", ".svg", ".pdf")
+DEFAULT_GPU = "H100-SXM"
+"""The GPU type a plan's step times are for when ``--gpu`` is not given (80 GB: ``--gpu-memory``'s default)."""
+GPUS_PER_NODE_IN_SCALING = 8
+"""GPUs a node in a scaling table (``--gpus 8,16,32``): the HGX/DGX and MI300X platforms hold 8."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +43,10 @@ class PlanInputs:
     """``on``, ``off`` or ``auto``, as ``checkpointing``."""
     storage_bytes_per_s: float
     """Checkpoint write bandwidth per node (--storage-bandwidth, else the assumed default)."""
+    hardwares: tuple[Hardware, ...] = ()
+    """One per ``--gpus`` count (a scaling table when several); ``hardware`` is the first."""
+    gpu_named: bool = False
+    """Whether ``--gpu`` named the GPU type (else the step times are for :data:`DEFAULT_GPU`)."""
 
 
 def plan_inputs(args: argparse.Namespace) -> PlanInputs:
@@ -54,11 +63,32 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         lora_from_args(args)  # the flags alone; target names are checked against the model later
     except UsageError as error:
         problems.append(str(error))
+    gpu: GpuType | None = None
     try:
-        hardware = Hardware(gpus=args.gpus, nodes=args.nodes or 1,
-                            gpu_memory_bytes=int((args.gpu_memory or limits.DEFAULT_GPU_MEMORY_GIB) * GiB))
+        gpu = gpu_type(args.gpu or DEFAULT_GPU)
     except UsageError as error:
         problems.append(str(error))
+    counts = args.gpus if isinstance(args.gpus, tuple) else (args.gpus,)
+    if len(counts) > 1 and args.nodes:
+        problems.append(f"--nodes {args.nodes} with several --gpus counts: the scaling table puts "
+                        f"{GPUS_PER_NODE_IN_SCALING} GPUs on a node; give --nodes with one count")
+    if len(counts) > 1:
+        uneven = [count for count in counts if count > GPUS_PER_NODE_IN_SCALING and count % GPUS_PER_NODE_IN_SCALING]
+        if uneven:
+            problems.append(f"--gpus {','.join(map(str, uneven))}: above {GPUS_PER_NODE_IN_SCALING} a scaling "
+                            f"table counts whole nodes of {GPUS_PER_NODE_IN_SCALING} (e.g. --gpus 8,16,32,64)")
+    memory_gib = args.gpu_memory or (gpu.memory_gib if gpu is not None and args.gpu else limits.DEFAULT_GPU_MEMORY_GIB)
+    hardwares = []
+    if gpu is not None and not problems:
+        try:
+            for count in counts:
+                nodes = args.nodes or (count // GPUS_PER_NODE_IN_SCALING
+                                       if len(counts) > 1 and count > GPUS_PER_NODE_IN_SCALING else 1)
+                hardwares.append(Hardware(gpus=count, nodes=nodes, gpu_memory_bytes=int(memory_gib * GiB), gpu=gpu,
+                                          inter_node_gbps=args.inter_node_gbps))
+        except UsageError as error:
+            problems.append(str(error))
+    hardware = hardwares[0] if hardwares else None
     try:
         shape = TrainingShape(
             seq_len=args.seq_len or limits.DEFAULT_SEQ_LEN,
@@ -78,4 +108,5 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     if problems:
         raise UsageError("; ".join(problems))
     return PlanInputs(hardware=hardware, shape=shape, checkpointing=checkpointing, offload=offload,
-                      storage_bytes_per_s=(args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9)
+                      storage_bytes_per_s=(args.storage_bandwidth or DEFAULT_STORAGE_GB_PER_S) * 1e9,
+                      hardwares=tuple(hardwares), gpu_named=bool(args.gpu))

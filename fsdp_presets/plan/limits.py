@@ -108,6 +108,15 @@ lora_rank = count_check("--lora-r", high=MAX_LORA_R, example="16",
                    doc="``--lora-r``: the adapter's rank, 1 .. :data:`MAX_LORA_R`.")
 
 
+def gpu_counts(text: str) -> tuple[int, ...]:
+    """``plan --gpus``: one GPU count, or several separated by commas (``8,16,32,64``) for a scaling
+    table; each checked as :func:`gpu_count`, no count twice."""
+    counts = tuple(gpu_count(part) for part in str(text).split(","))
+    if len(set(counts)) != len(counts):
+        raise UsageError(f"--gpus {text}: a count is given twice (e.g. --gpus 8,16,32)")
+    return counts
+
+
 def _real(text: str, *, flag: str, accepts, rule: str, example: str) -> float:
     try:
         value = float(text)
@@ -116,6 +125,18 @@ def _real(text: str, *, flag: str, accepts, rule: str, example: str) -> float:
     if not (math.isfinite(value) and accepts(value)):
         raise UsageError(f"{flag} must be {rule}, got {text!r} (e.g. {flag} {example})")
     return value
+
+
+def inter_node_gbps(text: str) -> float:
+    """``--inter-node-gbps``: one GPU's network to other nodes in Gb/s, more than 0 and at most 1e6."""
+    return _real(text, flag="--inter-node-gbps", accepts=lambda value: 0 < value <= 1e6,
+                 rule="a number of Gb/s more than 0 and at most 1e6", example="400")
+
+
+def token_count(text: str) -> float:
+    """``--tokens``: tokens to train on (``10e9``), more than 0 and at most 1e15."""
+    return _real(text, flag="--tokens", accepts=lambda value: 0 < value <= 1e15,
+                 rule="a number of tokens more than 0 and at most 1e15", example="10e9")
 
 
 def lora_alpha(text: str) -> float:

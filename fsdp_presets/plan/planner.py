@@ -64,6 +64,7 @@ from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lor
 from fsdp_presets.plan.model_state import ACCUMULATED_GRAD_BYTES, fsdp_units, input_embedding_params, model_state_bytes
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.results import MemoryPlan, ModelStateBytes, PerGpuBytes, StrategyPlan
+from fsdp_presets.plan.step_time import step_time
 from fsdp_presets.plan.shapes import (OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARY_BYTES, STORED_PARAM_BYTES,
                                       Hardware, TrainingShape)
 
@@ -271,7 +272,7 @@ def _strategy_plan(
     reserve = allocator_reserve(unit_bytes(profile, shape, fsdp_version, shard_size), fsdp_version=fsdp_version,
                                 name=name, offloaded=offloaded, state_grads_on_gpu=on_gpu.grads,
                                 peak_grads=per_gpu.grads, peak_total=per_gpu.total)
-    return StrategyPlan(
+    row = StrategyPlan(
         name=name,
         fsdp_version=fsdp_version,
         shard_world_size=shard_size,
@@ -286,6 +287,9 @@ def _strategy_plan(
         notes=tuple(notes),
         source=_source(profile, shape, fsdp_version),
     )
+    if hardware.gpu is None:
+        return row
+    return dataclasses.replace(row, time=step_time(profile, hardware, shape, row))
 
 
 def _source(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> str:
@@ -341,7 +345,10 @@ def strategies_for(hardware: Hardware) -> list[tuple[str, int | None]]:
 
 
 def _rank_key(strategy: StrategyPlan) -> tuple:
+    # NOTE: times within 1% are a tie: the model is not that exact, and a tie goes to less traffic.
+    step = float(f"{strategy.time.step_s:.2g}") if strategy.time is not None else 0.0
     return (
+        step,
         strategy.comm.inter_node,
         strategy.comm.total,
         _PREFERENCE.index((strategy.name, strategy.fsdp_version)),
@@ -349,9 +356,10 @@ def _rank_key(strategy: StrategyPlan) -> tuple:
 
 
 def _best(strategies: list[StrategyPlan]) -> StrategyPlan | None:
-    """The strategy that fits with the least communication (across nodes first); then its FSDP2
-    form when that fits too. FSDP1 and FSDP2 of one strategy differ in communication only by
-    which small units are re-gathered, which is no reason to leave the default version."""
+    """The strategy that fits with the shortest step (when the GPU type is known), then the least
+    communication (across nodes first); then its FSDP2 form when that fits too. FSDP1 and FSDP2
+    of one strategy differ in communication only by which small units are re-gathered, which is no
+    reason to leave the default version."""
     fitting = sorted((s for s in strategies if s.fits), key=_rank_key)
     if not fitting:
         return None
@@ -381,6 +389,8 @@ def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> Mem
         if others:
             smallest_missing = min(others, key=lambda s: s.per_gpu.total)
             reason += f"; {len(others)} other(s) do not fit (e.g. {smallest_missing.label} needs {format_bytes(smallest_missing.per_gpu.total)})"
+        if best.time is not None:
+            reason = time_reason(best, strategies) + "; " + reason.replace(" fits with the least communication", " fits")
         return MemoryPlan(hardware=hardware, shape=shape, strategies=strategies, recommended=best, reason=reason)
     smallest = min(strategies, key=lambda s: s.per_gpu.total)
     reason = (
@@ -395,6 +405,31 @@ def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> Mem
         reason=reason,
         suggestions=_suggestions(profile, hardware, shape),
     )
+
+
+def time_reason(best: StrategyPlan, strategies: list[StrategyPlan]) -> str:
+    """Why ``best`` is the fastest that fits: its step, and what makes the runner-up slower."""
+    time = best.time
+    text = (f"{best.label} is the fastest that fits: {time.step_s:.3g} s per step, "
+            f"{time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {time.mfu:.0%}, "
+            f"{time.exposed_comm_fraction:.0%} of the step waiting on communication")
+    others = sorted((s for s in strategies if s.fits and s.time is not None and s.name != best.name),
+                    key=lambda s: s.time.step_s)
+    if others:
+        runner = others[0]
+        slower = runner.time.step_s / time.step_s
+        if runner.time.exposed_comm_s > time.exposed_comm_s:
+            why = (f"{format_bytes(runner.comm.inter_node, binary=False)} across nodes" if runner.comm.inter_node
+                   > best.comm.inter_node else f"{format_bytes(runner.comm.total, binary=False)} sent")
+            text += f" ({runner.label} {slower:.2f}x slower: {why}, {runner.time.exposed_comm_fraction:.0%} exposed)"
+        elif slower < 1.01:
+            text += f" ({runner.label} as fast: the tie goes to less traffic)"
+        else:
+            text += f" ({runner.label} {slower:.2f}x slower)"
+    if best.name == "HYBRID_SHARD":
+        text += (": HYBRID_SHARD sends only the gradient shards' all-reduce across nodes "
+                 f"({best.comm.inter_node / max(best.comm.total, 1):.0%} of its traffic)")
+    return text
 
 
 def plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offload: str):

@@ -126,6 +126,9 @@ class StrategyPlan:
     (:mod:`fsdp_presets.plan.allocator`)."""
     nvidia_smi: int = 0
     """What ``nvidia-smi`` shows at the peak: ``per_gpu``, ``allocator_reserve`` and the CUDA context."""
+    time: object = None
+    """Seconds per step, tokens/s and MFU on the hardware's GPU type (a
+    :class:`~fsdp_presets.plan.step_time.StepTime`); None when the GPU type is not known."""
     source: str = "estimated"
     """How the figures were obtained: ``composed from a rehearsal`` (this model's own activation
     terms, :mod:`fsdp_presets.preset.measured_activations`, composed for a strategy a rehearsal can
@@ -149,8 +152,16 @@ class StrategyPlan:
             "nvidia_smi_bytes": self.nvidia_smi,
             "source": self.source,
             "comm_bytes_per_step": self.comm.to_json(),
+            **_time_json(self.time),
             "notes": list(self.notes),
         }
+
+
+def _time_json(time) -> dict:
+    """The row's time fields (None each when the GPU type is not known)."""
+    if time is None:
+        return {"step_time_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "exposed_comm_fraction": None}
+    return time.to_json()
 
 
 @dataclass(kw_only=True)
@@ -188,7 +199,7 @@ class MemoryPlan:
             else {"name": recommended.name, "fsdp_version": recommended.fsdp_version},
             "reason": self.reason,
             "suggestions": list(self.suggestions),
-            "hardware": dataclasses.asdict(self.hardware),
+            "hardware": self.hardware.to_json(),
             "shape": dataclasses.asdict(self.shape),
             "method": self.shape.method,
         }

@@ -16,6 +16,7 @@ from typing import Literal
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN, PRECISIONS, gpu_count, node_count
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import GiB
+from fsdp_presets.plan.gpus import GpuType
 
 Precision = Literal["bf16", "fp16", "fp32"]
 """Accelerate's ``mixed_precision`` values (:data:`fsdp_presets.plan.limits.PRECISIONS`)."""
@@ -103,6 +104,10 @@ class Hardware(OnNodes):
     """Memory of each GPU that tensors cannot use (CUDA context, library workspaces, allocator
     rounding and fragmentation). Default: :data:`DEFAULT_RESERVED_BYTES` plus
     :data:`ALLOCATOR_RESERVE_FRACTION` of the GPU's memory (5 GiB of an 80 GiB GPU)."""
+    gpu: GpuType | None = None
+    """The GPU type (:mod:`fsdp_presets.plan.gpus`): with it every row gets a step time; None: memory only."""
+    inter_node_gbps: float | None = None
+    """One GPU's network to other nodes in Gb/s; None: the GPU type's reference cluster."""
 
     def __post_init__(self) -> None:
         if self.reserved_bytes is None:
@@ -113,6 +118,9 @@ class Hardware(OnNodes):
                 f"--nodes {self.nodes} does not divide --gpus {self.gpus}: every node must hold "
                 f"the same number of GPUs (e.g. --gpus {self.nodes * max(1, self.gpus // self.nodes)})"
             )
+        if self.inter_node_gbps is not None and not (0 < self.inter_node_gbps <= 1e6):
+            problems.append(f"--inter-node-gbps must be more than 0 and at most 1e6, got {self.inter_node_gbps!r} "
+                            "(e.g. --inter-node-gbps 400)")
         if self.reserved_bytes < 0:
             problems.append(f"reserved bytes must not be negative, got {self.reserved_bytes}")
         if self.gpu_memory_bytes <= self.reserved_bytes:
@@ -128,6 +136,12 @@ class Hardware(OnNodes):
     def usable_bytes(self) -> int:
         """What tensors can use on one GPU."""
         return self.gpu_memory_bytes - self.reserved_bytes
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, "nodes": self.nodes, "gpu_memory_bytes": self.gpu_memory_bytes,
+                "reserved_bytes": self.reserved_bytes, "gpu": None if self.gpu is None else self.gpu.name,
+                "inter_node_gbps": None if self.gpu is None else (
+                    self.gpu.inter_node_gbps if self.inter_node_gbps is None else self.inter_node_gbps)}
 
 
 @dataclass(frozen=True, kw_only=True)
