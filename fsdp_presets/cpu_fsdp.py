@@ -333,7 +333,7 @@ class _PairWork(torch.distributed.Work):
         return True
 
 
-def _is_gloo_pair(group) -> bool:
+def is_gloo_pair(group) -> bool:
     import torch.distributed as dist
 
     return group is not None and group.size() == 2 and dist.get_backend(group) == "gloo"
@@ -397,7 +397,7 @@ def _patch_fsdp2_pair_collectives() -> None:
     if not getattr(all_gather, "_fsdp_presets_patch", False):
         @functools.wraps(all_gather)
         def gather(self, output_tensor, input_tensor, group, async_op=False):
-            if _is_gloo_pair(group) and output_tensor.numel() == 2 * input_tensor.numel():
+            if is_gloo_pair(group) and output_tensor.numel() == 2 * input_tensor.numel():
                 return pair_all_gather(output_tensor, input_tensor, group, async_op=async_op)
             return all_gather(self, output_tensor, input_tensor, group, async_op=async_op)
 
@@ -407,7 +407,7 @@ def _patch_fsdp2_pair_collectives() -> None:
     if not getattr(reduce_scatter, "_fsdp_presets_patch", False):
         @functools.wraps(reduce_scatter)
         def scatter(self, output_tensor, input_tensor, group, op, async_op=False):
-            if (_is_gloo_pair(group) and not async_op and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+            if (is_gloo_pair(group) and not async_op and op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
                     and input_tensor.numel() == 2 * output_tensor.numel()):
                 return pair_reduce_scatter(output_tensor, input_tensor, group, op)
             return reduce_scatter(self, output_tensor, input_tensor, group, op, async_op=async_op)

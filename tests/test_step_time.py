@@ -218,3 +218,65 @@ def test_of_two_published_runs_that_differ_in_one_setting_the_faster_is_predicte
     pairs = published.one_setting_pairs(rows, predictions)
     assert pairs, "no pair found: is the table loaded?"
     assert all(agrees for _, agrees in pairs), [label for label, agrees in pairs if not agrees]
+
+
+# --------------------------------------------------------------------------- a CPU host (plan --device cpu)
+
+
+def _host(**overrides):
+    from fsdp_presets.plan.gpus import HostRates
+
+    values = dict(matmul=((64, 64, 2e10), (64, 512, 5e10), (256, 64, 4e10), (256, 512, 9e10)),
+                  memory_bytes_per_s=4e10, collectives={"all_gather": (1e-4, 1e9), "reduce_scatter": (1e-4, 1e9),
+                                                        "all_reduce": (1e-4, 1e9)},
+                  overheads={"DDP": (0.003, 0.001), "FULL_SHARD": (0.005, 0.006), "SHARD_GRAD_OP": (0.005, 0.004)})
+    return HostRates(**{**values, **overrides})
+
+
+def _cpu_row(profile, host, strategy="FULL_SHARD", **shape):
+    hardware = Hardware(gpus=2, gpu_memory_bytes=8 * GiB, host=host)
+    return plan(profile, hardware, TrainingShape(**{"seq_len": 256, "precision": "fp32", **shape})).get(strategy, 2)
+
+
+def test_the_host_rates_take_the_measured_point_at_or_below_a_shape():
+    host = _host()
+    assert host.matmul_flops(256, 512) == 9e10 and host.matmul_flops(1000, 4096) == 9e10
+    assert host.matmul_flops(100, 100) == 2e10 and host.matmul_flops(8, 8) == 2e10  # below the grid: its smallest
+    assert host.collective_s("all_gather", 1e9) == pytest.approx(1.0001)
+    assert _host().to_json() == _host().from_json(_host().to_json()).to_json()
+
+
+def test_on_a_cpu_host_slower_links_and_more_overhead_cost_what_they_should(llama_8b):
+    from fsdp_presets.model.profile import profile_model
+
+    tiny = profile_model("llama")
+    base = _cpu_row(tiny, _host())
+    assert base.time.step_s > 0 and base.time.exposed_comm_s <= base.time.comm_s
+    slow = _cpu_row(tiny, _host(collectives={op: (1e-4, 1e7) for op in ("all_gather", "reduce_scatter", "all_reduce")}))
+    assert slow.time.step_s > base.time.step_s
+    # The block overhead counts once per block per micro-batch.
+    heavier = _cpu_row(tiny, _host(overheads={**_host().overheads, "FULL_SHARD": (0.005, 0.106)}))
+    assert heavier.time.step_s - base.time.step_s == pytest.approx(0.1 * tiny.num_blocks, rel=1e-6)
+    # SHARD_GRAD_OP gathers once: with the same overheads it sends less and is no slower.
+    same = _host(overheads={name: (0.005, 0.006) for name in ("DDP", "FULL_SHARD", "SHARD_GRAD_OP")})
+    assert _cpu_row(tiny, same, "SHARD_GRAD_OP").time.step_s <= _cpu_row(tiny, same).time.step_s
+
+
+def test_plan_device_cpu_measures_the_host_once_and_refuses_gpu_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FSDP_PRESETS_CACHE", str(tmp_path / "cache"))
+    code, out = _cli(capsys, "plan", "llama", "--device", "cpu", "--gpus", 2, "--seq-len", 64, "--json")
+    assert code == 0
+    document = json.loads(out)
+    assert document["hardware"]["gpu"] == "CPU (measured)" and document["shape"]["precision"] == "fp32"
+    assert all(row["step_time_s"] > 0 for row in document["strategies"])
+    measured = list((tmp_path / "cache" / "host").glob("*.json"))
+    assert len(measured) == 1
+    rates = json.loads(measured[0].read_text())
+    assert all(point[2] > 1e8 for point in rates["matmul"]) and rates["memory_bytes_per_s"] > 1e8
+    assert set(rates["overheads"]) == {"DDP", "FULL_SHARD", "SHARD_GRAD_OP"}
+    # Again: read back, not measured again (the file is unchanged).
+    before = measured[0].stat().st_mtime_ns
+    code, out = _cli(capsys, "plan", "llama", "--device", "cpu", "--gpus", 2, "--seq-len", 64)
+    assert code == 0 and "host measured earlier" in out and measured[0].stat().st_mtime_ns == before
+    assert main(["plan", "llama", "--device", "cpu", "--gpus", "2", "--gpu", "H100-SXM"]) == 2
+    assert "--device cpu plans processes on this host" in capsys.readouterr().err

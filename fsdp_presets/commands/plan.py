@@ -43,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=token_count, metavar="N",
                         help="tokens to train on (10e9): adds training time and GPU-hours")
     arguments.add_gpu_memory(parser, default_help=", or the --gpu type's")
+    arguments.add_device(parser, default_help="; cpu: processes on this host, timed by measuring the host "
+                         "once (about 15 s, cached)")
     arguments.add_seq_len(parser, default_help="; a longer one given here is refused")
     arguments.add_micro_batch(parser)
     arguments.add_grad_accum(parser, extra_help="; under no_sync FSDP keeps unsharded gradients of the whole "
@@ -92,13 +94,24 @@ def run(args: argparse.Namespace) -> int:
     shape, seq_note = fit_seq_len(shape, profile, given=args.seq_len)
     shape = shape.replace(lora=lora_from_args(args, profile))
     shape, terms_note = with_rehearsed_terms(args.model, shape, trust_remote_code=args.trust_remote_code)
+    hardwares = inputs.hardwares
+    if args.device == "cpu":
+        import dataclasses
+
+        from fsdp_presets.preset.host_rates import host_rates
+        from fsdp_presets.preset.request import PresetRequest
+
+        rates, host_note = host_rates(processes=args.gpus[0])
+        hardware = PresetRequest(model=args.model, gpus=args.gpus[0], device="cpu",
+                                 host_memory_gib=args.host_memory).hardware
+        hardwares = (dataclasses.replace(hardware, host=rates),)
     plans = []
-    for hardware in inputs.hardwares:
+    for hardware in hardwares:
         memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape,
                                                     checkpointing=inputs.checkpointing, offload=inputs.offload)
         plans.append((memory_plan, chosen, fastest(profile, hardware, memory_plan.shape)))
-    gpu_note = None if inputs.gpu_named else (f"step times for {inputs.hardware.gpu.name} GPUs: give --gpu for "
-                                               "yours")
+    gpu_note = (host_note if args.device == "cpu" else None if inputs.gpu_named
+                else f"step times for {inputs.hardware.gpu.name} GPUs: give --gpu for yours")
 
     if len(plans) > 1:
         if args.json:

@@ -42,7 +42,8 @@ are both directions together, so 300/450/900 GB/s; PCIe Gen4 x16 32 GB/s, Gen5 6
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 from fsdp_presets.errors import UsageError, unknown_name_message
 
@@ -117,3 +118,55 @@ def gpu_type(name: str) -> GpuType:
         return GPU_TYPES[key]
     raise UsageError(unknown_name_message("--gpu", str(name), GPU_NAMES)
                      + " (or give --gpu-memory alone for a GPU not listed: the plan then has no step time)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRates:
+    """A CPU host measured as the recipes run on it (:mod:`fsdp_presets.preset.host_rates`): the
+    "GPU type" of ``plan --device cpu``. One thread per process, every process busy at once."""
+
+    matmul: tuple[tuple[float, float, float], ...]
+    """``(tokens, width, FLOP/s)``: an fp32 Linear from ``width`` to ``4 width`` over ``tokens``,
+    forward and backward (its three matmuls)."""
+    memory_bytes_per_s: float
+    """A large in-place add's bytes (two reads, one write) per second."""
+    collectives: dict = field(default_factory=dict)
+    """``{"all_gather" | "reduce_scatter" | "all_reduce": (latency_s, bytes_per_s)}``, gloo between
+    the processes, bytes as each rank sends them."""
+    overheads: dict = field(default_factory=dict)
+    """``{"DDP" | "FULL_SHARD" | "SHARD_GRAD_OP": (step_s, block_s)}``: what a step and each decoder
+    block cost beyond their arithmetic and bytes (Python, module calls, autograd, dispatch, the
+    collectives' latency, FSDP2's hooks and copies)."""
+    processes: int = 2
+    """Ranks measured together."""
+
+    def matmul_flops(self, tokens: float, width: float) -> float:
+        """The measured rate nearest ``(tokens, width)``: the grid point of the nearest width at or
+        below it and the nearest tokens at or below (the rate grows with both)."""
+        widths = sorted({point[1] for point in self.matmul})
+        chosen_width = widths[max(0, bisect.bisect_right(widths, width) - 1)]
+        row = sorted((point[0], point[2]) for point in self.matmul if point[1] == chosen_width)
+        tokens_list = [point[0] for point in row]
+        return row[max(0, bisect.bisect_right(tokens_list, tokens) - 1)][1]
+
+    def collective_s(self, op: str, sent_bytes: float) -> float:
+        latency, bandwidth = self.collectives[op]
+        return latency + sent_bytes / bandwidth
+
+    def to_json(self) -> dict:
+        return {"matmul": [list(point) for point in self.matmul], "memory_bytes_per_s": self.memory_bytes_per_s,
+                "collectives": {name: list(value) for name, value in self.collectives.items()},
+                "overheads": {name: list(value) for name, value in self.overheads.items()},
+                "processes": self.processes}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HostRates":
+        return cls(matmul=tuple(tuple(float(x) for x in point) for point in data["matmul"]),
+                   memory_bytes_per_s=float(data["memory_bytes_per_s"]),
+                   collectives={name: (float(value[0]), float(value[1])) for name, value in data["collectives"].items()},
+                   overheads={name: (float(value[0]), float(value[1])) for name, value in data["overheads"].items()},
+                   processes=int(data["processes"]))
+
+    def overhead(self, strategy: str) -> tuple[float, float]:
+        """``(step_s, block_s)`` of ``strategy`` (HYBRID_SHARD as FULL_SHARD, NO_SHARD as DDP)."""
+        return self.overheads[{"HYBRID_SHARD": "FULL_SHARD", "NO_SHARD": "DDP"}.get(strategy, strategy)]

@@ -64,11 +64,19 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
     except UsageError as error:
         problems.append(str(error))
     gpu: GpuType | None = None
+    cpu = getattr(args, "device", None) == "cpu"
+    counts = args.gpus if isinstance(args.gpus, tuple) else (args.gpus,)
+    if cpu:
+        given = [flag for flag, value in (("--gpu", args.gpu), ("--inter-node-gbps", args.inter_node_gbps),
+                                          ("--gpu-memory", args.gpu_memory)) if value]
+        if given or (args.nodes or 1) > 1 or len(counts) > 1:
+            problems.append(f"--device cpu plans processes on this host, timed by measuring it: drop "
+                            f"{', '.join(given + (['--nodes'] if (args.nodes or 1) > 1 else []) + (['the extra --gpus counts'] if len(counts) > 1 else []))}"
+                            " (--host-memory gives the RAM they share)")
     try:
         gpu = gpu_type(args.gpu or DEFAULT_GPU)
     except UsageError as error:
         problems.append(str(error))
-    counts = args.gpus if isinstance(args.gpus, tuple) else (args.gpus,)
     if len(counts) > 1 and args.nodes:
         problems.append(f"--nodes {args.nodes} with several --gpus counts: the scaling table puts "
                         f"{GPUS_PER_NODE_IN_SCALING} GPUs on a node; give --nodes with one count")
@@ -95,7 +103,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             micro_batch=args.micro_batch or 1,
             grad_accum=args.grad_accum or 1,
             reduce_every_micro_batch=args.reduce_every_micro_batch,
-            precision="bf16" if args.precision in (None, "auto") else args.precision,  # plan is for GPUs
+            # auto: bf16 on GPUs, fp32 on a CPU host (what generate --device cpu writes)
+            precision=("fp32" if cpu else "bf16") if args.precision in (None, "auto") else args.precision,
             optimizer=args.optimizer,
             activation_checkpointing=checkpointing == "on",
             offload=offload == "on",

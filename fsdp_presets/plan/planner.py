@@ -287,7 +287,7 @@ def _strategy_plan(
         notes=tuple(notes),
         source=_source(profile, shape, fsdp_version),
     )
-    if hardware.gpu is None:
+    if hardware.gpu is None and hardware.host is None:
         return row
     return dataclasses.replace(row, time=step_time(profile, hardware, shape, row))
 

@@ -83,9 +83,11 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
     hardware, shape = memory_plan.hardware, memory_plan.shape
     nodes = f" on {hardware.nodes} nodes" if hardware.nodes > 1 else ""
     gpu = f" {hardware.gpu.name}" if hardware.gpu is not None else ""
+    devices = f"{hardware.gpus} CPU processes (this host, measured)" if hardware.host is not None else \
+        f"{hardware.gpus}{gpu} GPUs{nodes}"
     lines = [
         f"{source}: {profile.architecture}, {format_count(profile.total_params)} parameters",
-        f"{hardware.gpus}{gpu} GPUs{nodes} x {hardware.gpu_memory_bytes / GiB:g} GiB "
+        f"{devices} x {hardware.gpu_memory_bytes / GiB:g} GiB "
         f"({hardware.usable_bytes / GiB:.1f} usable), seq {shape.seq_len}, micro-batch {shape.micro_batch}"
         f"{_accumulation_text(shape)}, "
         f"{shape.precision}, {shape.optimizer}, {_method_text(shape)}activation checkpointing "

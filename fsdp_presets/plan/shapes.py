@@ -16,7 +16,7 @@ from typing import Literal
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN, PRECISIONS, gpu_count, node_count
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import GiB
-from fsdp_presets.plan.gpus import GpuType
+from fsdp_presets.plan.gpus import GpuType, HostRates
 
 Precision = Literal["bf16", "fp16", "fp32"]
 """Accelerate's ``mixed_precision`` values (:data:`fsdp_presets.plan.limits.PRECISIONS`)."""
@@ -108,6 +108,9 @@ class Hardware(OnNodes):
     """The GPU type (:mod:`fsdp_presets.plan.gpus`): with it every row gets a step time; None: memory only."""
     inter_node_gbps: float | None = None
     """One GPU's network to other nodes in Gb/s; None: the GPU type's reference cluster."""
+    host: HostRates | None = None
+    """A measured CPU host (``plan --device cpu``): the processes' step times come from it instead
+    of a GPU type."""
 
     def __post_init__(self) -> None:
         if self.reserved_bytes is None:
@@ -139,7 +142,8 @@ class Hardware(OnNodes):
 
     def to_json(self) -> dict:
         return {"gpus": self.gpus, "nodes": self.nodes, "gpu_memory_bytes": self.gpu_memory_bytes,
-                "reserved_bytes": self.reserved_bytes, "gpu": None if self.gpu is None else self.gpu.name,
+                "reserved_bytes": self.reserved_bytes,
+                "gpu": "CPU (measured)" if self.host is not None else None if self.gpu is None else self.gpu.name,
                 "inter_node_gbps": None if self.gpu is None else (
                     self.gpu.inter_node_gbps if self.inter_node_gbps is None else self.inter_node_gbps)}
 

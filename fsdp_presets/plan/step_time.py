@@ -317,7 +317,10 @@ def matmul_rate(gpu: GpuType, shape) -> float:
 
 def step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
     """The :class:`StepTime` of strategy ``row`` (a :class:`~fsdp_presets.plan.results.StrategyPlan`)
-    on ``hardware.gpu`` (a :class:`~fsdp_presets.plan.gpus.GpuType`) at ``shape``."""
+    on ``hardware.gpu`` (a :class:`~fsdp_presets.plan.gpus.GpuType`) at ``shape``, or on the measured
+    CPU host ``hardware.host`` (:func:`cpu_step_time`)."""
+    if hardware.host is not None:
+        return cpu_step_time(profile, hardware, shape, row)
     gpu = hardware.gpu
     links = Links.of(gpu, hardware.inter_node_gbps)
     rate = matmul_rate(gpu, shape)
@@ -364,3 +367,54 @@ def step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
     return StepTime(step_s=step, compute_s=compute_total, memory_bound_s=memory_total, comm_s=comm,
                     exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload,
                     tokens_per_s_per_gpu=tokens_per_s, mfu=mfu)
+
+
+# --------------------------------------------------------------------------- a CPU host
+
+def cpu_step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
+    """One optimizer step on a CPU host, every process with one thread, from the host's measured rates
+    (:class:`~fsdp_presets.plan.gpus.HostRates`): matmuls at the measured rate for this width and
+    micro-batch, elementwise bytes at the measured memory bandwidth, the strategy's measured cost of a
+    step and of each block beyond arithmetic and bytes (the collectives' latency included), and every
+    collective's bytes at gloo's measured bandwidth: DDP's all-reduce and FSDP's backward gathers and
+    reductions in full, FSDP's forward gathers behind the previous unit's compute."""
+    host = hardware.host
+    dims = profile.dims
+    work = _work(profile, shape, shape.micro_batch)
+    tokens = shape.seq_len * shape.micro_batch
+    rate = host.matmul_flops(tokens, dims.hidden_size)
+    compute = (work.block_forward_flops + work.block_backward_flops + work.head_flops) / rate
+    step_overhead, block_overhead = host.overhead(row.name)
+    overhead = block_overhead * (4 / 3 if shape.activation_checkpointing else 1) * profile.num_blocks
+    memory = work.memory_bytes / host.memory_bytes_per_s
+    accumulation = shape.grad_accum
+    reducing = accumulation if shape.reduce_every_micro_batch else 1
+    if row.name in ("DDP", "NO_SHARD"):
+        latency, bandwidth = host.collectives["all_reduce"]
+        buckets = max(1, -(-row.comm.all_reduce // (2 * BUCKET_BYTES)))
+        comm = reducing * ((buckets - 1) * latency + row.comm.all_reduce / bandwidth)
+        exposed = comm
+    else:
+        # FSDP2 prefetches the next unit's forward all-gather while this unit computes (gloo's
+        # threads send while the main thread multiplies); the backward's gathers and the reductions
+        # wait (measured: SmolLM2's FSDP2 step costs far less than its gathers' full time over DDP's).
+        gather_bw = host.collectives["all_gather"][1]
+        units = _units(profile, hardware, row, Links(intra=gather_bw, inter=gather_bw, host=gather_bw), rate, work)
+        forward_gathers = sum(unit.gather_s for unit in units)
+        exposed_forward = (units[0].gather_s if units else 0.0) + sum(
+            max(0.0, unit.gather_s - previous.forward_s) for previous, unit in zip(units, units[1:]))
+        gathers = row.comm.all_gather / gather_bw
+        reductions = (row.comm.reduce_scatter / host.collectives["reduce_scatter"][1]
+                      + row.comm.all_reduce / host.collectives["all_reduce"][1])
+        comm = accumulation * gathers + reducing * reductions
+        exposed = accumulation * (gathers - forward_gathers + exposed_forward) + reducing * reductions
+    shard_params = row.model_state.params / 4
+    optimizer = shard_params * OPTIMIZER_BYTES_PER_PARAM / host.memory_bytes_per_s
+    compute_total = compute * accumulation
+    memory_total = (memory + overhead) * accumulation
+    step = compute_total + memory_total + exposed + optimizer + step_overhead
+    tokens_per_s = tokens * accumulation / step
+    mfu = model_flops_per_token(profile, shape.seq_len) * tokens_per_s / max(point[2] for point in host.matmul)
+    return StepTime(step_s=step, compute_s=compute_total, memory_bound_s=memory_total, comm_s=comm,
+                    exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=0.0, tokens_per_s_per_gpu=tokens_per_s,
+                    mfu=mfu)
