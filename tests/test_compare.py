@@ -460,3 +460,25 @@ def test_norm_round_off_is_tolerated_only_when_every_loss_is_bitwise_equal(tmp_p
     comparison = compared(tmp_path / "moved", grad_norms=grad_norms, losses=perturbed(reference_losses(), 4, 1e-5))
     assert comparison.verdict == "diverged"
     assert comparison.first_divergence.metric == "grad_norm" and comparison.first_divergent_step == 3
+
+
+def test_compare_shows_each_runs_throughput_against_its_presets_prediction(tmp_path, capsys):
+    import statistics
+
+    from fsdp_presets.preset.emit import read_metadata
+
+    config = tmp_path / "preset.yaml"
+    assert main(["generate", "model_configs/llama-3.2-1b", "--gpus", "8", "-o", str(config)]) == 0
+    predicted = read_metadata(config.read_text())["predicted"]
+    assert predicted["gpu"] == "H100-SXM" and predicted["tokens_per_s_per_gpu"] > 0
+    base, cand = write_run(tmp_path / "a", accelerate_config=str(config)), write_run(tmp_path / "b")
+    capsys.readouterr()
+    assert run_cli(base, cand) == 0
+    out = capsys.readouterr().out
+    # The median of tokens_per_s (1000 + step) after step 1, over the run's 2 processes.
+    measured = statistics.median(1000.0 + step for step in range(2, STEPS + 1)) / 2
+    expected = predicted["tokens_per_s_per_gpu"]
+    assert (f"throughput: baseline {measured:,.0f} tokens/s per process measured (median after step 1); its preset "
+            f"predicts {expected:,.0f} on H100-SXM ({measured / expected:.2f}x)") in out
+    candidate = next(line for line in out.splitlines() if line.startswith("throughput: candidate"))
+    assert "predicts" not in candidate  # launched with no generated preset: nothing to hold it to

@@ -182,7 +182,7 @@ def test_the_published_table_is_what_its_sources_say(predicted):
     sources = {row.source for row in rows}
     assert set(published.CALIBRATION_SOURCES) <= sources
     test_rows = [row for row in rows if row.source not in published.CALIBRATION_SOURCES]
-    assert len(test_rows) >= 40
+    assert len(test_rows) >= 40 and len({row.source for row in test_rows}) >= 2
     # Spot checks against the published tables (llm-foundry's H100 table, torchtitan's Table 1).
     assert any(row.model == "mpt-7b" and row.gpus == 512 and row.tokens_per_s_per_gpu == 9670 for row in rows)
     assert any(row.model == "llama3.1-8b" and row.gpus == 8 and row.tokens_per_s_per_gpu == 5762 for row in rows)
@@ -280,3 +280,28 @@ def test_plan_device_cpu_measures_the_host_once_and_refuses_gpu_flags(tmp_path, 
     assert code == 0 and "host measured earlier" in out and measured[0].stat().st_mtime_ns == before
     assert main(["plan", "llama", "--device", "cpu", "--gpus", "2", "--gpu", "H100-SXM"]) == 2
     assert "--device cpu plans processes on this host" in capsys.readouterr().err
+
+
+def test_a_gpu_preset_says_its_predicted_step_time_and_a_cpu_preset_does_not(tmp_path, capsys):
+    from fsdp_presets.preset.emit import read_metadata
+
+    gpu, cpu = tmp_path / "gpu.yaml", tmp_path / "cpu.yaml"
+    assert main(["generate", "model_configs/llama-3.1-8b", "--gpus", "16", "--nodes", "2", "-o", str(gpu)]) == 0
+    assert main(["generate", "llama", "--device", "cpu", "--gpus", "2", "-o", str(cpu)]) == 0
+    text = gpu.read_text()
+    predicted = read_metadata(text)["predicted"]
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert f"predicted on H100-SXM: {predicted['step_time_s']:.3g} s per optimizer step" in header
+    assert f"{predicted['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU" in header
+    # The same figure plan gives for the preset's own settings on H100-SXM.
+    summary = read_metadata(text)["summary"]
+    capsys.readouterr()
+    code, out = _cli(capsys, "plan", "model_configs/llama-3.1-8b", "--gpus", 16, "--nodes", 2, "--gpu", "H100-SXM",
+                     "--seq-len", summary["seq_len"], "--micro-batch", summary["micro_batch"], "--grad-accum",
+                     summary["gradient_accumulation"], "--activation-checkpointing",
+                     "on" if summary["activation_checkpointing"] else "off", "--json",
+                     *(["--reduce-every-micro-batch"] if summary["reduce_every_micro_batch"] else []))
+    rows = json.loads(out)["strategies"]
+    assert any(row["tokens_per_s_per_gpu"] == pytest.approx(predicted["tokens_per_s_per_gpu"], abs=0.1) for row in rows), \
+        (predicted, [row["tokens_per_s_per_gpu"] for row in rows])
+    assert read_metadata(cpu.read_text())["predicted"] is None and "predicted on" not in cpu.read_text()

@@ -193,7 +193,7 @@ def load_run(path: str | os.PathLike, *, prefer_trainer_log: bool = False) -> Ru
         if not isinstance(step, int) or isinstance(step, bool) or step < first_step:
             problems.append(f"{where}: {kind} line without an integer 'step' >= {first_step} (got {step!r})")
             continue
-        wanted = ("loss", "grad_norm", "lr", "samples_seen") if kind == "train" else ("eval_loss",)
+        wanted = ("loss", "grad_norm", "lr", "samples_seen", "tokens_per_s") if kind == "train" else ("eval_loss",)
         if kind == "train" and not is_number(record.get("loss")):
             problems.append(f"{where}: train line without a numeric 'loss' (got {record.get('loss')!r})")
             continue

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fsdp_presets.compare.runs import Comparison
 from fsdp_presets.compare.records import RunRecord
+from fsdp_presets.compare.throughput import throughput_line
 from fsdp_presets.fileio import atomic_path
 
 VERDICT_WORDS = {
@@ -52,6 +53,9 @@ def summary_lines(comparison: Comparison) -> list[str]:
         )
     if comparison.diagnosis:
         lines.append(f"diagnosis: {comparison.diagnosis}")
+    lines.extend(f"throughput: {line}" for record, role in ((comparison.baseline, "baseline"),
+                                                            (comparison.candidate, "candidate"))
+                 if (line := throughput_line(record, role)))
     lines.extend(f"note: {note}" for note in comparison.notes)
     return lines
 

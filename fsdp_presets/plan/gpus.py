@@ -109,6 +109,9 @@ GPU_TYPES: dict[str, GpuType] = {gpu.name.lower(): gpu for gpu in (
 """The known GPU types by lower-case name."""
 
 GPU_NAMES: tuple[str, ...] = tuple(gpu.name for gpu in GPU_TYPES.values())
+DEFAULT_GPU = "H100-SXM"
+"""The GPU type step times are for when none is named (``plan`` without ``--gpu``, a preset's header):
+80 GB, ``--gpu-memory``'s default."""
 
 
 def gpu_type(name: str) -> GpuType:

@@ -17,15 +17,13 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB
 from fsdp_presets.plan import limits
 from fsdp_presets.plan.methods import lora_from_args
-from fsdp_presets.plan.gpus import GpuType, gpu_type
+from fsdp_presets.plan.gpus import DEFAULT_GPU, GpuType, gpu_type
 from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 
 __all__ = ["DIAGRAM_SUFFIXES", "PlanInputs", "plan_inputs"]
 
 DIAGRAM_SUFFIXES = (".png", ".svg", ".pdf")
-DEFAULT_GPU = "H100-SXM"
-"""The GPU type a plan's step times are for when ``--gpu`` is not given (80 GB: ``--gpu-memory``'s default)."""
 GPUS_PER_NODE_IN_SCALING = 8
 """GPUs a node in a scaling table (``--gpus 8,16,32``): the HGX/DGX and MI300X platforms hold 8."""
 

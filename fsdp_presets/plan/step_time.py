@@ -315,6 +315,17 @@ def matmul_rate(gpu: GpuType, shape) -> float:
     return (gpu.peak_fp32_flops if shape.compute_bytes == 4 else gpu.peak_bf16_flops) * efficiency
 
 
+def predicted_on(gpu_name: str, profile: ModelProfile, memory_plan, row) -> StepTime:
+    """``row``'s step time on GPUs of type ``gpu_name``, whatever GPU ``memory_plan`` was made for
+    (a preset's header: its plan knows memory only)."""
+    import dataclasses
+
+    from fsdp_presets.plan.gpus import gpu_type
+
+    hardware = dataclasses.replace(memory_plan.hardware, gpu=gpu_type(gpu_name), host=None)
+    return step_time(profile, hardware, memory_plan.shape, row)
+
+
 def step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
     """The :class:`StepTime` of strategy ``row`` (a :class:`~fsdp_presets.plan.results.StrategyPlan`)
     on ``hardware.gpu`` (a :class:`~fsdp_presets.plan.gpus.GpuType`) at ``shape``, or on the measured

@@ -250,7 +250,34 @@ def _planner_table(preset: Preset, *, mark: tuple[str, int | None]) -> list[str]
     return [line(headers)] + [line(row) for row in rows]
 
 
+def predicted_time(preset: Preset):
+    """This preset's step time on :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU` GPUs
+    (:mod:`fsdp_presets.plan.step_time`); None for a CPU preset (``plan --device cpu`` measures the host)."""
+    from fsdp_presets.plan.gpus import DEFAULT_GPU
+    from fsdp_presets.plan.step_time import predicted_on
+
+    if preset.request.device == "cpu":
+        return None
+    return predicted_on(DEFAULT_GPU, preset.profile, preset.memory_plan, preset.row)
+
+
+def _predicted_lines(preset: Preset) -> list[str]:
+    from fsdp_presets.plan.gpus import DEFAULT_GPU
+
+    time = predicted_time(preset)
+    if time is None:
+        return []
+    return _wrapped(f"predicted on {DEFAULT_GPU}: {time.step_s:.3g} s per optimizer step, "
+                    f"{time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {time.mfu:.0%}, "
+                    f"{time.exposed_comm_fraction:.0%} waiting on communication (for other GPUs: "
+                    "fsdp-presets plan ... --gpu NAME; compare shows a run's measured tokens/s against this)",
+                    first="#   ", rest="#   ")
+
+
 def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | None, launch: LaunchHints) -> str:
+    from fsdp_presets.plan.gpus import DEFAULT_GPU
+
+    time = predicted_time(preset)
     document = {
         "format": METADATA_FORMAT,
         "kind": kind,
@@ -258,6 +285,9 @@ def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | 
         "launch": launch.to_json(),
         "outputs": {"config": output, "baseline": baseline_output},
         "summary": preset.summary(),
+        "predicted": None if time is None else {"gpu": DEFAULT_GPU, "step_time_s": round(time.step_s, 6),
+                                                "tokens_per_s_per_gpu": round(time.tokens_per_s_per_gpu, 1),
+                                                "mfu": round(time.mfu, 4)},
     }
     return METADATA_PREFIX + json.dumps(document, sort_keys=True, separators=(",", ":"))
 
@@ -288,6 +318,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         *_wrapped(_hardware_line(preset), first="#   ", rest="#   "),
         *_planner_table(preset, mark=(preset.row.name, preset.row.fsdp_version)),
         *_wrapped(f"memory figures: {preset.memory_figures}", first="#   ", rest="#   "),
+        *_predicted_lines(preset),
         *_rehearsed_lines(preset, output),
         "#",
         "# Decisions:",
