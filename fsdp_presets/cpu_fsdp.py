@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from fsdp_presets import clean_exit
+from fsdp_presets import clean_exit, environment
 
 # Patch names (for FSDP_PRESETS_CPU_PATCHES_OFF and the tests).
 FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
@@ -42,7 +42,7 @@ GLOO_PAIR_COLLECTIVES = "gloo-pair-collectives"
 PATCH_NAMES = (FULL_STATE_DICT_OFFLOAD, FSDP1_OPTIMIZER_RESUME, SYNC_MODULE_STATES, GLOO_PAIR_COLLECTIVES,
                clean_exit.CLEAN_EXIT)
 """Every name ``FSDP_PRESETS_CPU_PATCHES_OFF`` understands (another one is refused at a recipe's start)."""
-PATCHES_OFF_ENV = "FSDP_PRESETS_CPU_PATCHES_OFF"
+PATCHES_OFF_ENV = environment.CPU_PATCHES_OFF.name
 
 # NOTE: accelerate builds a GradScaler only when the device is not the CPU, so on a CPU host fp16
 # has no loss scaling (small gradients underflow to zero, an overflow is not skipped), and DDP
@@ -57,7 +57,7 @@ FP16_ON_CPU = ("mixed_precision fp16 on a CPU host: FSDP computes in fp16 but ac
 # lookup, accelerate.accelerator.load_fsdp_optimizer). Another minor version is refused: its
 # internals may differ silently (a patch that no longer applies leaves N independent trainings).
 TESTED_ACCELERATE = (1, 16)
-UNTESTED_ACCELERATE_OK = "FSDP_PRESETS_UNTESTED_ACCELERATE"
+UNTESTED_ACCELERATE_OK = environment.UNTESTED_ACCELERATE.name
 """Set to 1 to try the CPU mode on another accelerate minor version at your own risk."""
 
 _enabled = False

@@ -50,7 +50,9 @@ import os
 import signal
 from pathlib import Path
 
-FAULT_ENV = "FSDP_PRESETS_FAULT"
+from fsdp_presets import environment
+
+FAULT_ENV = environment.FAULT.name
 ACTIONS = ("kill", "raise", "full", "stall")
 STALL_S = 8.0
 """How long ``stall`` holds the process at its point: a slow save, long enough to signal it there."""

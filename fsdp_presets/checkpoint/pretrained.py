@@ -12,6 +12,7 @@ import time
 from importlib.util import find_spec
 from pathlib import Path
 
+from fsdp_presets import environment
 from fsdp_presets.checkpoint.layout import HF_CONFIG, HF_WEIGHTS, staging_sibling
 from fsdp_presets.fileio import sha256_file
 
@@ -24,9 +25,9 @@ MINILM_FILES = (HF_CONFIG, HF_WEIGHTS, "tokenizer.json", "tokenizer_config.json"
 
 
 def default_cache(checkout: Path) -> Path:
-    """Where prepared folders go: ``$FSDP_PRESETS_CACHE``, else ``runs/models`` in ``checkout`` (the
+    """Where prepared folders go: ``$FSDP_PRESETS_MODELS``, else ``runs/models`` in ``checkout`` (the
     paths the generated presets' launch lines name)."""
-    return Path(os.environ.get("FSDP_PRESETS_CACHE", Path(checkout) / "runs" / "models"))
+    return Path(os.environ.get(environment.MODELS.name) or Path(checkout) / "runs" / "models")
 
 
 def package_folder(module: str, distribution: str) -> Path:

@@ -38,11 +38,12 @@ import os
 import warnings
 from pathlib import Path
 
+from fsdp_presets import environment
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, describe_cache,
                                              library_versions, read_entry, write_entry)
 
-REHEARSAL_ENV = "FSDP_PRESETS_PLAN_REHEARSAL"
+REHEARSAL_ENV = environment.PLAN_REHEARSAL.name
 """``off``: never rehearse for a plan (family constants only)."""
 CACHE_FORMAT = 7
 """Bumped when what a cache entry holds changes (older entries are then ignored)."""

@@ -26,7 +26,9 @@ import json
 import os
 from pathlib import Path
 
-CACHE_ENV = "FSDP_PRESETS_CACHE"
+from fsdp_presets import environment
+
+CACHE_ENV = environment.CACHE.name
 """Where the cache lives (a folder), or ``off``."""
 PROFILE_FORMAT = 1
 """Bumped when what :func:`fsdp_presets.model.profile.profile_module` reads off a model changes
