@@ -32,12 +32,14 @@ from pathlib import Path
 
 from fsdp_presets.plan.gpus import HostRates
 
-HOST_FORMAT = 4
+HOST_FORMAT = 5
 """Bumped when what is measured changes (older entries are then measured again)."""
 MATMUL_TOKENS = (16, 64, 256, 1024)
 MATMUL_WIDTHS = (64, 256, 576, 1024)
 COLLECTIVE_BYTES = (4 * 1024, 256 * 1024, 4 * 2**20, 32 * 2**20)
-FRAMEWORK_EXTRA_BLOCKS = 6
+REPEATS = 9
+"""Timed calls per measurement (the median counts)."""
+FRAMEWORK_EXTRA_BLOCKS = 8
 """Blocks the framework-overhead model has beyond its one (more blocks: a steadier difference)."""
 FRAMEWORK_REPEATS = 11
 """Steps timed per framework-overhead model (the median counts)."""
@@ -97,29 +99,37 @@ def _typical(run, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def _local_rates() -> dict:
+def _local_rates(together) -> dict:
+    """Matmul rates and memory bandwidth, every rank measuring the same thing at the same moment
+    (``together()`` is a barrier), as the ranks of a training step compute at once."""
     import torch
 
     matmul = []
     for tokens in MATMUL_TOKENS:
         for width in MATMUL_WIDTHS:
+            together()
             # A Linear's forward and backward: the forward matmul and both of the backward's (input
             # and weight gradients), as a training step runs them.
             layer = torch.nn.Linear(width, 4 * width, bias=False)
             data = torch.randn(tokens, width, requires_grad=True)
-            seconds = _typical(lambda: layer(data).sum().backward())
+            seconds = _typical(lambda: layer(data).sum().backward(), repeats=REPEATS)
             matmul.append([tokens, width, 6 * tokens * width * 4 * width / seconds])
     big = torch.ones(8 * 2**20)  # 32 MiB
     other = torch.ones_like(big)
-    bandwidth = 3 * big.numel() * 4 / _typical(lambda: big.add_(other))
+    together()
+    bandwidth = 3 * big.numel() * 4 / _typical(lambda: big.add_(other), repeats=REPEATS)
     return {"matmul": matmul, "memory_bytes_per_s": bandwidth}
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Latency and bytes/s of ``time = latency + sent / bandwidth`` through the smallest and largest sizes."""
-    (small_bytes, small_s), (large_bytes, large_s) = points[0], points[-1]
-    bandwidth = (large_bytes - small_bytes) / max(large_s - small_s, 1e-9)
-    return max(small_s - small_bytes / bandwidth, 0.0), bandwidth
+    """Latency and bytes/s of ``time = latency + sent / bandwidth``, least squares over every size."""
+    count = len(points)
+    mean_x = sum(x for x, _ in points) / count
+    mean_y = sum(y for _, y in points) / count
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / max(sum((x - mean_x) ** 2 for x, _ in points), 1e-30))
+    slope = max(slope, 1e-15)
+    return max(mean_y - slope * mean_x, 0.0), 1 / slope
 
 
 def _rank(rank: int, processes: int, port: int, out: Path) -> None:
@@ -132,7 +142,7 @@ def _rank(rank: int, processes: int, port: int, out: Path) -> None:
     cpu_fsdp.enable_cpu_fsdp()  # FSDP2's gathers and reductions as the recipes run them
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=processes)
     try:
-        local = _local_rates()
+        local = _local_rates(dist.barrier)
         collectives = {}
         group = dist.group.WORLD
         pair = cpu_fsdp.is_gloo_pair(group)
@@ -155,9 +165,9 @@ def _rank(rank: int, processes: int, port: int, out: Path) -> None:
                         dist.all_reduce(full)
                     dist.barrier()
 
-                barrier = _typical(dist.barrier, repeats=3)
+                barrier = _typical(dist.barrier, repeats=REPEATS)
                 sent = (2 if name == "all_reduce" else 1) * size * (processes - 1) // processes
-                points.append((sent, max(_typical(run, repeats=3) - barrier, 1e-7)))
+                points.append((sent, max(_typical(run, repeats=REPEATS) - barrier, 1e-7)))
             collectives[name] = _fit(points)
         overheads = _framework_overheads(processes)
         if rank == 0:
@@ -169,8 +179,8 @@ def _rank(rank: int, processes: int, port: int, out: Path) -> None:
 def _framework_overheads(processes: int) -> dict:
     """Seconds a training step costs beyond its arithmetic and its bytes, per strategy: a Hugging Face
     Llama so small that neither counts, trained one step (forward, loss, backward, AdamW, zero_grad)
-    with 1 and with 7 blocks under DDP, FSDP2 FULL_SHARD and SHARD_GRAD_OP (each block a unit, the
-    root a unit, as accelerate wraps them): what the 6 extra blocks add is the cost of a block (Python,
+    with 1 and with 9 blocks under DDP, FSDP2 FULL_SHARD and SHARD_GRAD_OP (each block a unit, the
+    root a unit, as accelerate wraps them): what the 8 extra blocks add is the cost of a block (Python,
     module calls, autograd, dispatch, its collectives' latency and FSDP2's hooks and copies), the rest
     the step's own. ``{strategy: (step_s, block_s)}``."""
     import torch
