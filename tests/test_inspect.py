@@ -187,3 +187,42 @@ def test_remote_code_runs_only_with_the_flag(tmp_path, capsys):
     assert payload["tied_embeddings"] is False
     assert payload["dims"]["hidden_size"] == 16 and payload["dims"]["vocab_size"] == 40
     assert payload["architecture"] == "ToyForCausalLM"
+
+
+PARALLEL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "olmo2", "granite", "mixtral", "qwen3_moe")
+"""Ten families whose transformers classes ship a tensor-parallel plan, two of them mixtures of experts."""
+
+
+@pytest.mark.parametrize("family", PARALLEL_FAMILIES)
+def test_inspect_lists_the_parallel_plans_and_the_sizes_they_allow(family, capsys):
+    from fsdp_presets.cli import main
+
+    assert main(["inspect", family, "--json"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    parallel, dims = document["structure"]["parallel"], document["dims"]
+    assert parallel["tp_plan"] and parallel["tp_sizes"][0] == 1
+    for size in parallel["tp_sizes"]:
+        assert dims["num_attention_heads"] % size == 0 and dims["num_key_value_heads"] % size == 0
+    # The key/value heads bound it (transformers issue 48307): one more than they allow is not listed.
+    assert dims["num_key_value_heads"] * 2 not in parallel["tp_sizes"]
+    if dims["num_experts"]:
+        assert parallel["ep_plan"] and parallel["ep_sizes"] == [size for size in range(1, dims["num_experts"] + 1)
+                                                                if dims["num_experts"] % size == 0]
+    else:
+        assert parallel["ep_plan"] is None and parallel["ep_sizes"] == []
+    assert main(["inspect", family]) == 0
+    text = capsys.readouterr().out
+    assert "tensor parallel   " in text and "sizes 1, 2" in text
+    assert ("expert parallel   " in text) == bool(dims["num_experts"])
+
+
+def test_inspect_says_when_a_model_has_no_tensor_parallel_plan_and_reads_real_sizes(capsys):
+    from fsdp_presets.cli import main
+
+    assert main(["inspect", "gpt2", "--json"]) == 0
+    parallel = json.loads(capsys.readouterr().out)["structure"]["parallel"]
+    assert parallel["tp_plan"] is None and parallel["tp_sizes"] == []
+    assert main(["inspect", "model_configs/llama-3.1-70b", "--json"]) == 0
+    parallel = json.loads(capsys.readouterr().out)["structure"]["parallel"]
+    assert parallel["tp_sizes"] == [1, 2, 4, 8]  # 8 key/value heads; the 64 query heads would allow 64
+    assert parallel["fsdp_plan"] == {"lm_head": "keep_full_weight"}

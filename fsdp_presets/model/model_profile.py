@@ -182,6 +182,37 @@ def profile_from_json(data: dict) -> ModelProfile:
         structure=dict(data["structure"]))
 
 
+def _styles(plan: dict) -> str:
+    """``q_proj, k_proj, v_proj colwise; o_proj rowwise``: a plan's module names grouped by style."""
+    by_style: dict[str, list[str]] = {}
+    for key, style in plan.items():
+        by_style.setdefault(style, []).append(key.rsplit(".", 1)[-1] if "*" in key else key)
+    return "; ".join(f"{', '.join(dict.fromkeys(names))} {style}" for style, names in by_style.items())
+
+
+def _sizes(sizes: list[int], limits: dict) -> str:
+    limit = ", ".join(f"{name} {value}" for name, value in limits.items())
+    return f"sizes {', '.join(map(str, sizes)) or 'none but 1'} (dividing {limit})"
+
+
+def _parallel_lines(parallel: dict) -> list[str]:
+    """What ``inspect`` says of the tensor/expert/FSDP plans the model ships."""
+    if not parallel:
+        return []
+    lines = []
+    if parallel.get("tp_plan"):
+        lines.append(f"tensor parallel   {_styles(parallel['tp_plan'])}; "
+                     f"{_sizes(parallel['tp_sizes'], parallel['tp_limits'])}")
+    else:
+        lines.append("tensor parallel   no plan in transformers: FSDP/HSDP only")
+    if parallel.get("ep_plan"):
+        lines.append(f"expert parallel   {_styles(parallel['ep_plan'])}; "
+                     f"{_sizes(parallel['ep_sizes'], parallel['ep_limits'])}")
+    if parallel.get("fsdp_plan"):
+        lines.append(f"FSDP plan         {_styles(parallel['fsdp_plan'])}")
+    return lines
+
+
 def format_profile(profile, *, source: str = "") -> str:
     """The readable form of a :class:`ModelProfile` (``fsdp-presets inspect``)."""
     dims = profile.dims
@@ -247,6 +278,7 @@ def format_profile(profile, *, source: str = "") -> str:
     if profile.output_head:
         head += " (tied to the input embedding)" if profile.tied_embeddings else " (untied)"
     out.append(f"output head    {head}")
+    out += _parallel_lines(structure.get("parallel") or {})
     no_split = structure.get("no_split_modules") or []
     out.append(f"_no_split_modules  {', '.join(no_split) or '(not declared)'}")
     for warning in structure.get("warnings", []):

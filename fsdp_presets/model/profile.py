@@ -309,6 +309,7 @@ def profile_module(model: "PreTrainedModel", *, model_type: str | None = None) -
         "moe": _moe(model, dims, total_params, num_blocks=sum(unit.count for unit in units)),
         "config_dtype": _config_dtype(config),
         "block_linears": _block_linears(model, wrap_classes),
+        "parallel": _parallel_plans(model, config, dims),
         "warnings": warnings,
     }
     if is_encoder_decoder:
@@ -393,6 +394,53 @@ def _moe(model: "nn.Module", dims: ModelDims, total_params: int, *, num_blocks: 
         "shared_experts": bool(shared),
         "routed_expert_params": expert_params,
         "active_params": active,
+    }
+
+
+MAX_LISTED_SIZE = 128
+"""Parallel sizes listed up to this (larger ones are not run: a TP group lives inside a node)."""
+
+
+def _plan(value) -> dict[str, str] | None:
+    return {str(key): str(style) for key, style in value.items()} if isinstance(value, dict) and value else None
+
+
+def _divisors_of_all(numbers: list[int]) -> list[int]:
+    numbers = [number for number in numbers if number > 0]
+    if not numbers:
+        return []
+    return [size for size in range(1, MAX_LISTED_SIZE + 1) if all(number % size == 0 for number in numbers)]
+
+
+def _parallel_plans(model: "nn.Module", config: Any, dims: ModelDims) -> dict[str, Any]:
+    """The tensor-, expert- and FSDP plans the model ships (transformers' ``base_model_tp_plan`` and
+    ``base_model_ep_plan`` on its config, ``_tp_plan`` and ``_fsdp_plan`` on its class), and the sizes
+    each allows: a TP size must divide the attention heads and the key/value heads (transformers issue
+    48307: more TP ranks than key/value heads loads, then fails mid-forward), the MLP width, and the
+    vocabulary when the head is split by columns; an EP size must divide the experts. Sizes up to
+    :data:`MAX_LISTED_SIZE`; no plan, no sizes."""
+    text = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    base_tp = _plan(getattr(text, "base_model_tp_plan", None))
+    head_tp = _plan(getattr(type(model), "_tp_plan", None))
+    ep = _plan(getattr(text, "base_model_ep_plan", None))
+    fsdp = _plan(getattr(type(model), "_fsdp_plan", None))
+    tp_plan = {**(base_tp or {}), **(head_tp or {})} or None
+    split_head = any(style.startswith("colwise") for key, style in (head_tp or {}).items())
+    split = " ".join((base_tp or {}).keys())
+    tp_limits = {"attention heads": dims.num_attention_heads, "key/value heads": dims.num_key_value_heads}
+    if any(name in split for name in ("mlp", "gate_proj", "up_proj", "down_proj", "fc1", "dense_h_to_4h")):
+        tp_limits["MLP width"] = dims.intermediate_size  # only where the plan splits the MLP
+    if split_head:
+        tp_limits["vocabulary"] = dims.vocab_size
+    ep_limits = {"experts": dims.num_experts} if ep and dims.num_experts else {}
+    return {
+        "tp_plan": tp_plan,
+        "ep_plan": ep,
+        "fsdp_plan": fsdp,
+        "tp_sizes": _divisors_of_all(list(tp_limits.values())) if tp_plan else [],
+        "tp_limits": {name: value for name, value in tp_limits.items() if value} if tp_plan else {},
+        "ep_sizes": _divisors_of_all(list(ep_limits.values())) if ep_limits else [],
+        "ep_limits": ep_limits,
     }
 
 
