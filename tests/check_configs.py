@@ -67,6 +67,11 @@ def mutate(top: dict | None = None, fsdp: dict | None = None, drop: tuple = (), 
 LLAMA_70B, LLAMA_8B = "model_configs/llama-3.1-70b", "model_configs/llama-3.1-8b"
 
 
+def _mesh(*, tp: int = 1, cp: int = 1, shard: int = 1) -> dict:
+    return {"parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": shard,
+            "parallelism_config_tp_size": tp, "parallelism_config_cp_size": cp}
+
+
 def _script(text: str):
     from fsdp_presets.check.script import read_source
 
@@ -165,6 +170,17 @@ BAD_CONFIGS = {
                                       {"method": "full", "host_memory_gib": 64,
                                        "metadata": {"kind": "fsdp", "summary": {"async_save": True}}},
                                       "drop --async-save"),
+    # A second dimension (fsdp_presets/check/rules_parallel.py).
+    "tp-more-than-key-value-heads": (mutate(top={"num_processes": 16}, parallelism=_mesh(tp=16, shard=1)),
+                                     "tp-size-vs-model", LLAMA_8B, {}, "8 key/value heads"),
+    "tp-through-accelerate": (mutate(top={"num_processes": 8}, parallelism=_mesh(tp=4, shard=2)),
+                              "tp-pair-cannot-run", LLAMA_8B, {}, "ReplicateParallel"),
+    "tp-loss-counted-twice": (mutate(top={"num_processes": 8}, parallelism=_mesh(tp=2, shard=4)),
+                              "tp-loss-reduction", LLAMA_8B, {}, "fsdp-presets converge"),
+    "tp-without-a-plan": (mutate(top={"num_processes": 8}, parallelism=_mesh(tp=2, shard=4)), "tp-no-plan", "gpt2",
+                          {}, "no tensor-parallel plan"),
+    "cp-with-sliding-windows": (mutate(top={"num_processes": 8}, parallelism=_mesh(cp=2, shard=4)), "cp-masks",
+                                "mistral", {}, "accelerate issue 4177"),
     "offload-on-cpu-host": (mutate(fsdp={"fsdp_offload_params": True}), "offload-on-cpu", None, {"device": "cpu"},
                             "fsdp_offload_params: false"),
     "fp32-that-does-not-fit": (mutate(top={"num_processes": 8, "mixed_precision": "no"}), "fp32-does-not-fit",

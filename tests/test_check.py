@@ -67,7 +67,8 @@ def test_rule_ids_are_stable():
         "lora-fsdp1-flat-params", "qlora-fsdp1", "qlora-full-state-dict", "yaml-read-as-boolean",
         "stale-key-beside-new", "debug-mode", "lora-fsdp1-orig-params", "fits-only-if", "wrap-probe-skipped",
         "trainer-save-model-sharded", "double-activation-checkpointing", "model-moved-before-prepare",
-        "trust-remote-code", "prefetch-key-not-applied", "async-save-host-memory",
+        "trust-remote-code", "prefetch-key-not-applied", "async-save-host-memory", "tp-pair-cannot-run",
+        "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks",
     )
 
 
@@ -211,3 +212,57 @@ def test_a_method_other_than_the_presets_is_refused_in_one_line(capsys):
     error = capsys.readouterr().err.strip()
     assert "--method qlora disagrees with" in error and "a preset generated for full" in error
     assert len(error.splitlines()) == 1
+
+
+# ---- a second dimension: tensor and context parallelism ----
+
+
+def _nd_config(tmp_path, *, tp=1, cp=1, replicate=1, shard=8, processes=8):
+    import yaml
+
+    config = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "mixed_precision": "bf16",
+              "num_machines": 1, "num_processes": processes,
+              "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                              "fsdp_reshard_after_forward": True, "fsdp_state_dict_type": "SHARDED_STATE_DICT"},
+              "parallelism_config": {"parallelism_config_dp_replicate_size": replicate,
+                                     "parallelism_config_dp_shard_size": shard, "parallelism_config_tp_size": tp,
+                                     "parallelism_config_cp_size": cp}}
+    path = tmp_path / f"nd-tp{tp}-cp{cp}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _rules(capsys, *argv) -> set[str]:
+    import json as json_module
+
+    cli.main(["check", *map(str, argv), "--json"])
+    document = json_module.loads(capsys.readouterr().out)
+    files = document["files"] if "files" in document else [document]
+    return {item["rule"] for report in files for item in report["findings"]}
+
+
+def test_a_tp_size_the_key_value_heads_do_not_allow_is_an_error(tmp_path, capsys):
+    # Llama-3.1-8B: 32 heads, 8 key/value heads; TP 16 x FSDP 1 on 16 processes (transformers issue 48307).
+    rules = _rules(capsys, _nd_config(tmp_path, tp=16, shard=1, processes=16), "--model", "model_configs/llama-3.1-8b")
+    assert "tp-size-vs-model" in rules
+    assert "tp-size-vs-model" not in _rules(capsys, _nd_config(tmp_path, tp=4, shard=2),
+                                            "--model", "model_configs/llama-3.1-8b")
+
+
+def test_tensor_parallelism_through_accelerate_is_refused_where_the_installed_pair_cannot_run_it(tmp_path, capsys):
+    from fsdp_presets.check.rules_parallel import accelerate_tp_import_problem
+
+    rules = _rules(capsys, _nd_config(tmp_path, tp=4, shard=2), "--model", "model_configs/llama-3.1-8b")
+    # Found by trying accelerate's own import, so the finding follows the installed transformers.
+    assert ("tp-pair-cannot-run" in rules) == (accelerate_tp_import_problem() is not None)
+    assert "tp-loss-reduction" in rules
+
+
+def test_a_model_without_a_tp_plan_and_context_parallel_masks(tmp_path, capsys):
+    assert "tp-no-plan" in _rules(capsys, _nd_config(tmp_path, tp=2, shard=4), "--model", "gpt2")
+    assert "cp-masks" in _rules(capsys, _nd_config(tmp_path, cp=2, shard=4), "--model", "mistral")
+
+
+def test_an_hsdp_mesh_without_a_second_dimension_gets_none_of_these(tmp_path, capsys):
+    rules = _rules(capsys, _nd_config(tmp_path, replicate=2, shard=4), "--model", "model_configs/llama-3.1-8b")
+    assert not rules & {"tp-pair-cannot-run", "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks"}

@@ -25,6 +25,8 @@ from fsdp_presets.preset.accelerate_view import accelerate_view
 from fsdp_presets.check.lint import check_file, model_facts
 
 REPO = Path(__file__).resolve().parent.parent
+from fsdp_presets.check.rules_parallel import accelerate_tp_import_problem
+
 REAL = REPO / "tests" / "data" / "real_configs"
 FILES = sorted(path.name for path in REAL.glob("*.yaml"))
 
@@ -49,6 +51,15 @@ EXPECTED = {
     # LoRA / QLoRA on a 70B model: the full-fine-tuning memory verdicts only as "if full fine-tuning"
     "peft_sft_fsdp_config.yaml": {"memory-assumes-full-finetune"},
     "peft_sft_fsdp_config_qlora.yaml": {"memory-assumes-full-finetune"},
+    # Context parallelism drops attention masks (accelerate issue 4177, TRL issue 6843).
+    "accelerate_nd_cp.yaml": {"cp-masks"},
+    "accelerate_nd_nd.yaml": {"cp-masks"},
+    "trl_context_parallel_2gpu.yaml": {"cp-masks"},
+    "trl_context_parallel_8gpu.yaml": {"cp-masks"},
+    # TP 2 x HSDP 2x2: accelerate's prepare cannot import what it needs from the installed transformers
+    # (tried, as the rule does), and a loss counted twice would train silently.
+    "accelerate_nd_tp_hsdp.yaml": {"tp-loss-reduction"} | ({"tp-pair-cannot-run"} if accelerate_tp_import_problem()
+                                                           else set()),
 }
 
 # Files from repositories new to the checker: (repository, intended model, method, GPUs, verdict,
@@ -276,6 +287,6 @@ def test_the_counts_over_every_real_config():
         wrong += [(name, item.rule) for item in printed if item.rule not in expected]
         missed += [(name, rule) for rule in expected - {item.rule for item in printed}]
         notes += sum(1 for item in printed if item.severity == "note")
-    assert (len(FILES), len(NEW), len(wrong), len(missed), notes) == (45, 16, 0, 0, 4), (wrong, missed, notes)
+    assert (len(FILES), len(NEW), len(wrong), len(missed), notes) == (45, 16, 0, 0, 5), (wrong, missed, notes)
     assert notes / len(FILES) <= 1
     assert len({repository for repository, *_ in NEW.values()}) == len(NEW) == 16  # 16 new repositories

@@ -89,6 +89,14 @@ RULES = MappingProxyType({
                                             "prefetch asked for is not applied (slower, the same training)"),
     "async-save-host-memory": ("error", "the launch's --async-save stages more than a node's host RAM (the "
                                         "generated header's launch line)"),
+    "tp-pair-cannot-run": ("error", "tensor parallelism through accelerate with a transformers whose tensor-parallel "
+                                    "module lacks what accelerate's prepare imports"),
+    "tp-size-vs-model": ("error", "a TP size that does not divide the model's heads, key/value heads, MLP width or "
+                                  "(split head) vocabulary"),
+    "tp-no-plan": ("error", "tensor parallelism for a model whose transformers class ships no TP plan"),
+    "tp-loss-reduction": ("note", "tensor parallelism: a loss counted tp_size times trains silently; hold the run "
+                                  "to DDP"),
+    "cp-masks": ("warning", "context parallelism drops attention masks: sliding windows and packing break silently"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 

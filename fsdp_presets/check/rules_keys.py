@@ -26,6 +26,7 @@ from fsdp_presets.preset.accelerate_view import (
 )
 from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, _sorted, finding
 from fsdp_presets.check.rules_memory import _device_and_memory, _layout, _lora_rules
+from fsdp_presets.check.rules_parallel import parallel_rules
 from fsdp_presets.schema import (
     T,
     BY_NAME,
@@ -114,6 +115,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
         version = None
     findings += _fsdp_keys(written, version)
     findings += _parallelism(parallelism, version, processes if layout_ok else None, machines if layout_ok else None)
+    findings += parallel_rules(parallelism if isinstance(parallelism, dict) else {}, context)
     findings += _wrapping(fsdp, context)
     findings += _layout(config, fsdp, parallelism, version, context, processes if layout_ok else None,
                         machines if layout_ok else None)

@@ -1,0 +1,77 @@
+"""Rules for a config with a second dimension (``parallelism_config_tp_size`` or ``_cp_size`` above 1):
+what the model allows, what the installed accelerate/transformers pair can run, and the silent
+failures users meet there. Each finding is one line with what to change.
+
+- ``tp-pair-cannot-run``: accelerate 1.16's ``prepare`` of an FSDP2 x TP model imports
+  ``ReplicateParallel`` from ``transformers.integrations.tensor_parallel``; tried here, not looked up
+  in a version table (transformers 5.25 has no such name: ``prepare`` raises ImportError).
+- ``tp-size-vs-model``: the TP size must divide the attention heads and the key/value heads
+  (transformers issue 48307: more TP ranks than key/value heads loads, then fails mid-forward), the
+  MLP width where the plan splits it, the vocabulary where the head is split by columns.
+- ``tp-no-plan``: the model's transformers class ships no tensor-parallel plan.
+- ``tp-loss-reduction``: tensor parallelism has counted the loss ``tp_size`` times (transformers issues
+  45994 and 39674): hold the run to its DDP baseline with ``fsdp-presets converge``.
+- ``cp-masks``: context parallelism with a sliding-window model: accelerate drops attention masks
+  (accelerate issue 4177), so sliding-window layers train with full causal attention; with packing,
+  documents see each other (TRL issue 6843); it needs SDPA and sequences divisible by 2 x cp_size.
+"""
+
+from __future__ import annotations
+
+from fsdp_presets.check.findings import CheckContext, Finding, finding
+from fsdp_presets.schema import PARALLELISM_CONFIG, PARALLELISM_PREFIX
+
+
+def _size(parallelism: dict, name: str) -> int:
+    value = parallelism.get(f"{PARALLELISM_PREFIX}{name}", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
+def accelerate_tp_import_problem() -> str | None:
+    """Why accelerate cannot prepare an FSDP2 x TP model with the installed transformers, or None."""
+    try:
+        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401  (accelerate's import)
+    except ImportError as error:
+        return str(error).split(" (/")[0]  # without the file's path
+    return None
+
+
+def parallel_rules(parallelism: dict, context: CheckContext) -> list[Finding]:
+    """The findings for ``parallelism``'s TP and CP sizes (a model's own limits with ``--model``)."""
+    tp, cp = _size(parallelism, "tp_size"), _size(parallelism, "cp_size")
+    findings: list[Finding] = []
+    where = f"{PARALLELISM_CONFIG}.{PARALLELISM_PREFIX}tp_size"
+    if tp > 1:
+        problem = accelerate_tp_import_problem()
+        if problem:
+            findings.append(finding(
+                "tp-pair-cannot-run", f"tensor parallelism {tp} through accelerate cannot run with the installed "
+                f"transformers: accelerate's prepare fails ({problem})",
+                "train the mesh through transformers' own DistributedConfig (from_pretrained(..., "
+                "distributed_config=...)), or install an accelerate/transformers pair whose prepare imports", where))
+        findings.append(finding(
+            "tp-loss-reduction", f"tensor parallelism {tp}: a loss counted {tp} times, or a rank that skips its "
+            "all-reduce, trains without an error (transformers issues 45994, 39674)",
+            "hold the run to its DDP baseline: fsdp-presets converge (docs/convergence.md)", where))
+    if context.model is not None and tp > 1:
+        parallel = context.model.profile.structure.get("parallel") or {}
+        name = context.model.profile.architecture
+        if not parallel.get("tp_plan"):
+            findings.append(finding("tp-no-plan", f"{name} ships no tensor-parallel plan in transformers: "
+                                    f"tensor parallelism {tp} cannot shard it", "use FSDP/HSDP only (tp_size 1)",
+                                    where))
+        elif tp not in parallel.get("tp_sizes", []):
+            limits = parallel.get("tp_limits") or {}
+            failing = ", ".join(f"{value} {label}" for label, value in limits.items() if value % tp)
+            allowed = ", ".join(str(size) for size in parallel.get("tp_sizes", []) if size <= 64)
+            findings.append(finding(
+                "tp-size-vs-model", f"tensor parallelism {tp} does not divide {name}'s {failing}: it loads, then "
+                "fails mid-forward (transformers issue 48307)", f"use a TP size of {allowed}", where))
+    if cp > 1:
+        findings.append(finding(
+            "cp-masks", f"context parallelism {cp}: accelerate drops attention masks (accelerate issue 4177), so "
+            "sliding-window layers train with full causal attention and packed documents see each other "
+            "(TRL issue 6843); it needs SDPA and sequences divisible by 2 x cp_size",
+            "use it only for full-causal models without packing, sequences a multiple of "
+            f"{2 * cp}, attn_implementation sdpa", f"{PARALLELISM_CONFIG}.{PARALLELISM_PREFIX}cp_size"))
+    return findings
