@@ -50,7 +50,7 @@ UNTESTED_ACCELERATE = Variable(
     "internals it patches exist",
     default="refused with the tested versions named",
     read_by="fsdp_presets.cpu_fsdp")
-STARTUP_TIMEOUT_S = Variable(
+STARTUP_TIMEOUT = Variable(
     name="FSDP_PRESETS_STARTUP_TIMEOUT_S",
     meaning="seconds a recipe's ranks wait for each other at start before naming the rank that did not come",
     default="the recipes' default (fsdp_presets.train.startup)",
@@ -77,7 +77,7 @@ TEST_WORKERS = Variable(
     read_by="scripts/test.sh")
 
 VARIABLES: tuple[Variable, ...] = (CACHE, MODELS, PLAN_REHEARSAL, CPU_PATCHES_OFF, UNTESTED_ACCELERATE,
-                                   STARTUP_TIMEOUT_S, FAULT, UNPINNED, TORCH, TEST_WORKERS)
+                                   STARTUP_TIMEOUT, FAULT, UNPINNED, TORCH, TEST_WORKERS)
 """Every variable, in the order docs/configuration.md lists them."""
 
 

@@ -63,6 +63,8 @@ README_BLOCKS = {
     # first command of the block: how it is checked
     "scripts/demo.sh": "static",
     "accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/causal_lm.py --help": "static",
+    "fsdp-presets plan model_configs/llama-3.1-70b --gpus 16,32,64,128 --gpu H100-SXM --activation-checkpointing on "
+    "--seq-len 8192 --micro-batch 2 --tokens 10e9": "run",
 }
 """README.md's ```bash blocks, by their first command (README carries no annotations)."""
 

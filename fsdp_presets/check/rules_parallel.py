@@ -29,10 +29,16 @@ def _size(parallelism: dict, name: str) -> int:
 
 def accelerate_tp_import_problem() -> str | None:
     """Why accelerate cannot prepare an FSDP2 x TP model with the installed transformers, or None."""
+    import importlib
+
+    # NOTE: accelerate 1.16's Accelerator.prepare runs `from transformers.integrations.tensor_parallel
+    # import ReplicateParallel` for FSDP2 with a TP mesh; the same lookup, made here.
     try:
-        from transformers.integrations.tensor_parallel import ReplicateParallel  # noqa: F401  (accelerate's import)
+        module = importlib.import_module("transformers.integrations.tensor_parallel")
     except ImportError as error:
-        return str(error).split(" (/")[0]  # without the file's path
+        return str(error)
+    if not hasattr(module, "ReplicateParallel"):
+        return "cannot import name 'ReplicateParallel' from 'transformers.integrations.tensor_parallel'"
     return None
 
 

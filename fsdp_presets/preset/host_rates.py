@@ -74,7 +74,7 @@ def host_rates(*, processes: int = 2) -> tuple[HostRates, str]:
             return HostRates.from_json(json.loads(path.read_text())), f"host measured earlier ({path})"
         except (ValueError, KeyError, TypeError):
             pass  # another format: measure again
-    rates = measure(processes=processes)
+    rates = measure_host(processes=processes)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json_atomic(path, rates.to_json())
@@ -225,7 +225,7 @@ def _framework_overheads(processes: int) -> dict:
     return overheads
 
 
-def measure(*, processes: int = 2) -> HostRates:
+def measure_host(*, processes: int = 2) -> HostRates:
     """Measure this host now: ``processes`` ranks (``python -m fsdp_presets.preset.host_rates``) over
     gloo on loopback, one thread each."""
     import socket

@@ -28,7 +28,7 @@ from typing import Any
 from fsdp_presets import environment
 from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError, raise_on_every_rank, rank_local
 
-STARTUP_TIMEOUT_ENV = environment.STARTUP_TIMEOUT_S.name
+STARTUP_TIMEOUT_ENV = environment.STARTUP_TIMEOUT.name
 STARTUP_TIMEOUT_S = 600.0
 """How long a rank waits at the start-up agreement for the others (model loading and imports can
 take minutes on a busy node; a rank that has not arrived by then is named)."""
