@@ -345,7 +345,8 @@ def strategies_for(hardware: Hardware) -> list[tuple[str, int | None]]:
 
 
 def _rank_key(strategy: StrategyPlan) -> tuple:
-    # NOTE: times within 1% are a tie: the model is not that exact, and a tie goes to less traffic.
+    # NOTE: times equal to two significant digits are a tie (the model is not more exact than that);
+    # a tie goes to less traffic.
     step = float(f"{strategy.time.step_s:.2g}") if strategy.time is not None else 0.0
     return (
         step,
