@@ -180,18 +180,18 @@ def scaling_text(plans, profile, *, source: str, tokens: float | None, gpu_note:
     headers = ["GPUs", "nodes", "recommended", "s/step", "tok/s/GPU", "tok/s", "MFU", "exposed", "speed-up",
                "efficiency"] + (["hours", "GPU-hours"] if tokens else []) + ["fastest"]
     table = []
-    for row, (_, chosen, found) in zip(_scaling_rows(plans, tokens), plans):
+    for row, (counted, chosen, found) in zip(_scaling_rows(plans, tokens), plans):
         if row["step_time_s"] is None:
             table.append([str(row["gpus"]), str(row["nodes"]), "nothing fits"] + [""] * (len(headers) - 3))
             continue
-        best = plans[[r[0].hardware.gpus for r in plans].index(row["gpus"])][0].recommended
+        best = counted.recommended
         cells = [str(row["gpus"]), str(row["nodes"]), best.label + (" +" + "+".join(chosen) if chosen else ""),
                  f"{row['step_time_s']:.3g}", f"{row['tokens_per_s_per_gpu']:,.0f}", f"{row['tokens_per_s']:,.0f}",
                  f"{row['mfu']:.0%}", f"{row['exposed_comm_fraction']:.0%}", f"{row['speedup']:.2f}x",
                  f"{row['scaling_efficiency']:.0%}"]
         if tokens:
             cells += [f"{row['training_hours']:,.1f}", f"{row['gpu_hours']:,.0f}"]
-        cells.append("as asked" if found is None or found.shape == memory_plan.shape and found.row.name == best.name
+        cells.append("as asked" if found is None or found.shape == counted.shape and found.row.name == best.name
                      else f"{found.row.label} mb {found.shape.micro_batch} x {found.shape.grad_accum}, AC "
                      f"{'on' if found.shape.activation_checkpointing else 'off'}: {found.row.time.step_s:.3g} s")
         table.append(cells)
