@@ -28,7 +28,7 @@ import argparse
 from fsdp_presets.plan.limits import (DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
                                       STRATEGY_CHOICES, SWITCH_CHOICES, activation_checkpointing, device,
                                       gpu_count, gpu_memory_gib, grad_accum, host_memory_gib, micro_batch, node_count,
-                                      offload, precision, seq_len, strategy)
+                                      offload, precision, seq_len, strategy, tp_size, ep_size)
 
 
 # --------------------------------------------------------------------------- the shared flags
@@ -121,6 +121,14 @@ def add_tolerance(parser: argparse.ArgumentParser) -> None:
                         help="largest relative deviation |a-b|/max(|a|,|b|) accepted for loss and "
                         "grad_norm; 'auto' (default) follows the runs' precision: fp32 1e-6, bf16 "
                         "calibrated (docs/convergence.md)")
+
+
+def add_mesh(parser: argparse.ArgumentParser, *, default_text: str) -> None:
+    """``--tp`` and ``--ep``: a second dimension beside FSDP (None: ``default_text``)."""
+    parser.add_argument("--tp", type=tp_size, metavar="N", help="tensor-parallel ranks inside a node (FSDP2 x TP "
+                        f"through transformers' DistributedConfig; default {default_text})")
+    parser.add_argument("--ep", type=ep_size, metavar="N", help="expert-parallel ranks for a mixture-of-experts model "
+                        f"(default {default_text})")
 
 
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:

@@ -349,11 +349,14 @@ def test_plan_json_contract(capsys):
     code, out, _ = run_cli(capsys, "llama", "--gpus", 4, "--nodes", 2, "--gpu-memory", 24, "--seq-len", 64, "--json")
     assert code == 0
     document = json.loads(out)
-    names = [(s["name"], s["fsdp_version"]) for s in document["strategies"]]
+    names = [(s["name"], s["fsdp_version"]) for s in document["strategies"] if s["tp_size"] == s["ep_size"] == 1]
     assert names == [("DDP", None), ("NO_SHARD", 1), ("SHARD_GRAD_OP", 1), ("SHARD_GRAD_OP", 2),
                      ("FULL_SHARD", 1), ("FULL_SHARD", 2), ("HYBRID_SHARD", 1), ("HYBRID_SHARD", 2)]
+    # the tiny Llama's 4 heads allow TP 2 and 4 inside a 2-GPU node: TP 2, as FSDP 2 x TP 2 and HSDP 2 x TP 2
+    assert [s["label"] for s in document["strategies"] if s["tp_size"] > 1] == ["FSDP 2 x TP 2", "HSDP 2 x FSDP 1 x TP 2"]
     for strategy in document["strategies"]:
-        assert {"name", "fsdp_version", "per_gpu_bytes", "fits", "max_micro_batch", "comm_bytes_per_step"} <= set(strategy)
+        assert {"name", "label", "fsdp_version", "tp_size", "ep_size", "per_gpu_bytes", "fits", "max_micro_batch",
+                "comm_bytes_per_step", "mesh_comm_bytes_per_step"} <= set(strategy)
         per_gpu = strategy["per_gpu_bytes"]
         assert set(per_gpu) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
         assert per_gpu["total"] == sum(v for k, v in per_gpu.items() if k != "total")
@@ -361,7 +364,8 @@ def test_plan_json_contract(capsys):
         assert {"all_gather", "reduce_scatter", "all_reduce", "intra_node", "inter_node", "total"} <= set(comm)
         assert comm["intra_node"] + comm["inter_node"] == comm["total"]
         assert isinstance(strategy["fits"], bool) and isinstance(strategy["max_micro_batch"], int)
-    assert document["recommended"] in [{"name": n, "fsdp_version": v} for n, v in names]
+    assert document["recommended"] in [{"name": s["name"], "fsdp_version": s["fsdp_version"], "label": s["label"],
+                                        "tp_size": s["tp_size"], "ep_size": s["ep_size"]} for s in document["strategies"]]
 
 
 def test_plan_table_and_diagram(capsys, tmp_path):

@@ -130,12 +130,13 @@ def test_plan_json_carries_time_on_every_row_and_the_recommendation_is_the_faste
         assert row["step_time_s"] > 0 and row["tokens_per_s_per_gpu"] > 0 and 0 < row["mfu"] < 1
         assert 0 <= row["exposed_comm_fraction"] < 1 and row["gpu_hours"] > 0
     fitting = [row for row in document["strategies"] if row["fits"]]
-    fastest = min(fitting, key=lambda row: row["step_time_s"])
-    recommended = next(row for row in fitting if (row["name"], row["fsdp_version"]) ==
-                       (document["recommended"]["name"], document["recommended"]["fsdp_version"]))
-    assert recommended["step_time_s"] <= fastest["step_time_s"] * 1.05
-    assert document["reason"].startswith(f"{recommended['name']} (FSDP")
-    assert document["fastest"]["step_time_s"] <= recommended["step_time_s"]
+    # the fastest per token: a TP row's GPUs share their micro-batch, so compare tokens/s per GPU
+    fastest = max(fitting, key=lambda row: row["tokens_per_s_per_gpu"])
+    recommended = next(row for row in fitting if row["label"] == document["recommended"]["label"])
+    assert recommended["tokens_per_s_per_gpu"] >= fastest["tokens_per_s_per_gpu"] * 0.95
+    assert document["reason"].startswith(f"{recommended['label']} is the fastest that fits")
+    if recommended["tp_size"] == recommended["ep_size"] == 1:  # the search covers FSDP alone
+        assert document["fastest"]["step_time_s"] <= recommended["step_time_s"]
     # --gpu fills --gpu-memory: the H100's 80 GB.
     assert document["hardware"]["gpu_memory_bytes"] == 80 * GiB
 

@@ -69,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds-per-step", type=float, metavar="SECONDS",
                         help="seconds per optimizer step, to give the save interval in steps (default: the "
                         "predicted step time of the recommended strategy)")
+    arguments.add_mesh(parser, default_text="the sizes the model allows, each planned beside FSDP alone")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--diagram", metavar="FILE.png", help="draw per-GPU memory and the unit split to this file")
     arguments.add_trust_remote_code(parser)
@@ -81,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.plan.fastest import fastest
     from fsdp_presets.plan.inputs import plan_inputs
     from fsdp_presets.plan.methods import lora_from_args
-    from fsdp_presets.plan.planner import fit_seq_len, plan_with_auto_savers
+    from fsdp_presets.plan.planner import fit_seq_len, meshes_for, plan_with_auto_savers
     from fsdp_presets.plan.report import plan_json, plan_text, scaling_json, scaling_text
     from fsdp_presets.preset.generate import load_profile
-    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
+    from fsdp_presets.preset.measured_activations import rehearsed_mesh_terms, with_rehearsed_terms
     from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 
     inputs = plan_inputs(args)  # every flag checked before the model is read
@@ -107,8 +108,13 @@ def run(args: argparse.Namespace) -> int:
         hardwares = (dataclasses.replace(hardware, host=rates),)
     plans = []
     for hardware in hardwares:
-        memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape,
-                                                    checkpointing=inputs.checkpointing, offload=inputs.offload)
+        meshes = () if args.device == "cpu" and not (args.tp or args.ep) else meshes_for(
+            profile, hardware, tp=args.tp, ep=args.ep)
+        measured, _ = rehearsed_mesh_terms(args.model, shape, meshes, trust_remote_code=args.trust_remote_code,
+                                           rehearse_missing=bool(args.tp or args.ep))
+        memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape.replace(measured_on_mesh=measured),
+                                                    checkpointing=inputs.checkpointing, offload=inputs.offload,
+                                                    meshes=meshes)
         plans.append((memory_plan, chosen, fastest(profile, hardware, memory_plan.shape)))
     gpu_note = (host_note if args.device == "cpu" else None if inputs.gpu_named
                 else f"step times for {inputs.hardware.gpu.name} GPUs: give --gpu for yours")

@@ -38,6 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_savers(parser, with_offload=False, default_text="off; auto: off, a rehearsal is on roomy GPUs")
     arguments.add_strategy(parser, default_text="auto: full on one node, hybrid across nodes; only FSDP2 is rehearsed, so not no-shard")
     arguments.add_gpu_memory(parser, default_help=", or the preset's; for the fit verdict and the planner")
+    arguments.add_mesh(parser, default_text="1: FSDP alone, through accelerate")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_method_arguments(parser, method_help="the training method: only full is rehearsed (a LoRA/QLoRA plan is "
                          "checked against a hand calculation, docs/sharding.md)")
@@ -51,6 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.errors import UsageError
     from fsdp_presets.plan.methods import lora_from_args
+    from fsdp_presets.preset.measured_activations import rehearsed_mesh_terms, with_rehearsed_terms
+    from fsdp_presets.rehearse.mesh import Mesh
     from fsdp_presets.preset.rehearse_request import (METHOD_NOT_REHEARSED, format_rehearsal, rehearse_request,
                                                       request_from_flags, request_from_preset)
 
@@ -75,9 +78,22 @@ def run(args: argparse.Namespace) -> int:
                                      grad_accum=args.grad_accum, seq_len=args.seq_len, precision=args.precision,
                                      activation_checkpointing=args.activation_checkpointing, strategy=args.strategy,
                                      gpu_memory_gib=args.gpu_memory)
+    mesh = Mesh(tp=args.tp or 1, ep=args.ep or 1)
+    if mesh.is_nd and from_preset:
+        raise UsageError("--tp/--ep: a preset file fixes its mesh; rehearse the model with the flags instead "
+                         "(fsdp-presets rehearse MODEL --gpus N --tp N)")
+    if mesh.is_nd and request.strategy not in ("full", "hybrid"):
+        raise UsageError(f"--strategy {request.strategy}: a TP/EP mesh is rehearsed with full or hybrid sharding")
+    def mesh_terms(shape):
+        """The planner's activation terms for the mesh: rehearsed on it (cached), else estimated."""
+        shape, _ = with_rehearsed_terms(args.model, shape, trust_remote_code=args.trust_remote_code)
+        measured, _ = rehearsed_mesh_terms(args.model, shape, (mesh,), trust_remote_code=args.trust_remote_code)
+        return shape.replace(measured_on_mesh=measured)
+
     document, result, row = rehearse_request(request, source=args.model, preset_file=from_preset, summary=summary,
                                              env=env, grad_accum=args.grad_accum,
-                                             trust_remote_code=args.trust_remote_code)
+                                             trust_remote_code=args.trust_remote_code, mesh=mesh,
+                                             mesh_terms=mesh_terms if mesh.is_nd else None)
     if args.json:
         print(json.dumps(document, indent=2))
     else:

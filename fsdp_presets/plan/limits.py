@@ -104,6 +104,12 @@ micro_batch = count_check("--micro-batch", high=MAX_MICRO_BATCH, example="2",
                      doc="``--micro-batch``: sequences per GPU per step, 1 .. :data:`MAX_MICRO_BATCH`.")
 grad_accum = count_check("--grad-accum", high=MAX_GRAD_ACCUM, example="4",
                     doc="``--grad-accum``: micro-batches per optimizer step, 1 .. :data:`MAX_GRAD_ACCUM`.")
+MAX_MESH_SIZE = 128
+"""Largest ``--tp``/``--ep`` accepted (a TP group lives inside a node)."""
+tp_size = count_check("--tp", high=MAX_MESH_SIZE, example="8",
+                 doc="``--tp``: tensor-parallel ranks, 1 .. :data:`MAX_MESH_SIZE`.")
+ep_size = count_check("--ep", high=MAX_MESH_SIZE, example="8",
+                 doc="``--ep``: expert-parallel ranks, 1 .. :data:`MAX_MESH_SIZE`.")
 lora_rank = count_check("--lora-r", high=MAX_LORA_R, example="16",
                    doc="``--lora-r``: the adapter's rank, 1 .. :data:`MAX_LORA_R`.")
 

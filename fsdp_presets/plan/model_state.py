@@ -97,21 +97,46 @@ def fused_expert_params(profile: ModelProfile) -> int:
     return dims.num_experts * 3 * dims.hidden_size * dims.intermediate_size if dims.num_experts else 0
 
 
-def _unit_shard_numel(profile: ModelProfile, unit: "ShardUnit", shard_world_size: int, fsdp_version: int) -> int:
+def _fused_experts_in(profile: ModelProfile, unit: "ShardUnit", fsdp_version: int) -> int:
+    """Parameters of ``unit`` in fused expert tensors that FSDP2 shards on the expert dim (0: none)."""
+    experts = fused_expert_params(profile)
+    if fsdp_version != 2 or not experts or unit.name in ("embedding", "tail", "root") or experts > unit.params:
+        return 0
+    return experts
+
+
+def _unit_shard_numel(profile: ModelProfile, unit: "ShardUnit", shard_world_size: int, fsdp_version: int,
+                      expert_shard_world_size: int | None = None) -> int:
     """Elements of ``unit`` the largest rank (rank 0) holds. FSDP2 shards every parameter on
     dim 0 [FSDP2]: a fused expert tensor has only ``experts`` rows, so over more ranks than
     experts rank 0 holds a whole expert of each (1/8 of Mixtral's experts at 16 or 32 GPUs, not
-    1/16 or 1/32; rehearsed: 21.2 GiB of fp32 parameters on rank 0 at 32 GPUs)."""
-    experts = fused_expert_params(profile)
-    if fsdp_version != 2 or not experts or unit.name in ("embedding", "tail", "root") or experts > unit.params:
+    1/16 or 1/32; rehearsed: 21.2 GiB of fp32 parameters on rank 0 at 32 GPUs).
+    ``expert_shard_world_size``: the ranks the experts are sharded over when not the same
+    (expert parallelism shards them over ``efsdp``; default ``shard_world_size``)."""
+    experts = _fused_experts_in(profile, unit, fsdp_version)
+    if not experts:
         return shard_numel(unit.params, shard_world_size)
     count = profile.dims.num_experts
-    rows = -(-count // shard_world_size)
+    rows = -(-count // (expert_shard_world_size or shard_world_size))
     return rows * (experts // count) + shard_numel(unit.params - experts, shard_world_size)
 
 
+def gathered_params(profile: ModelProfile, unit: "ShardUnit", fsdp_version: int, expert_shard_world_size: int) -> int:
+    """Elements of ``unit`` once all-gathered (and of its gradient before the reduce-scatter): its
+    parameters, with a fused expert tensor padded on dim 0 to a multiple of the ranks sharding it
+    [FSDP2] (8 experts over 64 ranks gather as 64 rows: rehearsed, a 4-block Mixtral-8x7B at 64
+    GPUs holds 42 GiB of gathered parameters, 8 times its two blocks)."""
+    experts = _fused_experts_in(profile, unit, fsdp_version)
+    if not experts:
+        return unit.params
+    count = profile.dims.num_experts
+    rows = -(-count // expert_shard_world_size) * expert_shard_world_size
+    return unit.params - experts + rows * (experts // count)
+
+
 def model_state_bytes(
-    profile: ModelProfile, shape: TrainingShape, shard_world_size: int, fsdp_version: int | None = 2
+    profile: ModelProfile, shape: TrainingShape, shard_world_size: int, fsdp_version: int | None = 2,
+    expert_shard_world_size: int | None = None,
 ) -> ModelStateBytes:
     """Per-rank parameters, gradients and optimizer state of full fine-tuning with model states
     sharded over ``shard_world_size`` ranks (1: replicated, as DDP and NO_SHARD); LoRA's are
@@ -119,13 +144,15 @@ def model_state_bytes(
 
     The [ZeRO] Sec. 3.1 accounting with the stored-fp32 convention of this module: 4 + 4 + K'
     bytes per parameter (K' = optimizer state, 8 for Adam), divided by the shard world size
-    (ZeRO stage 3 = FSDP FULL_SHARD, Sec. 5.3)."""
+    (ZeRO stage 3 = FSDP FULL_SHARD, Sec. 5.3). ``expert_shard_world_size``: the ranks sharding
+    fused experts where not ``shard_world_size`` (expert parallelism's ``efsdp``)."""
     if shard_world_size < 1:
         raise ValueError(f"shard_world_size must be at least 1, got {shard_world_size}")
     if shard_world_size == 1 or fsdp_version is None:
         numel = profile.total_params if shard_world_size == 1 else shard_numel(profile.total_params, shard_world_size)
     else:
-        numel = sum(unit.count * _unit_shard_numel(profile, unit, shard_world_size, fsdp_version)
+        numel = sum(unit.count * _unit_shard_numel(profile, unit, shard_world_size, fsdp_version,
+                                                   expert_shard_world_size)
                     for unit in fsdp_units(profile, fsdp_version))
     return ModelStateBytes(
         params=numel * STORED_PARAM_BYTES,

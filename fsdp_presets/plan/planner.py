@@ -61,14 +61,17 @@ from fsdp_presets.plan.allocator import allocator_reserve, nvidia_smi_bytes, uni
 from fsdp_presets.plan.communication import collectives, fsdp_comm
 from fsdp_presets.fileio import GiB, format_bytes
 from fsdp_presets.plan.lora_memory import lora_comm, lora_model_state_bytes, lora_peak
-from fsdp_presets.plan.model_state import ACCUMULATED_GRAD_BYTES, fsdp_units, input_embedding_params, model_state_bytes
+from fsdp_presets.plan.model_state import (ACCUMULATED_GRAD_BYTES, fsdp_units, gathered_params, input_embedding_params,
+                                          model_state_bytes)
 from fsdp_presets.model.model_profile import ModelProfile
-from fsdp_presets.plan.results import MemoryPlan, ModelStateBytes, PerGpuBytes, StrategyPlan
+from fsdp_presets.plan.mesh_plan import estimated_mesh_terms, sliced_profile, tensor_parallel_comm
+from fsdp_presets.plan.results import CommBytes, MemoryPlan, ModelStateBytes, PerGpuBytes, StrategyPlan
+from fsdp_presets.rehearse.mesh import Mesh
 from fsdp_presets.plan.step_time import step_time
 from fsdp_presets.plan.shapes import (OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARY_BYTES, STORED_PARAM_BYTES,
                                       Hardware, TrainingShape)
 
-__all__ = ["fit_seq_len", "human_bytes", "offloads", "plan", "plan_with_auto_savers", "strategies_for"]
+__all__ = ["fit_seq_len", "human_bytes", "meshes_for", "offloads", "plan", "plan_with_auto_savers", "strategies_for"]
 
 human_bytes = format_bytes  # the old name, still imported by the benchmark harness
 
@@ -98,9 +101,15 @@ def _accumulated_grads(profile: ModelProfile, shape: TrainingShape, fsdp_version
 
 
 def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: int | None,
-          state: ModelStateBytes, micro_batch: int) -> PerGpuBytes:
+          state: ModelStateBytes, micro_batch: int, expert_shard: int = 1,
+          expert_parallel: bool = False) -> PerGpuBytes:
     """Bytes on one GPU at the peak of a step at ``micro_batch``; ``state`` is what the GPU keeps
-    between steps (zero when offloaded).
+    between steps (zero when offloaded); ``expert_shard``: the ranks FSDP2 shards fused experts
+    over (a gathered block and its unsharded gradient are padded to a multiple of them:
+    :func:`~fsdp_presets.plan.model_state.gathered_params`). ``expert_parallel``: the experts are
+    transformers' own FSDP units on ``efsdp`` (expert parallelism), which gather a rank's experts
+    unpadded and reduce their gradient padded in fp32 (rehearsed: a 4-block Mixtral-8x7B as FSDP 64
+    x EP 4 holds 11.2 GiB of such a gradient in one block's backward).
 
     FSDP: the larger of two moments of the last micro-batch's backward, as rehearsed:
 
@@ -149,10 +158,20 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     )
     largest = resharded[0] if resharded else 0
     kept = sum(unit.count * unit.params for unit in units if not unit.reshards_after_forward)
+    # A fused expert tensor gathers (and reduces its gradient) padded to the ranks sharding it.
+    pad = max((gathered_params(profile, unit, fsdp_version, expert_shard) - unit.params for unit in units), default=0)
+    padded_blocks = sum(unit.count for unit in units if gathered_params(profile, unit, fsdp_version, expert_shard)
+                        > unit.params)
+    # the unsharded gradient of the block in backward, with its padding, in bytes
+    # (expert parallelism: a rehearsal on the mesh saw the unpadded gradient among its temporaries)
+    grad_in_block = pad * STORED_PARAM_BYTES if expert_parallel else (largest + pad) * c
+    if expert_parallel:
+        pad = 0  # gathered unpadded
     if name == "SHARD_GRAD_OP":
-        gathered_at_loss = gathered_in_block = total  # every unit gathered from forward to backward
+        # every unit gathered from forward to backward
+        gathered_at_loss = gathered_in_block = total + pad * padded_blocks
     else:
-        gathered_at_loss, gathered_in_block = kept, kept + sum(resharded[:2])
+        gathered_at_loss, gathered_in_block = kept, kept + sum(resharded[:2]) + pad * min(padded_blocks, 2)
     grads = state.grads if shape.grad_accum > 1 and shape.reduce_every_micro_batch else 0
     # In a block's backward the units reduced before it (the tail, the block after it) already
     # hold their fp32 gradient shards (measured: 0.74 GiB for Mixtral-8x7B at 8 GPUs).
@@ -175,7 +194,7 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     in_block = PerGpuBytes(params=state.params, grads=reduced_shards, optimizer=state.optimizer,
                            activations=own if own is not None else activations - logits_bytes(profile, shape, micro_batch)
                            + recomputed + block_temporaries,
-                           buffers=(gathered_in_block - tail_resharded) * c + largest * c + accumulated_in_block)
+                           buffers=(gathered_in_block - tail_resharded) * c + grad_in_block + accumulated_in_block)
     # The end of backward: every gradient shard exists (the backward of the embedding, with the
     # last blocks gathered). Sharded states dominate here when they are large beside the
     # activations: fused experts over more ranks than experts (rehearsed: Mixtral-8x7B at 32
@@ -190,7 +209,7 @@ def _peak(profile: ModelProfile, shape: TrainingShape, name: str, fsdp_version: 
     unreduced = state.grads * (largest + embedding) // total if total and last_block is not None else 0
     at_end = PerGpuBytes(params=state.params, grads=max(state.grads - unreduced, grads), optimizer=state.optimizer,
                          activations=recomputed + block_temporaries if last_block is None else last_block,
-                         buffers=(gathered_in_block - (kept if name != "SHARD_GRAD_OP" else 0)) * c + largest * c
+                         buffers=(gathered_in_block - (kept if name != "SHARD_GRAD_OP" else 0)) * c + grad_in_block
                          + accumulated_at_end)
     step_temporaries = (state.optimizer * OPTIMIZER_STEP_TEMPORARY_BYTES.get(shape.optimizer, 0)
                         // OPTIMIZER_STATE_BYTES[shape.optimizer])
@@ -238,8 +257,12 @@ def offloads(shape: TrainingShape, name: str) -> bool:
 
 
 def _strategy_plan(
-    profile: ModelProfile, hardware: Hardware, shape: TrainingShape, name: str, fsdp_version: int | None
+    profile: ModelProfile, hardware: Hardware, shape: TrainingShape, name: str, fsdp_version: int | None,
+    mesh: Mesh = Mesh(),
 ) -> StrategyPlan:
+    """One row; with a ``mesh`` of TP/EP (FSDP2 ``FULL_SHARD`` or ``HYBRID_SHARD`` only), the same
+    model state over the same ranks, and what one rank of the mesh gathers, computes and saves
+    (:mod:`fsdp_presets.plan.mesh_plan`)."""
     notes: list[str] = []
     if name in ("DDP", "NO_SHARD"):
         shard_size, replicate_size = 1, hardware.gpus
@@ -248,6 +271,18 @@ def _strategy_plan(
     else:
         shard_size, replicate_size = hardware.gpus, 1
     state = (model_state_bytes if shape.lora is None else lora_model_state_bytes)(profile, shape, shard_size, fsdp_version)
+    full_profile, mesh_comm, source, expert_shard = profile, CommBytes(), None, shard_size
+    if mesh.is_nd:
+        # What FSDP gathers and a rank computes and saves: one TP rank's slice over the FSDP ranks.
+        terms = dict(shape.measured_on_mesh).get((mesh.tp, mesh.ep))
+        source = "composed from a rehearsal on this mesh" if terms is not None else "estimated"
+        shape = shape.replace(measured=terms if terms is not None else estimated_mesh_terms(profile, shape, mesh))
+        mesh_comm = tensor_parallel_comm(profile, shape, mesh, shape.grad_accum)
+        profile = sliced_profile(profile, mesh)
+        hardware = dataclasses.replace(hardware, gpus=hardware.gpus // mesh.tp)
+        # Dense parameters over fsdp (x tp), a rank's experts over efsdp = fsdp x tp / ep.
+        expert_shard = shard_size // (mesh.ep if mesh.ep > 1 else mesh.tp)
+        state = model_state_bytes(profile, shape, shard_size // mesh.tp, fsdp_version, expert_shard)
     offloaded = offloads(shape, name)
     if shape.offload and not offloaded:
         notes.append(f"offload is not planned for {name}; shown without it")
@@ -266,10 +301,10 @@ def _strategy_plan(
         comm = fsdp_comm(profile, hardware, shape, name, fsdp_version)
 
     def total_at(micro_batch: int) -> int:
-        return _peak(profile, shape, name, fsdp_version, on_gpu, micro_batch).total
+        return _peak(profile, shape, name, fsdp_version, on_gpu, micro_batch, expert_shard, mesh.ep > 1).total
 
-    per_gpu = _peak(profile, shape, name, fsdp_version, on_gpu, shape.micro_batch)
-    reserve = allocator_reserve(unit_bytes(profile, shape, fsdp_version, shard_size), fsdp_version=fsdp_version,
+    per_gpu = _peak(profile, shape, name, fsdp_version, on_gpu, shape.micro_batch, expert_shard, mesh.ep > 1)
+    reserve = allocator_reserve(unit_bytes(profile, shape, fsdp_version, shard_size // mesh.tp), fsdp_version=fsdp_version,
                                 name=name, offloaded=offloaded, state_grads_on_gpu=on_gpu.grads,
                                 peak_grads=per_gpu.grads, peak_total=per_gpu.total)
     row = StrategyPlan(
@@ -285,11 +320,14 @@ def _strategy_plan(
         allocator_reserve=reserve.total,
         nvidia_smi=nvidia_smi_bytes(per_gpu.total, reserve, hardware.gpu_memory_bytes),
         notes=tuple(notes),
-        source=_source(profile, shape, fsdp_version),
+        source=source or _source(profile, shape, fsdp_version),
+        tp_size=mesh.tp,
+        ep_size=mesh.ep,
+        mesh_comm=mesh_comm,
     )
     if hardware.gpu is None and hardware.host is None:
         return row
-    return dataclasses.replace(row, time=step_time(profile, hardware, shape, row))
+    return dataclasses.replace(row, time=step_time(profile, hardware, shape, row, full_profile=full_profile))
 
 
 def _source(profile: ModelProfile, shape: TrainingShape, fsdp_version: int | None) -> str:
@@ -347,11 +385,13 @@ def strategies_for(hardware: Hardware) -> list[tuple[str, int | None]]:
 def _rank_key(strategy: StrategyPlan) -> tuple:
     # NOTE: times equal to two significant digits are a tie (the model is not more exact than that);
     # a tie goes to less traffic.
-    step = float(f"{strategy.time.step_s:.2g}") if strategy.time is not None else 0.0
+    # A TP group's ranks share one micro-batch: per token, its step counts tp_size times.
+    step = float(f"{strategy.time.step_s * strategy.tp_size:.2g}") if strategy.time is not None else 0.0
     return (
         step,
         strategy.comm.inter_node,
-        strategy.comm.total,
+        strategy.comm_total,
+        strategy.tp_size * strategy.ep_size,
         _PREFERENCE.index((strategy.name, strategy.fsdp_version)),
     )
 
@@ -364,18 +404,26 @@ def _best(strategies: list[StrategyPlan]) -> StrategyPlan | None:
     fitting = sorted((s for s in strategies if s.fits), key=_rank_key)
     if not fitting:
         return None
-    same_name = [s for s in fitting if s.name == fitting[0].name]
+    same_name = [s for s in fitting if (s.name, s.tp_size, s.ep_size) ==
+                 (fitting[0].name, fitting[0].tp_size, fitting[0].ep_size)]
     return min(same_name, key=lambda s: _PREFERENCE.index((s.name, s.fsdp_version)))
 
 
-def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> MemoryPlan:
+def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape, meshes: tuple[Mesh, ...] = ()) -> MemoryPlan:
     """Cost every applicable strategy and recommend one.
 
     The recommendation is, among the strategies that fit at the requested micro-batch, the one
     that sends the fewest bytes across nodes, then the fewest in total; ties go to the simpler
     strategy and to FSDP2 over FSDP1. When nothing fits, ``recommended`` is None and
-    ``suggestions`` lists re-planned changes that would fit."""
+    ``suggestions`` lists re-planned changes that would fit. ``meshes``: TP/EP meshes to plan
+    beside (FSDP2 x TP/EP, and HSDP x TP/EP across nodes), the ones the model and GPUs allow."""
     strategies = [_strategy_plan(profile, hardware, shape, name, version) for name, version in strategies_for(hardware)]
+    for mesh in meshes:
+        for name in ("FULL_SHARD",) + (("HYBRID_SHARD",) if hardware.nodes > 1 else ()):
+            if not mesh.problems(profile.structure.get("parallel") or {}, gpus=hardware.gpus,
+                                 gpus_per_node=hardware.gpus_per_node, hybrid=name == "HYBRID_SHARD",
+                                 nodes=hardware.nodes):
+                strategies.append(_strategy_plan(profile, hardware, shape, name, 2, mesh))
     best = _best(strategies)
     if best is not None:
         others = [s for s in strategies if not s.fits]
@@ -383,7 +431,7 @@ def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> Mem
             f"{best.label} fits with the least communication: {format_bytes(best.per_gpu.total)} of tensors "
             f"(~{format_bytes(best.nvidia_smi)} as nvidia-smi shows it) of {format_bytes(hardware.usable_bytes)} "
             f"usable per GPU at micro-batch {shape.micro_batch} (up to "
-            f"{best.max_micro_batch}), {format_bytes(best.comm.total, binary=False)} sent per GPU per step"
+            f"{best.max_micro_batch}), {format_bytes(best.comm_total, binary=False)} sent per GPU per step"
         )
         if best.comm.inter_node:
             reason += f" ({format_bytes(best.comm.inter_node, binary=False)} across nodes)"
@@ -414,14 +462,17 @@ def time_reason(best: StrategyPlan, strategies: list[StrategyPlan]) -> str:
     text = (f"{best.label} is the fastest that fits: {time.step_s:.3g} s per step, "
             f"{time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {time.mfu:.0%}, "
             f"{time.exposed_comm_fraction:.0%} of the step waiting on communication")
-    others = sorted((s for s in strategies if s.fits and s.time is not None and s.name != best.name),
-                    key=lambda s: s.time.step_s)
+    def per_token(row: StrategyPlan) -> float:  # a TP group's GPUs share one micro-batch
+        return row.time.step_s * row.tp_size
+
+    others = sorted((s for s in strategies if s.fits and s.time is not None
+                     and (s.name, s.tp_size, s.ep_size) != (best.name, best.tp_size, best.ep_size)), key=per_token)
     if others:
         runner = others[0]
-        slower = runner.time.step_s / time.step_s
+        slower = per_token(runner) / per_token(best)
         if runner.time.exposed_comm_s > time.exposed_comm_s:
             why = (f"{format_bytes(runner.comm.inter_node, binary=False)} across nodes" if runner.comm.inter_node
-                   > best.comm.inter_node else f"{format_bytes(runner.comm.total, binary=False)} sent")
+                   > best.comm.inter_node else f"{format_bytes(runner.comm_total, binary=False)} sent")
             text += f" ({runner.label} {slower:.2f}x slower: {why}, {runner.time.exposed_comm_fraction:.0%} exposed)"
         elif slower < 1.01:
             text += f" ({runner.label} as fast: the tie goes to less traffic)"
@@ -433,11 +484,12 @@ def time_reason(best: StrategyPlan, strategies: list[StrategyPlan]) -> str:
     return text
 
 
-def plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offload: str):
+def plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offload: str, meshes: tuple = ()):
     """``(plan, chosen)``: the plan as asked, or, where a saver is ``auto`` and nothing fits, with the
     cheapest savers that make something fit (activation checkpointing first, then offload too).
-    ``chosen`` names the savers turned on; when none makes anything fit, the plan as asked."""
-    first = plan(profile, hardware, shape)
+    ``chosen`` names the savers turned on; when none makes anything fit, the plan as asked.
+    ``meshes``: TP/EP meshes planned beside (:func:`plan`)."""
+    first = plan(profile, hardware, shape, meshes)
     if first.recommended is not None:
         return first, []
     steps = []
@@ -448,10 +500,29 @@ def plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offlo
         names = (steps[-1][0] if steps else []) + ["offload"]
         steps.append((names, {**previous, "offload": True}))
     for names, change in steps:
-        candidate = plan(profile, hardware, shape.replace(**change))
+        candidate = plan(profile, hardware, shape.replace(**change), meshes)
         if candidate.recommended is not None:
             return candidate, names
     return first, []
+
+
+def meshes_for(profile: ModelProfile, hardware: Hardware, *, tp: int | None = None, ep: int | None = None) -> tuple[Mesh, ...]:
+    """The TP/EP meshes a plan considers: the one asked (``--tp``/``--ep``, refused with why where
+    the model or the GPUs cannot run it), or else each TP size of 2, 4 and 8 the model allows inside a
+    node, and for a mixture-of-experts model each EP size the model and the GPUs allow up to a node."""
+    parallel = profile.structure.get("parallel") or {}
+    if tp or ep:
+        mesh = Mesh(tp=tp or 1, ep=ep or 1)
+        problems = mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)
+        if problems:
+            raise UsageError(f"{mesh.label(gpus=hardware.gpus) if not hardware.gpus % (tp or 1) else 'the mesh'}: "
+                             f"{'; '.join(problems)} (`fsdp-presets inspect MODEL` lists the sizes the model allows)")
+        return (mesh,) if mesh.is_nd else ()
+    meshes = [Mesh(tp=size) for size in parallel.get("tp_sizes", []) if size in (2, 4, 8)]
+    meshes += [Mesh(ep=size) for size in parallel.get("ep_sizes", []) if 1 < size <= 8]
+    return tuple(mesh for mesh in meshes
+                 if not mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)
+                 and hardware.gpus > max(mesh.tp, 1))
 
 
 def fit_seq_len(shape, profile, *, given: int | None):

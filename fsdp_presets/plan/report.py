@@ -96,7 +96,7 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
     ]
     # One unit per column family, picked from the largest value so small models stay readable.
     memory_name, memory_unit = byte_unit(max(s.per_gpu.total for s in memory_plan.strategies), binary=True)
-    comm_name, comm_unit = byte_unit(max(s.comm.total for s in memory_plan.strategies), binary=False)
+    comm_name, comm_unit = byte_unit(max(s.comm_total for s in memory_plan.strategies), binary=False)
     timed = all(s.time is not None for s in memory_plan.strategies)
     lines.append(f"per GPU in {memory_name}; comm = {comm_name} each GPU sends per step"
                  + ("; s/step, tokens/s per GPU, MFU (6N + 12LHQT), share of the step waiting on communication"
@@ -113,7 +113,7 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
                                                   per_gpu.activations, per_gpu.buffers, per_gpu.total)),
             "yes" if strategy.fits else "no",
             str(strategy.max_micro_batch),
-            f"{strategy.comm.total / comm_unit:.2f}",
+            f"{strategy.comm_total / comm_unit:.2f}",
             f"{strategy.comm.inter_node / comm_unit:.2f}",
             *(_time_cells(strategy.time) if timed else []),
             "composed" if strategy.source == "composed from a rehearsal" else "estimated",

@@ -129,20 +129,45 @@ class StrategyPlan:
     time: object = None
     """Seconds per step, tokens/s and MFU on the hardware's GPU type (a
     :class:`~fsdp_presets.plan.step_time.StepTime`); None when the GPU type is not known."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (1: none); the row is then FSDP2 x TP through ``DistributedConfig``."""
+    ep_size: int = 1
+    """Expert-parallel ranks (1: none)."""
+    mesh_comm: CommBytes = CommBytes()
+    """The TP/EP collectives per GPU per step (inside a node), besides :attr:`comm` (FSDP's)."""
     source: str = "estimated"
     """How the figures were obtained: ``composed from a rehearsal`` (this model's own activation
     terms, :mod:`fsdp_presets.preset.measured_activations`, composed for a strategy a rehearsal can
     follow) or ``estimated`` (family constants, or a strategy no rehearsal follows)."""
 
     @property
+    def is_nd(self) -> bool:
+        """A second dimension (TP or EP) beside data-parallel sharding."""
+        return self.tp_size > 1 or self.ep_size > 1
+
+    @property
     def label(self) -> str:
-        """``FULL_SHARD (FSDP2)``, ``DDP``."""
+        """``FULL_SHARD (FSDP2)``, ``DDP``, ``FSDP 8 x TP 8``, ``HSDP 2 x FSDP 4 x TP 2``."""
+        if self.is_nd:
+            fsdp = self.shard_world_size // self.tp_size
+            parts = [f"HSDP {self.replicate_world_size}"] if self.replicate_world_size > 1 else []
+            parts += [f"FSDP {fsdp}"] + ([f"TP {self.tp_size}"] if self.tp_size > 1 else []) + (
+                [f"EP {self.ep_size}"] if self.ep_size > 1 else [])
+            return " x ".join(parts)
         return self.name if self.fsdp_version is None else f"{self.name} (FSDP{self.fsdp_version})"
+
+    @property
+    def comm_total(self) -> int:
+        """Bytes sent per GPU per step, every dimension's collectives together."""
+        return self.comm.total + self.mesh_comm.total
 
     def to_json(self) -> dict:
         return {
             "name": self.name,
+            "label": self.label,
             "fsdp_version": self.fsdp_version,
+            "tp_size": self.tp_size,
+            "ep_size": self.ep_size,
             "shard_world_size": self.shard_world_size,
             "replicate_world_size": self.replicate_world_size,
             "per_gpu_bytes": self.per_gpu.to_json(),
@@ -152,6 +177,7 @@ class StrategyPlan:
             "nvidia_smi_bytes": self.nvidia_smi,
             "source": self.source,
             "comm_bytes_per_step": self.comm.to_json(),
+            "mesh_comm_bytes_per_step": self.mesh_comm.to_json(),
             **_time_json(self.time),
             "notes": list(self.notes),
         }
@@ -184,7 +210,7 @@ class MemoryPlan:
     def get(self, name: str, fsdp_version: int | None = 2) -> StrategyPlan:
         """The row for ``name`` (``fsdp_version`` is ignored for DDP)."""
         for strategy in self.strategies:
-            if strategy.name == name and (name == "DDP" or strategy.fsdp_version == fsdp_version):
+            if strategy.name == name and (name == "DDP" or strategy.fsdp_version == fsdp_version) and not strategy.is_nd:
                 return strategy
         known = [s.label for s in self.strategies]
         raise KeyError(f"no strategy {name!r} for FSDP{fsdp_version} in this plan; known: {', '.join(known)}")
@@ -196,7 +222,8 @@ class MemoryPlan:
             "strategies": [strategy.to_json() for strategy in self.strategies],
             "recommended": None
             if recommended is None
-            else {"name": recommended.name, "fsdp_version": recommended.fsdp_version},
+            else {"name": recommended.name, "fsdp_version": recommended.fsdp_version, "label": recommended.label,
+                  "tp_size": recommended.tp_size, "ep_size": recommended.ep_size},
             "reason": self.reason,
             "suggestions": list(self.suggestions),
             "hardware": self.hardware.to_json(),

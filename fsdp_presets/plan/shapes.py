@@ -179,6 +179,10 @@ class TrainingShape:
     """The model's own activation terms (a :class:`fsdp_presets.plan.activations.BlockActivations`
     read off a short rehearsal, :mod:`fsdp_presets.preset.measured_activations`), used where its
     ``seq_len`` and ``precision`` are this shape's; None: the family constants."""
+    measured_on_mesh: tuple = ()
+    """``((tp, ep), terms)`` pairs: the model's activation terms rehearsed on a TP/EP mesh
+    (:func:`fsdp_presets.preset.measured_activations.rehearsed_mesh_terms`), for the plan's rows on
+    that mesh; a mesh not listed is estimated (:func:`fsdp_presets.plan.mesh_plan.estimated_mesh_terms`)."""
 
     @property
     def method(self) -> str:

@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from fsdp_presets.plan.mesh_plan import collectives_per_step
+from fsdp_presets.rehearse.mesh import Mesh
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.gpus import GpuType
 from fsdp_presets.plan.model_state import fsdp_units
@@ -194,12 +196,13 @@ class _Work:
     memory_bytes: float
 
 
-def _work(profile: ModelProfile, shape, micro_batch: int) -> _Work:
+def _work(profile: ModelProfile, shape, micro_batch: int, tp: int = 1) -> _Work:
+    """``tp``: the heads are split over that many ranks (``profile`` is one rank's slice then)."""
     dims = profile.dims
     tokens = shape.seq_len * micro_batch
     frozen = shape.lora is not None
     block = active_block_params(profile)
-    attention_forward = 4 * dims.num_layers * dims.hidden_size * shape.seq_len * (0.5 if _causal(profile) else 1.0)
+    attention_forward = 4 * dims.num_layers * dims.hidden_size * shape.seq_len * (0.5 if _causal(profile) else 1.0) / tp
     attention_forward /= ATTENTION_EFFICIENCY  # in matmul-rate FLOPs
     forward = 2 * block + attention_forward
     backward = (2 if frozen else 4) * block + 2.5 * attention_forward
@@ -326,16 +329,20 @@ def predicted_on(gpu_name: str, profile: ModelProfile, memory_plan, row) -> Step
     return step_time(profile, hardware, memory_plan.shape, row)
 
 
-def step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
+def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: ModelProfile | None = None) -> StepTime:
     """The :class:`StepTime` of strategy ``row`` (a :class:`~fsdp_presets.plan.results.StrategyPlan`)
     on ``hardware.gpu`` (a :class:`~fsdp_presets.plan.gpus.GpuType`) at ``shape``, or on the measured
-    CPU host ``hardware.host`` (:func:`cpu_step_time`)."""
+    CPU host ``hardware.host`` (:func:`cpu_step_time`). A row with TP/EP (``row.tp_size``,
+    ``row.ep_size``): ``profile`` and ``hardware`` are one rank's slice and the FSDP ranks
+    (:mod:`fsdp_presets.plan.mesh_plan`), ``full_profile`` the whole model; the TP/EP collectives
+    (``row.mesh_comm``) wait on the node's link, not hidden, and a TP group's ranks share its tokens."""
     if hardware.host is not None:
         return cpu_step_time(profile, hardware, shape, row)
+    tp = getattr(row, "tp_size", 1)
     gpu = hardware.gpu
     links = Links.of(gpu, hardware.inter_node_gbps)
     rate = matmul_rate(gpu, shape)
-    work = _work(profile, shape, shape.micro_batch)
+    work = _work(profile, shape, shape.micro_batch, tp)
     memory_s = work.memory_bytes / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
     accumulation = shape.grad_accum
     reduces_every = shape.reduce_every_micro_batch or accumulation == 1
@@ -371,10 +378,17 @@ def step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
         copies = per_unit_shard * gathers * accumulation + row.model_state.grads
         offload = copies / links.host + shard_params / HOST_OPTIMIZER_PARAMS_PER_S
     memory_total = memory_s * accumulation
+    mesh_comm = getattr(row, "mesh_comm", None)
+    if mesh_comm is not None and mesh_comm.total:
+        mesh = Mesh(tp=tp, ep=getattr(row, "ep_size", 1))
+        waits = (mesh_comm.total / links.intra
+                 + collectives_per_step(full_profile or profile, shape, mesh, accumulation)
+                 * _ring_latency(max(mesh.tp, mesh.ep), False))
+        comm, exposed = comm + waits, exposed + waits
     step = compute_total + memory_total + exposed + optimizer + offload
-    tokens = shape.seq_len * shape.micro_batch * accumulation
+    tokens = shape.seq_len * shape.micro_batch * accumulation / tp  # a TP group's ranks share its tokens
     tokens_per_s = tokens / step
-    mfu = model_flops_per_token(profile, shape.seq_len) * tokens_per_s / gpu.peak_bf16_flops
+    mfu = model_flops_per_token(full_profile or profile, shape.seq_len) * tokens_per_s / gpu.peak_bf16_flops
     return StepTime(step_s=step, compute_s=compute_total, memory_bound_s=memory_total, comm_s=comm,
                     exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload,
                     tokens_per_s_per_gpu=tokens_per_s, mfu=mfu)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 from fsdp_presets import environment
 from fsdp_presets.errors import UsageError
+from fsdp_presets.rehearse.mesh import Mesh
 from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, describe_cache,
                                              library_versions, read_entry, write_entry)
 
@@ -61,22 +62,32 @@ measured value, :data:`fsdp_presets.plan.activations.BLOCK_ACTIVATIONS`)."""
 _EXCLUDED_CATEGORIES = ("params", "grads", "optimizer", "unsharded params", "unsharded grads")
 
 
-def config_key(digest: str, *, seq_len: int, precision: str) -> str:
+def config_key(digest: str, *, seq_len: int, precision: str, mesh: Mesh = Mesh()) -> str:
     """Name of a cache entry: the config's digest
     (:func:`~fsdp_presets.preset.model_cache.config_digest`, without its layer count: the terms are
-    per block), the sequence length, the precision and the library versions."""
-    text = json.dumps({"config": digest, "seq_len": seq_len, "precision": precision, "format": CACHE_FORMAT,
-                       **library_versions()}, sort_keys=True)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+    per block), the sequence length, the precision, the TP/EP mesh (when there is one) and the
+    library versions."""
+    fields = {"config": digest, "seq_len": seq_len, "precision": precision, "format": CACHE_FORMAT,
+              **library_versions()}
+    if mesh.is_nd:
+        fields["mesh"] = [mesh.tp, mesh.ep]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()[:32]
 
 
-def _cached_entry(digest: str, *, seq_len: int, precision: str) -> tuple[Path | None, dict | None]:
+def _cached_entry(digest: str, *, seq_len: int, precision: str,
+                  mesh: Mesh = Mesh()) -> tuple[Path | None, dict | None]:
     """``(path, entry)`` of the terms of the config of ``digest`` (path None: the cache is off)."""
     folder = cache_dir()
     if folder is None:
         return None, None
-    path = folder / "activations" / f"{config_key(digest, seq_len=seq_len, precision=precision)}.json"
+    path = folder / "activations" / f"{config_key(digest, seq_len=seq_len, precision=precision, mesh=mesh)}.json"
     return path, read_entry(path, format_=CACHE_FORMAT)
+
+
+def mesh_world_size(mesh: Mesh) -> int:
+    """Fake ranks of a rehearsal on ``mesh``: two data-parallel ranks per TP or EP group, so that
+    the experts too have two FSDP ranks (``efsdp``) to shard over, as on a real cluster."""
+    return 2 * max(mesh.tp, mesh.ep)
 
 
 def _layers(config, count: int):
@@ -107,9 +118,11 @@ def _unsharded(moment: dict[str, int], name: str) -> int:
     return int(moment.get(f"unsharded {name}", 0))
 
 
-def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = False) -> dict:
+def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = False, mesh: Mesh = Mesh()) -> dict:
     """Rehearse ``config`` as :data:`RUNS` says (see the module notes) and return the cache entry:
-    what each run held at each moment of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`)."""
+    what each run held at each moment of backward (:data:`fsdp_presets.rehearse.rehearsal.MOMENTS`).
+    ``mesh``: sharded by transformers' ``DistributedConfig`` on that TP/EP mesh instead
+    (:func:`mesh_world_size` ranks)."""
     from fsdp_presets.rehearse.rehearsal import rehearse
     from fsdp_presets.preset.rehearse_request import config_env, decide_unchecked, request_from_flags
     from fsdp_presets.model.model_loading import build_meta_model
@@ -124,9 +137,11 @@ def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = F
         preset, _ = decide_unchecked(profile, request)
         with warnings.catch_warnings():  # accelerate's thread-count and torch's module-tracker advice: noise here
             warnings.simplefilter("ignore", UserWarning)
-            result = rehearse(_layers(config, count), config_env(preset), world_size=REHEARSED_WORLD_SIZE,
+            world = mesh_world_size(mesh) if mesh.is_nd else REHEARSED_WORLD_SIZE
+            result = rehearse(_layers(config, count), config_env(preset), world_size=world,
                               seq_len=seq_len, micro_batch=micro_batch, iterations=1,
-                              trust_remote_code=trust_remote_code)
+                              trust_remote_code=trust_remote_code,
+                              mesh_sizes=mesh.sizes(gpus=world) if mesh.is_nd else None)
         missing = [moment for moment in ("loss", "tail", "block", "embedding") if moment not in result.moments]
         if missing:
             raise ValueError(f"the rehearsal saw no {', '.join(missing)} moment in backward")
@@ -137,7 +152,8 @@ def measure(config, *, seq_len: int, precision: str, trust_remote_code: bool = F
     return {"format": CACHE_FORMAT, "seq_len": seq_len, "precision": precision,
             "hidden_size": int(config.hidden_size), "vocab_size": int(config.vocab_size),
             "runs": runs, "seconds": round(seconds, 1),
-            "measured": f"rehearsed with {', '.join(_run_text(*run) for run in RUNS)} (FSDP2 FULL_SHARD, "
+            "measured": f"rehearsed with {', '.join(_run_text(*run) for run in RUNS)} ("
+                        f"{mesh.label(gpus=mesh_world_size(mesh)) if mesh.is_nd else 'FSDP2 FULL_SHARD'}, "
                         f"{precision}, seq {seq_len}): activations and temporaries at the loss's backward "
                         f"{', '.join(str(_held(run['moments']['loss'])) for run in runs)} bytes"}
 
@@ -261,6 +277,47 @@ def with_rehearsed_terms(source: str, shape, *, trust_remote_code: bool = False)
     if terms is None:
         return shape, {"source": "estimated", "how": f"family constants ({problem})"}
     return shape.replace(measured=terms), _composed_note(terms)
+
+
+def rehearsed_mesh_terms(source: str, shape, meshes, *, trust_remote_code: bool = False,
+                         rehearse_missing: bool = True) -> tuple[tuple, list[str]]:
+    """``(pairs, problems)``: for each TP/EP mesh of ``meshes``, this model's activation terms
+    rehearsed on it (from the cache, or a new rehearsal, then cached) as ``((tp, ep), terms)``
+    pairs for :attr:`~fsdp_presets.plan.shapes.TrainingShape.measured_on_mesh`; a mesh that cannot be
+    rehearsed is left out (the planner estimates it) with why in ``problems``.
+    ``rehearse_missing=False``: the cache only (a plan that considers every size the model allows
+    does not rehearse each; ``--tp``/``--ep`` does)."""
+    meshes = [mesh for mesh in meshes if mesh.is_nd]
+    if not meshes or shape.lora is not None or shape.attention != "fused" or not rehearsal_enabled():
+        return (), []
+    _, digest = cached_profile(source, trust_remote_code=trust_remote_code)
+    pairs, problems, config = [], [], None
+    for mesh in meshes:
+        entry = _cached_entry(digest, seq_len=shape.seq_len, precision=shape.precision, mesh=mesh)[1] if digest else None
+        if entry is None and not rehearse_missing:
+            continue
+        if entry is None:
+            if config is None:
+                from transformers.utils import logging as hf_logging
+
+                from fsdp_presets.model.model_loading import load_config
+
+                hf_logging.set_verbosity_error()
+                config = load_config(source, trust_remote_code=trust_remote_code)
+            path, entry = _cached_entry(config_digest(config), seq_len=shape.seq_len, precision=shape.precision,
+                                        mesh=mesh)
+            if entry is None:
+                try:
+                    entry = measure(config, seq_len=shape.seq_len, precision=shape.precision,
+                                    trust_remote_code=trust_remote_code, mesh=mesh)
+                except Exception as error:  # noqa: BLE001 - a mesh the rehearsal cannot run: estimated, and why
+                    problems.append(f"{mesh.label(gpus=mesh_world_size(mesh))}: the rehearsal could not run "
+                                    f"({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})")
+                    continue
+                if path is not None:
+                    write_entry(path, entry)
+        pairs.append(((mesh.tp, mesh.ep), terms_from_entry(entry)))
+    return tuple(pairs), problems
 
 
 def _composed_note(terms) -> dict:

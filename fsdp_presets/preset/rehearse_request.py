@@ -118,10 +118,18 @@ def decide_unchecked(profile, request):
 
 
 def rehearse_request(request, *, source: str, preset_file: bool, summary: dict | None = None,
-                     env: dict | None = None, grad_accum: int | None = None, trust_remote_code: bool = False):
+                     env: dict | None = None, grad_accum: int | None = None, trust_remote_code: bool = False,
+                     mesh=None, mesh_terms=None):
     """``(document, result, row)``: one rehearsed FSDP2 step of ``request`` (a preset file's, with its
     ``summary`` and ``env``, when ``preset_file``) beside the planner's row of the same strategy.
+    ``mesh``: a :class:`~fsdp_presets.rehearse.mesh.Mesh` of TP/EP, sharded by transformers'
+    ``DistributedConfig`` on it, beside the planner's row for that mesh, whose activation terms
+    ``mesh_terms(shape)`` gives (the shape with them: :func:`fsdp_presets.preset.measured_activations.
+    rehearsed_mesh_terms`; None: estimated).
     ``document`` is the ``rehearse --json`` contract; ``document["fits"]`` the verdict."""
+    from fsdp_presets.rehearse.mesh import Mesh
+
+    mesh = mesh or Mesh()
     from transformers.utils import logging as hf_logging
 
     from fsdp_presets.plan.planner import plan
@@ -146,8 +154,18 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
         preset, memory_plan = decide_unchecked(profile, request)
         env = config_env(preset)
         shape = dataclasses.replace(memory_plan.shape, grad_accum=accumulation)
-        memory_plan = plan(profile, memory_plan.hardware, shape)
-        row = memory_plan.get(preset.row.name, 2)
+        if mesh.is_nd:
+            problems = mesh.problems(profile.structure.get("parallel") or {}, gpus=request.gpus,
+                                     gpus_per_node=memory_plan.hardware.gpus_per_node,
+                                     hybrid=preset.row.name == "HYBRID_SHARD", nodes=request.nodes)
+            if problems:
+                raise UsageError(f"{source}: {'; '.join(problems)} (`fsdp-presets inspect MODEL` lists the sizes "
+                                 "the model allows)")
+            if mesh_terms is not None:
+                shape = mesh_terms(shape)
+        memory_plan = plan(profile, memory_plan.hardware, shape, (mesh,) if mesh.is_nd else ())
+        row = memory_plan.get(preset.row.name, 2) if not mesh.is_nd else next(
+            s for s in memory_plan.strategies if s.name == preset.row.name and (s.tp_size, s.ep_size) == (mesh.tp, mesh.ep))
     if preset.row.name == "NO_SHARD" or preset.row.fsdp_version != 2:
         raise UsageError(f"{source}: {preset.row.label}: {NOT_REHEARSED}")
     shape, hardware = memory_plan.shape, memory_plan.hardware
@@ -156,7 +174,9 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
 
     result = rehearse(config, env, world_size=hardware.gpus, seq_len=shape.seq_len, micro_batch=micro,
                       grad_accum=accumulation, reduce_every_micro_batch=shape.reduce_every_micro_batch,
-                      trust_remote_code=trust_remote_code)
+                      trust_remote_code=trust_remote_code,
+                      mesh_sizes=mesh.sizes(gpus=hardware.gpus, nodes=hardware.nodes,
+                                            hybrid=row.name == "HYBRID_SHARD") if mesh.is_nd else None)
     gpu_bytes = hardware.gpu_memory_bytes
     peak = result.peak_bytes
     offloaded = 0
@@ -171,7 +191,7 @@ def rehearse_request(request, *, source: str, preset_file: bool, summary: dict |
     document = {
         "model": {"source": request.model, "architecture": profile.architecture, "total_params": profile.total_params},
         "config": source if from_preset else None,
-        "strategy": row.label, "gpus": hardware.gpus, "nodes": hardware.nodes,
+        "strategy": row.label, "tp_size": mesh.tp, "ep_size": mesh.ep, "gpus": hardware.gpus, "nodes": hardware.nodes,
         "seq_len": shape.seq_len, "micro_batch": micro, "grad_accum": accumulation,
         "reduce_every_micro_batch": shape.reduce_every_micro_batch,
         "precision": shape.precision, "activation_checkpointing": shape.activation_checkpointing,
@@ -192,6 +212,8 @@ def format_rehearsal(document: dict, result, row) -> str:
     row)``: the per-category table, rehearsal beside planner, and the verdict."""
     rehearsed = result.peak_by_category
     model = document["model"]
+    preparation = ("transformers' DistributedConfig sharding" if document.get("tp_size", 1) * document.get("ep_size", 1) > 1
+                   else "accelerate's FSDP2 preparation")
     lines = [
         f"{model['source']}: {model['architecture']}, {format_count(model['total_params'])} parameters",
         f"{document['strategy']} over {document['gpus']} GPUs"
@@ -200,7 +222,7 @@ def format_rehearsal(document: dict, result, row) -> str:
         f"accumulation{' (reduced every micro-batch)' if document['reduce_every_micro_batch'] else ''}, "
         f"{document['precision']}, activation checkpointing {'on' if document['activation_checkpointing'] else 'off'}"
         + (", offload on" if document["offload"] else ""),
-        f"rehearsed: {result.iterations} optimizer steps through accelerate's FSDP2 preparation ({result.units} "
+        f"rehearsed: {result.iterations} optimizer steps through {preparation} ({result.units} "
         f"units), fake tensors, a fake process group of {document['gpus']} ranks; {result.seconds:.0f} s",
         "",
         "per GPU (rank 0) at the peak, GiB:",
