@@ -98,6 +98,26 @@ model = model.to(accelerator.device)
 optimizer = torch.optim.AdamW(model.parameters())
 model, optimizer = accelerator.prepare(model, optimizer)
 """)
+# A loop that lets transformers shard the model (TP 3: not a divisor of Llama's heads) and hands it to
+# accelerate's prepare, and a Trainer script with expert parallelism on a model without experts and on
+# Mixtral (EP 3: not a divisor of its 8 experts).
+DISTRIBUTED_LOOP_SCRIPT = _script("""
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
+accelerator = Accelerator()
+model = AutoModelForCausalLM.from_pretrained("m", distributed_config=DistributedConfig(fsdp_size=2, tp_size=3))
+model = accelerator.prepare(model)
+""")
+DISTRIBUTED_EP_SCRIPT = _script("""
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from transformers.distributed import DistributedConfig
+config = DistributedConfig(fsdp_size=6, ep_size=3)
+model = AutoModelForCausalLM.from_pretrained("m", distributed_config=config)
+trainer = Trainer(model=model, args=TrainingArguments("out", bf16=True), train_dataset=data)
+trainer.train()
+""")
+MIXTRAL = "model_configs/mixtral-8x7b"
 
 # id: (mutation, rule expected, model, context settings, text the message or fix must hold)
 BAD_CONFIGS = {
@@ -209,6 +229,18 @@ BAD_CONFIGS = {
     "model-to-cuda-before-prepare": (mutate(), "model-moved-before-prepare", None, {"script": LOOP_SCRIPT},
                                      "accelerator.prepare(model)"),
     "trust-remote-code-in-the-script": (mutate(), "trust-remote-code", None, {"script": LOOP_SCRIPT}, "revision"),
+    "distributed-config-model-prepared-under-fsdp": (mutate(), "distributed-config-under-fsdp", None,
+                                                     {"script": DISTRIBUTED_LOOP_SCRIPT},
+                                                     "Could not find the transformer layer class"),
+    "distributed-config-tp-vs-heads": (mutate(), "tp-size-vs-model", LLAMA_8B, {"script": DISTRIBUTED_LOOP_SCRIPT},
+                                       "transformers issue 48307"),
+    "expert-parallel-with-ram-efficient-loading": (mutate(top={"num_processes": 6}), "ep-ram-efficient-loading",
+                                                   MIXTRAL, {"script": DISTRIBUTED_EP_SCRIPT},
+                                                   "fsdp_cpu_ram_efficient_loading: false"),
+    "expert-parallel-size-vs-experts": (mutate(top={"num_processes": 6}), "ep-size-vs-model", MIXTRAL,
+                                        {"script": DISTRIBUTED_EP_SCRIPT}, "8 experts"),
+    "expert-parallel-on-a-dense-model": (mutate(top={"num_processes": 6}), "ep-no-plan", LLAMA_8B,
+                                         {"script": DISTRIBUTED_EP_SCRIPT}, "not a mixture-of-experts model"),
     "70b-on-two-gpus": (mutate(), "does-not-fit", LLAMA_70B, {"method": "full"}, "FULL_SHARD (FSDP2) on 2 GPUs"),
     "70b-on-two-gpus-method-unknown": (mutate(), "memory-assumes-full-finetune", LLAMA_70B, {}, "--method full"),
     "fp16-on-a-bf16-model": (mutate(top={"num_processes": 8, "mixed_precision": "fp16"}), "fp16-on-bf16-model",

@@ -68,7 +68,8 @@ def test_rule_ids_are_stable():
         "stale-key-beside-new", "debug-mode", "lora-fsdp1-orig-params", "fits-only-if", "wrap-probe-skipped",
         "trainer-save-model-sharded", "double-activation-checkpointing", "model-moved-before-prepare",
         "trust-remote-code", "prefetch-key-not-applied", "async-save-host-memory", "tp-pair-cannot-run",
-        "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks",
+        "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks", "distributed-config-under-fsdp",
+        "ep-ram-efficient-loading", "ep-no-plan", "ep-size-vs-model",
     )
 
 
@@ -266,3 +267,25 @@ def test_a_model_without_a_tp_plan_and_context_parallel_masks(tmp_path, capsys):
 def test_an_hsdp_mesh_without_a_second_dimension_gets_none_of_these(tmp_path, capsys):
     rules = _rules(capsys, _nd_config(tmp_path, replicate=2, shard=4), "--model", "model_configs/llama-3.1-8b")
     assert not rules & {"tp-pair-cannot-run", "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks"}
+
+
+def test_a_trainer_script_with_a_correct_expert_parallel_mesh_gets_only_the_loss_note(tmp_path, capsys):
+    """Mixtral (8 experts) as FSDP 4 x EP 2 through transformers' DistributedConfig, handed to Trainer,
+    weights loaded on every rank: none of the mesh's errors; the same script with RAM-efficient
+    loading left on (accelerate's FSDP2 default) gets exactly that one."""
+    script = tmp_path / "train.py"
+    script.write_text("from transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
+                      "from transformers.distributed import DistributedConfig\n"
+                      "model = AutoModelForCausalLM.from_pretrained('m', distributed_config=DistributedConfig("
+                      "fsdp_size=4, ep_size=2))\n"
+                      "Trainer(model=model, args=TrainingArguments('out', bf16=True), train_dataset=data).train()\n")
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(mutate(top={"num_processes": 4}, fsdp={"fsdp_cpu_ram_efficient_loading": False,
+                                                                           "fsdp_sync_module_states": False})(
+        copy.deepcopy(GOOD)), sort_keys=False))
+    mesh_rules = {"distributed-config-under-fsdp", "ep-ram-efficient-loading", "ep-no-plan", "ep-size-vs-model",
+                  "tp-size-vs-model", "tp-no-plan"}
+    assert not _rules(capsys, config, "--model", "model_configs/mixtral-8x7b", "--script", script) & mesh_rules
+    config.write_text(yaml.safe_dump(mutate(top={"num_processes": 4})(copy.deepcopy(GOOD)), sort_keys=False))
+    found = _rules(capsys, config, "--model", "model_configs/mixtral-8x7b", "--script", script) & mesh_rules
+    assert found == {"ep-ram-efficient-loading"}

@@ -159,3 +159,8 @@ def test_rehearse_refuses_a_mesh_on_a_preset(capsys, tmp_path):
     shutil.copy(REPO / "accelerate_configs" / "llama-3.1-8b_1x8.yaml", preset)
     code, _, err = run_cli(capsys, "rehearse", preset, "--tp", 2)
     assert code == 2 and "a preset file fixes its mesh" in err
+
+
+def test_a_mesh_on_a_cpu_host_is_refused(capsys):
+    code, _, err = run_cli(capsys, "plan", "llama", "--device", "cpu", "--gpus", 4, "--tp", 2)
+    assert code == 2 and "--tp/--ep with --device cpu" in err

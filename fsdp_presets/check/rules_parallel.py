@@ -59,20 +59,7 @@ def parallel_rules(parallelism: dict, context: CheckContext) -> list[Finding]:
             "tp-loss-reduction", f"tensor parallelism {tp}: a loss counted {tp} times, or a rank that skips its "
             "all-reduce, trains without an error (transformers issues 45994, 39674)",
             "hold the run to its DDP baseline: fsdp-presets converge (docs/convergence.md)", where))
-    if context.model is not None and tp > 1:
-        parallel = context.model.profile.structure.get("parallel") or {}
-        name = context.model.profile.architecture
-        if not parallel.get("tp_plan"):
-            findings.append(finding("tp-no-plan", f"{name} ships no tensor-parallel plan in transformers: "
-                                    f"tensor parallelism {tp} cannot shard it", "use FSDP/HSDP only (tp_size 1)",
-                                    where))
-        elif tp not in parallel.get("tp_sizes", []):
-            limits = parallel.get("tp_limits") or {}
-            failing = ", ".join(f"{value} {label}" for label, value in limits.items() if value % tp)
-            allowed = ", ".join(str(size) for size in parallel.get("tp_sizes", []) if size <= 64)
-            findings.append(finding(
-                "tp-size-vs-model", f"tensor parallelism {tp} does not divide {name}'s {failing}: it loads, then "
-                "fails mid-forward (transformers issue 48307)", f"use a TP size of {allowed}", where))
+    findings += mesh_rules(tp=tp, ep=1, context=context, where=where)
     if cp > 1:
         findings.append(finding(
             "cp-masks", f"context parallelism {cp}: accelerate drops attention masks (accelerate issue 4177), so "
@@ -80,4 +67,35 @@ def parallel_rules(parallelism: dict, context: CheckContext) -> list[Finding]:
             "(TRL issue 6843); it needs SDPA and sequences divisible by 2 x cp_size",
             "use it only for full-causal models without packing, sequences a multiple of "
             f"{2 * cp}, attn_implementation sdpa", f"{PARALLELISM_CONFIG}.{PARALLELISM_PREFIX}cp_size"))
+    return findings
+
+
+def mesh_rules(*, tp: int, ep: int, context: CheckContext, where: str | None) -> list[Finding]:
+    """What the model (``--model``) allows of a TP/EP mesh: a plan to shard by, and sizes that divide
+    its heads, key/value heads, MLP width, vocabulary and experts (transformers' own TP/EP)."""
+    if context.model is None or (tp <= 1 and ep <= 1):
+        return []
+    parallel = context.model.profile.structure.get("parallel") or {}
+    name = context.model.profile.architecture
+    findings: list[Finding] = []
+    if tp > 1 and not parallel.get("tp_plan"):
+        findings.append(finding("tp-no-plan", f"{name} ships no tensor-parallel plan in transformers: tensor "
+                                f"parallelism {tp} cannot shard it", "use FSDP/HSDP only (tp_size 1)", where))
+    elif tp > 1 and tp not in parallel.get("tp_sizes", []):
+        limits = parallel.get("tp_limits") or {}
+        failing = ", ".join(f"{value} {label}" for label, value in limits.items() if value % tp)
+        allowed = ", ".join(str(size) for size in parallel.get("tp_sizes", []) if size <= 64)
+        findings.append(finding(
+            "tp-size-vs-model", f"tensor parallelism {tp} does not divide {name}'s {failing}: it loads, then fails "
+            "mid-forward (transformers issue 48307)", f"use a TP size of {allowed}", where))
+    if ep > 1 and not parallel.get("ep_plan"):
+        findings.append(finding("ep-no-plan", f"{name} ships no expert-parallel plan in transformers"
+                                + (" (not a mixture-of-experts model)" if not context.model.profile.is_moe else "")
+                                + f": expert parallelism {ep} cannot shard it", "use ep_size 1", where))
+    elif ep > 1 and ep not in parallel.get("ep_sizes", []):
+        experts = (parallel.get("ep_limits") or {}).get("experts")
+        allowed = ", ".join(str(size) for size in parallel.get("ep_sizes", []) if size > 1)
+        findings.append(finding(
+            "ep-size-vs-model", f"expert parallelism {ep} does not divide {name}'s {experts} experts: the ranks "
+            "cannot own whole experts", f"use an EP size of {allowed}", where))
     return findings

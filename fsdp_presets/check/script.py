@@ -10,6 +10,8 @@ What it looks for (a Hugging Face ``Trainer``/TRL script or a plain accelerate l
   ``.gradient_checkpointing_enable()``);
 * ``model.to(...)`` / ``model.cuda()`` on a line before the first ``.prepare(...)``;
 * ``trust_remote_code=True``;
+* a ``DistributedConfig(...)`` (transformers shards the model itself: TP, EP, FSDP2) and its literal
+  sizes;
 * the training inputs that decide memory: ``bf16``/``fp16``, ``per_device_train_batch_size``,
   ``max_length``/``max_seq_length``, ``load_in_4bit``, ``bnb_4bit_quant_storage``, a ``LoraConfig``,
   and the defaults of ``add_argument`` flags with those names (``--max-seq-length 2048``).
@@ -78,6 +80,11 @@ class ScriptFacts:
     """``bf16``/``fp16``/``fp32`` from ``from_pretrained(dtype=torch.X)`` (or ``torch_dtype=``)."""
     double_quant: bool = False
     """``bnb_4bit_use_double_quant=True``."""
+    distributed_config_line: int | None = None
+    """Line of a ``DistributedConfig(...)`` call: ``from_pretrained`` shards the model itself."""
+    distributed_sizes: dict = field(default_factory=dict)
+    """Its literal sizes (``tp_size``, ``ep_size``, ``fsdp_size``, ``dp_replicate_size``; legacy
+    ``enable_expert_parallel=True`` counts as ``ep_size`` = ``tp_size``)."""
     parses_arguments: bool = False
     """The script takes its settings from the command line (``HfArgumentParser``, ``TrlParser``,
     ``parse_args``): what it does not write as a literal is decided at launch, so still unknown."""
@@ -163,6 +170,14 @@ def read_source(text: str, *, path: str = "<script>") -> ScriptFacts:
             facts.gradient_checkpointing_line = _first(facts.gradient_checkpointing_line, node.lineno)
         if called in ("LoraConfig", "get_peft_model"):
             facts.uses_lora = True
+        if called == "DistributedConfig":
+            facts.distributed_config_line = _first(facts.distributed_config_line, node.lineno)
+            for keyword in node.keywords:
+                value = _literal(keyword.value)
+                if keyword.arg in ("tp_size", "ep_size", "fsdp_size", "dp_replicate_size") and _count(value):
+                    facts.distributed_sizes[keyword.arg] = value
+                elif keyword.arg == "enable_expert_parallel" and value is True:
+                    facts.distributed_sizes.setdefault("enable_expert_parallel", 1)
         if isinstance(node.func, ast.Attribute) and called in ("to", "cuda") and _names_a_model(node.func.value):
             if called == "cuda" or _moves_to_a_device(node):
                 moves.append(node.lineno)
@@ -311,6 +326,8 @@ def script_rules(fsdp: dict, version, context) -> list:
             "shards it, the very peak FSDP exists to avoid, and RAM-efficient loading is undone",
             "remove the .to(device)/.cuda() call: accelerator.prepare(model) moves each rank's shard to its GPU",
             None))
+    if script.distributed_config_line:
+        findings += _distributed_config_rules(fsdp, version, context)
     if script.trust_remote_code_line:
         model = context.model
         built_alike = model is None or model.trust_remote_code
@@ -321,4 +338,41 @@ def script_rules(fsdp: dict, version, context) -> list:
             "pin the repository revision you reviewed (revision=...)" + (
                 "" if built_alike else ", and pass --trust-remote-code to check the classes the script builds"),
             None))
+    return findings
+
+
+def _distributed_config_rules(fsdp: dict, version, context) -> list:
+    """A model transformers shards itself (``from_pretrained(..., distributed_config=...)``) under an
+    FSDP config: the findings of its mesh."""
+    from fsdp_presets.check.findings import finding
+    from fsdp_presets.check.rules_parallel import mesh_rules
+    from fsdp_presets.schema import K, fsdp_where
+
+    script: ScriptFacts = context.script
+    sizes = dict(script.distributed_sizes)
+    where = f"{script.path}:{script.distributed_config_line}"
+    tp = sizes.get("tp_size", 1)
+    ep = sizes.get("ep_size") or (tp if sizes.get("enable_expert_parallel") else 1)
+    findings = []
+    if script.trainer_line is None:
+        findings.append(finding(
+            "distributed-config-under-fsdp", f"{where} shards the model with transformers' DistributedConfig and "
+            "the config gives accelerate an FSDP plugin too: accelerator.prepare wraps the sharded model again and "
+            "fails ('Could not find the transformer layer class ...', measured with accelerate 1.16)",
+            "shard it once: drop distributed_config and let the FSDP config shard the model, or hand the model "
+            "sharded by transformers to transformers' Trainer, which takes it as it is", None))
+    loads_on_rank_0 = fsdp.get(K.cpu_ram_efficient_loading, True)
+    if ep > 1 and loads_on_rank_0:
+        findings.append(finding(
+            "ep-ram-efficient-loading", f"{where} asks for expert parallelism {ep} and the config loads the weights on "
+            f"rank 0 and broadcasts them ({K.cpu_ram_efficient_loading}: true"
+            + ("" if K.cpu_ram_efficient_loading in fsdp else ", accelerate's default") + "): every rank then holds rank "
+            "0's experts, silently (transformers issue 45662)", f"set {K.cpu_ram_efficient_loading}: false",
+            fsdp_where(K.cpu_ram_efficient_loading)))
+    if tp > 1:
+        findings.append(finding(
+            "tp-loss-reduction", f"{where}: tensor parallelism {tp}: a loss counted {tp} times, or a rank that skips "
+            "its all-reduce, trains without an error (transformers issues 45994, 39674)",
+            "hold the run to its DDP baseline: fsdp-presets converge (docs/convergence.md)", None))
+    findings += mesh_rules(tp=tp, ep=ep, context=context, where=where)
     return findings

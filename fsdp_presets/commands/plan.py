@@ -89,6 +89,11 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 
     inputs = plan_inputs(args)  # every flag checked before the model is read
+    if args.device == "cpu" and (args.tp or args.ep):
+        from fsdp_presets.errors import UsageError
+
+        raise UsageError("--tp/--ep with --device cpu: a CPU host's step is timed for FSDP alone; plan the mesh "
+                         "for GPUs (--gpu NAME)")
     storage, shape = inputs.storage_bytes_per_s, inputs.shape
     host = (args.host_memory or DEFAULT_HOST_MEMORY_GIB["gpu"]) * GiB
     profile = load_profile(args.model, trust_remote_code=args.trust_remote_code)
@@ -108,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         hardwares = (dataclasses.replace(hardware, host=rates),)
     plans = []
     for hardware in hardwares:
-        meshes = () if args.device == "cpu" and not (args.tp or args.ep) else meshes_for(
+        meshes = () if args.device == "cpu" else meshes_for(
             profile, hardware, tp=args.tp, ep=args.ep)
         measured, _ = rehearsed_mesh_terms(args.model, shape, meshes, trust_remote_code=args.trust_remote_code,
                                            rehearse_missing=bool(args.tp or args.ep))
