@@ -433,6 +433,7 @@ def _parallel_plans(model: "nn.Module", config: Any, dims: ModelDims) -> dict[st
     if split_head:
         tp_limits["vocabulary"] = dims.vocab_size
     ep_limits = {"experts": dims.num_experts} if ep and dims.num_experts else {}
+    in_blocks, outside = _tp_sharded_params(model, tp_plan) if tp_plan else (0, 0)
     return {
         "tp_plan": tp_plan,
         "ep_plan": ep,
@@ -441,7 +442,38 @@ def _parallel_plans(model: "nn.Module", config: Any, dims: ModelDims) -> dict[st
         "tp_limits": {name: value for name, value in tp_limits.items() if value} if tp_plan else {},
         "ep_sizes": _divisors_of_all(list(ep_limits.values())) if ep_limits else [],
         "ep_limits": ep_limits,
+        "tp_block_params": in_blocks,
+        "tp_root_params": outside,
     }
+
+
+def _tp_sharded_params(model: "nn.Module", tp_plan: dict[str, str]) -> tuple[int, int]:
+    """``(in blocks, outside them)``: the parameters of the modules ``tp_plan`` names (a key such as
+    ``layers.*.self_attn.q_proj`` matches ``model.layers.3.self_attn.q_proj``), which tensor
+    parallelism divides; the rest (norms, routers, experts a plan leaves out: Mixtral's) stays whole
+    on every TP rank. A model with a plan also splits its token embedding on the vocabulary
+    (transformers adds ``embedding_rowwise``)."""
+    import re
+
+    from torch import nn
+
+    patterns = [re.compile(r"(?:.*\.)?" + re.escape(key).replace(r"\*", r"\d+")) for key in tp_plan]
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    seen: set[int] = set()
+    in_blocks = outside = 0
+    for path, module in model.named_modules():
+        if not path or not (any(pattern.fullmatch(path) for pattern in patterns) or
+                            (module is embedding and isinstance(module, nn.Embedding))):
+            continue
+        for param in module.parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if any(part.isdigit() for part in path.split(".")):
+                in_blocks += param.numel()
+            else:
+                outside += param.numel()
+    return in_blocks, outside
 
 
 def _config_dtype(config: Any) -> str | None:

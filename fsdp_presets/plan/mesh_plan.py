@@ -46,32 +46,42 @@ def _expert_params_each(profile: ModelProfile) -> int:
 
 
 def sliced_profile(profile: ModelProfile, mesh: Mesh) -> ModelProfile:
-    """``profile`` as one rank of ``mesh`` sees it: each block's dense parameters divided by
-    ``tp``, its routed experts by ``ep`` (by ``tp`` when TP shards them and EP is off); the
-    embedding and head by ``tp``; heads, key/value heads, MLP width and experts likewise."""
+    """``profile`` as one rank of ``mesh`` sees it: of each block, the parameters the model's TP plan
+    covers divided by ``tp`` (``structure["parallel"]["tp_block_params"]``; norms, routers and experts
+    the plan leaves out stay whole), its routed experts by ``ep`` under expert parallelism (which
+    takes them out of the TP plan); the vocabulary-split embedding and head by ``tp``; heads,
+    key/value heads, the MLP width (where the plan splits the MLP) and the experts likewise."""
     t, e = mesh.tp, mesh.ep
+    parallel = profile.structure.get("parallel") or {}
     experts_each = _expert_params_each(profile)
+    tp_each = parallel.get("tp_block_params", 0) // max(profile.num_blocks, 1) if t > 1 else 0
+    experts_split_by_tp = False
     units = []
     for unit in profile.units:
         experts = experts_each if unit.params_each >= experts_each > 0 else 0
-        dense = unit.params_each - experts
+        routed = experts if e > 1 else 0  # EP rules take the experts out of the TP plan
+        covered = min(tp_each, unit.params_each - routed)
+        experts_split_by_tp |= bool(experts) and e == 1 and covered > unit.params_each - experts
         units.append(Unit(cls=unit.cls, count=unit.count,
-                          params_each=-(-dense // t) + -(-experts // (e if e > 1 else t))))
-    root = -(-profile.root_params // t)
+                          params_each=unit.params_each - covered - routed + -(-covered // t) + -(-routed // e)))
+    covered_root = min(parallel.get("tp_root_params", 0), profile.root_params) if t > 1 else 0
+    root = profile.root_params - covered_root + -(-covered_root // t)
     dims = profile.dims
+    mlp_split = "MLP width" in (parallel.get("tp_limits") or {}) and not (e > 1 and dims.num_experts)
     sliced_dims = dataclasses.replace(
         dims, num_attention_heads=max(1, dims.num_attention_heads // t),
         num_key_value_heads=max(1, dims.num_key_value_heads // t),
-        intermediate_size=max(1, dims.intermediate_size // (1 if e > 1 and dims.num_experts else t)),
+        intermediate_size=max(1, dims.intermediate_size // (t if mlp_split else 1)),
         num_experts=dims.num_experts // e if dims.num_experts else 0,
         num_experts_per_token=min(dims.num_experts_per_token, dims.num_experts // e) if dims.num_experts else 0)
     structure = dict(profile.structure)
     moe = structure.get("moe")
     if moe:
-        divisor = e if e > 1 else t
+        divisor = e if e > 1 else (t if experts_split_by_tp else 1)
         structure["moe"] = {**moe, "routed_expert_params": moe["routed_expert_params"] // divisor,
                             "num_experts": max(1, moe["num_experts"] // e)}
-    embeddings = [{**entry, "params": -(-int(entry.get("params", 0)) // t)} for entry in profile.embeddings]
+    share = root / profile.root_params if profile.root_params else 1.0
+    embeddings = [{**entry, "params": int(int(entry.get("params", 0)) * share)} for entry in profile.embeddings]
     return ModelProfile(model_type=profile.model_type, architecture=profile.architecture,
                         total_params=sum(unit.count * unit.params_each for unit in units) + root, units=units,
                         wrap_classes=list(profile.wrap_classes), embeddings=embeddings,

@@ -30,7 +30,7 @@ from fsdp_presets import environment
 
 CACHE_ENV = environment.CACHE.name
 """Where the cache lives (a folder), or ``off``."""
-PROFILE_FORMAT = 2
+PROFILE_FORMAT = 3
 """Bumped when what :func:`fsdp_presets.model.profile.profile_module` reads off a model changes
 (older profile entries are then ignored)."""
 _VERSIONED = ("torch", "transformers", "fsdp-presets")
