@@ -29,6 +29,7 @@ from typing import Any, Callable
 from fsdp_presets.checkpoint.layout import (DCP_RANK_FILE, FINAL, MANIFEST, TEMPORARY_STEP_PREFIX, deleting_name,
                                             step_folder_name, step_of, temporary_step_folder)
 from fsdp_presets.checkpoint.manifest import ADAPTER_KIND, TRAINING_KIND, Manifest
+from fsdp_presets.checkpoint.resume import resume_note
 from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.errors import (UsageError, disk_full_cause, disk_full_message, rank_local,
                                  raise_on_every_rank, refused_write_class)
@@ -206,8 +207,7 @@ class CheckpointManager:
     def kept_note(self) -> str:
         """What a failed save leaves to resume from, as the run's stop message says it."""
         previous = committed_checkpoints(self.directory)
-        return (f"The last committed checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
-                if previous else "No earlier checkpoint exists in this run (--resume auto starts from step 0).")
+        return resume_note(previous[-1][1] if previous else None)
 
     def abandon(self, temporary: Path) -> None:
         """Remove the unfinished folder of a save that failed (main process); the committed
@@ -224,10 +224,8 @@ class CheckpointManager:
         if cause is None:
             return
         shutil.rmtree(temporary, ignore_errors=True)
-        previous = committed_checkpoints(self.directory)
-        kept = (f"The last complete checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
-                if previous else "No earlier checkpoint exists in this run.")
-        message = disk_full_message(cause, f"saving the checkpoint of step {step}", self.directory, kept=kept)
+        message = disk_full_message(cause, f"saving the checkpoint of step {step}", self.directory,
+                                    kept=self.kept_note())
         refused = refused_write_class(message)
         if type(error).__name__ == "CheckpointException":
             raise refused(message) from None

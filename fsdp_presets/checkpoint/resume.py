@@ -31,7 +31,23 @@ from fsdp_presets.checkpoint.layout import DCP_MODEL
 from fsdp_presets.checkpoint.manifest import recorded_global_batch
 from fsdp_presets.errors import UsageError
 
-MODEL_DCP_FOLDER = DCP_MODEL  # the name this module gave it first
+RECIPE_RESUME = "--resume auto"
+"""How a recipe run continues from its newest committed checkpoint (the same command again)."""
+TRAINER_RESUME = "trainer.train(resume_from_checkpoint=True)"
+"""How a Trainer run with :class:`fsdp_presets.FSDPPresetsCallback` continues from its newest committed one."""
+
+
+def resume_note(checkpoint: str | os.PathLike | None, *, how: str = RECIPE_RESUME, saved: bool = False) -> str:
+    """The one message that names the checkpoint a stopped run continues from. ``how``: the resume
+    that takes it (:data:`RECIPE_RESUME`, :data:`TRAINER_RESUME`); ``saved``: the run has just
+    committed it (a Ctrl-C or a preemption), else it is what a failed save left (a sentence)."""
+    if saved:
+        if checkpoint is None:
+            return f"nothing to save (no step trained yet); {how} starts from step 0"
+        return f"saved {checkpoint}; {how} continues from it"
+    if checkpoint is None:
+        return f"No earlier committed checkpoint exists in this run ({how} starts from step 0)."
+    return f"The last committed checkpoint, {checkpoint}, is intact and {how} continues from it."
 
 
 def accumulation_for(global_batch: int, *, micro_batch_size: int, data_parallel_size: int) -> int | None:

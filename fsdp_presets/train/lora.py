@@ -411,10 +411,11 @@ def write_adapter_folder(folder: Path, state: dict[str, Any], key_map: dict[str,
 
 
 def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, key_map: dict[str, str],
-                   merged_dir: Path | None = None,
+                   merged_dir: Path | None = None, merge: bool = False,
                    model_class=None, base_path: str | None = None, lora: dict[str, Any] | None = None) -> None:
     """Write ``output_dir`` as a PEFT folder (adapter_config.json + adapter_model.safetensors +
-    tokenizer) and, with ``merged_dir``, the merged model as a Hugging Face folder. Collective."""
+    tokenizer; ``merge``: its files beside what ``output_dir`` holds) and, with ``merged_dir``, the
+    merged model as a Hugging Face folder. Collective."""
     from fsdp_presets.errors import Finding
 
     state = gather_trainable(accelerator, model)
@@ -425,7 +426,8 @@ def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, key_map: 
         output_dir = Path(output_dir)
         adapter_config = accelerator.unwrap_model(model).peft_config["default"]
         write_model_folder(output_dir, functools.partial(write_adapter_folder, state=state, key_map=key_map,
-                                                         adapter_config=adapter_config), tokenizer=tokenizer)
+                                                         adapter_config=adapter_config), tokenizer=tokenizer,
+                           merge=merge)
         if merged_dir is not None:
             try:
                 export_merged(output_dir, Path(merged_dir), model_class=model_class, base_path=base_path,

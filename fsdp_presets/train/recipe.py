@@ -42,7 +42,7 @@ from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync
-from fsdp_presets.train import interrupts, loop, preemption, startup
+from fsdp_presets.train import loop, signals, startup
 from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_model import export_model
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
@@ -158,10 +158,10 @@ class RecipeRun:
             results = evaluate()
             self.metrics.log_eval(step=0, **results)
             self.say(f"before training: {self._describe(results)}")
-        if preemption.should_stop(self.accelerator):  # signalled while loading or evaluating: nothing new to save
-            self._preempted(None)
+        if signals.agree(self.accelerator)[1]:  # preempted while loading or evaluating: nothing new to save
+            self._stop(None, interrupted=False)
         self._live["model"].train()
-        interrupts.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
+        signals.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
         from tqdm.auto import tqdm
 
         self._live["progress"] = tqdm(total=self.args.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
@@ -213,7 +213,7 @@ class RecipeRun:
             if accelerator.is_main_process:
                 progress.write(f"step {step}: {self._describe(results)}")
         # Ctrl-C or a preemption signal on any rank (one all-reduce): save this step, then stop.
-        stopping, preempted = preemption.agree(accelerator, interrupts.pending(), preemption.received() is not None)
+        stopping, preempted = signals.agree(accelerator)
         if stopping or preempted or step == args.max_steps or (args.save_every and step % args.save_every == 0):
             startup.check_weights_finite(accelerator, live["model"], self.checkpoints, step=step)
             # --async-save: returns once the shards are staged; the final, a Ctrl-C and a preemption save
@@ -221,23 +221,22 @@ class RecipeRun:
             saved = self.saver.save(step=step, samples_consumed=self.samples, write_extra=self._write_model_config,
                                     wait=stopping or preempted or step == args.max_steps)
             if not (stopping or preempted):  # a signal during the save: this step is saved, stop now
-                stopping, preempted = preemption.agree(accelerator, interrupts.pending(),
-                                                       preemption.received() is not None)
+                stopping, preempted = signals.agree(accelerator)
                 if stopping or preempted:
                     saved = self.saver.wait() or saved  # --async-save: the save in flight is committed first
         else:
             self.saver.poll(step=step)  # --async-save: commit the save in flight once every rank's write is done
-        if preempted:
-            self._preempted(saved)
-        if stopping:
-            interrupts.stop(accelerator, saved, step=step)
+        if stopping or preempted:
+            self._stop(saved, interrupted=not preempted)  # both: the preemption (exit 75)
 
-    def _preempted(self, saved) -> None:
-        """The metrics line, then :class:`~fsdp_presets.train.preemption.Preempted` (exit 75)."""
+    def _stop(self, saved, *, interrupted: bool) -> None:
+        """Stop on Ctrl-C (exit 130) or a preemption signal (its metrics line, exit 75), the step
+        reached saved (:func:`fsdp_presets.train.signals.stop`)."""
         checkpoint = saved if saved is not None else dict(committed_checkpoints(self.checkpoints.directory)).get(self.step)
-        self.metrics.log_preempted(step=self.step, signal=preemption.received(),
-                                   checkpoint=str(checkpoint) if checkpoint else None)
-        preemption.stop(self.accelerator, step=self.step, checkpoint=checkpoint)
+        if not interrupted:
+            self.metrics.log_preempted(step=self.step, signal=signals.received(),
+                                       checkpoint=str(checkpoint) if checkpoint else None)
+        signals.stop(self.accelerator, step=self.step, checkpoint=checkpoint, interrupted=interrupted)
 
     def _describe(self, results: dict[str, float]) -> str:
         shown = self._live["shown"]
@@ -299,8 +298,8 @@ def start(args, *, recipe: str) -> RecipeRun:
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
-    try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/preemption.py)
-        preemption.install(preemption.parse_signals(args.preempt_signals))
+    try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/signals.py)
+        signals.install(signals.parse_signals(args.preempt_signals))
     except UsageError:
         pass  # refused with the other flags by startup.check_start
     fsdp_presets.enable_cpu_fsdp()

@@ -34,11 +34,11 @@ preset gets what the recipes give, with one added line::
   (it changes ``gradient_accumulation_steps`` and says so), or refuses in one line saying how.
   ``resume_from_checkpoint=True`` takes the newest *committed* ``checkpoint-N`` (one with its
   manifest), not a folder a killed run left half-written.
-- preemption, as in the recipes (:mod:`fsdp_presets.train.preemption`): on SIGTERM or SIGUSR1
-  (``FSDPPresetsCallback(preempt_signals="none")`` turns it off) the ranks agree at the next
-  optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step reached through its own
-  ``_save_checkpoint`` (with its manifest), ``metrics.jsonl`` gets a ``preempted`` line and every
-  rank exits with status 75 (:data:`~fsdp_presets.train.preemption.PREEMPTED_EXIT`);
+- Ctrl-C and preemption, as in the recipes (:mod:`fsdp_presets.train.signals`): on Ctrl-C during
+  training, or on SIGTERM or SIGUSR1 (``FSDPPresetsCallback(preempt_signals="none")`` turns those
+  off), the ranks agree at the next optimizer-step boundary, Trainer saves ``checkpoint-N`` of the
+  step reached through its own ``_save_checkpoint`` (with its manifest) and every rank exits with
+  status 130 (Ctrl-C) or 75 (a preemption, with a ``preempted`` line in ``metrics.jsonl``);
   ``trainer.train(resume_from_checkpoint=True)`` continues from it.
 - ``FSDPPresetsCallback(async_save=True)`` (FSDP2, ``SHARDED_STATE_DICT``, every weight trained):
   each ``checkpoint-N``'s model and optimizer shards are written in the background while training
@@ -63,8 +63,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -73,14 +71,15 @@ from typing import Any, NoReturn
 from transformers import Trainer, TrainerCallback
 
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE, RunFolder,
-                                            staging_sibling, trainer_checkpoint_name)
+                                            trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
 from fsdp_presets.checkpoint.resume import accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError
+from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
-from fsdp_presets.train import preemption
+from fsdp_presets.checkpoint.resume import TRAINER_RESUME
+from fsdp_presets.train import signals
 from fsdp_presets.train import trainer_saves
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
 
@@ -121,10 +120,10 @@ def _number(value) -> float | None:
 class FSDPPresetsCallback(TrainerCallback):
     """The recipes' guarantees for a Trainer/TRL script (see the module docstring)."""
 
-    def __init__(self, preempt_signals: str = preemption.DEFAULT_SIGNALS, async_save: bool = False) -> None:
+    def __init__(self, preempt_signals: str = signals.DEFAULT_SIGNALS, async_save: bool = False) -> None:
         from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
 
-        self._signals = preemption.parse_signals(preempt_signals)  # "none": no preemption saves
+        self._signals = signals.parse_signals(preempt_signals)  # "none": no preemption saves
         self._async_save = async_save  # checkpoint-N's model and optimizer shards written in the background
         self._saver = None  # during train() with async_save: the background writer (CheckpointSaver)
         enable_cpu_fsdp()  # before the Trainer builds its Accelerator
@@ -171,11 +170,14 @@ class FSDPPresetsCallback(TrainerCallback):
 
     def _refuse(self, message: str) -> NoReturn:
         """One line on the main process and exit 2 on every rank, as the recipes refuse bad input."""
-        if self._accelerator.is_main_process:
-            print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(COLLECTIVE_EXIT_DELAY_S)
-        raise SystemExit(2)
+        try:
+            raise_on_every_rank(self._accelerator, message)
+        except UsageError as error:
+            self._exit(error)
+
+    def _exit(self, error: BaseException) -> NoReturn:
+        """The recipes' one line (main process) and exit status (:func:`fsdp_presets.train.signals.report`)."""
+        raise SystemExit(signals.report(error, program="fsdp-presets")) from None
 
     def _global_batch(self) -> int:
         args = self.trainer.args
@@ -218,13 +220,17 @@ class FSDPPresetsCallback(TrainerCallback):
                                                            commit_folder=self._commit)
             self._saver = CheckpointSaver(manager=checkpoints, background=True, on_saved=self.metrics.log_save,
                                           write_state_files=self._write_trainer_files)
-        preemption.install(self._signals)
+        signals.install(self._signals, resume=TRAINER_RESUME)  # Ctrl-C deferred from on_train_begin
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
             self._saves(self._close_saver)  # the last save in flight committed before train() returns
             return result
         finally:
-            preemption.install(())  # the process's own handlers again (save_model after train is not a step)
+            signals.restore()  # the process's own handlers again (save_model after train is not a step)
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        signals.defer()  # Ctrl-C from the first step on: that step ends, is saved, and every rank exits 130
+        return control
 
     def _check_launch(self, *, resuming: bool) -> None:
         """The recipes' launch checks, before anything is written: the launch against the generated
@@ -335,32 +341,31 @@ class FSDPPresetsCallback(TrainerCallback):
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
         if self._saver is not None:  # async_save: commit the save in flight once every rank's write is done
             self._saves(self._saver.poll, step=step)
-        # A preemption signal on any rank (one all-reduce, every rank at this step boundary): Trainer
-        # saves this step through its own _save_checkpoint, then every rank stops.
-        if self._signals and self._saved_step != step and preemption.should_stop(self._accelerator):
+        # Ctrl-C or a preemption signal on any rank (one all-reduce, every rank at this step boundary):
+        # Trainer saves this step through its own _save_checkpoint, then every rank stops.
+        if self._saved_step != step and any(stop := signals.agree(self._accelerator)):
             trainer.control.should_save = True
             original(tr_loss, grad_norm, *args, **kwargs)
-            self._preempted(step)  # does not return
+            self._stop(step, *stop)  # does not return
         result = original(tr_loss, grad_norm, *args, **kwargs)
-        if self._signals and self._saved_step == step and preemption.should_stop(self._accelerator):
-            self._preempted(step)  # the signal came during this step's save: it is saved, stop now
+        if self._saved_step == step and any(stop := signals.agree(self._accelerator)):
+            self._stop(step, *stop)  # the signal came during this step's save: it is saved, stop now
         return result
 
-    def _preempted(self, step: int) -> NoReturn:
-        """The ``preempted`` metrics line, one line on stderr, and exit 75 on every rank."""
+    def _stop(self, step: int, interrupted: bool, preempted: bool) -> NoReturn:
+        """The step's checkpoint committed, then one line on stderr and exit 130 (Ctrl-C) or 75 (a
+        preemption, after its ``preempted`` metrics line) on every rank."""
         if self._saver is not None:
             self._saves(self._saver.wait)  # async_save: the save in flight (this step's, or an earlier) committed
         folder = Path(self.trainer._get_output_dir(trial=None)) / trainer_checkpoint_name(step)
         checkpoint = folder if (folder / MANIFEST).is_file() else None
-        self.metrics.log_preempted(step=step, signal=preemption.received(),
-                                   checkpoint=str(checkpoint) if checkpoint else None)
+        if preempted:
+            self.metrics.log_preempted(step=step, signal=signals.received(),
+                                       checkpoint=str(checkpoint) if checkpoint else None)
         try:
-            preemption.stop(self._accelerator, step=step, checkpoint=checkpoint,
-                            again="trainer.train(resume_from_checkpoint=True) continues from it")
-        except preemption.Preempted as error:
-            if self._accelerator.is_main_process:
-                print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(preemption.PREEMPTED_EXIT) from None
+            signals.stop(self._accelerator, step=step, checkpoint=checkpoint, interrupted=not preempted)
+        except (signals.Interrupted, signals.Preempted) as error:
+            self._exit(error)
 
     # ---- saves ----
     def _save_model(self, original, output_dir=None, _internal_call=False):
@@ -412,16 +417,10 @@ class FSDPPresetsCallback(TrainerCallback):
         trainer, accelerator = self.trainer, self._accelerator
         self._say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
                   "shards (the frozen base is not gathered), written by rank 0 under peft's key names")
-        staging = staging_sibling(output_dir)  # complete before any file of it is moved into output_dir
         # the tokenizer Trainer's own save writes: processing_class, else the collator's
         tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
-        export_adapter(accelerator, trainer.model_wrapped, tokenizer, staging, key_map=self._adapter_keys)
-        if accelerator.is_main_process:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            for path in sorted(staging.iterdir()):
-                os.replace(path, output_dir / path.name)
-            staging.rmdir()
-        accelerator.wait_for_everyone()
+        export_adapter(accelerator, trainer.model_wrapped, tokenizer, output_dir, key_map=self._adapter_keys,
+                       merge=True)  # complete before any file of it is moved into output_dir
 
     def _save_checkpoint(self, original, model, trial, *args, **kwargs):
         trainer, accelerator = self.trainer, self._accelerator
@@ -478,9 +477,7 @@ class FSDPPresetsCallback(TrainerCallback):
         try:
             return call(*args, **kwargs)
         except (Finding, UsageError) as error:
-            if self._accelerator.is_main_process:
-                print(f"fsdp-presets: error: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(2 if isinstance(error, UsageError) else 1) from None
+            self._exit(error)
 
     def _close_saver(self) -> None:
         saver, self._saver = self._saver, None

@@ -37,6 +37,7 @@ from typing import Any, Callable
 from fsdp_presets.checkpoint.layout import (MANIFEST, RUN_JSON, TRAINER_CHECKPOINT_PATTERN, deleting_name,
                                             trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manager import hash_share
+from fsdp_presets.checkpoint.resume import TRAINER_RESUME, resume_note
 
 
 @dataclass(kw_only=True)
@@ -83,10 +84,7 @@ class TrainerCheckpoints:
         """What a failed background write leaves to resume from: the newest ``checkpoint-N`` with a
         manifest (committed), which Trainer's own resume continues from."""
         committed = [folder for _, folder in trainer_checkpoints(self.directory) if (folder / MANIFEST).is_file()]
-        if not committed:
-            return "No earlier committed checkpoint exists in this run (Trainer starts from step 0)."
-        return (f"The last committed checkpoint, {committed[-1]}, is intact and Trainer's own resume "
-                "(trainer.train(resume_from_checkpoint=True)) continues from it.")
+        return resume_note(committed[-1] if committed else None, how=TRAINER_RESUME)
 
     def abandon(self, temporary: Path) -> None:
         """A background write failed: remove its folder (main process)."""
