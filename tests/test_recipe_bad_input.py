@@ -106,7 +106,7 @@ def test_a_model_without_the_configs_wrap_class_is_named_with_its_own():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdp_presets.train.lora import check_wrap_classes
+    from fsdp_presets.train.model_setup import check_wrap_classes
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,

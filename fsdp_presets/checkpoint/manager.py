@@ -111,7 +111,7 @@ class CheckpointManager:
     """Where messages go (the main process prints them)."""
     state: Any = None
     """What to save and load instead of ``accelerator.save_state``/``load_state`` (an object with
-    ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.train.lora.TrainableState`), or None."""
+    ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.checkpoint.adapter.TrainableState`), or None."""
     training: dict[str, Any] | None = None
     """Recorded in each manifest (:attr:`Manifest.training`)."""
     delete_pruned: Callable[[Path], None] | None = None

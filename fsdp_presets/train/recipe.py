@@ -43,7 +43,9 @@ from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync
 from fsdp_presets.train import loop, signals, startup
+from fsdp_presets.checkpoint.adapter import TrainableState, write_adapter_files
 from fsdp_presets.train import lora as recipe_lora
+from fsdp_presets.train.final_adapter import export_adapter
 from fsdp_presets.train.final_model import export_model
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
 from fsdp_presets.train.plots import plot_run
@@ -114,7 +116,7 @@ class RecipeRun:
             accelerator=accelerator, directory=self.folder.checkpoints, keep_last=args.keep_last,
             config_digest=digest, distributed=self.distributed, log=say,
             training=self.lora,  # LoRA/QLoRA: trainable weights only, the base from --model
-            state=recipe_lora.TrainableState(accelerator, model, optimizer) if self.lora else None)
+            state=TrainableState(accelerator, model, optimizer) if self.lora else None)
         if args.async_save:
             check_async_save(accelerator, lora=bool(self.lora))
         resume_from = self.checkpoints.resolve(args.resume, max_steps=args.max_steps)
@@ -248,8 +250,7 @@ class RecipeRun:
         target = Path(folder) / MODEL_CONFIG
         unwrapped = self.accelerator.unwrap_model(self._live["model"])
         if self.lora:  # adapter_config.json and the PEFT key names, for `fsdp-presets export`
-            recipe_lora.write_checkpoint_extra(folder, self.lora, self._live["key_map"],
-                                               unwrapped.peft_config["default"])
+            write_adapter_files(folder, self.lora, self._live["key_map"], unwrapped.peft_config["default"])
         unwrapped.config.save_pretrained(target)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(target)
@@ -263,10 +264,9 @@ class RecipeRun:
         self._live["progress"].close()
         self.saver.wait()  # a save still in flight is committed before the export
         if self.lora:
-            recipe_lora.export_adapter(accelerator, model, self.tokenizer, self.folder.final,
-                                       key_map=self._live["key_map"], lora=self.lora, base_path=args.model,
-                                       model_class=model_class,
-                                       merged_dir=self.folder.root / MERGED if args.export_merged else None)
+            export_adapter(accelerator, model, self.tokenizer, self.folder.final, key_map=self._live["key_map"],
+                           lora=self.lora, base_path=args.model, model_class=model_class,
+                           merged_dir=self.folder.root / MERGED if args.export_merged else None)
         else:
             export_model(accelerator, model, self.tokenizer, self.folder.final)
         if accelerator.is_main_process:

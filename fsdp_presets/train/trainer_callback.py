@@ -12,14 +12,14 @@ preset gets what the recipes give, with one added line::
   anything is written, as the recipes do, a launch that is not what the generated preset's header
   planned (:func:`fsdp_presets.train.startup.preset_launch_problem`; another process count is
   fine for a resume) or whose config wraps block classes the model does not have
-  (:func:`fsdp_presets.train.lora.check_wrap_classes`): one line, exit 2 on every rank.
+  (:func:`fsdp_presets.train.model_setup.check_wrap_classes`): one line, exit 2 on every rank.
 - ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
   the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
   silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
   user's ``save_model`` the plugin is switched to FULL_STATE_DICT, whose gather
   (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload. A peft
   model's adapter is gathered alone and written as the recipes export it
-  (:func:`fsdp_presets.train.lora.export_adapter`): peft's own save of an FSDP1-wrapped model
+  (:func:`fsdp_presets.train.final_adapter.export_adapter`): peft's own save of an FSDP1-wrapped model
   writes an adapter with no tensors. Under FSDP, ``save_model`` returns on every rank once the
   folder is written.
 - ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them: one line per
@@ -73,14 +73,12 @@ from transformers import Trainer, TrainerCallback
 from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE, RunFolder,
                                             trainer_checkpoint_name)
 from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
-from fsdp_presets.checkpoint.resume import accumulation_for
+from fsdp_presets.checkpoint.resume import TRAINER_RESUME, accumulation_for
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
-from fsdp_presets.checkpoint.resume import TRAINER_RESUME
-from fsdp_presets.train import signals
-from fsdp_presets.train import trainer_saves
+from fsdp_presets.train import lora, signals, trainer_saves
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
 
 
@@ -93,19 +91,6 @@ def _calling_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back
     return None
-
-
-def _lora_settings(model) -> dict[str, Any] | None:
-    """The method and LoRA shape of a peft model (as the recipes record them), None otherwise."""
-    peft_config = getattr(model, "peft_config", None)
-    if not peft_config:
-        return None
-    config = peft_config.get("default") or next(iter(peft_config.values()))
-    targets = getattr(config, "target_modules", None)
-    quantized = bool(getattr(getattr(model, "config", None), "quantization_config", None))
-    return {"method": "qlora" if quantized else "lora", "r": getattr(config, "r", None),
-            "alpha": float(getattr(config, "lora_alpha", 0) or 0), "dropout": float(getattr(config, "lora_dropout", 0)),
-            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
 
 
 def _number(value) -> float | None:
@@ -150,11 +135,9 @@ class FSDPPresetsCallback(TrainerCallback):
         from fsdp_presets.cpu_fsdp import check_launch
 
         check_launch(trainer.accelerator)  # N processes that would each train alone: refused
-        if _lora_settings(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
-            from fsdp_presets.train.lora import adapter_key_map, keep_4bit_layout
-
-            self._adapter_keys = adapter_key_map(trainer.model)
-            keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
+        if lora.settings_of(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
+            self._adapter_keys = lora.adapter_key_map(trainer.model)
+            lora.keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
         for name in ("train", "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
                      "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
@@ -206,7 +189,7 @@ class FSDPPresetsCallback(TrainerCallback):
                 "seed": trainer.args.seed, "learning_rate": trainer.args.learning_rate,
                 "lr_scheduler": str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type)),
                 "warmup_steps": trainer.args.warmup_steps, "weight_decay": trainer.args.weight_decay,
-                "max_grad_norm": trainer.args.max_grad_norm, "training": _lora_settings(model),
+                "max_grad_norm": trainer.args.max_grad_norm, "training": lora.settings_of(model),
                 "max_steps": trainer.args.max_steps, "micro_batch_size": trainer.args.per_device_train_batch_size,
                 "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
                 "global_batch_samples": self._global_batch(), **settings,
@@ -237,7 +220,7 @@ class FSDPPresetsCallback(TrainerCallback):
         preset's header (another process count is fine for a resume, which keeps its global batch)
         and the config's wrap classes against the model (a config made for another model fails
         inside accelerate's prepare otherwise); every problem in one line, exit 2 on every rank."""
-        from fsdp_presets.train.lora import check_wrap_classes
+        from fsdp_presets.train.model_setup import check_wrap_classes
         from fsdp_presets.train.startup import preset_launch_problem
 
         trainer = self.trainer
@@ -412,7 +395,7 @@ class FSDPPresetsCallback(TrainerCallback):
         an FSDP1-wrapped model writes an empty adapter), as the recipes export it. The files go into
         ``output_dir`` beside what it holds, as Trainer's own save puts them (``save_model()`` with
         no folder writes into the output folder, next to ``checkpoint-N`` and the metrics)."""
-        from fsdp_presets.train.lora import export_adapter
+        from fsdp_presets.train.final_adapter import export_adapter
 
         trainer, accelerator = self.trainer, self._accelerator
         self._say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
@@ -514,7 +497,7 @@ class FSDPPresetsCallback(TrainerCallback):
             config_digest=config_digest(model.config), files=files, kind=TRAINER_KIND,
             versions={"torch": torch.__version__, "accelerate": accelerate.__version__,
                       "transformers": transformers.__version__},
-            created_unix=time.time(), training=_lora_settings(model))
+            created_unix=time.time(), training=lora.settings_of(model))
         write_json_atomic(folder / MANIFEST, asdict(manifest))
         trainer_saves.rotate(trainer, save_total_limit=trainer.args.save_total_limit if self._save_total_limit is None
                              else self._save_total_limit)
