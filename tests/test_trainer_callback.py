@@ -425,7 +425,7 @@ def _signal_during_save(presets, output: Path, signum: int, *extra) -> dict:
 def test_ctrl_c_during_a_background_save_commits_it_and_exits_130(presets, tmp_path):
     # Saving in the background at every step, at most one checkpoint kept (save_total_limit=1), Ctrl-C
     # (SIGINT) at the launcher while the save of step 3 is in flight.
-    from fsdp_presets.train.trainer_saves import resume_choice
+    from fsdp_presets.checkpoint.manager import trainer_resume_choice
 
     output = tmp_path / "run"
     run = _signal_during_save(presets, output, signal.SIGINT, "--save-steps", 1, "--save-total-limit", 1)
@@ -438,7 +438,7 @@ def test_ctrl_c_during_a_background_save_commits_it_and_exits_130(presets, tmp_p
     assert saves == [(1, True), (2, True), (3, True)], run["log"][-3000:]
     interrupted = output / trainer_checkpoint_name(3)
     assert [path.name for path in sorted(output.glob("checkpoint-*"))] == [interrupted.name]
-    assert checkpoint_verdict(interrupted).ok and resume_choice(output) == (interrupted, None)
+    assert checkpoint_verdict(interrupted).ok and trainer_resume_choice(output) == (interrupted, None)
     assert (f"fsdp-presets: error: interrupted (Ctrl-C) after step 3: saved {interrupted}; "
             "trainer.train(resume_from_checkpoint=True) continues from it") in run["log"], run["log"][-3000:]
 
@@ -624,9 +624,10 @@ def test_a_signal_on_one_rank_stops_every_rank_after_saving_that_step(presets, t
 def test_a_failed_background_write_names_the_committed_checkpoint_trainer_resumes_from(tmp_path):
     """The stop message of a failed background write, for Trainer's own folders: the newest
     ``checkpoint-N`` with a manifest, and Trainer's resume (not the recipes' ``--resume auto``)."""
-    from fsdp_presets.train.trainer_saves import TrainerCheckpoints
+    from fsdp_presets.checkpoint.manager import TRAINER_NAMING, CheckpointManager
 
-    checkpoints = TrainerCheckpoints(accelerator=None, directory=tmp_path, commit_folder=lambda *args: None)
+    checkpoints = CheckpointManager(accelerator=None, directory=tmp_path, keep_last=1, config_digest="",
+                                    distributed={}, naming=TRAINER_NAMING)
     assert "No earlier committed checkpoint" in checkpoints.kept_note()
     for step, committed in ((3, True), (6, True), (9, False)):  # checkpoint-9: written, never committed
         (tmp_path / trainer_checkpoint_name(step)).mkdir()
@@ -637,7 +638,7 @@ def test_a_failed_background_write_names_the_committed_checkpoint_trainer_resume
 
 
 def test_the_resume_takes_only_committed_checkpoints_of_a_run_the_callback_wrote(tmp_path):
-    from fsdp_presets.train.trainer_saves import resume_choice
+    from fsdp_presets.checkpoint.manager import trainer_resume_choice as resume_choice
 
     assert resume_choice(tmp_path) == (None, None)  # nothing there: Trainer's own error
     (tmp_path / trainer_checkpoint_name(3)).mkdir()

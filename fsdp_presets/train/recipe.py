@@ -25,6 +25,7 @@ weights are finite and a checkpoint save; Ctrl-C then stops (exit 130).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,9 +36,9 @@ from fsdp_presets.checkpoint.async_save import CheckpointSaver, check_async_save
 from fsdp_presets.checkpoint.layout import MERGED, MODEL_CONFIG, RunFolder
 from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
 from fsdp_presets.checkpoint.manifest import Manifest, is_imported
-from fsdp_presets.checkpoint.run_folder import (acquire_run_lock, check_output_dir, distributed_settings,
-                                                launch_config_file, schedule_change_note, training_settings,
-                                                write_run_json)
+from fsdp_presets.checkpoint.run_folder import (METHOD_KEY, RunInfo, acquire_run_lock, check_output_dir,
+                                                distributed_settings, launch_config_file, run_identity,
+                                                schedule_change_note, training_settings)
 from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
@@ -60,8 +61,9 @@ class RecipeRun:
     """The parsed flags (:func:`fsdp_presets.train.loop.recipe_argument_parser` plus the recipe's)."""
     folder: RunFolder
     """OUTPUT_DIR: run.json, metrics.jsonl, checkpoints/, final/, plots/."""
-    record: dict[str, Any]
-    """What run.json records of the run's identity and settings (a continued run keeps them)."""
+    record: RunInfo
+    """What run.json records of the run; :func:`start` gives its identity and settings (a continued
+    run keeps them), :meth:`resume` the rest."""
     lora: dict[str, Any] | None
     """LoRA/QLoRA method and shape, None when every weight trains."""
     config: Any
@@ -137,14 +139,14 @@ class RecipeRun:
             say(f"resumed from {resume_from}: step {self.step}, {self.samples} samples consumed "
                 f"(saved by {manifest.world_size} processes, now {accelerator.num_processes})")
         memory = recipe_lora.memory_record(accelerator, model) if self.lora else {}  # LoRA/QLoRA: bytes per rank
+        self.record = dataclasses.replace(
+            self.record, training=self.lora, data=args.data, max_steps=args.max_steps,
+            micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            global_batch_samples=self.global_batch, distributed=self.distributed,
+            accelerate_config=launch_config_file(), resumed_from=str(resume_from) if resume_from else None,
+            extra={**memory, **(record or {})})
         if accelerator.is_main_process:
-            write_run_json(self.folder, {
-                **self.record, "training": self.lora, **memory, "data": args.data, "max_steps": args.max_steps,
-                "micro_batch_size": args.micro_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "global_batch_samples": self.global_batch, **self.distributed,
-                "accelerate_config": launch_config_file(),
-                "resumed_from": str(resume_from) if resume_from else None, **(record or {})})
+            self.record.write(self.folder)
         self.metrics = MetricsLog(self.folder.metrics, enabled=accelerator.is_main_process,
                                   keep_through_step=self.step)
         self.saver = CheckpointSaver(manager=self.checkpoints, background=args.async_save,
@@ -319,11 +321,11 @@ def start(args, *, recipe: str) -> RecipeRun:
 
     startup.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
-    identity = {"recipe": recipe, "model": str(Path(args.model).resolve()),
-                "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
+    identity = run_identity(recipe=recipe, model=str(Path(args.model).resolve()), data_sha256=sha256_files(data_files),
+                            seed=args.seed, seq_len=args.seq_len)
     settings = training_settings(args)  # a continued run keeps them
     method = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
-    settings["lora"] = dict(method) if method else None  # LoRA/QLoRA: a continued run keeps it
+    settings[METHOD_KEY] = dict(method) if method else None  # LoRA/QLoRA: a continued run keeps it
     folder = check_output_dir(args.output_dir, identity, args.resume, settings)
     if args.resume != "none" and (note := schedule_change_note(folder.root, args.max_steps, settings)):
         say(f"note: {note}")
@@ -333,5 +335,6 @@ def start(args, *, recipe: str) -> RecipeRun:
     loop.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     set_seed(args.seed)
-    return RecipeRun(accelerator=accelerator, args=args, folder=folder, record={**identity, **settings},
+    return RecipeRun(accelerator=accelerator, args=args, folder=folder,
+                     record=RunInfo(identity=identity, settings=settings),
                      lora=method, config=config, tokenizer=tokenizer, distributed=distributed, say=say)
