@@ -116,6 +116,8 @@ def test_a_second_signal_stops_at_once_and_the_committed_checkpoint_stays_intact
     text = log.read_text()
     assert time.monotonic() - signalled < 10, text[-3000:]
     assert "second SIGTERM: stopping at once without a save" in text, text[-3000:]
+    assert (f"The last committed checkpoint, {output / 'checkpoints' / 'step-00000002'}, is intact and --resume auto "
+            "continues from it") in text, text[-3000:]
     assert [step for step, _ in committed_checkpoints(output / "checkpoints")] == [2]
     assert checkpoint_verdict(output / "checkpoints" / "step-00000002").ok
     assert not [record for record in read_metrics(output / "metrics.jsonl") if record["kind"] == "preempted"]

@@ -301,7 +301,8 @@ def start(args, *, recipe: str) -> RecipeRun:
     from transformers import AutoTokenizer
 
     try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/signals.py)
-        signals.install(signals.parse_signals(args.preempt_signals))
+        signals.install(signals.parse_signals(args.preempt_signals),
+                        checkpoints=RunFolder(root=Path(args.output_dir)).checkpoints)
     except UsageError:
         pass  # refused with the other flags by startup.check_start
     fsdp_presets.enable_cpu_fsdp()

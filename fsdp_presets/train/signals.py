@@ -46,7 +46,8 @@ import threading
 import time
 from pathlib import Path
 
-from fsdp_presets.checkpoint.resume import RECIPE_RESUME, resume_note
+from fsdp_presets.checkpoint.manager import RECIPE_NAMING, CheckpointNaming
+from fsdp_presets.checkpoint.resume import resume_note
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 
 DEFAULT_SIGNALS = "TERM,USR1"
@@ -98,7 +99,7 @@ def report(error: BaseException, *, program: str | None = None) -> int:
 
 # ---- the handlers ----
 _state: dict = {"signals": (), "previous": {}, "deferring": False, "interrupted_at": None, "first": None,
-                "first_at": None, "resume": RECIPE_RESUME}
+                "first_at": None, "naming": RECIPE_NAMING, "checkpoints": None}
 
 
 def parse_signals(text: str) -> tuple[signal.Signals, ...]:
@@ -121,16 +122,17 @@ def parse_signals(text: str) -> tuple[signal.Signals, ...]:
     return tuple(found)
 
 
-def install(preempt_signals: tuple[signal.Signals, ...] = (), *, resume: str = RECIPE_RESUME) -> None:
+def install(preempt_signals: tuple[signal.Signals, ...] = (), *, naming: CheckpointNaming = RECIPE_NAMING,
+            checkpoints: str | os.PathLike | None = None) -> None:
     """Take over SIGINT and ``preempt_signals`` in this process (main thread only; elsewhere nothing
     changes), with nothing received yet and Ctrl-C not deferred. Called again, it replaces the set.
-    ``resume``: how the run continues from its checkpoint, for the messages
-    (:func:`fsdp_presets.checkpoint.resume.resume_note`)."""
+    ``naming`` and ``checkpoints`` (the folder that holds the run's checkpoints): what the messages
+    name to continue from (:func:`fsdp_presets.checkpoint.resume.resume_note`)."""
     if threading.current_thread() is not threading.main_thread():
         return
     restore()
     _state.update(signals=tuple(preempt_signals), deferring=False, interrupted_at=None, first=None, first_at=None,
-                  resume=resume)
+                  naming=naming, checkpoints=checkpoints)
     for signum in (signal.SIGINT, *preempt_signals):
         _state["previous"][signum] = signal.signal(signum, _on_signal)
 
@@ -163,12 +165,22 @@ def _on_signal(signum, frame) -> None:
         _state.update(first=signal.Signals(signum).name, first_at=now)
     elif now - _state["first_at"] >= REPEAT_GRACE_S:  # a second request: stop now, save nothing
         print(f"{Path(sys.argv[0]).name}: error: second {signal.Signals(signum).name}: stopping at once without a "
-              f"save; the newest committed checkpoint is intact ({_state['resume']} continues from it)",
-              file=sys.stderr, flush=True)
+              f"save. {_kept_note()}", file=sys.stderr, flush=True)
         os._exit(128 + signum)
     previous = _state["previous"].get(signum)
     if callable(previous) and previous is not _on_signal:  # the script's own handler keeps working
         previous(signum, frame)
+
+
+def _kept_note() -> str:
+    """What a stop without a save leaves to continue from (the run's checkpoints are committed by a
+    rename or a manifest: the newest committed one is intact)."""
+    naming, checkpoints = _state["naming"], _state["checkpoints"]
+    try:
+        committed = naming.committed(Path(checkpoints)) if checkpoints is not None else []
+    except OSError:
+        committed = []
+    return resume_note(committed[-1][1] if committed else None, how=naming.resume)
 
 
 def received() -> str | None:
@@ -198,7 +210,7 @@ def stop(accelerator, *, step: int, checkpoint, interrupted: bool) -> None:
     """Raise :class:`Interrupted` (Ctrl-C) or :class:`Preempted` once the checkpoint of ``step`` is
     committed (``checkpoint``; None: nothing was trained to save), on every rank (the main process
     prints the line, the others leave a moment later)."""
-    where = resume_note(checkpoint, how=_state["resume"], saved=True)
+    where = resume_note(checkpoint, how=_state["naming"].resume, saved=True)
     raise_on_every_rank(accelerator, Interrupted(f"interrupted (Ctrl-C) after step {step}: {where}") if interrupted
                         else Preempted(f"preempted ({received() or 'signal on another rank'}) at step {step}: {where}; "
                                        f"exit status {PREEMPTED_EXIT}"))

@@ -50,9 +50,9 @@ from typing import NoReturn
 from transformers import Trainer, TrainerCallback
 
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS
-from fsdp_presets.checkpoint.manager import trainer_resume_choice
+from fsdp_presets.checkpoint.manager import TRAINER_NAMING, trainer_resume_choice
 from fsdp_presets.checkpoint.manifest import Manifest
-from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, TRAINER_RESUME, keep_global_batch
+from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batch
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
@@ -167,7 +167,7 @@ class FSDPPresetsCallback(TrainerCallback):
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
         self.saves.begin(self.metrics, global_batch=self._global_batch(), resumed_from=checkpoint)
-        signals.install(self._signals, resume=TRAINER_RESUME)  # Ctrl-C: deferred from on_train_begin
+        signals.install(self._signals, naming=TRAINER_NAMING, checkpoints=output)  # Ctrl-C: deferred (on_train_begin)
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
             self._exits(self.saves.close)  # the last save in flight committed before train() returns

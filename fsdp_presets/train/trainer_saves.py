@@ -79,7 +79,8 @@ class TrainerSaves:
                     max_steps=args.max_steps, micro_batch_size=args.per_device_train_batch_size,
                     gradient_accumulation_steps=args.gradient_accumulation_steps, global_batch_samples=global_batch,
                     distributed=distributed_settings(accelerator), accelerate_config=launch_config_file(),
-                    resumed_from=str(resumed_from) if resumed_from else None).write(RunFolder(root=Path(args.output_dir)))
+                    resumed_from=str(resumed_from) if resumed_from else None,
+                    ).write(RunFolder(root=Path(args.output_dir)))
         self.checkpoints = CheckpointManager(
             accelerator=accelerator, directory=Path(trainer.args.output_dir), keep_last=1,
             config_digest=config_digest(model.config), distributed=distributed_settings(accelerator), log=self.say,
