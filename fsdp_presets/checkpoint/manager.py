@@ -145,7 +145,7 @@ def _library_versions() -> dict[str, str]:
             "transformers": transformers.__version__}
 
 
-def remove_tree(path: Path, delete: Callable[[Path], None] | None = None) -> None:
+def _remove_tree(path: Path, delete: Callable[[Path], None] | None = None) -> None:
     """Rename first (atomic), then delete (``delete(renamed)``; at once when None): a kill mid-delete
     leaves a dot-folder that is ignored, never a committed-looking folder with files missing."""
     doomed = deleting_name(path)
@@ -231,7 +231,7 @@ class CheckpointManager:
         if accelerator.is_main_process:
             self.directory.mkdir(parents=True, exist_ok=True)
             if temporary.exists():
-                remove_tree(temporary)
+                _remove_tree(temporary)
         accelerator.wait_for_everyone()
         fault_point("save", step=step, rank=accelerator.process_index, folder=temporary)
         return temporary
@@ -273,7 +273,7 @@ class CheckpointManager:
                 raise
             if not self.naming.in_place:
                 if committed.exists():  # the same step saved again after resuming from an older one
-                    remove_tree(committed)
+                    _remove_tree(committed)
                 os.rename(temporary, committed)  # the commit: atomic on one file system
             self._fsync_directory()
             if self.rotate is not None:
@@ -292,7 +292,7 @@ class CheckpointManager:
         """Remove the unfinished folder of a save that failed (main process); the committed
         checkpoints are untouched."""
         if self.accelerator.is_main_process and temporary.exists():
-            remove_tree(temporary)
+            _remove_tree(temporary)
 
     def stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
         """A full disk during a save: remove the unfinished folder (the space it took is freed, and
@@ -320,7 +320,7 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         for _, folder in committed_checkpoints(self.directory)[:-self.keep_last]:
-            remove_tree(folder, self.delete_pruned)
+            _remove_tree(folder, self.delete_pruned)
 
     # ---- find ----
     def latest_valid(self) -> Path | None:
@@ -335,7 +335,7 @@ class CheckpointManager:
             for leftover in sorted(self.directory.glob(f"{TEMPORARY_STEP_PREFIX}*")):
                 self.log(f"checkpoint: ignoring {leftover}: a save that did not finish (no manifest); "
                          "removing it")
-                remove_tree(leftover)
+                _remove_tree(leftover)
             skipped = []
             for step, folder in reversed(committed_checkpoints(self.directory)):
                 problem = ("a symbolic link, not a checkpoint this run wrote" if folder.is_symlink()
