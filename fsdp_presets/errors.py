@@ -25,16 +25,21 @@ def unknown_name_message(kind: str, name: str, known: list[str] | tuple[str, ...
 COLLECTIVE_EXIT_DELAY_S = 2.0
 
 
-def raise_on_every_rank(accelerator, message: str | None, *, error: type[Exception] | None = None) -> None:
-    """Raise ``error`` (:class:`UsageError` unless given, e.g. :class:`Finding`) with ``message``
-    (already the same on every rank) when it is not None: at once on the main process, which prints
-    it, a moment later on the others."""
-    if not message:
+def raise_on_every_rank(accelerator, message: str | BaseException | None, *,
+                        error: type[Exception] | None = None, printed_elsewhere: bool = False) -> None:
+    """The one way a run stops on every rank together: raise ``error`` (:class:`UsageError` unless
+    given, e.g. :class:`Finding`) with ``message`` (already the same on every rank), or ``message``
+    itself when it is an exception, when it is not None: at once on the main process, which prints
+    it, :data:`COLLECTIVE_EXIT_DELAY_S` later on the others (on every rank with
+    ``printed_elsewhere``: another rank prints it)."""
+    if not isinstance(message, BaseException) and not message:  # None, "" or False: nothing to raise
         return
-    if not accelerator.is_main_process:
+    if printed_elsewhere or not accelerator.is_main_process:
         import time
 
         time.sleep(COLLECTIVE_EXIT_DELAY_S)
+    if isinstance(message, BaseException):
+        raise message
     raise (error or UsageError)(message)
 
 

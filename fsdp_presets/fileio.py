@@ -5,10 +5,11 @@ SHA-256 digests that run.json and checkpoint manifests record.
   :func:`atomic_path`): the content goes to a temporary sibling (``tempfile.mkstemp`` in the same
   folder, so two writers never share one), is flushed to disk, and ``os.replace`` puts it in place
   (atomic on POSIX file systems): a reader sees the old file or the new one.
-- **Staged folders** (:func:`staged_folder`, :func:`replace_folder`): a folder is written under a
-  hidden sibling name and renamed into place when complete; a folder it replaces is renamed away
-  first and deleted after. The sibling names are the caller's (a run folder's and a checkpoint's
-  come from :mod:`fsdp_presets.checkpoint.layout`).
+- **Staged folders** (:func:`staged_folder`, the one way a folder is written in this package): a
+  folder is written under a hidden sibling name and renamed into place when complete; a folder it
+  replaces is renamed away first and deleted after (never deleted before the new one is complete).
+  The sibling names are the caller's (a run folder's and a checkpoint's come from
+  :mod:`fsdp_presets.checkpoint.layout`).
 - **Units for people** (:func:`format_bytes`, :func:`byte_unit`, :func:`format_count`, :data:`GiB`,
   :data:`MiB`): bytes in binary units as the planner counts (decimal for traffic), parameter counts.
   Every command, message and preset header formats bytes and counts with these.
@@ -235,17 +236,27 @@ def replace_folder(staging: Path, output: Path, *, retired: Path) -> None:
 
 
 @contextlib.contextmanager
-def staged_folder(output: str | os.PathLike, *, staging: Path, retired: Callable[[], Path]) -> Iterator[Path]:
+def staged_folder(output: str | os.PathLike, *, staging: Path, retired: Callable[[], Path],
+                  merge: bool = False) -> Iterator[Path]:
     """Yield the empty folder ``staging`` (a leftover of it is removed first) to write into; when
     the block ends without an error it replaces ``output`` (:func:`replace_folder`, with the name
-    ``retired()`` gives for the old folder), otherwise it is deleted and the error goes on."""
+    ``retired()`` gives for the old folder), otherwise it is deleted and the error goes on. With
+    ``merge`` the complete folder's files are renamed one by one into ``output`` instead (each
+    rename atomic), and what else ``output`` holds stays (Trainer's ``save_model()`` writes into its
+    output folder, beside the checkpoints)."""
     output, staging = Path(output), Path(staging)
     output.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
         yield staging
-        replace_folder(staging, output, retired=retired())
+        if merge:
+            output.mkdir(exist_ok=True)
+            for entry in sorted(staging.iterdir()):
+                os.replace(entry, output / entry.name)
+            staging.rmdir()
+        else:
+            replace_folder(staging, output, retired=retired())
     except BaseException:  # DCP's CheckpointException is a BaseException
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -25,6 +25,7 @@ from fsdp_presets.numerics import param_groups
 from fsdp_presets.train import data as recipe_data
 from fsdp_presets.train import loop, recipe
 from fsdp_presets.train import lora as recipe_lora  # LoRA/QLoRA
+from fsdp_presets.train import model_setup
 
 
 def parse_args():
@@ -67,7 +68,7 @@ def main():
     stream = loop.SampleStream(len(train_set), seed=args.seed)
 
     # ---- model ----
-    model = recipe_lora.load_model(AutoModelForCausalLM, args.model, run.lora, task_type="CAUSAL_LM",  # LoRA: peft
+    model = model_setup.load_model(AutoModelForCausalLM, args.model, run.lora, task_type="CAUSAL_LM",  # LoRA: peft
                                    mixed_precision=accelerator.mixed_precision)
     key_map = recipe_lora.adapter_key_map(model) if run.lora else None  # LoRA/QLoRA
 
@@ -78,7 +79,7 @@ def main():
                                               num_training_steps=args.max_steps)
 
     # The optimizer before or after the model is wrapped, as the FSDP version needs (LoRA on FSDP1: after).
-    model, optimizer, scheduler = recipe_lora.prepare(accelerator, model, build_optimizer, lora=run.lora)
+    model, optimizer, scheduler = model_setup.prepare(accelerator, model, build_optimizer, lora=run.lora)
 
     # ---- resume: a checkpoint (any process count: the global batch is kept), imported weights, or step 0 ----
     run.resume(model, optimizer, key_map=key_map)

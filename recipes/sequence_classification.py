@@ -32,6 +32,7 @@ from fsdp_presets.numerics import param_groups
 from fsdp_presets.train import data as recipe_data
 from fsdp_presets.train import loop, recipe, startup
 from fsdp_presets.train import lora as recipe_lora  # LoRA/QLoRA
+from fsdp_presets.train import model_setup
 
 COLUMNS = ("input_ids", "attention_mask", "labels")
 
@@ -70,7 +71,7 @@ def main():
     config.id2label = dict(enumerate(label_names))
     config.label2id = {name: index for index, name in enumerate(label_names)}
     # LoRA/QLoRA: a peft model whose adapters and classification head train (else every weight)
-    model = recipe_lora.load_model(AutoModelForSequenceClassification, args.model, run.lora, task_type="SEQ_CLS",
+    model = model_setup.load_model(AutoModelForSequenceClassification, args.model, run.lora, task_type="SEQ_CLS",
                                    mixed_precision=accelerator.mixed_precision, config=config,
                                    ignore_mismatched_sizes=args.new_head)
     key_map = recipe_lora.adapter_key_map(model) if run.lora else None  # LoRA/QLoRA
@@ -81,7 +82,7 @@ def main():
                                               num_training_steps=args.max_steps)
 
     # The optimizer before or after the model is wrapped, as the FSDP version needs (LoRA on FSDP1: after).
-    model, optimizer, scheduler = recipe_lora.prepare(accelerator, model, build_optimizer, lora=run.lora)
+    model, optimizer, scheduler = model_setup.prepare(accelerator, model, build_optimizer, lora=run.lora)
 
     # ---- resume: a checkpoint (any process count: the global batch is kept), imported weights, or step 0 ----
     run.resume(model, optimizer, key_map=key_map, record={"labels": label_names})

@@ -22,7 +22,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_presets import FSDPPresetsCallback
 from fsdp_presets.errors import UsageError
-from fsdp_presets.train import loop
+from fsdp_presets.train import loop, model_setup
 from fsdp_presets.train import lora as recipe_lora
 
 
@@ -56,7 +56,7 @@ def main():
             eval_dataset = eval_dataset.select(range(min(args.max_eval_samples, len(eval_dataset))))
 
     # ---- model (LoRA: a peft model; QLoRA: its 4-bit base) ----
-    model = recipe_lora.load_model(AutoModelForCausalLM, args.model, lora, task_type="CAUSAL_LM")
+    model = model_setup.load_model(AutoModelForCausalLM, args.model, lora, task_type="CAUSAL_LM")
 
     # ---- train ----
     config = SFTConfig(

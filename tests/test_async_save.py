@@ -152,7 +152,7 @@ def test_ctrl_c_during_an_in_flight_save_ends_with_it_committed(root, tmp_path):
     [line] = error_lines(stderr)
     step = int(line.split("after step ")[1].split(":")[0])
     checkpoints = output / CHECKPOINTS
-    assert f"saved {checkpoints / f'step-{step:08d}'}; run the same command again" in line
+    assert f"saved {checkpoints / f'step-{step:08d}'}; --resume auto continues from it" in line
     assert sorted(os.listdir(checkpoints)) == [f"step-{saved:08d}" for saved in (step - 1, step)]  # nothing half-written
     assert all(checkpoint_verdict(folder).ok for _, folder in committed_checkpoints(checkpoints))
     saves = [line["step"] for line in read_metrics(output / "metrics.jsonl") if line["kind"] == "save"]

@@ -282,7 +282,7 @@ def test_metrics_file_path_and_folder_are_both_accepted(tmp_path):
     base = write_run(tmp_path / "a")
     cand = write_run(tmp_path / "b")
     assert run_cli(base / "metrics.jsonl", cand) == 0
-    assert load_run(base / "metrics.jsonl").info["seed"] == 1234
+    assert load_run(base / "metrics.jsonl").info.seed == 1234
 
 
 def test_steps_missing_from_one_run_are_noted_not_compared(tmp_path):

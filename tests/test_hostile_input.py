@@ -418,8 +418,8 @@ def test_recipes_never_trust_remote_code():
             assert "trust_remote_code" in values, f"{source.name}:{call.lineno}"
             assert isinstance(values["trust_remote_code"], ast.Constant) and values["trust_remote_code"].value is False
             loaders.add(source.relative_to(REPO).as_posix())
-    # the tokenizer and config (train/recipe.py, train/loop.py) and the model (train/lora.py)
-    assert {"fsdp_presets/train/recipe.py", "fsdp_presets/train/loop.py", "fsdp_presets/train/lora.py"} <= loaders
+    # the tokenizer and config (train/recipe.py, train/loop.py) and the model (train/model_setup.py)
+    assert {"fsdp_presets/train/recipe.py", "fsdp_presets/train/loop.py", "fsdp_presets/train/model_setup.py"} <= loaders
 
 
 
@@ -431,10 +431,10 @@ def test_recipes_load_models_without_hub_kernels(tmp_path):
     from transformers.utils.import_utils import is_kernels_available
 
     from fsdp_harness.tiny_model import write_tiny_model
-    from fsdp_presets.train import lora
+    from fsdp_presets.train import model_setup
 
     folder = write_tiny_model(tmp_path / "model", text="in the beginning was the word " * 20)
-    assert lora.load_model(AutoModelForCausalLM, str(folder), None, task_type="CAUSAL_LM").use_kernels is False
+    assert model_setup.load_model(AutoModelForCausalLM, str(folder), None, task_type="CAUSAL_LM").use_kernels is False
     if is_kernels_available():  # what the loader guards against: the library default
         assert AutoModelForCausalLM.from_pretrained(folder).use_kernels is True
 

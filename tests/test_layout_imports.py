@@ -256,8 +256,9 @@ INSPECT_CHECKPOINT_ROUTE = {
     "fsdp_presets.checkpoint.safe_unpickle", "fsdp_presets.checkpoint.pickle_bounds",  # pickles read as data
 }
 """The modules ``inspect-checkpoint`` walks through; besides them it reads only the owners of the
-on-disk names and formats (``layout``, ``manifest``, ``files``) and the base modules."""
-FORMAT_OWNERS = {"fsdp_presets.checkpoint.layout", "fsdp_presets.checkpoint.manifest", "fsdp_presets.checkpoint.files"}
+on-disk names and formats (``layout``, ``manifest``, ``files``, ``run_folder``: run.json) and the base modules."""
+FORMAT_OWNERS = {"fsdp_presets.checkpoint.layout", "fsdp_presets.checkpoint.manifest", "fsdp_presets.checkpoint.files",
+                 "fsdp_presets.checkpoint.run_folder"}
 
 
 def test_inspect_checkpoint_walks_through_few_modules():

@@ -1,4 +1,4 @@
-"""Preemption (fsdp_presets.train.preemption): a signalled run saves the step it reached, says so in
+"""Preemption (fsdp_presets.train.signals): a signalled run saves the step it reached, says so in
 metrics.jsonl, exits 75 (the launcher 143 when it got the SIGTERM), and ``--resume auto`` continues
 bitwise; a second signal stops at once with the newest committed checkpoint intact.
 
@@ -24,33 +24,34 @@ from fsdp_presets.checkpoint.manager import committed_checkpoints
 from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import FAULT_ENV
-from fsdp_presets.train import preemption
+from fsdp_presets.train import signals
 from fsdp_presets.train.metrics import read_metrics, train_losses
 from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args
 
 
 # ---- fast ----
 def test_signal_names_parse_and_bad_ones_are_refused_in_one_line():
-    assert preemption.parse_signals("TERM,USR1") == (signal.SIGTERM, signal.SIGUSR1)
-    assert preemption.parse_signals(" sigusr2 ") == (signal.SIGUSR2,)
-    assert preemption.parse_signals("none") == ()
+    assert signals.parse_signals("TERM,USR1") == (signal.SIGTERM, signal.SIGUSR1)
+    assert signals.parse_signals(" sigusr2 ") == (signal.SIGUSR2,)
+    assert signals.parse_signals("none") == ()
     for bad in ("KILL", "TERM,BOGUS", "INT", ""):
         with pytest.raises(UsageError, match="--preempt-signals .* none to turn preemption saves off"):
-            preemption.parse_signals(bad)
+            signals.parse_signals(bad)
 
 
 def test_a_signal_sets_the_flag_and_the_scripts_own_handler_still_runs():
     seen = []
     previous = signal.signal(signal.SIGUSR2, lambda signum, frame: seen.append(signum))
     try:
-        preemption.install((signal.SIGUSR2,))
-        assert preemption.received() is None
+        signals.install((signal.SIGUSR2,))
+        assert signals.received() is None
         os.kill(os.getpid(), signal.SIGUSR2)
         time.sleep(0.05)
-        assert preemption.received() == "SIGUSR2" and seen == [signal.SIGUSR2]
+        assert signals.received() == "SIGUSR2" and seen == [signal.SIGUSR2]
     finally:
-        preemption.install(())  # the handlers it installed are put back
-        assert signal.getsignal(signal.SIGUSR2) is not preemption._on_signal
+        signals.restore()  # the handlers it installed are put back
+        assert signal.getsignal(signal.SIGUSR2) is not signals._on_signal
+        assert signal.getsignal(signal.SIGINT) is not signals._on_signal
         signal.signal(signal.SIGUSR2, previous)
 
 
@@ -106,7 +107,7 @@ def test_a_second_signal_stops_at_once_and_the_committed_checkpoint_stays_intact
     launcher = _start(runs.fsdp_config(root, 2), args, log, env={FAULT_ENV: "stall-during-save:step=4"})
     _wait_for(lambda: "[fault] stall at during-save, step 4" in log.read_text())  # shards written, not committed
     os.kill(launcher.pid, signal.SIGTERM)  # the first: answered after this save...
-    time.sleep(preemption.REPEAT_GRACE_S + 0.5)
+    time.sleep(signals.REPEAT_GRACE_S + 0.5)
     ranks = [rank_pid(launcher.pid, rank) for rank in (0, 1)]
     signalled = time.monotonic()
     for pid in ranks:  # ...the second: now
@@ -115,6 +116,8 @@ def test_a_second_signal_stops_at_once_and_the_committed_checkpoint_stays_intact
     text = log.read_text()
     assert time.monotonic() - signalled < 10, text[-3000:]
     assert "second SIGTERM: stopping at once without a save" in text, text[-3000:]
+    assert (f"The last committed checkpoint, {output / 'checkpoints' / 'step-00000002'}, is intact and --resume auto "
+            "continues from it") in text, text[-3000:]
     assert [step for step, _ in committed_checkpoints(output / "checkpoints")] == [2]
     assert checkpoint_verdict(output / "checkpoints" / "step-00000002").ok
     assert not [record for record in read_metrics(output / "metrics.jsonl") if record["kind"] == "preempted"]

@@ -106,7 +106,7 @@ def test_a_model_without_the_configs_wrap_class_is_named_with_its_own():
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fsdp_presets.train.lora import check_wrap_classes
+    from fsdp_presets.train.model_setup import check_wrap_classes
 
     with torch.device("meta"):
         model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -417,7 +417,7 @@ def test_ctrl_c_saves_the_step_exits_130_in_one_line_and_resume_auto_continues(m
     assert len(lines) == 1 and lines[0].startswith("causal_lm.py: error: interrupted (Ctrl-C) after step "), stderr
     step = int(lines[0].split("after step ")[1].split(":")[0])
     checkpoint = output / "checkpoints" / f"step-{step:08d}"
-    assert f"saved {checkpoint}; run the same command again to continue from it (--resume auto)" in lines[0]
+    assert f"saved {checkpoint}; --resume auto continues from it" in lines[0]
     assert "KeyboardInterrupt" not in stderr + stdout and TRACEBACK not in stderr + stdout
     assert 3 <= step < 20 and checkpoint_verdict(checkpoint).ok
     assert sorted(path.name for path in (output / "checkpoints").iterdir()) == \
@@ -465,7 +465,7 @@ def test_a_full_disk_during_save_and_export_says_so_and_keeps_the_last_checkpoin
     step_2 = output / "checkpoints" / "step-00000002"
     assert error_lines(full_save.stderr) == [
         f"causal_lm.py: error: disk full (ENOSPC) while saving the checkpoint of step 4 in {output / 'checkpoints'}: "
-        f"no space left on that file system. The last complete checkpoint, {step_2}, is intact and --resume auto "
+        f"no space left on that file system. The last committed checkpoint, {step_2}, is intact and --resume auto "
         "continues from it. Free space there (delete old runs or checkpoints, lower --keep-last) or give an "
         "--output-dir on a larger disk, then run the same command again"]
     assert os.listdir(output / "checkpoints") == ["step-00000002"] and checkpoint_verdict(step_2).ok

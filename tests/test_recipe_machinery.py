@@ -14,7 +14,7 @@ import pytest
 from fsdp_presets.train import loop
 from fsdp_presets.train.data import IGNORE_INDEX, causal_lm_splits, classification_splits
 from fsdp_presets.errors import UsageError
-from fsdp_presets.checkpoint.run_folder import check_output_dir, write_run_json
+from fsdp_presets.checkpoint.run_folder import RunInfo, check_output_dir
 from recipe_helpers import tiny_bert, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -173,7 +173,7 @@ def test_output_dir_holding_another_run_is_refused(tmp_path):
     assert check_output_dir(tmp_path / "new", IDENTITY, "auto").root == tmp_path / "new"
     assert not (tmp_path / "new").exists()
     run = check_output_dir(tmp_path / "run", IDENTITY, "auto")
-    write_run_json(run, IDENTITY)
+    RunInfo(identity=IDENTITY).write(run)
     assert check_output_dir(tmp_path / "run", IDENTITY, "auto") == run  # same run: resume
     with pytest.raises(UsageError, match="already holds this run; pass --resume auto"):
         check_output_dir(tmp_path / "run", IDENTITY, "none")

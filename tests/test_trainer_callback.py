@@ -9,19 +9,20 @@ SIGTERM at the launcher commits the step reached (exit 75 on the ranks) and Trai
 continues from it, a rank SIGKILLed in the middle of a save (Trainer) or of a run (SFT + LoRA)
 resumes exactly from the newest committed checkpoint, a checkpoint saved in the background
 (``async_save=True``) equals the synchronous one of its step and resumes exactly, Ctrl-C during a
-background save (with ``save_total_limit``) leaves no checkpoint that the resume would take, QLoRA
+background save (with ``save_total_limit``) commits it and exits 130, Ctrl-C at the terminal commits
+the step reached, exits 130 and Trainer's resume continues from it, QLoRA
 (bitsandbytes 4-bit on the CPU) trains like its DDP baseline, bit for bit, and saves its adapter under
 FSDP2, and a launch that is not what the preset's header planned, for another model, is refused.
 
-The launches are shared by the tests (module-scoped fixtures), 11 real and 8 forked. Real launches
+The launches are shared by the tests (module-scoped fixtures), 12 real and 9 forked. Real launches
 only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
 FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, SFT + QLoRA, SFT + LoRA killed at
 step 5 and resumed, and one chain of three launches (SIGTERM at step 3, saved with ``async_save``;
 Trainer's resume on one process, which keeps the global batch (the preset for two processes: another
 count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, saving in
-the background, bit for bit the uninterrupted FSDP2 run, which saves synchronously), and Ctrl-C at the
-launcher during a background save. The DDP
-baselines, the refused resume, the refused launches, a signal to one rank, a run saving in the
+the background, bit for bit the uninterrupted FSDP2 run, which saves synchronously), Ctrl-C at the
+launcher during a background save, and Ctrl-C at the whole launch. The DDP
+baselines, the refused resume, the refused launches, a signal to one rank, the resume after Ctrl-C, a run saving in the
 background at every step and recipes/sft_trainer.py are forked (tests/conftest.py), a few times
 cheaper.
 """
@@ -46,7 +47,7 @@ from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.cli import main as cli_main
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
-from fsdp_presets.train.preemption import PREEMPTED_EXIT
+from fsdp_presets.train.signals import PREEMPTED_EXIT
 from recipe_helpers import REPO, SFT_TRAIN, causal_lm_args, tiny_llama, tree_digest
 
 from conftest import GLOO_EXIT_ABORT
@@ -421,35 +422,61 @@ def _signal_during_save(presets, output: Path, signum: int, *extra) -> dict:
             "metrics": read_metrics(output / METRICS)}
 
 
-def test_ctrl_c_during_a_background_save_leaves_no_checkpoint_that_resume_would_take(presets, tmp_path):
+def test_ctrl_c_during_a_background_save_commits_it_and_exits_130(presets, tmp_path):
     # Saving in the background at every step, at most one checkpoint kept (save_total_limit=1), Ctrl-C
     # (SIGINT) at the launcher while the save of step 3 is in flight.
-    from fsdp_presets.train.trainer_saves import resume_choice
+    from fsdp_presets.checkpoint.manager import trainer_resume_choice
 
     output = tmp_path / "run"
     run = _signal_during_save(presets, output, signal.SIGINT, "--save-steps", 1, "--save-total-limit", 1)
-    assert run["status"] != 0 and run["within_s"] < 30, run["log"][-3000:]
+    assert run["status"] == 128 + signal.SIGINT and run["within_s"] < 30, run["log"][-3000:]
     saves = [(record["step"], record["async"]) for record in run["metrics"] if record["kind"] == "save"]
-    assert saves[:2] == [(1, True), (2, True)], run["log"][-3000:]
-    # The rotation ran after each commit, never before: checkpoint-1 went when checkpoint-2 was
-    # committed, and the newest committed checkpoint is still there while step 3's write is in flight
-    # (Trainer's rotation, newest first by modification time, would have kept the unfinished
-    # checkpoint-3 and removed checkpoint-2).
-    assert not (output / trainer_checkpoint_name(1)).exists()
-    assert checkpoint_verdict(output / trainer_checkpoint_name(2)).ok
-    # The interrupted save is committed (its manifest verifies) or abandoned: Trainer's resume with the
-    # callback (resume_from_checkpoint=True) does not take it.
+    # The save in flight was committed before the run stopped, and the rotation ran after each commit,
+    # never before: checkpoint-1 and checkpoint-2 went as the next one was committed (Trainer's rotation,
+    # newest first by modification time, would have kept an unfinished checkpoint-3 and removed
+    # checkpoint-2).
+    assert saves == [(1, True), (2, True), (3, True)], run["log"][-3000:]
     interrupted = output / trainer_checkpoint_name(3)
-    chosen, note = resume_choice(output)
-    if (interrupted / MANIFEST).is_file():
-        assert saves == [(1, True), (2, True), (3, True)] and checkpoint_verdict(interrupted).ok
-        assert chosen == interrupted
-    else:
-        assert saves == [(1, True), (2, True)]
-        assert chosen == output / trainer_checkpoint_name(2) and f"{interrupted} has no {MANIFEST}" in note
-        # Even as the only checkpoint of the run it is not taken: training starts again from step 0.
-        shutil.rmtree(output / trainer_checkpoint_name(2))
-        assert resume_choice(output)[0] is None
+    assert [path.name for path in sorted(output.glob("checkpoint-*"))] == [interrupted.name]
+    assert checkpoint_verdict(interrupted).ok and trainer_resume_choice(output) == (interrupted, None)
+    assert (f"fsdp-presets: error: interrupted (Ctrl-C) after step 3: saved {interrupted}; "
+            "trainer.train(resume_from_checkpoint=True) continues from it") in run["log"], run["log"][-3000:]
+
+
+def test_ctrl_c_at_the_terminal_commits_the_step_reached_exits_130_and_trainer_resume_continues(presets, tmp_path):
+    output = tmp_path / "run"
+    log = tmp_path / "launch.log"
+    args = _args(presets["model"], output, "--max-steps", 60, "--save-steps", 50)
+    with open(log, "w") as handle:
+        launcher = subprocess.Popen(launch_command(presets["fsdp2"], TRAINER_SCRIPT, args), cwd=REPO,
+                                    env=launch_env(), stdout=handle, stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+        try:
+            deadline = time.monotonic() + 300
+            while sum(record["kind"] == "train" for record in read_metrics(output / METRICS)) < 2:
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+            os.killpg(launcher.pid, signal.SIGINT)  # what Ctrl-C at a terminal does: the launcher and every rank
+            status = launcher.wait(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert status == 128 + signal.SIGINT, text[-3000:]
+    said = [line for line in text.splitlines() if line.startswith("fsdp-presets: error:")]
+    assert len(said) == 1 and said[0].startswith("fsdp-presets: error: interrupted (Ctrl-C) after step "), text[-3000:]
+    step = int(said[0].split("after step ")[1].split(":")[0])
+    checkpoint = output / trainer_checkpoint_name(step)
+    assert said[0].endswith(f"saved {checkpoint}; trainer.train(resume_from_checkpoint=True) continues from it")
+    assert "KeyboardInterrupt" not in text and "Traceback" not in text, text[-3000:]
+    records = read_metrics(output / METRICS)
+    assert 2 <= step < 60 and max(_train_losses(records)) == step and checkpoint_verdict(checkpoint).ok
+    assert not [record for record in records if record["kind"] == "preempted"]
+    assert not (output / "final").exists()  # the script's lines after train() did not run
+    _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--max-steps", 60, "--save-steps", 50,
+            "--resume", forked=None)
+    assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(checkpoint)
+    assert sorted(_train_losses(read_metrics(output / METRICS))) == list(range(1, 61))
 
 
 def _copy(folder: Path) -> Path:
@@ -485,7 +512,7 @@ def test_sigterm_commits_the_step_reached_and_trainer_resume_continues_exactly(p
     assert preempted == [{"kind": "preempted", "step": 3, "signal": "SIGTERM", "checkpoint": str(checkpoint)}], \
         log[-3000:]
     assert max(record["step"] for record in preempted_run["metrics"] if record["kind"] == "train") == 3
-    assert (f"trainer_user.py: error: preempted (SIGTERM) at step 3: saved {checkpoint}; "
+    assert (f"fsdp-presets: error: preempted (SIGTERM) at step 3: saved {checkpoint}; "
             f"trainer.train(resume_from_checkpoint=True) continues from it; exit status {PREEMPTED_EXIT}") in log
     assert preempted_run["went_on"] == []  # it stopped there: no later step, no save_model
     code, printed = _cli(capsys, "inspect-checkpoint", str(checkpoint))
@@ -590,16 +617,17 @@ def test_a_signal_on_one_rank_stops_every_rank_after_saving_that_step(presets, t
     assert [record for record in records if record["kind"] == "preempted"] == [
         {"kind": "preempted", "step": 2, "signal": None, "checkpoint": str(checkpoint)}], result.stderr[-3000:]
     assert max(_train_losses(records)) == 2 and (checkpoint / MANIFEST).is_file()
-    assert "trainer_user.py: error: preempted (signal on another rank) at step 2" in result.stderr
+    assert "fsdp-presets: error: preempted (signal on another rank) at step 2" in result.stderr
     assert result.returncode != 0 and f"exitcode  : {PREEMPTED_EXIT}" in result.stderr, result.stderr[-3000:]
 
 
 def test_a_failed_background_write_names_the_committed_checkpoint_trainer_resumes_from(tmp_path):
     """The stop message of a failed background write, for Trainer's own folders: the newest
     ``checkpoint-N`` with a manifest, and Trainer's resume (not the recipes' ``--resume auto``)."""
-    from fsdp_presets.train.trainer_saves import TrainerCheckpoints
+    from fsdp_presets.checkpoint.manager import TRAINER_NAMING, CheckpointManager
 
-    checkpoints = TrainerCheckpoints(accelerator=None, directory=tmp_path, commit_folder=lambda *args: None)
+    checkpoints = CheckpointManager(accelerator=None, directory=tmp_path, keep_last=1, config_digest="",
+                                    distributed={}, naming=TRAINER_NAMING)
     assert "No earlier committed checkpoint" in checkpoints.kept_note()
     for step, committed in ((3, True), (6, True), (9, False)):  # checkpoint-9: written, never committed
         (tmp_path / trainer_checkpoint_name(step)).mkdir()
@@ -610,7 +638,7 @@ def test_a_failed_background_write_names_the_committed_checkpoint_trainer_resume
 
 
 def test_the_resume_takes_only_committed_checkpoints_of_a_run_the_callback_wrote(tmp_path):
-    from fsdp_presets.train.trainer_saves import resume_choice
+    from fsdp_presets.checkpoint.manager import trainer_resume_choice as resume_choice
 
     assert resume_choice(tmp_path) == (None, None)  # nothing there: Trainer's own error
     (tmp_path / trainer_checkpoint_name(3)).mkdir()

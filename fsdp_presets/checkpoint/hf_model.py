@@ -4,7 +4,6 @@ tokenizer), the tensors a model of that config has, loading weights into its cla
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 
 from fsdp_presets.checkpoint.files import TensorInfo, WeightReader
 from fsdp_presets.checkpoint.layout import GENERATION_CONFIG, HF_CONFIG, MODEL_CONFIG, run_json_of
+from fsdp_presets.checkpoint.run_folder import RunInfo, run_info_of
 from fsdp_presets.errors import UsageError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -75,10 +75,7 @@ def find_model_files(checkpoint: Path, model: str | None) -> ModelFiles:
     else:
         candidates.append((checkpoint / MODEL_CONFIG, f"{MODEL_CONFIG}/ inside the checkpoint"))
         run_json = run_json_of(checkpoint)
-        try:
-            recorded = json.loads(run_json.read_text()).get("model")
-        except (OSError, ValueError, AttributeError):
-            recorded = None
+        recorded = (run_info_of(checkpoint) or RunInfo()).model
         if recorded:
             candidates.append((Path(recorded), f"model in {run_json}"))
     for folder, origin in candidates:

@@ -17,7 +17,6 @@ accumulation on resume, :func:`fsdp_presets.checkpoint.resume.keep_global_batch`
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -159,8 +158,9 @@ def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> C
     """Read a checkpoint's manifest, files and DCP metadata (no tensor data) and give the verdict
     the recipes give (:func:`fsdp_presets.checkpoint.verify.checkpoint_verdict`): checksums, a closed
     folder, and every pickle read as data only. Nothing of the folder is run or followed."""
-    from fsdp_presets.checkpoint.layout import MANIFEST, run_json_of
+    from fsdp_presets.checkpoint.layout import MANIFEST
     from fsdp_presets.checkpoint.manifest import recorded_global_batch
+    from fsdp_presets.checkpoint.run_folder import run_info_of
     from fsdp_presets.checkpoint.verify import checkpoint_verdict, folder_verdict
 
     folder = Path(folder)
@@ -183,11 +183,8 @@ def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> C
     step = manifest.step if manifest else None
     samples = manifest.samples_consumed if manifest else None
     batch = recorded_global_batch(folder, step=step, samples_consumed=samples) if step else None
-    micro = None
-    try:
-        micro = int(json.loads(run_json_of(folder).read_text())["micro_batch_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    recorded = run_info_of(folder)
+    micro = recorded.micro_batch_size if recorded and type(recorded.micro_batch_size) is int else None
     summary = CheckpointSummary(
         checkpoint=str(folder), kind=manifest.kind if manifest else "training",
         layout=files.layout, step=step, samples_consumed=samples, global_batch_samples=batch, micro_batch_size=micro,

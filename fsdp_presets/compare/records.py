@@ -13,20 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RUN_JSON, step_in_path
+from fsdp_presets.checkpoint.run_folder import RunInfo, read_run_info
 from fsdp_presets.compare.trainer_log import read_trainer_log, trainer_state_file
 from fsdp_presets.errors import UsageError
-
-METRICS_FILE = METRICS
-RUN_FILE = RUN_JSON
-
-# run.json fields that must agree for a step-by-step comparison to mean anything. Two runs that
-# differ here train on different samples at the same step: that is bad input, not a divergence.
-COMPARABLE_FIELDS: tuple[tuple[str, str], ...] = (
-    ("data_sha256", "data (sha256 of the data files)"),
-    ("global_batch_samples", "global batch (samples per optimizer step)"),
-    ("seed", "seed"),
-    ("seq_len", "sequence length"),
-)
 
 
 @dataclass(kw_only=True)
@@ -37,8 +26,8 @@ class RunRecord:
     """The run folder (the folder that holds metrics.jsonl)."""
     metrics_path: Path
     """The metrics.jsonl that was read."""
-    info: dict | None
-    """The parsed run.json, None when the folder has none."""
+    info: RunInfo | None
+    """The run's run.json, None when the folder has none."""
     series: dict[str, dict[int, float]]
     """Metric name -> {step: value}; only metrics the file records."""
     notes: list[str] = field(default_factory=list)
@@ -54,17 +43,15 @@ class RunRecord:
     @property
     def precision(self) -> str | None:
         """``no`` (fp32), ``bf16`` or ``fp16`` from run.json; None when unknown."""
-        if self.info is None:
-            return None
-        value = self.info.get("precision")
+        value = self.info.precision if self.info is not None else None
         return str(value) if value is not None else None
 
     @property
     def resume_step(self) -> int | None:
         """The step of the checkpoint this run was resumed from (run.json ``resumed_from``)."""
-        if self.info is None or not self.info.get("resumed_from"):
+        if self.info is None or not self.info.resumed_from:
             return None
-        return checkpoint_step(str(self.info["resumed_from"]))
+        return checkpoint_step(str(self.info.resumed_from))
 
     @property
     def train_steps(self) -> list[int]:
@@ -72,8 +59,8 @@ class RunRecord:
 
     def describe(self) -> dict:
         """The run.json facts a report shows (missing ones as None)."""
-        info = self.info or {}
-        fsdp = info.get("fsdp") or {}
+        info = self.info or RunInfo()
+        fsdp = info.fsdp or {}
         layout = None
         if fsdp:
             parts = [f"FSDP{fsdp.get('version', '?')}"]
@@ -91,15 +78,15 @@ class RunRecord:
         steps = self.train_steps
         return {
             "path": str(self.path),
-            "model": info.get("model"),
-            "distributed_type": info.get("distributed_type"),
+            "model": info.model,
+            "distributed_type": info.distributed_type,
             "fsdp": layout,
-            "precision": info.get("precision"),
-            "world_size": info.get("world_size"),
-            "global_batch_samples": info.get("global_batch_samples"),
-            "learning_rate": info.get("learning_rate"),
-            "seed": info.get("seed"),
-            "resumed_from": info.get("resumed_from"),
+            "precision": info.precision,
+            "world_size": info.world_size,
+            "global_batch_samples": info.global_batch_samples,
+            "learning_rate": info.learning_rate,
+            "seed": info.seed,
+            "resumed_from": info.resumed_from,
             "steps": f"{steps[0]}-{steps[-1]} ({len(steps)} lines)",
         }
 
@@ -128,38 +115,32 @@ def load_run(path: str | os.PathLike, *, prefer_trainer_log: bool = False) -> Ru
     """
     given = Path(path)
     if given.is_dir():
-        folder, metrics_path = given, given / METRICS_FILE
+        folder, metrics_path = given, given / METRICS
         if not metrics_path.is_file() and not prefer_trainer_log:
             prefer_trainer_log = trainer_state_file(given) is not None
         if prefer_trainer_log:
             return _load_trainer_log(given)
         if not metrics_path.is_file():
             raise UsageError(
-                f"{given} holds no {METRICS_FILE}; give a run folder written by a recipe "
-                f"(--output-dir) or the path of a {METRICS_FILE} file"
+                f"{given} holds no {METRICS}; give a run folder written by a recipe "
+                f"(--output-dir) or the path of a {METRICS} file"
             )
     elif given.is_file():
         folder, metrics_path = given.parent, given
     else:
-        raise UsageError(f"{given} does not exist; give a run folder or a {METRICS_FILE} file")
+        raise UsageError(f"{given} does not exist; give a run folder or a {METRICS} file")
 
     problems: list[str] = []
     notes: list[str] = []
     info = None
-    run_file = folder / RUN_FILE
+    run_file = folder / RUN_JSON
     if run_file.is_file():
         try:
-            info = json.loads(run_file.read_text())
-        except ValueError as error:
-            problems.append(f"{run_file} is not valid JSON ({error})")
-        else:
-            if not isinstance(info, dict):
-                problems.append(f"{run_file} does not hold a JSON object")
-                info = None
-            elif info.get("format", 1) != 1:
-                problems.append(f"{run_file} has format {info.get('format')!r}; this version reads format 1")
+            info = read_run_info(folder)
+        except (OSError, ValueError) as error:
+            problems.append(str(error))
     else:
-        notes.append(f"{folder} has no {RUN_FILE}: its data, global batch, seed and precision are unknown")
+        notes.append(f"{folder} has no {RUN_JSON}: its data, global batch, seed and precision are unknown")
 
     series: dict[str, dict[int, float]] = {}
     duplicates = 0
@@ -226,21 +207,18 @@ def _load_trainer_log(folder: Path) -> RunRecord:
     """A Trainer/TRL output folder read from its trainer_state.json (see :mod:`.trainer_log`)."""
     state = trainer_state_file(folder)
     if state is None:
-        raise UsageError(f"{folder} holds no {METRICS_FILE} and no Trainer trainer_state.json; give a run folder "
-                         f"written by a recipe, a Trainer output folder, or a {METRICS_FILE} file")
+        raise UsageError(f"{folder} holds no {METRICS} and no Trainer trainer_state.json; give a run folder "
+                         f"written by a recipe, a Trainer output folder, or a {METRICS} file")
     series, logging_steps = read_trainer_log(state)
     if not series.get("loss"):
         raise UsageError(f"cannot read run {folder}: {state} logs no training loss")
-    info = None
-    if (folder / RUN_FILE).is_file():
-        try:
-            info = json.loads((folder / RUN_FILE).read_text())
-        except ValueError:
-            info = None
+    try:
+        info = read_run_info(folder)
+    except (OSError, ValueError):
+        info = None
     note = (f"read from Trainer's log {state}: each loss is the mean over logging_steps={logging_steps} steps "
             "(a float32 sum), steps between log lines are not compared")
-    return RunRecord(path=folder, metrics_path=state, info=info if isinstance(info, dict) else None,
-                     series=series, notes=[note], averaged_steps=logging_steps)
+    return RunRecord(path=folder, metrics_path=state, info=info, series=series, notes=[note], averaged_steps=logging_steps)
 
 
 def load_pair(baseline: str | os.PathLike, candidate: str | os.PathLike) -> tuple[RunRecord, RunRecord]:
@@ -269,8 +247,7 @@ def check_comparable(baseline: RunRecord, candidate: RunRecord) -> list[str]:
         )
         return notes
     mismatches = []
-    for key, label in COMPARABLE_FIELDS:
-        ours, theirs = baseline.info.get(key), candidate.info.get(key)
+    for (label, ours), (_, theirs) in zip(baseline.info.comparable(), candidate.info.comparable()):
         if ours is None or theirs is None:
             if ours is not None or theirs is not None:
                 notes.append(f"{label} is recorded in only one run.json; not checked")

@@ -25,7 +25,7 @@ def measured_tokens_per_s_per_process(record: RunRecord) -> float | None:
     without the run's process count."""
     series = record.series.get("tokens_per_s") or {}
     steps = sorted(series)[1:]
-    processes = (record.info or {}).get("world_size")
+    processes = record.info.world_size if record.info else None
     if not steps or not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
         return None
     return statistics.median(series[step] for step in steps) / processes
@@ -36,7 +36,7 @@ def predicted(record: RunRecord) -> dict | None:
     config not written by ``generate``, or one that cannot be read)."""
     from fsdp_presets.preset.emit import read_metadata
 
-    config = (record.info or {}).get("accelerate_config")
+    config = record.info.accelerate_config if record.info else None
     if not isinstance(config, str) or not config:
         return None
     try:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from pathlib import Path
 from typing import Callable
 
 from fsdp_presets.checkpoint.layout import retired_sibling, staging_sibling
 from fsdp_presets.errors import disk_full_cause, disk_full_message, refused_write_class
 from fsdp_presets.faults import fault_point
-from fsdp_presets.fileio import replace_folder
+from fsdp_presets.fileio import staged_folder
 
 
 def tied_duplicates(module) -> list[str]:
@@ -36,22 +35,18 @@ def tied_duplicates(module) -> list[str]:
     return duplicates
 
 
-def write_model_folder(output_dir: Path, write: Callable[[Path], None], *, tokenizer=None) -> None:
+def write_model_folder(output_dir: Path, write: Callable[[Path], None], *, tokenizer=None, merge: bool = False) -> None:
     """Write a model folder (Hugging Face or PEFT; main process) completely or not at all:
     ``write(staging)`` fills a hidden sibling of ``output_dir``, the tokenizer is added, and the
-    folder replaces ``output_dir`` in one rename (:func:`fsdp_presets.fileio.replace_folder`). A
-    failure removes the sibling and raises; a kill leaves it, and the next export removes it."""
+    folder replaces ``output_dir`` in one rename (``merge``: its files are renamed into
+    ``output_dir``, beside what it holds; :func:`fsdp_presets.fileio.staged_folder`). A failure
+    removes the sibling and raises; a kill leaves it, and the next export removes it."""
     output_dir = Path(output_dir)
-    staging = staging_sibling(output_dir, unique=False)
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    with staged_folder(output_dir, staging=staging_sibling(output_dir, unique=False),
+                       retired=lambda: retired_sibling(output_dir), merge=merge) as staging:
         write(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(staging))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    replace_folder(staging, output_dir, retired=retired_sibling(output_dir))
 
 
 def export_model(accelerator, model, tokenizer, output_dir: str | os.PathLike, *,

@@ -15,12 +15,11 @@ import argparse
 import gc
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.train import preemption
+from fsdp_presets.train import signals
 
 RECIPE_SEQ_LEN = 128
 """Tokens per sample the recipes train on when ``--seq-len`` is not given: the CPU demo's length
@@ -62,7 +61,7 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
         "PATH (a checkpoints/step-NNNNNNNN folder) or none")
     add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")
-    add("--preempt-signals", default=preemption.DEFAULT_SIGNALS,
+    add("--preempt-signals", default=signals.DEFAULT_SIGNALS,
         help="signals that save the step reached and stop the run (exit 75; docs/runbook.md), comma-separated, "
         "or none")
     add("--fsdp-reduce-dtype", choices=("fp32", "bf16"),
@@ -92,7 +91,7 @@ def check_common_args(args: argparse.Namespace) -> None:
     if args.keep_last < 1:
         problems.append("--keep-last must be >= 1")
     try:
-        preemption.parse_signals(args.preempt_signals)
+        signals.parse_signals(args.preempt_signals)
     except UsageError as error:
         problems.append(str(error))
     if args.learning_rate <= 0:
@@ -246,54 +245,39 @@ def finish(accelerator) -> None:
 
 
 def run_recipe(main: Callable[[], None]) -> int:
-    """Run a recipe's ``main`` and turn the ways it stops into one line on stderr and an exit
-    status: bad input 2 (:class:`UsageError`; a read-only or size-limited output too), a finding about
-    the run 1 (:class:`Finding`: it diverged, the disk is full), Ctrl-C 130, a preemption signal 75 (:data:`preemption.PREEMPTED_EXIT`). The main process prints what every rank shares; an
-    error marked :func:`fsdp_presets.errors.rank_local` is printed by the rank it concerns."""
-    from fsdp_presets.train import interrupts
+    """Run a recipe's ``main`` and turn the ways it stops into one line on stderr and the exit
+    status of :data:`fsdp_presets.train.signals.EXIT_STATUSES`: bad input 2 (:class:`UsageError`; a
+    read-only or size-limited output too), a finding about the run 1 (:class:`Finding`: it
+    diverged, the disk is full), Ctrl-C 130, a preemption signal 75. The main process prints what
+    every rank shares; an error marked :func:`fsdp_presets.errors.rank_local` is printed by the rank
+    it concerns."""
     from fsdp_presets.errors import Finding, disk_full_cause, disk_full_message, refused_write_class
 
-    interrupts.install()
+    signals.install()  # Ctrl-C: one line and 130 before training, a save at a step's end during it
     try:
         main()
         return 0
-    except UsageError as error:
-        return _report(error, 2)
-    except Finding as error:
-        return _report(error, 1)
-    except interrupts.Interrupted as error:
-        return _report(error, 130)
-    except preemption.Preempted as error:
-        return _report(error, preemption.PREEMPTED_EXIT)
+    except (UsageError, Finding, signals.Interrupted, signals.Preempted) as error:
+        return signals.report(error)
     except KeyboardInterrupt:
-        return _report(interrupts.Interrupted("interrupted (Ctrl-C) before training started: nothing was trained "
-                                              "or half-written; run the same command again to start"), 130)
+        return signals.report(signals.Interrupted("interrupted (Ctrl-C) before training started: nothing was "
+                                                  "trained or half-written; run the same command again to start"))
     except OSError as error:  # a full disk anywhere else (metrics, run.json, plots): no traceback either
         cause = disk_full_cause(error)
         if cause is None:
             raise
         message = disk_full_message(cause, "writing the run's files", "the run folder")
-        refused = refused_write_class(message)
-        return _report(refused(message), 2 if refused is UsageError else 1)
+        return signals.report(refused_write_class(message)(message))
     except RuntimeError as error:  # gloo's DistBackendError: another rank left (it printed why), e.g. rank 0
         if not any(text in str(error) for text in _PEER_LEFT_TEXT):  # stopping in main_process_first on bad data
             raise
         from fsdp_presets.errors import rank_local
 
-        return _report(rank_local(Finding(f"rank {os.environ.get('RANK', '?')} stopped: another process of the job "
-                                          "left first (its message says why)"), print_here=True), 1)
+        return signals.report(rank_local(Finding(f"rank {os.environ.get('RANK', '?')} stopped: another process of "
+                                                 "the job left first (its message says why)"), print_here=True))
 
 
 _PEER_LEFT_TEXT = ("Connection closed by peer", "Connection reset by peer")
-
-
-def _report(error: BaseException, status: int) -> int:
-    printed_here = getattr(error, "print_on_this_rank", None)
-    if printed_here if printed_here is not None else int(os.environ.get("RANK", "0")) == 0:
-        from fsdp_presets.fileio import printable  # names from a checkpoint may hold control characters
-
-        print(f"{Path(sys.argv[0]).name}: error: {printable(str(error))}", file=sys.stderr, flush=True)
-    return status
 
 
 def lr_scheduler(name: str, optimizer, *, num_warmup_steps: int, num_training_steps: int):

@@ -1,49 +1,30 @@
-"""LoRA and QLoRA in the recipes: flags, the peft model, the order FSDP1 and FSDP2 both train
-right, trainable-only checkpoints, and adapter / merged exports.
+"""LoRA and QLoRA: the flags, the method's settings, the peft wrapping, the 4-bit base, and the
+names and bytes of the trainable weights.
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/causal_lm.py \
         --model MODEL --data DATA --output-dir runs/lora --lora-r 8 [--load-in-4bit] [--export-merged]
 
-What each piece settles (measured on 2 CPU processes, see docs/recipes.md):
+The rest of a LoRA run is where every run's is: the model is loaded, checked and prepared in the
+order FSDP1 and FSDP2 both train right by :mod:`fsdp_presets.train.model_setup`; its checkpoints
+(trainable weights only) are :mod:`fsdp_presets.checkpoint.adapter`'s; its adapter and merged exports
+are :mod:`fsdp_presets.train.final_adapter`'s (measured on 2 CPU processes, see docs/recipes.md).
 
-- **Wrapping.** FSDP2 keeps the accelerate config's ``TRANSFORMER_BASED_WRAP`` on the decoder
-  layer (accelerate's FSDP2 path ignores peft's wrap policy); every unit then holds frozen and
-  trainable weights, which FSDP2 allows. FSDP1 gets peft's ``fsdp_auto_wrap_policy`` on the plugin
-  before ``prepare`` (else every flat parameter gets a full-size gradient and all adapters land on
-  one rank) and needs ``use_orig_params: true`` (else "Must flatten tensors with uniform
-  requires_grad").
-- **Optimizer order.** FSDP1: the model is prepared first and the optimizer is built over its
-  wrapped parameters (built before, the LoRA weights silently never update). FSDP2 and DDP: model
-  and optimizer are prepared together (accelerate swaps the optimizer's parameters for the shards).
+- **Targets.** Without ``--lora-target-modules``, the linear layers of the model's decoder block; a
+  name that matches no module is refused (peft would adapt the others and train less).
+- **Dtypes.** Adapters train in fp32 like every trained weight here (FSDP2 wants one dtype among
+  trainable weights).
 - **QLoRA.** transformers' ``BitsAndBytesConfig`` (nf4, ``bnb_4bit_quant_storage=bfloat16``): FSDP2
   shards bf16-stored 4-bit weights; in uint8 storage accelerate leaves them replicated and FSDP1
   cannot flatten them, so uint8 is never used.
-- **Checkpoints.** Only the trainable weights and their optimizer state are saved (DCP, every rank
-  its shard: ``adapter_model_0/`` and ``adapter_optimizer_0/``), with accelerate's scheduler and
-  random states; the frozen base is reloaded from ``--model`` (``accelerate load_state`` cannot read
-  4-bit quantization-state keys anyway). DCP reshards on load, so a run resumes at another process
-  count, and even under another strategy. Read back through the safe DCP reader.
-- **Export.** The trainable weights are gathered with torch's ``get_model_state_dict(full_state_dict
-  =True, ignore_frozen_params=True)`` (``cpu_offload`` off under FSDP1, where it fails on rank 1) and
-  written by peft's ``save_pretrained(state_dict=...)``: peft would otherwise build key names from
-  the FSDP1-wrapped module tree and write zeros. The merged folder merges into the base reloaded in
-  fp32 (QLoRA: into the dequantized 4-bit base; merging into the 4-bit weights re-quantizes them).
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import re
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from fsdp_presets.plan.limits import MAX_LORA_R
 from fsdp_presets.errors import UsageError
-from fsdp_presets.schema import K
-
-from fsdp_presets.checkpoint.layout import (ADAPTER_KEYS, ADAPTER_MODEL, ADAPTER_OPTIMIZER, ADAPTER_WEIGHTS,
-                                            DCP_METADATA, MODEL_CONFIG)
+from fsdp_presets.plan.limits import MAX_LORA_R
 
 
 # ---- flags ----
@@ -105,7 +86,21 @@ def settings(args) -> dict[str, Any] | None:
     return record
 
 
-# ---- model ----
+def settings_of(model) -> dict[str, Any] | None:
+    """The method and LoRA shape of a peft model built elsewhere (a user's Trainer script), as
+    :func:`settings` records them; None for a model without an adapter."""
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return None
+    config = peft_config.get("default") or next(iter(peft_config.values()))
+    targets = getattr(config, "target_modules", None)
+    quantized = bool(getattr(getattr(model, "config", None), "quantization_config", None))
+    return {"method": "qlora" if quantized else "lora", "r": getattr(config, "r", None),
+            "alpha": float(getattr(config, "lora_alpha", 0) or 0), "dropout": float(getattr(config, "lora_dropout", 0)),
+            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
+
+
+# ---- the peft model ----
 def default_targets(model) -> list[str]:
     """The names of the linear layers inside the model's decoder block (attention and MLP
     projections), e.g. q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
@@ -134,30 +129,11 @@ def unmatched_targets(model, targets: list[str]) -> list[str]:
             if not any(name == target or name.endswith(f".{target}") for name in names)]
 
 
-def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, mixed_precision: str = "no",
-               **kwargs):
-    """The model to train: ``model_class.from_pretrained(path)`` wrapped by peft when ``lora`` (its
-    4-bit base for QLoRA). Records the chosen target modules in ``lora``.
-
-    Trained weights are fp32. Under LoRA with ``mixed_precision: bf16`` the frozen base is loaded
-    in bf16: it is only ever computed with in bf16, accelerate's FSDP2 preparation upcasts only
-    weights that train, and the planner counts a frozen base at 2 bytes per parameter (in fp32 an
-    8B base alone would take 32 GB of a 24 GB GPU). Without mixed precision everything is fp32."""
+def wrap(model, lora: dict[str, Any], *, task_type: str):
+    """``model`` wrapped by peft with the adapter ``lora`` describes (its target modules, when not
+    given, the linear layers of the decoder block: recorded in ``lora``), adapters in fp32."""
     import torch
 
-    quantized = lora is not None and lora["method"] == "qlora"
-    if quantized:
-        kwargs["quantization_config"] = quantization_config()
-    base_dtype = torch.bfloat16 if lora is not None and mixed_precision == "bf16" else torch.float32
-    # use_kernels=False: transformers (5.x, with the `kernels` package it requires) otherwise swaps
-    # layers for kernels downloaded from the Hub on a GPU at the first train()/eval(): code from the
-    # network, like trust_remote_code, and on an offline host a crash (nothing is cached to load).
-    model = model_class.from_pretrained(path, dtype=base_dtype, trust_remote_code=False, use_kernels=False,
-                                        **kwargs)
-    if quantized:
-        keep_4bit_layout(model)
-    if lora is None:
-        return model
     from peft import LoraConfig, get_peft_model
 
     targets = lora["target_modules"] or default_targets(model)
@@ -210,51 +186,8 @@ def adapter_key_map(model) -> dict[str, str]:
     return {name: by_id[id(param)] for name, param in trainable.items() if id(param) in by_id}
 
 
-def check_wrap_classes(plugin, model) -> None:
-    """The block classes the accelerate config wraps must be in the model (accelerate raises
-    "Could not find the transformer layer class" deep in ``prepare`` otherwise): refused on every
-    rank naming both, before anything is wrapped."""
-    wanted = getattr(plugin, "transformer_cls_names_to_wrap", None) if plugin is not None else None
-    policy = str(getattr(plugin, "auto_wrap_policy", "") or "").lower()
-    if not wanted or "size" in policy or "no_wrap" in policy:  # the classes are used by transformer wrapping only
-        return
-    present = {type(module).__name__ for module in model.modules()}
-    missing = [name for name in wanted if name not in present]
-    if missing:
-        blocks = [name for name in getattr(model, "_no_split_modules", None) or [] if name in present]
-        raise UsageError(f"the accelerate config wraps {', '.join(missing)}, which {type(model).__name__} does not "
-                         f"have (its block class: {', '.join(blocks) or 'unknown'}); the config was made for another "
-                         "model: regenerate it for this one (fsdp-presets generate MODEL ...), or set "
-                         f"{K.transformer_layer_cls_to_wrap} to its block class")
 
-
-def prepare(accelerator, model, build_optimizer: Callable[[Any], tuple[Any, Any]], *, lora: dict[str, Any] | None):
-    """``accelerator.prepare`` in the order that trains right on FSDP1, FSDP2 and DDP; returns
-    ``(model, optimizer, scheduler)``. ``build_optimizer(model)`` returns (optimizer, scheduler).
-    Without ``lora`` (full fine-tuning): built first, prepared together, as always."""
-    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
-    check_wrap_classes(plugin, model)
-    if lora is not None and lora["method"] == "qlora" and plugin is not None and plugin.fsdp_version == 1:
-        raise UsageError(f"--load-in-4bit needs FSDP2 ({K.version}: 2 in the accelerate config): FSDP1 flattens each "
-                         "unit into one tensor of one dtype, and the 4-bit base (stored as bfloat16) shares its units "
-                         "with fp32 norms and adapters (\"Must flatten tensors with uniform dtype\"); or train LoRA "
-                         "without --load-in-4bit under FSDP1")
-    if lora is not None and plugin is not None and plugin.fsdp_version == 1:
-        if not plugin.use_orig_params:
-            raise UsageError(f"LoRA under FSDP1 needs {K.use_orig_params}: true in the accelerate config (else FSDP "
-                             "fails with \"Must flatten tensors with uniform requires_grad\"); set it, or use "
-                             f"{K.version}: 2")
-        from peft.utils.other import fsdp_auto_wrap_policy
-
-        plugin.auto_wrap_policy = fsdp_auto_wrap_policy(model)
-        model = accelerator.prepare(model)
-        optimizer, scheduler = build_optimizer(model)  # after wrapping: over the parameters FSDP1 trains
-        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
-        return model, optimizer, scheduler
-    optimizer, scheduler = build_optimizer(model)
-    return accelerator.prepare(model, optimizer, scheduler)
-
-
+# ---- bytes per rank ----
 def local_bytes(model) -> dict[str, int]:
     """Bytes of this rank's share of the frozen, the 4-bit (in their storage dtype; part of the
     frozen) and the trainable parameters."""
@@ -279,192 +212,3 @@ def memory_record(accelerator, model) -> dict[str, list[int]]:
     mine = [local_bytes(model)]
     ranks = gather_object(mine) if accelerator.num_processes > 1 else mine
     return {f"{kind}_bytes_per_rank": [entry[kind] for entry in ranks] for kind in ("frozen", "quantized", "trainable")}
-
-
-# ---- checkpoints ----
-def _trainable_names(model) -> set[str]:
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
-    names: set[str] = set()
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            names.update(_get_fqns(model, name))
-    return names
-
-
-def _options(**kwargs):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(ignore_frozen_params=True, **kwargs)
-
-
-def _inner(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _trainable_state(model, optimizer):
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_state, optimizer_state = get_state_dict(model, _inner(optimizer), options=_options())
-    keep = _trainable_names(model)
-    return {name: value for name, value in model_state.items() if name in keep}, optimizer_state
-
-
-class TrainableState:
-    """What a LoRA checkpoint saves and loads in place of ``accelerator.save_state``: trainable
-    weights and their optimizer state as DCP, plus accelerate's scheduler and random states."""
-
-    def __init__(self, accelerator, model, optimizer) -> None:
-        self.accelerator, self.model, self.optimizer = accelerator, model, optimizer
-
-    def _without_model_and_optimizer(self, action: Callable[[], Any]) -> None:
-        accelerator = self.accelerator
-        models, optimizers = accelerator._models, accelerator._optimizers
-        accelerator._models, accelerator._optimizers = [], []
-        try:
-            action()
-        finally:
-            accelerator._models, accelerator._optimizers = models, optimizers
-
-    def save(self, folder: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        model_state, optimizer_state = _trainable_state(self.model, self.optimizer)
-        for name, state in ((ADAPTER_MODEL, {"model": model_state}), (ADAPTER_OPTIMIZER, {"optimizer": optimizer_state})):
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(Path(folder) / name)),
-                     no_dist=self.accelerator.num_processes == 1)
-        self._without_model_and_optimizer(lambda: self.accelerator.save_state(str(folder)))
-
-    def load(self, folder: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        from fsdp_presets.checkpoint.safe_unpickle import safe_dcp_load, safe_dcp_loading
-
-        folder = Path(folder)
-        for name in (ADAPTER_MODEL, ADAPTER_OPTIMIZER):
-            if not (folder / name / DCP_METADATA).is_file():
-                raise UsageError(f"--resume {folder}: no {name}/ in it, so it is not a LoRA checkpoint; give a "
-                                 "checkpoint of a LoRA run with the same --lora-* flags, or train without them")
-        model_state, optimizer_state = _trainable_state(self.model, self.optimizer)
-        saved = _saved_shapes(folder / ADAPTER_MODEL)
-        if set(saved) != set(model_state):
-            missing, extra = sorted(set(model_state) - set(saved)), sorted(set(saved) - set(model_state))
-            raise UsageError(f"--resume {folder}: its adapter does not match this run's (missing {missing[:3]}, "
-                             f"extra {extra[:3]}); resume with the --lora-* flags of the run that saved it")
-        other = sorted(name for name, value in model_state.items() if tuple(value.shape) != saved[name])
-        if other:
-            raise UsageError(f"--resume {folder}: its adapter has other shapes ({other[0]}: {saved[other[0]]} there, "
-                             f"{tuple(model_state[other[0]].shape)} now); resume with the --lora-r of the run that "
-                             "saved it")
-        single = self.accelerator.num_processes == 1
-        safe_dcp_load({"model": model_state}, folder / ADAPTER_MODEL, no_dist=single)
-        safe_dcp_load({"optimizer": optimizer_state}, folder / ADAPTER_OPTIMIZER, no_dist=single)
-        set_state_dict(self.model, _inner(self.optimizer), model_state_dict=model_state,
-                       optim_state_dict=optimizer_state, options=_options(strict=False))
-        with safe_dcp_loading():
-            self._without_model_and_optimizer(lambda: self.accelerator.load_state(str(folder)))
-
-
-def _saved_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    from fsdp_presets.checkpoint.files import DcpReader
-
-    return {name: tuple(info.shape) for name, info in DcpReader(folder).entries().items()}
-
-
-def write_checkpoint_extra(folder: Path, lora: dict[str, Any], key_map: dict[str, str], adapter_config) -> None:
-    """Into a checkpoint's model_config/ (main process): adapter_config.json and the key map, so
-    ``fsdp-presets export`` writes a PEFT folder from the checkpoint alone."""
-    target = Path(folder) / MODEL_CONFIG
-    target.mkdir(parents=True, exist_ok=True)
-    adapter_config.save_pretrained(str(target))
-    (target / ADAPTER_KEYS).write_text(json.dumps({"lora": lora, "keys": key_map}, indent=1, sort_keys=True))
-
-
-# ---- export ----
-def gather_trainable(accelerator, model) -> dict[str, Any]:
-    """Full (unsharded) trainable weights on every rank, on the CPU (collective)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    fsdp1 = accelerator.distributed_type.value == "FSDP" and accelerator.state.fsdp_plugin.fsdp_version == 1
-    state = get_model_state_dict(model, options=_options(full_state_dict=True, cpu_offload=not fsdp1))
-    keep = _trainable_names(model)
-    return {name: value.detach().cpu().contiguous() for name, value in state.items() if name in keep}
-
-
-def write_adapter_folder(folder: Path, state: dict[str, Any], key_map: dict[str, str], adapter_config) -> None:
-    """adapter_model.safetensors under peft's key names (from :func:`adapter_key_map`, taken on the
-    unwrapped model: peft's own ``save_pretrained`` on an FSDP1-wrapped model writes nothing or
-    zeros) and adapter_config.json."""
-    import copy
-
-    from safetensors.torch import save_file
-
-    missing = sorted(set(state) - set(key_map))
-    if missing:
-        raise RuntimeError(f"trainable weights without a PEFT name: {missing[:3]}")
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({key_map[name]: tensor for name, tensor in state.items()}, str(folder / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
-    config = copy.deepcopy(adapter_config)
-    config.inference_mode = True
-    config.save_pretrained(str(folder))
-
-
-def export_adapter(accelerator, model, tokenizer, output_dir: Path, *, key_map: dict[str, str],
-                   merged_dir: Path | None = None,
-                   model_class=None, base_path: str | None = None, lora: dict[str, Any] | None = None) -> None:
-    """Write ``output_dir`` as a PEFT folder (adapter_config.json + adapter_model.safetensors +
-    tokenizer) and, with ``merged_dir``, the merged model as a Hugging Face folder. Collective."""
-    from fsdp_presets.errors import Finding
-
-    state = gather_trainable(accelerator, model)
-    problem = None
-    if accelerator.is_main_process:
-        from fsdp_presets.train.final_model import write_model_folder
-
-        output_dir = Path(output_dir)
-        adapter_config = accelerator.unwrap_model(model).peft_config["default"]
-        write_model_folder(output_dir, functools.partial(write_adapter_folder, state=state, key_map=key_map,
-                                                         adapter_config=adapter_config), tokenizer=tokenizer)
-        if merged_dir is not None:
-            try:
-                export_merged(output_dir, Path(merged_dir), model_class=model_class, base_path=base_path,
-                              quantized=lora is not None and lora["method"] == "qlora", tokenizer=tokenizer)
-            except (OSError, ValueError, RuntimeError) as error:
-                problem = f"writing the merged model to {merged_dir} failed ({type(error).__name__}: {error}); " \
-                          f"the adapter in {output_dir} is complete"
-    del state
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        problem = broadcast_object_list([problem], from_process=0)[0]
-    if problem:
-        raise Finding(problem)
-    accelerator.wait_for_everyone()
-
-
-def export_merged(adapter_dir: Path, merged_dir: Path, *, model_class, base_path: str, quantized: bool,
-                  tokenizer=None) -> None:
-    """The base reloaded (QLoRA: 4-bit, then dequantized) with the adapter merged in, written as a
-    plain Hugging Face folder (one process)."""
-    import torch
-    from peft import PeftModel
-
-    kwargs = {"quantization_config": quantization_config()} if quantized else {}
-    base = model_class.from_pretrained(base_path, dtype=torch.float32, trust_remote_code=False, use_kernels=False,
-                                       **kwargs)
-    if quantized:
-        keep_4bit_layout(base)
-        base = base.dequantize()  # merging into 4-bit weights would re-quantize them
-        base = base.to(torch.float32)
-        for attribute in ("quantization_config", "_pre_quantization_dtype"):
-            if hasattr(base.config, attribute):
-                delattr(base.config, attribute)
-    from fsdp_presets.train.final_model import write_model_folder
-
-    merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
-    write_model_folder(merged_dir, lambda staging: merged.save_pretrained(str(staging), safe_serialization=True),
-                       tokenizer=tokenizer)
-
-
-# ---- `fsdp-presets export` of a LoRA checkpoint: fsdp_presets.checkpoint.adapter ----

@@ -25,6 +25,7 @@ weights are finite and a checkpoint save; Ctrl-C then stops (exit 130).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,15 +36,17 @@ from fsdp_presets.checkpoint.async_save import CheckpointSaver, check_async_save
 from fsdp_presets.checkpoint.layout import MERGED, MODEL_CONFIG, RunFolder
 from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
 from fsdp_presets.checkpoint.manifest import Manifest, is_imported
-from fsdp_presets.checkpoint.run_folder import (acquire_run_lock, check_output_dir, distributed_settings,
-                                                launch_config_file, schedule_change_note, training_settings,
-                                                write_run_json)
+from fsdp_presets.checkpoint.run_folder import (METHOD_KEY, RunInfo, acquire_run_lock, check_output_dir,
+                                                distributed_settings, launch_config_file, run_identity,
+                                                schedule_change_note, training_settings)
 from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, sha256_files
 from fsdp_presets.numerics import clip_grad_norm, gradient_sync
-from fsdp_presets.train import interrupts, loop, preemption, startup
+from fsdp_presets.train import loop, signals, startup
+from fsdp_presets.checkpoint.adapter import TrainableState, write_adapter_files
 from fsdp_presets.train import lora as recipe_lora
+from fsdp_presets.train.final_adapter import export_adapter
 from fsdp_presets.train.final_model import export_model
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
 from fsdp_presets.train.plots import plot_run
@@ -58,8 +61,9 @@ class RecipeRun:
     """The parsed flags (:func:`fsdp_presets.train.loop.recipe_argument_parser` plus the recipe's)."""
     folder: RunFolder
     """OUTPUT_DIR: run.json, metrics.jsonl, checkpoints/, final/, plots/."""
-    record: dict[str, Any]
-    """What run.json records of the run's identity and settings (a continued run keeps them)."""
+    record: RunInfo
+    """What run.json records of the run; :func:`start` gives its identity and settings (a continued
+    run keeps them), :meth:`resume` the rest."""
     lora: dict[str, Any] | None
     """LoRA/QLoRA method and shape, None when every weight trains."""
     config: Any
@@ -114,7 +118,7 @@ class RecipeRun:
             accelerator=accelerator, directory=self.folder.checkpoints, keep_last=args.keep_last,
             config_digest=digest, distributed=self.distributed, log=say,
             training=self.lora,  # LoRA/QLoRA: trainable weights only, the base from --model
-            state=recipe_lora.TrainableState(accelerator, model, optimizer) if self.lora else None)
+            state=TrainableState(accelerator, model, optimizer) if self.lora else None)
         if args.async_save:
             check_async_save(accelerator, lora=bool(self.lora))
         resume_from = self.checkpoints.resolve(args.resume, max_steps=args.max_steps)
@@ -135,14 +139,14 @@ class RecipeRun:
             say(f"resumed from {resume_from}: step {self.step}, {self.samples} samples consumed "
                 f"(saved by {manifest.world_size} processes, now {accelerator.num_processes})")
         memory = recipe_lora.memory_record(accelerator, model) if self.lora else {}  # LoRA/QLoRA: bytes per rank
+        self.record = dataclasses.replace(
+            self.record, training=self.lora, data=args.data, max_steps=args.max_steps,
+            micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            global_batch_samples=self.global_batch, distributed=self.distributed,
+            accelerate_config=launch_config_file(), resumed_from=str(resume_from) if resume_from else None,
+            extra={**memory, **(record or {})})
         if accelerator.is_main_process:
-            write_run_json(self.folder, {
-                **self.record, "training": self.lora, **memory, "data": args.data, "max_steps": args.max_steps,
-                "micro_batch_size": args.micro_batch_size,
-                "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                "global_batch_samples": self.global_batch, **self.distributed,
-                "accelerate_config": launch_config_file(),
-                "resumed_from": str(resume_from) if resume_from else None, **(record or {})})
+            self.record.write(self.folder)
         self.metrics = MetricsLog(self.folder.metrics, enabled=accelerator.is_main_process,
                                   keep_through_step=self.step)
         self.saver = CheckpointSaver(manager=self.checkpoints, background=args.async_save,
@@ -158,10 +162,10 @@ class RecipeRun:
             results = evaluate()
             self.metrics.log_eval(step=0, **results)
             self.say(f"before training: {self._describe(results)}")
-        if preemption.should_stop(self.accelerator):  # signalled while loading or evaluating: nothing new to save
-            self._preempted(None)
+        if signals.agree(self.accelerator)[1]:  # preempted while loading or evaluating: nothing new to save
+            self._stop(None, interrupted=False)
         self._live["model"].train()
-        interrupts.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
+        signals.defer()  # Ctrl-C from here on: this step ends, is saved, and the run stops (exit 130)
         from tqdm.auto import tqdm
 
         self._live["progress"] = tqdm(total=self.args.max_steps, initial=self.step, desc="train", dynamic_ncols=True,
@@ -213,7 +217,7 @@ class RecipeRun:
             if accelerator.is_main_process:
                 progress.write(f"step {step}: {self._describe(results)}")
         # Ctrl-C or a preemption signal on any rank (one all-reduce): save this step, then stop.
-        stopping, preempted = preemption.agree(accelerator, interrupts.pending(), preemption.received() is not None)
+        stopping, preempted = signals.agree(accelerator)
         if stopping or preempted or step == args.max_steps or (args.save_every and step % args.save_every == 0):
             startup.check_weights_finite(accelerator, live["model"], self.checkpoints, step=step)
             # --async-save: returns once the shards are staged; the final, a Ctrl-C and a preemption save
@@ -221,23 +225,22 @@ class RecipeRun:
             saved = self.saver.save(step=step, samples_consumed=self.samples, write_extra=self._write_model_config,
                                     wait=stopping or preempted or step == args.max_steps)
             if not (stopping or preempted):  # a signal during the save: this step is saved, stop now
-                stopping, preempted = preemption.agree(accelerator, interrupts.pending(),
-                                                       preemption.received() is not None)
+                stopping, preempted = signals.agree(accelerator)
                 if stopping or preempted:
                     saved = self.saver.wait() or saved  # --async-save: the save in flight is committed first
         else:
             self.saver.poll(step=step)  # --async-save: commit the save in flight once every rank's write is done
-        if preempted:
-            self._preempted(saved)
-        if stopping:
-            interrupts.stop(accelerator, saved, step=step)
+        if stopping or preempted:
+            self._stop(saved, interrupted=not preempted)  # both: the preemption (exit 75)
 
-    def _preempted(self, saved) -> None:
-        """The metrics line, then :class:`~fsdp_presets.train.preemption.Preempted` (exit 75)."""
+    def _stop(self, saved, *, interrupted: bool) -> None:
+        """Stop on Ctrl-C (exit 130) or a preemption signal (its metrics line, exit 75), the step
+        reached saved (:func:`fsdp_presets.train.signals.stop`)."""
         checkpoint = saved if saved is not None else dict(committed_checkpoints(self.checkpoints.directory)).get(self.step)
-        self.metrics.log_preempted(step=self.step, signal=preemption.received(),
-                                   checkpoint=str(checkpoint) if checkpoint else None)
-        preemption.stop(self.accelerator, step=self.step, checkpoint=checkpoint)
+        if not interrupted:
+            self.metrics.log_preempted(step=self.step, signal=signals.received(),
+                                       checkpoint=str(checkpoint) if checkpoint else None)
+        signals.stop(self.accelerator, step=self.step, checkpoint=checkpoint, interrupted=interrupted)
 
     def _describe(self, results: dict[str, float]) -> str:
         shown = self._live["shown"]
@@ -249,8 +252,7 @@ class RecipeRun:
         target = Path(folder) / MODEL_CONFIG
         unwrapped = self.accelerator.unwrap_model(self._live["model"])
         if self.lora:  # adapter_config.json and the PEFT key names, for `fsdp-presets export`
-            recipe_lora.write_checkpoint_extra(folder, self.lora, self._live["key_map"],
-                                               unwrapped.peft_config["default"])
+            write_adapter_files(folder, self.lora, self._live["key_map"], unwrapped.peft_config["default"])
         unwrapped.config.save_pretrained(target)
         if getattr(unwrapped, "generation_config", None) is not None:
             unwrapped.generation_config.save_pretrained(target)
@@ -264,10 +266,9 @@ class RecipeRun:
         self._live["progress"].close()
         self.saver.wait()  # a save still in flight is committed before the export
         if self.lora:
-            recipe_lora.export_adapter(accelerator, model, self.tokenizer, self.folder.final,
-                                       key_map=self._live["key_map"], lora=self.lora, base_path=args.model,
-                                       model_class=model_class,
-                                       merged_dir=self.folder.root / MERGED if args.export_merged else None)
+            export_adapter(accelerator, model, self.tokenizer, self.folder.final, key_map=self._live["key_map"],
+                           lora=self.lora, base_path=args.model, model_class=model_class,
+                           merged_dir=self.folder.root / MERGED if args.export_merged else None)
         else:
             export_model(accelerator, model, self.tokenizer, self.folder.final)
         if accelerator.is_main_process:
@@ -299,8 +300,9 @@ def start(args, *, recipe: str) -> RecipeRun:
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
-    try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/preemption.py)
-        preemption.install(preemption.parse_signals(args.preempt_signals))
+    try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/signals.py)
+        signals.install(signals.parse_signals(args.preempt_signals),
+                        checkpoints=RunFolder(root=Path(args.output_dir)).checkpoints)
     except UsageError:
         pass  # refused with the other flags by startup.check_start
     fsdp_presets.enable_cpu_fsdp()
@@ -320,11 +322,11 @@ def start(args, *, recipe: str) -> RecipeRun:
 
     startup.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
-    identity = {"recipe": recipe, "model": str(Path(args.model).resolve()),
-                "data_sha256": sha256_files(data_files), "seed": args.seed, "seq_len": args.seq_len}
+    identity = run_identity(recipe=recipe, model=str(Path(args.model).resolve()), data_sha256=sha256_files(data_files),
+                            seed=args.seed, seq_len=args.seq_len)
     settings = training_settings(args)  # a continued run keeps them
     method = recipe_lora.settings(args)  # LoRA/QLoRA: method and shape (None: every weight trains)
-    settings["lora"] = dict(method) if method else None  # LoRA/QLoRA: a continued run keeps it
+    settings[METHOD_KEY] = dict(method) if method else None  # LoRA/QLoRA: a continued run keeps it
     folder = check_output_dir(args.output_dir, identity, args.resume, settings)
     if args.resume != "none" and (note := schedule_change_note(folder.root, args.max_steps, settings)):
         say(f"note: {note}")
@@ -334,5 +336,6 @@ def start(args, *, recipe: str) -> RecipeRun:
     loop.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     set_seed(args.seed)
-    return RecipeRun(accelerator=accelerator, args=args, folder=folder, record={**identity, **settings},
+    return RecipeRun(accelerator=accelerator, args=args, folder=folder,
+                     record=RunInfo(identity=identity, settings=settings),
                      lora=method, config=config, tokenizer=tokenizer, distributed=distributed, say=say)

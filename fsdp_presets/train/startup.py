@@ -20,13 +20,12 @@ import json
 import math
 import os
 import socket
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from fsdp_presets import environment
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError, raise_on_every_rank, rank_local
+from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank, rank_local
 
 STARTUP_TIMEOUT_ENV = environment.STARTUP_TIMEOUT.name
 STARTUP_TIMEOUT_S = 600.0
@@ -118,9 +117,9 @@ def agree_at_start(accelerator, *, problem: str | None, settings: dict[str, Any]
             raise rank_local(UsageError(f"rank {rank} ({mine['host']}): {problem}"), print_here=True)
         others = ", ".join(f"rank {index} ({report['host']})" for index, report in sorted(problems.items()))
         elsewhere = any(report["host"] != mine["host"] for report in problems.values())
-        time.sleep(COLLECTIVE_EXIT_DELAY_S)  # the rank with the problem prints before torchrun stops us
-        raise rank_local(UsageError(f"stopped: {others} could not start (its message is in that rank's output)"),
-                         print_here=accelerator.is_main_process and elsewhere)
+        raise_on_every_rank(accelerator, rank_local(  # the rank with the problem prints before torchrun stops us
+            UsageError(f"stopped: {others} could not start (its message is in that rank's output)"),
+            print_here=accelerator.is_main_process and elsewhere), printed_elsewhere=True)
     differences = []
     for key in reports[0]["settings"].keys() | set().union(*(report["settings"] for report in reports)):
         values = [report["settings"].get(key, "(not given)") for report in reports]

@@ -6,50 +6,30 @@ preset gets what the recipes give, with one added line::
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml train.py
 
-- Made before the ``Trainer``, it switches on real FSDP on a CPU-only host
-  (:func:`fsdp_presets.enable_cpu_fsdp`); once the Trainer exists it refuses a launch whose
-  processes would each train alone (:func:`fsdp_presets.check_launch`), and at ``train()``, before
-  anything is written, as the recipes do, a launch that is not what the generated preset's header
-  planned (:func:`fsdp_presets.train.startup.preset_launch_problem`; another process count is
-  fine for a resume) or whose config wraps block classes the model does not have
-  (:func:`fsdp_presets.train.lora.check_wrap_classes`): one line, exit 2 on every rank.
+The callback is the adapter between Trainer's events and the run lifecycle the recipes drive: the
+run record (:class:`fsdp_presets.checkpoint.run_folder.RunInfo`), the checkpoint manager under
+Trainer's names (:mod:`fsdp_presets.train.trainer_saves`), the signals and exit statuses
+(:mod:`fsdp_presets.train.signals`), the global batch kept on resume
+(:func:`fsdp_presets.checkpoint.resume.keep_global_batch`):
+
+- made before the ``Trainer``, it switches on real FSDP on a CPU-only host; once the Trainer exists
+  it refuses a launch whose processes would each train alone, and at ``train()``, before anything
+  is written, a launch that is not what the generated preset's header planned or whose config wraps
+  block classes the model does not have: one line, exit 2 on every rank;
 - ``trainer.save_model(dir)`` writes a complete Hugging Face folder (or the PEFT adapter) whatever
-  the preset's state-dict type: Trainer writes weights under FSDP only for FULL_STATE_DICT and
-  silently writes nothing under SHARDED_STATE_DICT (transformers issue 30491), so around a
-  user's ``save_model`` the plugin is switched to FULL_STATE_DICT, whose gather
-  (``accelerator.get_state_dict``) collects the full state on rank 0 with CPU offload. A peft
-  model's adapter is gathered alone and written as the recipes export it
-  (:func:`fsdp_presets.train.lora.export_adapter`): peft's own save of an FSDP1-wrapped model
-  writes an adapter with no tensors. Under FSDP, ``save_model`` returns on every rank once the
-  folder is written.
-- ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them: one line per
-  optimizer step with the exact loss (not rounded nor averaged over ``logging_steps``), gradient
-  norm, learning rate, tokens per second and the step's wall time, so ``fsdp-presets compare``
-  reads the run.
-- every ``checkpoint-N`` Trainer writes gets a ``trainer``-kind manifest (SHA-256 of every file,
-  step, samples, world size), so ``fsdp-presets inspect-checkpoint`` verifies it and ``export``
-  takes it; Trainer's pickled ``training_args.bin`` is replaced there by ``training_args.json``
-  (a checkpoint holds data only: a pickle runs code when loaded); the same in ``save_model``'s folder.
-- ``trainer.train(resume_from_checkpoint=...)`` at another process count keeps the global batch
-  (it changes ``gradient_accumulation_steps`` and says so), or refuses in one line saying how.
-  ``resume_from_checkpoint=True`` takes the newest *committed* ``checkpoint-N`` (one with its
-  manifest), not a folder a killed run left half-written.
-- preemption, as in the recipes (:mod:`fsdp_presets.train.preemption`): on SIGTERM or SIGUSR1
-  (``FSDPPresetsCallback(preempt_signals="none")`` turns it off) the ranks agree at the next
-  optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step reached through its own
-  ``_save_checkpoint`` (with its manifest), ``metrics.jsonl`` gets a ``preempted`` line and every
-  rank exits with status 75 (:data:`~fsdp_presets.train.preemption.PREEMPTED_EXIT`);
-  ``trainer.train(resume_from_checkpoint=True)`` continues from it.
-- ``FSDPPresetsCallback(async_save=True)`` (FSDP2, ``SHARDED_STATE_DICT``, every weight trained):
-  each ``checkpoint-N``'s model and optimizer shards are written in the background while training
-  goes on, committed (its manifest) once every rank's write has finished, at most one save in
-  flight (:mod:`fsdp_presets.train.trainer_saves`). Every save, synchronous or not, is one ``save``
-  line in ``metrics.jsonl``.
-- gradient clipping (``max_grad_norm``) with the recipes' norm
-  (:func:`fsdp_presets.numerics.clip_grad_norm`): accelerate's norm is summed in the gradients'
-  dtype in an order that depends on the sharding, so an FSDP run's clip coefficient differed from
-  its DDP baseline's in the last bits (float32) or by a bfloat16 step (TRL's QLoRA adapters), and
-  its losses drifted from the baseline's; with this norm they are equal, bit for bit.
+  the preset's state-dict type (Trainer writes no weights under SHARDED_STATE_DICT, transformers
+  issue 30491), and returns on every rank once the folder is written;
+- ``OUTPUT_DIR/run.json`` and ``OUTPUT_DIR/metrics.jsonl`` as the recipes write them (one line per
+  optimizer step with the exact loss), so ``fsdp-presets compare`` reads the run;
+- every ``checkpoint-N`` gets a ``trainer``-kind manifest (its commit), holds data only
+  (``training_args.json`` for Trainer's pickle), and ``resume_from_checkpoint=True`` takes the newest
+  committed one; a resume at another process count keeps the global batch, or refuses saying how;
+- Ctrl-C during training, SIGTERM or SIGUSR1 (``preempt_signals="none"`` turns those two off): the
+  ranks agree at the next optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step
+  reached and every rank exits 130 (Ctrl-C) or 75 (a preemption, with a ``preempted`` metrics line);
+- ``async_save=True`` (FSDP2, ``SHARDED_STATE_DICT``, every weight trained): the model and optimizer
+  shards of each ``checkpoint-N`` written in the background; gradient clipping with the recipes'
+  norm (:func:`fsdp_presets.numerics.clip_grad_norm`), the same under DDP, FSDP1 and FSDP2.
 
 NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
 gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
@@ -63,26 +43,21 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from transformers import Trainer, TrainerCallback
 
-from fsdp_presets.checkpoint.layout import (MANIFEST, METRICS, TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE, RunFolder,
-                                            staging_sibling, trainer_checkpoint_name)
-from fsdp_presets.checkpoint.manifest import TRAINER_KIND, Manifest
-from fsdp_presets.checkpoint.resume import accumulation_for
-from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file, write_run_json
-from fsdp_presets.errors import COLLECTIVE_EXIT_DELAY_S, Finding, UsageError
-from fsdp_presets.faults import fault_point
-from fsdp_presets.fileio import config_digest, sha256_file, write_json_atomic, write_text_atomic
-from fsdp_presets.train import preemption
-from fsdp_presets.train import trainer_saves
+from fsdp_presets.checkpoint.layout import MANIFEST, METRICS
+from fsdp_presets.checkpoint.manager import TRAINER_NAMING, trainer_resume_choice
+from fsdp_presets.checkpoint.manifest import Manifest
+from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batch
+from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file
+from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
+from fsdp_presets.train import lora, signals
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
+from fsdp_presets.train.trainer_saves import TrainerSaves
 
 
 def _calling_trainer() -> Trainer | None:
@@ -94,19 +69,6 @@ def _calling_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back
     return None
-
-
-def _lora_settings(model) -> dict[str, Any] | None:
-    """The method and LoRA shape of a peft model (as the recipes record them), None otherwise."""
-    peft_config = getattr(model, "peft_config", None)
-    if not peft_config:
-        return None
-    config = peft_config.get("default") or next(iter(peft_config.values()))
-    targets = getattr(config, "target_modules", None)
-    quantized = bool(getattr(getattr(model, "config", None), "quantization_config", None))
-    return {"method": "qlora" if quantized else "lora", "r": getattr(config, "r", None),
-            "alpha": float(getattr(config, "lora_alpha", 0) or 0), "dropout": float(getattr(config, "lora_dropout", 0)),
-            "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else targets}
 
 
 def _number(value) -> float | None:
@@ -121,23 +83,19 @@ def _number(value) -> float | None:
 class FSDPPresetsCallback(TrainerCallback):
     """The recipes' guarantees for a Trainer/TRL script (see the module docstring)."""
 
-    def __init__(self, preempt_signals: str = preemption.DEFAULT_SIGNALS, async_save: bool = False) -> None:
+    def __init__(self, preempt_signals: str = signals.DEFAULT_SIGNALS, async_save: bool = False) -> None:
         from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
 
-        self._signals = preemption.parse_signals(preempt_signals)  # "none": no preemption saves
+        self._signals = signals.parse_signals(preempt_signals)  # "none": no preemption saves
         self._async_save = async_save  # checkpoint-N's model and optimizer shards written in the background
-        self._saver = None  # during train() with async_save: the background writer (CheckpointSaver)
         enable_cpu_fsdp()  # before the Trainer builds its Accelerator
-        self._saved_step: int | None = None
         self.trainer: Trainer | None = None
+        self.saves: TrainerSaves | None = None
         self.metrics: MetricsLog | None = None
         self._step_loss = 0.0
         self._step_tokens = 0.0
         self._step_started: float | None = None
         self._logged_step = 0
-        self._adapter_keys: dict[str, str] | None = None  # a peft model's trainable names -> peft's keys
-        self._trainer_save = None  # async_save, during a save: Trainer's own _save_checkpoint of that step
-        self._save_total_limit = None  # during a save: the user's save_total_limit (Trainer's is set aside)
 
     # ---- attach ----
     def on_init_end(self, args, state, control, **kwargs):
@@ -151,14 +109,20 @@ class FSDPPresetsCallback(TrainerCallback):
         from fsdp_presets.cpu_fsdp import check_launch
 
         check_launch(trainer.accelerator)  # N processes that would each train alone: refused
-        if _lora_settings(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
-            from fsdp_presets.train.lora import adapter_key_map, keep_4bit_layout
-
-            self._adapter_keys = adapter_key_map(trainer.model)
-            keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
-        for name in ("train", "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
-                     "save_model", "_save_checkpoint", "_save_optimizer_and_scheduler"):
+        adapter_keys = None
+        if lora.settings_of(trainer.model) is not None:  # before FSDP wraps it: peft's names of the adapter
+            adapter_keys = lora.adapter_key_map(trainer.model)
+            lora.keep_4bit_layout(trainer.model)  # QLoRA: an evaluation must not repack the sharded 4-bit weights
+        self.saves = TrainerSaves(trainer, async_save=self._async_save, adapter_keys=adapter_keys, say=self._say)
+        for name in ("train", "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
+        for name in ("save_model", "_save_checkpoint", "_save_optimizer_and_scheduler"):  # trainer_saves does them
+            setattr(trainer, name, functools.partial(self._exits, getattr(self.saves, name.lstrip("_")),
+                                                     getattr(trainer, name)))
+        return control
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        signals.defer()  # Ctrl-C from the first step on: that step ends, is saved, and every rank exits 130
         return control
 
     @property
@@ -171,11 +135,15 @@ class FSDPPresetsCallback(TrainerCallback):
 
     def _refuse(self, message: str) -> NoReturn:
         """One line on the main process and exit 2 on every rank, as the recipes refuse bad input."""
-        if self._accelerator.is_main_process:
-            print(f"fsdp-presets: error: {message}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(COLLECTIVE_EXIT_DELAY_S)
-        raise SystemExit(2)
+        self._exits(raise_on_every_rank, self._accelerator, message)
+
+    def _exits(self, call, *args, **kwargs):
+        """``call``, with the recipes' one line (main process) and exit status on every rank when it
+        stops the run (:func:`fsdp_presets.train.signals.report`), e.g. a failed background write."""
+        try:
+            return call(*args, **kwargs)
+        except (Finding, UsageError, signals.Interrupted, signals.Preempted) as error:
+            raise SystemExit(signals.report(error, program="fsdp-presets")) from None
 
     def _global_batch(self) -> int:
         args = self.trainer.args
@@ -196,42 +164,23 @@ class FSDPPresetsCallback(TrainerCallback):
             step = self._keep_global_batch(Path(checkpoint))
             resume_from_checkpoint = str(checkpoint)
         output = Path(trainer.args.output_dir)
-        if self._accelerator.is_main_process:
-            model = trainer.model
-            settings = distributed_settings(self._accelerator)
-            write_run_json(RunFolder(root=output), {
-                "recipe": type(trainer).__name__, "model": str(getattr(model.config, "_name_or_path", "") or ""),
-                "seed": trainer.args.seed, "learning_rate": trainer.args.learning_rate,
-                "lr_scheduler": str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type)),
-                "warmup_steps": trainer.args.warmup_steps, "weight_decay": trainer.args.weight_decay,
-                "max_grad_norm": trainer.args.max_grad_norm, "training": _lora_settings(model),
-                "max_steps": trainer.args.max_steps, "micro_batch_size": trainer.args.per_device_train_batch_size,
-                "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
-                "global_batch_samples": self._global_batch(), **settings,
-                "accelerate_config": launch_config_file(), "resumed_from": str(checkpoint) if checkpoint else None})
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
-        if self._async_save:
-            from fsdp_presets.checkpoint.async_save import CheckpointSaver
-
-            checkpoints = trainer_saves.TrainerCheckpoints(accelerator=self._accelerator, directory=output,
-                                                           commit_folder=self._commit)
-            self._saver = CheckpointSaver(manager=checkpoints, background=True, on_saved=self.metrics.log_save,
-                                          write_state_files=self._write_trainer_files)
-        preemption.install(self._signals)
+        self.saves.begin(self.metrics, global_batch=self._global_batch(), resumed_from=checkpoint)
+        signals.install(self._signals, naming=TRAINER_NAMING, checkpoints=output)  # Ctrl-C: deferred (on_train_begin)
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
-            self._saves(self._close_saver)  # the last save in flight committed before train() returns
+            self._exits(self.saves.close)  # the last save in flight committed before train() returns
             return result
         finally:
-            preemption.install(())  # the process's own handlers again (save_model after train is not a step)
+            signals.restore()  # the process's own handlers again (save_model after train is not a step)
 
     def _check_launch(self, *, resuming: bool) -> None:
         """The recipes' launch checks, before anything is written: the launch against the generated
         preset's header (another process count is fine for a resume, which keeps its global batch)
         and the config's wrap classes against the model (a config made for another model fails
         inside accelerate's prepare otherwise); every problem in one line, exit 2 on every rank."""
-        from fsdp_presets.train.lora import check_wrap_classes
+        from fsdp_presets.train.model_setup import check_wrap_classes
         from fsdp_presets.train.startup import preset_launch_problem
 
         trainer = self.trainer
@@ -239,7 +188,7 @@ class FSDPPresetsCallback(TrainerCallback):
         if self._async_save:
             from fsdp_presets.checkpoint.async_save import async_save_problem
 
-            problem = async_save_problem(self._accelerator, lora=self._adapter_keys is not None)
+            problem = async_save_problem(self._accelerator, lora=self.saves.adapter_keys is not None)
             problems.append(problem and f"FSDPPresetsCallback(async_save=True): {problem}")
         try:
             check_wrap_classes(self._accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None, trainer.model)
@@ -249,39 +198,32 @@ class FSDPPresetsCallback(TrainerCallback):
             self._refuse("; ".join(problem for problem in problems if problem))
 
     def _newest_committed(self, output: Path) -> Path | bool | None:
-        """The checkpoint ``resume_from_checkpoint=True`` continues from (:func:`trainer_saves.resume_choice`):
+        """The checkpoint ``resume_from_checkpoint=True`` continues from (:func:`trainer_resume_choice`):
         None (from step 0) when every folder there is uncommitted, True (Trainer's own error) when there is none."""
-        checkpoint, note = trainer_saves.resume_choice(output)
+        checkpoint, note = trainer_resume_choice(output)
         if note:
             self._say(note)
         return checkpoint if checkpoint is not None or note else True
 
     def _keep_global_batch(self, checkpoint: Path) -> int:
         """The checkpoint's step; on another process count, the gradient accumulation that keeps its
-        global batch (or :class:`UsageError` on every rank saying how)."""
+        global batch (or exit 2 on every rank saying how)."""
         try:
             saved = Manifest.read(checkpoint)
         except (OSError, ValueError):
             self._say(f"{checkpoint} has no {MANIFEST} (not written with FSDPPresetsCallback): its global batch is "
                       "unknown and not checked")
             return 0
-        if saved.step <= 0 or saved.samples_consumed % saved.step:
-            return saved.step
-        recorded = saved.samples_consumed // saved.step
         args = self.trainer.args
-        if recorded == self._global_batch():
-            return saved.step
-        data_parallel = self._data_parallel_size()
-        accumulation = accumulation_for(recorded, micro_batch_size=args.per_device_train_batch_size,
-                                        data_parallel_size=data_parallel)
-        if accumulation is None:
-            self._refuse(f"resume from {checkpoint}: it trained with a global batch of {recorded} samples, which "
-                         f"per_device_train_batch_size {args.per_device_train_batch_size} x {data_parallel} processes "
-                         f"cannot split; set per_device_train_batch_size so that it times {data_parallel} divides "
-                         f"{recorded}, or launch {saved.world_size} processes as it was saved (nothing was written)")
-        self._say(f"resume from {checkpoint}: global batch kept at {recorded} samples: gradient_accumulation_steps "
-                  f"{args.gradient_accumulation_steps} -> {accumulation} for {data_parallel} processes x "
-                  f"per_device_train_batch_size {args.per_device_train_batch_size} (saved by {saved.world_size})")
+        try:
+            accumulation, note = keep_global_batch(
+                checkpoint, step=saved.step, samples_consumed=saved.samples_consumed, names=TRAINER_BATCH_NAMES,
+                micro_batch_size=args.per_device_train_batch_size, data_parallel_size=self._data_parallel_size(),
+                gradient_accumulation_steps=args.gradient_accumulation_steps)
+        except UsageError as error:
+            self._refuse(f"{error}, or launch {saved.world_size} processes as it was saved (nothing was written)")
+        if note:
+            self._say(f"resume from {checkpoint}: {note} (saved by {saved.world_size})")
         args.gradient_accumulation_steps = accumulation
         return saved.step
 
@@ -333,192 +275,25 @@ class FSDPPresetsCallback(TrainerCallback):
                 samples_seen=step * self._global_batch(), memory=device_memory_peaks(self._accelerator.device))
             self._logged_step = step
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
-        if self._saver is not None:  # async_save: commit the save in flight once every rank's write is done
-            self._saves(self._saver.poll, step=step)
-        # A preemption signal on any rank (one all-reduce, every rank at this step boundary): Trainer
-        # saves this step through its own _save_checkpoint, then every rank stops.
-        if self._signals and self._saved_step != step and preemption.should_stop(self._accelerator):
+        self._exits(self.saves.poll, step)  # async_save: commit the save in flight once every rank's write is done
+        # Ctrl-C or a preemption signal on any rank (one all-reduce, every rank at this step boundary):
+        # Trainer saves this step through its own _save_checkpoint, then every rank stops.
+        if self.saves.saved_step != step and any(stop := signals.agree(self._accelerator)):
             trainer.control.should_save = True
             original(tr_loss, grad_norm, *args, **kwargs)
-            self._preempted(step)  # does not return
+            self._stop(step, *stop)  # does not return
         result = original(tr_loss, grad_norm, *args, **kwargs)
-        if self._signals and self._saved_step == step and preemption.should_stop(self._accelerator):
-            self._preempted(step)  # the signal came during this step's save: it is saved, stop now
+        if self.saves.saved_step == step and any(stop := signals.agree(self._accelerator)):
+            self._stop(step, *stop)  # the signal came during this step's save: it is saved, stop now
         return result
 
-    def _preempted(self, step: int) -> NoReturn:
-        """The ``preempted`` metrics line, one line on stderr, and exit 75 on every rank."""
-        if self._saver is not None:
-            self._saves(self._saver.wait)  # async_save: the save in flight (this step's, or an earlier) committed
-        folder = Path(self.trainer._get_output_dir(trial=None)) / trainer_checkpoint_name(step)
-        checkpoint = folder if (folder / MANIFEST).is_file() else None
-        self.metrics.log_preempted(step=step, signal=preemption.received(),
-                                   checkpoint=str(checkpoint) if checkpoint else None)
-        try:
-            preemption.stop(self._accelerator, step=step, checkpoint=checkpoint,
-                            again="trainer.train(resume_from_checkpoint=True) continues from it")
-        except preemption.Preempted as error:
-            if self._accelerator.is_main_process:
-                print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(preemption.PREEMPTED_EXIT) from None
-
-    # ---- saves ----
-    def _save_model(self, original, output_dir=None, _internal_call=False):
-        trainer = self.trainer
-        plugin = getattr(self._accelerator.state, "fsdp_plugin", None)
-        if _internal_call:
-            return original(output_dir, _internal_call)
-        if self._saver is not None:
-            self._saves(self._saver.wait)  # async_save: save_model inside train() (a callback's) waits too
-        if not trainer.is_fsdp_enabled or plugin is None:
-            result = original(output_dir, _internal_call)
-            self._after_save_model(output_dir)
-            return result
-        if self._adapter_keys is not None:
-            return self._save_adapter(Path(output_dir or trainer.args.output_dir))
-        previous = plugin.state_dict_type
-        if "FULL_STATE_DICT" not in str(previous):
-            self._say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
-                      f"{getattr(previous, 'name', previous)}, under which Trainer writes no weights; gathering the "
-                      "full state dict to rank 0 with CPU offload (accelerate get_state_dict, FULL_STATE_DICT) for "
-                      "this save")
-            plugin.set_state_dict_type("FULL_STATE_DICT")
-        try:
-            result = original(output_dir, _internal_call)
-        finally:
-            plugin.set_state_dict_type(previous)
-        # Under FSDP the save is collective (the gather), but Trainer returns on the other ranks as soon
-        # as they have sent their shards, while rank 0 still writes. Every rank returns once the folder
-        # is complete, so a script may read it on any rank next.
-        self._accelerator.wait_for_everyone()
-        self._after_save_model(output_dir)
-        return result
-
-    def _after_save_model(self, output_dir) -> None:
-        if self._accelerator.is_main_process:
-            folder = Path(output_dir or self.trainer.args.output_dir)
-            if folder.is_dir():
-                self._settings_as_json(folder)
-
-    def _save_adapter(self, output_dir: Path) -> None:
-        """A peft model's ``save_model`` under FSDP: only the trainable weights are gathered (torch's
-        ``get_model_state_dict(ignore_frozen_params=True)``), and rank 0 writes the PEFT folder under
-        the key names peft gave them before FSDP wrapped the model (peft's own ``save_pretrained`` on
-        an FSDP1-wrapped model writes an empty adapter), as the recipes export it. The files go into
-        ``output_dir`` beside what it holds, as Trainer's own save puts them (``save_model()`` with
-        no folder writes into the output folder, next to ``checkpoint-N`` and the metrics)."""
-        from fsdp_presets.train.lora import export_adapter
-
-        trainer, accelerator = self.trainer, self._accelerator
-        self._say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
-                  "shards (the frozen base is not gathered), written by rank 0 under peft's key names")
-        staging = staging_sibling(output_dir)  # complete before any file of it is moved into output_dir
-        # the tokenizer Trainer's own save writes: processing_class, else the collator's
-        tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
-        export_adapter(accelerator, trainer.model_wrapped, tokenizer, staging, key_map=self._adapter_keys)
-        if accelerator.is_main_process:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            for path in sorted(staging.iterdir()):
-                os.replace(path, output_dir / path.name)
-            staging.rmdir()
-        accelerator.wait_for_everyone()
-
-    def _save_checkpoint(self, original, model, trial, *args, **kwargs):
-        trainer, accelerator = self.trainer, self._accelerator
-        step = trainer.state.global_step
-        folder = Path(trainer._get_output_dir(trial=trial)) / trainer_checkpoint_name(step)
-        started = time.perf_counter()
-        # Trainer's rotation runs after the commit (self._commit), never before it: it would remove
-        # the last committed checkpoint for one that is not committed yet.
-        save_total_limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
-        self._save_total_limit = save_total_limit  # a save in flight committed by this one rotates with it
-        try:
-            if self._saver is not None:  # async_save: Trainer's files now, the shards in the background
-                self._trainer_save = functools.partial(original, model, trial, *args, **kwargs)
-                # The last step's save is committed at once: no training is left to overlap, and the
-                # end of train() reads (load_best_model_at_end) or removes (save_total_limit=1 and a
-                # best checkpoint) checkpoints, which must not meet a folder still being written.
-                self._saves(self._saver.save, step=step, samples_consumed=step * self._global_batch(),
-                            write_extra=None, wait=step >= trainer.state.max_steps)
-            else:
-                trainer_saves.clear_folder(accelerator, folder)
-                original(model, trial, *args, **kwargs)
-        finally:
-            trainer.args.save_total_limit = save_total_limit
-            self._trainer_save, self._save_total_limit = None, None
-        # drills: sync, Trainer's files written and no manifest yet; async, the shards still being written
-        fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)
-        self._saved_step = step
-        if self._saver is not None:
-            return
-        accelerator.wait_for_everyone()  # every rank's files (its RNG state, its DCP shards) are written
-        if accelerator.is_main_process and folder.is_dir():
-            self._commit(folder, step)
-        accelerator.wait_for_everyone()
-        elapsed = time.perf_counter() - started
-        committed = self.metrics.enabled and (folder / MANIFEST).is_file()  # main process
-        size = sum(entry["bytes"] for entry in Manifest.read(folder).files.values()) if committed else 0
-        self.metrics.log_save(step=step, async_=False, blocked_s=elapsed, total_s=elapsed, bytes=size)
-
-    def _write_trainer_files(self, folder: Path) -> None:
-        """async_save, on every rank: Trainer's own ``_save_checkpoint`` of this step without its
-        FSDP model and optimizer writes (``_save_optimizer_and_scheduler`` below), then data only."""
-        self._trainer_save()
-        if self._accelerator.is_main_process:
-            self._settings_as_json(folder)
-
-    def _save_optimizer_and_scheduler(self, original, output_dir):
-        if self._trainer_save is None:
-            return original(output_dir)
-        trainer_saves.save_scheduler(self.trainer, output_dir)  # the shards: by the background writer
-
-    def _saves(self, call, *args, **kwargs):
-        """``call`` of the background writer; a write that failed (reported on every rank by the
-        writer) becomes one line on the main process and exit 1 on every rank (2: refused input)."""
-        try:
-            return call(*args, **kwargs)
-        except (Finding, UsageError) as error:
-            if self._accelerator.is_main_process:
-                print(f"fsdp-presets: error: {error}", file=sys.stderr, flush=True)
-            raise SystemExit(2 if isinstance(error, UsageError) else 1) from None
-
-    def _close_saver(self) -> None:
-        saver, self._saver = self._saver, None
-        if saver is not None:
-            saver.close()
-
-    def _settings_as_json(self, folder: Path) -> None:
-        """Data only: Trainer's pickle of TrainingArguments in ``folder`` replaced by the same settings
-        as JSON (a pickle runs code when it is loaded)."""
-        pickled = folder / TRAINER_ARGS_PICKLE
-        if pickled.is_file():
-            write_text_atomic(folder / TRAINER_ARGS_JSON, self.trainer.args.to_json_string())
-            pickled.unlink()
-
-    def _commit(self, folder: Path, step: int, files: dict[str, dict[str, Any]] | None = None) -> None:
-        """Write ``manifest.json`` into a checkpoint Trainer finished (main process; ``files``: the
-        hashes the ranks made, async_save), then Trainer's rotation of older ones."""
-        import accelerate
-        import torch
-        import transformers
-
-        trainer = self.trainer
-        if files is None:
-            self._settings_as_json(folder)
-            files = {}
-            for path in sorted(folder.rglob("*")):
-                if path.is_file() and path.name != MANIFEST:
-                    files[str(path.relative_to(folder))] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-        settings = distributed_settings(self._accelerator)
-        model = self._accelerator.unwrap_model(trainer.model)
-        manifest = Manifest(
-            step=step, samples_consumed=step * self._global_batch(), world_size=settings["world_size"],
-            distributed_type=settings["distributed_type"], fsdp=settings["fsdp"],
-            config_digest=config_digest(model.config), files=files, kind=TRAINER_KIND,
-            versions={"torch": torch.__version__, "accelerate": accelerate.__version__,
-                      "transformers": transformers.__version__},
-            created_unix=time.time(), training=_lora_settings(model))
-        write_json_atomic(folder / MANIFEST, asdict(manifest))
-        trainer_saves.rotate(trainer, save_total_limit=trainer.args.save_total_limit if self._save_total_limit is None
-                             else self._save_total_limit)
+    def _stop(self, step: int, interrupted: bool, preempted: bool) -> NoReturn:
+        """The step's checkpoint committed, then one line on stderr and exit 130 (Ctrl-C) or 75 (a
+        preemption, after its ``preempted`` metrics line) on every rank."""
+        self._exits(self.saves.wait)  # async_save: the save in flight (this step's, or an earlier) committed
+        checkpoint = self.saves.checkpoint(step)
+        if preempted:
+            self.metrics.log_preempted(step=step, signal=signals.received(),
+                                       checkpoint=str(checkpoint) if checkpoint else None)
+        self._exits(signals.stop, self._accelerator, step=step, checkpoint=checkpoint, interrupted=not preempted)
 

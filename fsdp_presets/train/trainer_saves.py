@@ -1,145 +1,229 @@
-"""Trainer's ``checkpoint-N`` saves in the background: ``FSDPPresetsCallback(async_save=True)``
-(``recipes/sft_trainer.py --async-save``), through the recipes' writer
-(:class:`fsdp_presets.checkpoint.async_save.CheckpointSaver`).
+"""Trainer's own saves under ``FSDPPresetsCallback``: every ``checkpoint-N`` through the recipes'
+checkpoint manager under Trainer's names (:data:`fsdp_presets.checkpoint.manager.TRAINER_NAMING`),
+and ``save_model``'s folder.
 
-How it fits Trainer's save flow (``Trainer._save_checkpoint``: ``save_model`` (no weights under
+A synchronous save (``Trainer._save_checkpoint``: ``save_model`` (no weights under
 ``SHARDED_STATE_DICT``), then accelerate's ``save_fsdp_model`` and ``save_fsdp_optimizer`` (DCP,
 every rank), the scheduler, the scaler, every rank's RNG state, ``trainer_state.json``, then the
-rotation of old checkpoints):
+rotation of old checkpoints) writes ``checkpoint-N`` emptied first (a killed run's leftover of that
+step would stay beside the new files); then Trainer's pickled ``training_args.bin`` is replaced by
+``training_args.json`` (a checkpoint holds data only: a pickle runs code when it is loaded), the
+ranks hash their shares and the manifest is written (the commit), and Trainer's rotation runs, after
+the commit rather than before it: it would remove the last committed checkpoint for one that is not
+committed yet.
+
+``FSDPPresetsCallback(async_save=True)`` (``recipes/sft_trainer.py --async-save``) writes the model
+and optimizer shards in the background through the recipes' writer
+(:class:`fsdp_presets.checkpoint.async_save.CheckpointSaver`):
 
 1. the save in flight, if any, is committed first (at most one in flight);
-2. Trainer's own ``_save_checkpoint`` runs with its model and optimizer writes left out (the
-   callback's ``_save_optimizer_and_scheduler`` writes only the scheduler, as Trainer does) and its
-   rotation deferred: every other file is Trainer's, written by Trainer, at once;
+2. Trainer's own ``_save_checkpoint`` runs with its model and optimizer writes left out
+   (:meth:`TrainerSaves.save_optimizer_and_scheduler` writes only the scheduler, as Trainer does)
+   and its rotation deferred: every other file is Trainer's, written by Trainer, at once;
 3. the writer stages this rank's model and optimizer shards in host memory and hands them to DCP's
    ``async_save`` into ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` (the folders and keys
    ``save_fsdp_model``/``save_fsdp_optimizer`` write, so Trainer's resume reads them unchanged), on
    gloo process groups of their own; training goes on;
 4. once every rank's background write has finished (asked at each optimizer step's end, one small
    all-reduce; the next save, a preemption, ``train()``'s end and ``save_model`` wait for it), the
-   manifest is written (:class:`TrainerCheckpoints` ``commit``: the folder is committed) and then
-   Trainer's rotation runs, so it never removes the last committed checkpoint for one still in
-   flight.
+   manifest is written (the commit) and then Trainer's rotation runs, so it never removes the last
+   committed checkpoint for one still in flight.
 
-Trainer writes ``checkpoint-N`` in place (no temporary name): until its manifest is written the
-folder is not committed, and ``trainer.train(resume_from_checkpoint=True)`` with the callback skips
-it for the newest committed one.
+Until its manifest is written a ``checkpoint-N`` is not committed, and
+``trainer.train(resume_from_checkpoint=True)`` with the callback skips it for the newest committed
+one (:func:`fsdp_presets.checkpoint.manager.trainer_resume_choice`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import shutil
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
-from fsdp_presets.checkpoint.layout import (MANIFEST, RUN_JSON, TRAINER_CHECKPOINT_PATTERN, deleting_name,
-                                            trainer_checkpoint_name)
-from fsdp_presets.checkpoint.manager import hash_share
+from fsdp_presets.checkpoint.layout import TRAINER_ARGS_JSON, TRAINER_ARGS_PICKLE, RunFolder, trainer_checkpoint_name
+from fsdp_presets.checkpoint.manager import TRAINER_NAMING, CheckpointManager
+from fsdp_presets.checkpoint.run_folder import (RunInfo, distributed_settings, launch_config_file, run_identity,
+                                                training_settings)
+from fsdp_presets.faults import fault_point
+from fsdp_presets.fileio import config_digest, write_text_atomic
+from fsdp_presets.train import lora
 
 
-@dataclass(kw_only=True)
-class TrainerCheckpoints:
-    """What :class:`~fsdp_presets.checkpoint.async_save.CheckpointSaver` asks of its checkpoint
-    manager, for Trainer's own ``checkpoint-N`` folders (one instance per process)."""
+class TrainerSaves:
+    """The saves of one Trainer (one instance per process): :meth:`begin` and :meth:`close` frame
+    each ``train()``; the other methods stand in for Trainer's own."""
 
-    accelerator: Any
-    """The Trainer's ``accelerate.Accelerator``."""
-    directory: Path
-    """Trainer's run folder (``args.output_dir``), which holds the ``checkpoint-N`` folders."""
-    commit_folder: Callable[[Path, int, dict[str, dict[str, Any]]], None]
-    """Main process: write the manifest of ``(folder, step, files)``, then rotate old checkpoints."""
+    def __init__(self, trainer, *, async_save: bool, adapter_keys: dict[str, str] | None,
+                 say: Callable[[str], None]) -> None:
+        self.trainer, self.async_save, self.adapter_keys, self.say = trainer, async_save, adapter_keys, say
+        self.checkpoints: CheckpointManager | None = None  # during train()
+        self.saver = None  # during train() with async_save: the background writer (CheckpointSaver)
+        self.metrics = None
+        self.saved_step: int | None = None
+        self._trainer_save = None  # async_save, during a save: Trainer's own _save_checkpoint of that step
+        self._save_total_limit = None  # during a save: the user's save_total_limit (Trainer's is set aside)
 
-    def begin_save(self, step: int) -> Path:
-        """``checkpoint-N`` of ``step``, which Trainer's own save is about to write, emptied
-        (:func:`clear_folder`). Collective."""
-        folder = self.directory / trainer_checkpoint_name(step)
-        clear_folder(self.accelerator, folder)
-        return folder
-
-    def commit(self, temporary: Path, *, step: int, samples_consumed: int,
-               hashed: list[tuple[str, str, int]] | None = None) -> tuple[Path, int]:
-        """Every rank's files are written: gather the ranks' shares of the hashing and commit the
-        folder (its manifest, then Trainer's rotation) on the main process. Returns the folder and
-        its bytes (0 on the other ranks). Collective. ``samples_consumed``: the manifest derives it
-        from the step, as the synchronous save does."""
-        from accelerate.utils import gather_object
-
-        accelerator = self.accelerator
-        accelerator.wait_for_everyone()
-        if hashed is None:
-            hashed = hash_share(temporary, rank=accelerator.process_index, world_size=accelerator.num_processes)
-        hashed = gather_object(hashed) if accelerator.num_processes > 1 else hashed
-        total_bytes = 0
+    def begin(self, metrics, *, global_batch: int, resumed_from: str | os.PathLike | None) -> None:
+        """The start of a ``train()``: its run.json (main process), its checkpoint manager and, with
+        async_save, its background writer."""
+        trainer = self.trainer
+        accelerator, args = trainer.accelerator, trainer.args
+        model = accelerator.unwrap_model(trainer.model)
+        self.metrics, self.global_batch = metrics, global_batch
         if accelerator.is_main_process:
-            self.commit_folder(temporary, step, {relative: {"sha256": digest, "bytes": size}
-                                                 for relative, digest, size in sorted(hashed)})
-            total_bytes = sum(size for _, _, size in hashed)
+            identity = run_identity(recipe=type(trainer).__name__, seed=args.seed,
+                                    model=str(getattr(trainer.model.config, "_name_or_path", "") or ""))
+            RunInfo(identity=identity, settings=training_settings(args), training=lora.settings_of(trainer.model),
+                    max_steps=args.max_steps, micro_batch_size=args.per_device_train_batch_size,
+                    gradient_accumulation_steps=args.gradient_accumulation_steps, global_batch_samples=global_batch,
+                    distributed=distributed_settings(accelerator), accelerate_config=launch_config_file(),
+                    resumed_from=str(resumed_from) if resumed_from else None,
+                    ).write(RunFolder(root=Path(args.output_dir)))
+        self.checkpoints = CheckpointManager(
+            accelerator=accelerator, directory=Path(trainer.args.output_dir), keep_last=1,
+            config_digest=config_digest(model.config), distributed=distributed_settings(accelerator), log=self.say,
+            training=lora.settings_of(model), naming=TRAINER_NAMING, rotate=self._rotate)
+        if self.async_save:
+            from fsdp_presets.checkpoint.async_save import CheckpointSaver
+
+            self.saver = CheckpointSaver(manager=self.checkpoints, background=True, on_saved=metrics.log_save,
+                                         write_state_files=self._write_trainer_files)
+
+    def wait(self) -> None:
+        """async_save: the save in flight, if any, committed. Collective."""
+        if self.saver is not None:
+            self.saver.wait()
+
+    def poll(self, step: int) -> None:
+        """async_save: the save in flight committed if every rank's write is done. Collective."""
+        if self.saver is not None:
+            self.saver.poll(step=step)
+
+    def close(self) -> None:
+        """The last save in flight committed; the background writer ended. Collective."""
+        saver, self.saver = self.saver, None
+        if saver is not None:
+            saver.close()
+
+    def checkpoint(self, step: int) -> Path | None:
+        """The committed ``checkpoint-N`` of ``step``, None when it has none."""
+        committed = dict(TRAINER_NAMING.committed(Path(self.trainer.args.output_dir)))
+        return committed.get(step)
+
+    # ---- checkpoint-N ----
+    def save_checkpoint(self, original, model, trial, *args, **kwargs):
+        trainer, accelerator = self.trainer, self.trainer.accelerator
+        step = trainer.state.global_step
+        folder = Path(trainer.args.output_dir) / trainer_checkpoint_name(step)
+        started = time.perf_counter()
+        save_total_limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
+        self._save_total_limit = save_total_limit  # a save in flight committed by this one rotates with it
+        try:
+            if self.saver is not None:  # async_save: Trainer's files now, the shards in the background
+                self._trainer_save = functools.partial(original, model, trial, *args, **kwargs)
+                # The last step's save is committed at once: no training is left to overlap, and the
+                # end of train() reads (load_best_model_at_end) or removes (save_total_limit=1 and a
+                # best checkpoint) checkpoints, which must not meet a folder still being written.
+                self.saver.save(step=step, samples_consumed=step * self.global_batch, write_extra=None,
+                                wait=step >= trainer.state.max_steps)
+            else:
+                self.checkpoints.begin_save(step)
+                original(model, trial, *args, **kwargs)
+        finally:
+            trainer.args.save_total_limit = save_total_limit
+            self._trainer_save, self._save_total_limit = None, None
+        # drills: sync, Trainer's files written and no manifest yet; async, the shards still being written
+        fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)
+        self.saved_step = step
+        if self.saver is not None:
+            return
+        if accelerator.is_main_process:
+            self.settings_as_json(folder)
+        _, size = self.checkpoints.commit(folder, step=step, samples_consumed=step * self.global_batch)
+        elapsed = time.perf_counter() - started
+        self.metrics.log_save(step=step, async_=False, blocked_s=elapsed, total_s=elapsed, bytes=size)
+
+    def _write_trainer_files(self, folder: Path) -> None:
+        """async_save, on every rank: Trainer's own ``_save_checkpoint`` of this step without its
+        FSDP model and optimizer writes (:meth:`save_optimizer_and_scheduler`), then data only."""
+        self._trainer_save()
+        if self.trainer.accelerator.is_main_process:
+            self.settings_as_json(folder)
+
+    def save_optimizer_and_scheduler(self, original, output_dir):
+        if self._trainer_save is None:
+            return original(output_dir)
+        save_scheduler(self.trainer, output_dir)  # the shards: by the background writer
+
+    def _rotate(self) -> None:
+        """Trainer's own rotation with the user's ``save_total_limit`` (set aside while Trainer saves)."""
+        trainer = self.trainer
+        rotate(trainer, save_total_limit=trainer.args.save_total_limit if self._save_total_limit is None
+               else self._save_total_limit)
+
+    def settings_as_json(self, folder: Path) -> None:
+        """Data only: Trainer's pickle of TrainingArguments in ``folder`` replaced by the same settings
+        as JSON (a pickle runs code when it is loaded). Main process."""
+        pickled = folder / TRAINER_ARGS_PICKLE
+        if pickled.is_file():
+            write_text_atomic(folder / TRAINER_ARGS_JSON, self.trainer.args.to_json_string())
+            pickled.unlink()
+
+    # ---- save_model ----
+    def save_model(self, original, output_dir=None, _internal_call=False):
+        trainer, accelerator = self.trainer, self.trainer.accelerator
+        plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        if _internal_call:
+            return original(output_dir, _internal_call)
+        self.wait()  # async_save: save_model inside train() (a callback's) waits too
+        if not trainer.is_fsdp_enabled or plugin is None:
+            result = original(output_dir, _internal_call)
+            self._after_save_model(output_dir)
+            return result
+        if self.adapter_keys is not None:
+            return self._save_adapter(Path(output_dir or trainer.args.output_dir))
+        previous = plugin.state_dict_type
+        if "FULL_STATE_DICT" not in str(previous):
+            self.say(f"save_model({output_dir or trainer.args.output_dir}): the preset checkpoints with "
+                     f"{getattr(previous, 'name', previous)}, under which Trainer writes no weights; gathering the "
+                     "full state dict to rank 0 with CPU offload (accelerate get_state_dict, FULL_STATE_DICT) for "
+                     "this save")
+            plugin.set_state_dict_type("FULL_STATE_DICT")
+        try:
+            result = original(output_dir, _internal_call)
+        finally:
+            plugin.set_state_dict_type(previous)
+        # Under FSDP the save is collective (the gather), but Trainer returns on the other ranks as soon
+        # as they have sent their shards, while rank 0 still writes. Every rank returns once the folder
+        # is complete, so a script may read it on any rank next.
         accelerator.wait_for_everyone()
-        return temporary, total_bytes
+        self._after_save_model(output_dir)
+        return result
 
-    def kept_note(self) -> str:
-        """What a failed background write leaves to resume from: the newest ``checkpoint-N`` with a
-        manifest (committed), which Trainer's own resume continues from."""
-        committed = [folder for _, folder in trainer_checkpoints(self.directory) if (folder / MANIFEST).is_file()]
-        if not committed:
-            return "No earlier committed checkpoint exists in this run (Trainer starts from step 0)."
-        return (f"The last committed checkpoint, {committed[-1]}, is intact and Trainer's own resume "
-                "(trainer.train(resume_from_checkpoint=True)) continues from it.")
+    def _after_save_model(self, output_dir) -> None:
+        if self.trainer.accelerator.is_main_process:
+            folder = Path(output_dir or self.trainer.args.output_dir)
+            if folder.is_dir():
+                self.settings_as_json(folder)
 
-    def abandon(self, temporary: Path) -> None:
-        """A background write failed: remove its folder (main process)."""
-        if self.accelerator.is_main_process and temporary.exists():
-            _remove_tree(temporary)
+    def _save_adapter(self, output_dir: Path) -> None:
+        """A peft model's ``save_model`` under FSDP: only the trainable weights are gathered (torch's
+        ``get_model_state_dict(ignore_frozen_params=True)``), and rank 0 writes the PEFT folder under
+        the key names peft gave them before FSDP wrapped the model (peft's own ``save_pretrained`` on
+        an FSDP1-wrapped model writes an empty adapter), as the recipes export it. The files go into
+        ``output_dir`` beside what it holds, as Trainer's own save puts them (``save_model()`` with
+        no folder writes into the output folder, next to ``checkpoint-N`` and the metrics)."""
+        from fsdp_presets.train.final_adapter import export_adapter
 
-    def stop_if_disk_full(self, error: BaseException, *, step: int, temporary: Path) -> None:
-        """Staging failed: the error goes on as it is (the folder has no manifest: never resumed from)."""
-
-
-def trainer_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """``[(step, folder)]`` of the ``checkpoint-N`` folders Trainer wrote under ``directory``, oldest
-    first (committed or not: a committed one holds its manifest)."""
-    return sorted((int(match.group(1)), entry) for entry in (directory.iterdir() if directory.is_dir() else ())
-                  if (match := TRAINER_CHECKPOINT_PATTERN.match(entry.name)) and entry.is_dir())
-
-
-def resume_choice(directory: Path) -> tuple[Path | None, str | None]:
-    """The ``checkpoint-N`` under ``directory`` that ``trainer.train(resume_from_checkpoint=True)``
-    continues from, and a line saying why when it is not the newest folder: the newest committed
-    one (with its manifest); None when none is (training starts from step 0), never a folder a
-    killed or interrupted run left without its manifest, even the only one. A run folder written
-    without the callback (no ``run.json``, no manifest anywhere): the newest folder, as Trainer
-    picks it."""
-    found = trainer_checkpoints(directory)
-    committed = [folder for _, folder in found if (folder / MANIFEST).is_file()]
-    if not committed and not (directory / RUN_JSON).is_file():
-        return (found[-1][1] if found else None), None
-    if not found or committed[-1:] == [found[-1][1]]:
-        return (committed[-1] if committed else None), None
-    instead = (f"resuming from {committed[-1]}, the newest committed checkpoint" if committed else
-               "no checkpoint of this run was committed: training starts from step 0")
-    return (committed[-1] if committed else None), (f"{found[-1][1]} has no {MANIFEST}: it was cut short before it "
-                                                     f"was committed; {instead}")
-
-
-def clear_folder(accelerator, folder: Path) -> None:
-    """Remove ``folder`` before Trainer saves that step into it (main process; every rank waits):
-    a killed run's unfinished ``checkpoint-N`` (no manifest), or a committed one of the same step
-    saved again after a resume from an older one. Trainer writes into an existing folder and keeps
-    what it does not overwrite, so the new checkpoint would hold stale files (a one-process run's
-    ``rng_state.pth`` beside a two-process run's ``rng_state_N.pth``) and its manifest would vouch
-    for them. Collective."""
-    if accelerator.is_main_process and folder.exists():
-        _remove_tree(folder)
-    accelerator.wait_for_everyone()
-
-
-def _remove_tree(path: Path) -> None:
-    """Renamed first, then deleted: a kill mid-delete leaves a dot-folder, never a checkpoint-looking one."""
-    doomed = deleting_name(path)
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+        trainer = self.trainer
+        self.say(f"save_model({output_dir}): the PEFT adapter under FSDP: its trainable weights gathered from the "
+                 "shards (the frozen base is not gathered), written by rank 0 under peft's key names")
+        # the tokenizer Trainer's own save writes: processing_class, else the collator's
+        tokenizer = trainer.processing_class or getattr(trainer.data_collator, "tokenizer", None)
+        export_adapter(trainer.accelerator, trainer.model_wrapped, tokenizer, output_dir, key_map=self.adapter_keys,
+                       merge=True)  # complete before any file of it is moved into output_dir
 
 
 def save_scheduler(trainer, output_dir: str) -> None:
@@ -158,9 +242,7 @@ def save_scheduler(trainer, output_dir: str) -> None:
 
 
 def rotate(trainer, *, save_total_limit: int | None) -> None:
-    """Trainer's own rotation of old ``checkpoint-N`` folders (the user's ``save_total_limit``, which
-    the callback sets aside while Trainer saves; main process), run after a commit rather than before
-    it: a save in flight, committed when the next save begins, is rotated with the user's limit too."""
+    """Trainer's own rotation of old ``checkpoint-N`` folders (main process), run after a commit."""
     from transformers.trainer_utils import rotate_checkpoints
 
     rotate_checkpoints(output_dir=trainer._get_output_dir(trial=None), save_total_limit=save_total_limit,

@@ -24,7 +24,6 @@ anything older than the newest checkpoint committed before the kill (a lost chec
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -34,8 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS, RUN_JSON, step_of
+from fsdp_presets.checkpoint.layout import CHECKPOINTS, METRICS, step_of
 from fsdp_presets.checkpoint.manager import committed_checkpoints
+from fsdp_presets.checkpoint.run_folder import read_run_info
 from fsdp_presets.checkpoint.verify import verify_checkpoint
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
@@ -233,10 +233,12 @@ def _inode(path: Path) -> int | None:
 def _resumed_step(run_dir: Path) -> int | None:
     """The step ``run.json``'s ``resumed_from`` names (0 when the run started over)."""
     try:
-        record = json.loads((run_dir / RUN_JSON).read_text())
-    except (OSError, json.JSONDecodeError):
+        record = read_run_info(run_dir)
+    except (OSError, ValueError):
         return None
-    resumed_from = record.get("resumed_from")
+    if record is None:
+        return None
+    resumed_from = record.resumed_from
     if not resumed_from:
         return 0
     return step_of(resumed_from)

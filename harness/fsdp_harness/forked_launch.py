@@ -65,7 +65,7 @@ PRELOAD = (
     "datasets", "safetensors.torch", "yaml", "numpy", "peft",
     "matplotlib", "matplotlib.pyplot",
     "fsdp_presets", "fsdp_presets.cpu_fsdp", "fsdp_presets.train.loop", "fsdp_presets.train.data",
-    "fsdp_presets.train.plots", "fsdp_presets.train.lora", "fsdp_presets.checkpoint.manager",
+    "fsdp_presets.train.plots", "fsdp_presets.train.model_setup", "fsdp_presets.checkpoint.manager",
     "fsdp_presets.train.final_model",
 )
 """What the server imports before it forks anything (a name that does not import is skipped)."""

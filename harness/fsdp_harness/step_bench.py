@@ -139,7 +139,7 @@ def worker(argv: list[str]) -> None:
     import fsdp_presets
     from fsdp_presets.train import data as recipe_data
     from fsdp_presets.train import loop
-    from fsdp_presets.train import lora as recipe_lora
+    from fsdp_presets.train import model_setup
     from fsdp_presets.numerics import clip_grad_norm, param_groups
 
     fsdp_presets.enable_cpu_fsdp()
@@ -157,7 +157,7 @@ def worker(argv: list[str]) -> None:
     def build_optimizer(model):
         return torch.optim.AdamW(param_groups(model, 0.0), lr=1e-5, betas=(0.9, 0.95)), None
 
-    model, optimizer, _ = recipe_lora.prepare(accelerator, model, build_optimizer, lora=None)
+    model, optimizer, _ = model_setup.prepare(accelerator, model, build_optimizer, lora=None)
     model.train()
     wall, cpu, losses, profile = [], [], [], None
     samples = 0
