@@ -6,6 +6,7 @@ tests prepare. Neither package is imported; their folders are found through impo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from importlib.util import find_spec
