@@ -251,7 +251,7 @@ def test_a_tp_size_the_key_value_heads_do_not_allow_is_an_error(tmp_path, capsys
 
 
 def test_tensor_parallelism_through_accelerate_is_refused_where_the_installed_pair_cannot_run_it(tmp_path, capsys):
-    from fsdp_presets.check.rules_parallel import accelerate_tp_import_problem
+    from fsdp_presets.rehearse.mesh import accelerate_tp_import_problem
 
     rules = _rules(capsys, _nd_config(tmp_path, tp=4, shard=2), "--model", "model_configs/llama-3.1-8b")
     # Found by trying accelerate's own import, so the finding follows the installed transformers.

@@ -25,7 +25,7 @@ from fsdp_presets.preset.accelerate_view import accelerate_view
 from fsdp_presets.check.lint import check_file, model_facts
 
 REPO = Path(__file__).resolve().parent.parent
-from fsdp_presets.check.rules_parallel import accelerate_tp_import_problem
+from fsdp_presets.rehearse.mesh import accelerate_tp_import_problem
 
 REAL = REPO / "tests" / "data" / "real_configs"
 FILES = sorted(path.name for path in REAL.glob("*.yaml"))

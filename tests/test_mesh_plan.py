@@ -164,3 +164,88 @@ def test_rehearse_refuses_a_mesh_on_a_preset(capsys, tmp_path):
 def test_a_mesh_on_a_cpu_host_is_refused(capsys):
     code, _, err = run_cli(capsys, "plan", "llama", "--device", "cpu", "--gpus", 4, "--tp", 2)
     assert code == 2 and "--tp/--ep with --device cpu" in err
+
+
+# --------------------------------------------------------------------------- generate --tp / --ep
+
+
+def test_generate_writes_the_mesh_in_both_forms_each_loaded_by_its_own_library(capsys, tmp_path):
+    """``generate --tp 8``: the accelerate YAML (read back by accelerate's own loader) and beside it
+    ``NAME.distributed.json``, whose keys are DistributedConfig's arguments (read by transformers'
+    own loader), both carrying where they came from; regenerating rewrites both."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    from fsdp_presets.preset.accelerate_view import accelerate_view
+    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.emit_distributed import HEADER_KEY
+
+    output = tmp_path / "l70.yaml"
+    argv = ("generate", REPO / "model_configs" / "llama-3.1-70b", "--gpus", 64, "--nodes", 8, "--tp", 8,
+            "--seq-len", 2048, "--activation-checkpointing", "off", "-o", output)
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    json_path = tmp_path / "l70.distributed.json"
+    assert f"wrote {json_path}" in out and "launch: accelerate launch --config_file" in out
+    document = json.loads(json_path.read_text())
+    config = DistributedConfig.from_dict(document)
+    assert (config.fsdp_size, config.tp_size, config.ep_size, config.dp_replicate_size) == (8, 8, 1, 1)
+    assert config.fsdp_mixed_precision and not config.fsdp_cpu_offload
+    assert document[HEADER_KEY]["metadata"]["request"]["tp"] == 8
+    text = output.read_text()
+    assert read_metadata(text)["summary"]["sharding"] == "FSDP 8 x TP 8"
+    assert "--tp 8" in text and "FSDP 8 x TP 8" in text and "distributed_config=config" in text
+    view = accelerate_view(output)
+    assert view.env["ACCELERATE_USE_FSDP"] == "true"
+    # 8 data-parallel ranks (a TP group shares its batch): 256 sequences of 2,048 tokens = 0.5M
+    assert read_metadata(text)["summary"]["data_parallel_size"] == 8
+    assert run_cli(capsys, *argv)[0] == 0  # its own files: rewritten
+    json_path.write_text('{"tp_size": 2}\n')  # a hand-written one is not replaced
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "was not written by fsdp-presets generate" in err and json_path.read_text() == '{"tp_size": 2}\n'
+
+
+def test_a_pair_that_runs_accelerates_tp_gets_the_mesh_in_the_yaml_too(capsys, tmp_path, monkeypatch):
+    from fsdp_presets.preset.accelerate_view import accelerate_view
+    from fsdp_presets.rehearse import mesh
+
+    monkeypatch.setattr(mesh, "accelerate_tp_import_problem", lambda: None)
+    output = tmp_path / "l8.yaml"
+    code, _, err = run_cli(capsys, "generate", REPO / "model_configs" / "llama-3.1-8b", "--gpus", 8, "--tp", 2,
+                           "-o", output)
+    assert code == 0, err
+    env = accelerate_view(output).env
+    assert (env["PARALLELISM_CONFIG_TP_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "4")
+
+
+def test_an_expert_parallel_preset_loads_on_every_rank(capsys, tmp_path):
+    """transformers issue 45662: EP under RAM-efficient loading gives every rank rank 0's experts."""
+    import yaml
+
+    output = tmp_path / "mx.yaml"
+    code, _, err = run_cli(capsys, "generate", REPO / "model_configs" / "mixtral-8x7b", "--gpus", 64, "--nodes", 8,
+                           "--ep", 8, "--seq-len", 1024, "-o", output)
+    assert code == 0, err
+    assert yaml.safe_load(output.read_text())["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] is False
+    assert json.loads((tmp_path / "mx.distributed.json").read_text())["ep_size"] == 8
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--tp", 3), "TP 3 does not divide"),
+    (("--tp", 2, "--fsdp-version", 1), "drop --fsdp-version 1"),
+    (("--tp", 2, "--method", "lora"), "planned for full fine-tuning"),
+    (("--ep", 2), "no expert-parallel plan"),
+])
+def test_generate_refuses_a_mesh_it_cannot_plan(capsys, tmp_path, flags, message):
+    code, _, err = run_cli(capsys, "generate", REPO / "model_configs" / "llama-3.1-8b", "--gpus", 8, *flags,
+                           "-o", tmp_path / "x.yaml")
+    assert code == 2 and message in err and not list(tmp_path.iterdir())
+
+
+def test_a_generated_mesh_preset_is_rehearsed_on_its_mesh(capsys, tmp_path):
+    output = tmp_path / "tiny.yaml"
+    assert run_cli(capsys, "generate", "llama", "--gpus", 4, "--tp", 2, "--seq-len", 64, "-o", output)[0] == 0
+    code, out, err = run_cli(capsys, "rehearse", output, "--json")
+    assert code in (0, 1), err
+    document = json.loads(out)
+    assert (document["strategy"], document["tp_size"]) == ("FSDP 2 x TP 2", 2)
+    assert abs(document["planner_difference"]) < 0.5  # a 2-block toy: the planner's reserve terms dominate

@@ -27,27 +27,14 @@ def _size(parallelism: dict, name: str) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
-def accelerate_tp_import_problem() -> str | None:
-    """Why accelerate cannot prepare an FSDP2 x TP model with the installed transformers, or None."""
-    import importlib
-
-    # NOTE: accelerate 1.16's Accelerator.prepare runs `from transformers.integrations.tensor_parallel
-    # import ReplicateParallel` for FSDP2 with a TP mesh; the same lookup, made here.
-    try:
-        module = importlib.import_module("transformers.integrations.tensor_parallel")
-    except ImportError as error:
-        return str(error)
-    if not hasattr(module, "ReplicateParallel"):
-        return "cannot import name 'ReplicateParallel' from 'transformers.integrations.tensor_parallel'"
-    return None
-
-
 def parallel_rules(parallelism: dict, context: CheckContext) -> list[Finding]:
     """The findings for ``parallelism``'s TP and CP sizes (a model's own limits with ``--model``)."""
     tp, cp = _size(parallelism, "tp_size"), _size(parallelism, "cp_size")
     findings: list[Finding] = []
     where = f"{PARALLELISM_CONFIG}.{PARALLELISM_PREFIX}tp_size"
     if tp > 1:
+        from fsdp_presets.rehearse.mesh import accelerate_tp_import_problem  # tried at each check
+
         problem = accelerate_tp_import_problem()
         if problem:
             findings.append(finding(

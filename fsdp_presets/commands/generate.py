@@ -59,11 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets.preset.launch_options import add_launch_arguments
 
     add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
+    arguments.add_mesh(parser, default_text="1: FSDP alone; with either, NAME.distributed.json is written beside "
+                       "-o: transformers' DistributedConfig of the mesh")
 
 
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fsdp_presets.preset.emit import mesh_launch_words
     from fsdp_presets.preset.emit_commands import launch_words
     from fsdp_presets.preset.generate import (check_outputs, check_rescaled_batch, generated_lines, load_profile,
                                               render_files, request_from_args, write_files)
@@ -82,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.preset.launch_options import job_from_args, launcher_path, write_from_args
 
-    launch_command = launch_words(preset, config_file=output, launch=launch)
+    launch_command = (mesh_launch_words(preset, output) if preset.parallelism.is_nd else
+                      launch_words(preset, config_file=output, launch=launch))
     job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
                         default_command=launch_command, config=yaml.safe_load(files[output]))
     check_outputs(files, config_file=output, script_path=launcher_path(args, output) if job is not None else None,
@@ -91,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(generated_lines(preset, output=output, baseline_output=baseline_output,
                                     launch_command=launch_command, rescaled_from=args.from_file if old is not None else None,
                                     old_summary=old["summary"] if old is not None else None)))
+    for path in files:
+        if path not in (output, baseline_output):
+            print(f"wrote {path}: transformers' DistributedConfig of the mesh (load it with "
+                  "DistributedConfig.from_dict)")
     script = write_from_args(args, output, job=job)
     if script is not None:
         print(f"wrote {script}: {args.launcher} launch script of {output}")

@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if mesh.is_nd and from_preset:
         raise UsageError("--tp/--ep: a preset file fixes its mesh; rehearse the model with the flags instead "
                          "(fsdp-presets rehearse MODEL --gpus N --tp N)")
-    if mesh.is_nd and request.strategy not in ("full", "hybrid"):
+    if from_preset:
+        mesh = request.mesh  # a preset of `generate --tp/--ep` is rehearsed on its mesh
+    if mesh.is_nd and request.strategy not in ("full", "hybrid", "auto"):
         raise UsageError(f"--strategy {request.strategy}: a TP/EP mesh is rehearsed with full or hybrid sharding")
     def mesh_terms(shape):
         """The planner's activation terms for the mesh: rehearsed on it (cached), else estimated."""

@@ -34,6 +34,10 @@ class Parallelism:
     """Processes one copy is sharded over (HSDP: the GPUs of a node)."""
     reason: str
     """Why this strategy."""
+    tp_size: int = 1
+    """Tensor-parallel ranks inside ``shard_size`` (1: none); FSDP then shards over ``shard_size / tp_size``."""
+    ep_size: int = 1
+    """Expert-parallel ranks (1: none)."""
 
     def __post_init__(self) -> None:
         if self.replicate_size * self.shard_size != self.num_processes:
@@ -51,11 +55,26 @@ class Parallelism:
         return self.strategy == "HYBRID_SHARD"
 
     @property
+    def is_nd(self) -> bool:
+        return self.tp_size > 1 or self.ep_size > 1
+
+    @property
     def label(self) -> str:
-        """``HSDP 2x8``, ``FULL_SHARD 8``: what changes when a preset is rescaled."""
+        """``HSDP 2x8``, ``FULL_SHARD 8``, ``FSDP 4 x TP 2``: what changes when a preset is rescaled."""
+        if self.is_nd:
+            parts = [f"HSDP {self.replicate_size}"] if self.hsdp else []
+            parts.append(f"FSDP {self.shard_size // self.tp_size}")
+            parts += [f"TP {self.tp_size}"] if self.tp_size > 1 else []
+            parts += [f"EP {self.ep_size}"] if self.ep_size > 1 else []
+            return " x ".join(parts)
         if self.hsdp:
             return f"HSDP {self.replicate_size}x{self.shard_size}"
         return f"{self.strategy} {self.num_processes}"
+
+    def distributed_config(self) -> dict:
+        """transformers ``DistributedConfig`` sizes of this layout."""
+        return {"dp_replicate_size": self.replicate_size, "fsdp_size": self.shard_size // self.tp_size,
+                "tp_size": self.tp_size, "ep_size": self.ep_size}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -65,7 +65,20 @@ def accelerate_config(preset: Preset) -> dict:
     if parallelism.hsdp and parallelism.fsdp_version == 2:
         config[PARALLELISM_CONFIG] = {key.name: _emitted_value(key, preset) for key in PARALLELISM_KEYS
                                       if key.preset}
+    if parallelism.tp_size > 1 and accelerate_runs_tp():
+        # accelerate's own FSDP2 x TP: data-parallel sharding over the ranks left beside TP
+        config[PARALLELISM_CONFIG] = {f"{PARALLELISM_PREFIX}dp_replicate_size": parallelism.replicate_size,
+                                      f"{PARALLELISM_PREFIX}dp_shard_size": parallelism.shard_size // parallelism.tp_size,
+                                      f"{PARALLELISM_PREFIX}tp_size": parallelism.tp_size}
     return config
+
+
+def accelerate_runs_tp() -> bool:
+    """Whether the installed accelerate/transformers pair can prepare an FSDP2 x TP model (tried:
+    :func:`fsdp_presets.rehearse.mesh.accelerate_tp_import_problem`)."""
+    from fsdp_presets.rehearse.mesh import accelerate_tp_import_problem
+
+    return accelerate_tp_import_problem() is None
 
 
 def _emitted_value(key: ConfigKey, preset: Preset):
@@ -225,7 +238,7 @@ def _table_unit(preset: Preset) -> tuple[str, int]:
     return byte_unit(max(row.per_gpu.total for row in preset.memory_plan.strategies))
 
 
-def _planner_table(preset: Preset, *, mark: tuple[str, int | None]) -> list[str]:
+def _planner_table(preset: Preset, *, mark: str) -> list[str]:
     headers = ["strategy", "states", "activ", "buffers", "total", "fits", "max mb", "comm", "inter-node"]
     _, size = _table_unit(preset)
 
@@ -234,7 +247,7 @@ def _planner_table(preset: Preset, *, mark: tuple[str, int | None]) -> list[str]
 
     rows = []
     for row in preset.memory_plan.strategies:
-        chosen = (row.name, row.fsdp_version) == mark
+        chosen = row.label == mark
         states = row.per_gpu.params + row.per_gpu.grads + row.per_gpu.optimizer
         rows.append([
             ("* " if chosen else "  ") + row.label, _gib(states), _gib(row.per_gpu.activations),
@@ -275,10 +288,18 @@ def _predicted_lines(preset: Preset) -> list[str]:
 
 
 def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | None, launch: LaunchHints) -> str:
+    document = metadata_document(preset, kind=kind, output=output, baseline_output=baseline_output, launch=launch)
+    return METADATA_PREFIX + json.dumps(document, sort_keys=True, separators=(",", ":"))
+
+
+def metadata_document(preset: Preset, *, kind: str, output: str, baseline_output: str | None,
+                      launch: LaunchHints) -> dict:
+    """What a generated file's metadata line holds: the request, launch hints, outputs, summary and
+    the predicted step."""
     from fsdp_presets.plan.gpus import DEFAULT_GPU
 
     time = predicted_time(preset)
-    document = {
+    return {
         "format": METADATA_FORMAT,
         "kind": kind,
         "request": preset.request.to_json(),
@@ -289,7 +310,6 @@ def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | 
                                                 "tokens_per_s_per_gpu": round(time.tokens_per_s_per_gpu, 1),
                                                 "mfu": round(time.mfu, 4)},
     }
-    return METADATA_PREFIX + json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
 def render_preset(preset: Preset, *, output: str, baseline_output: str | None = None,
@@ -303,10 +323,11 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         "# Generated; regenerate rather than edit (the same command rewrites this file):",
         *_shell_lines(command),
         "#",
-        "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_PROCESS_IP the address of node 0;"
-                      " `--launcher slurm|torchrun|accelerate` writes this as a script)"
-                      if preset.parallelism.num_machines > 1 else "") + ":",
-        *_shell_lines(launch_words(preset, config_file=output, launch=launch)),
+        *(_mesh_launch_lines(preset, output) if preset.parallelism.is_nd else [
+            "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_PROCESS_IP the address of node 0;"
+                          " `--launcher slurm|torchrun|accelerate` writes this as a script)"
+                          if preset.parallelism.num_machines > 1 else "") + ":",
+            *_shell_lines(launch_words(preset, config_file=output, launch=launch))]),
         *_method_lines(preset),
     ]
     if baseline_output:
@@ -316,7 +337,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         f"# Planner, per {_device_word(preset)} in {_table_unit(preset)[0]}; comm = {_table_unit(preset)[0]} each "
         f"{_device_word(preset)} sends per optimizer step; * = this preset:",
         *_wrapped(_hardware_line(preset), first="#   ", rest="#   "),
-        *_planner_table(preset, mark=(preset.row.name, preset.row.fsdp_version)),
+        *_planner_table(preset, mark=preset.row.label),
         *_wrapped(f"memory figures: {preset.memory_figures}", first="#   ", rest="#   "),
         *_predicted_lines(preset),
         *_rehearsed_lines(preset, output),
@@ -334,6 +355,45 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
             lines += _wrapped(note)
     lines += ["#", _metadata(preset, kind="fsdp", output=output, baseline_output=baseline_output, launch=launch)]
     return _assemble(lines, accelerate_config(preset))
+
+
+def mesh_launch_words(preset: Preset, output: str) -> list[str]:
+    """How a TP/EP preset is launched: a training script of the user's (``TRAIN.py``) that loads the
+    model with the preset's ``DistributedConfig``, under this accelerate config."""
+    return ["accelerate", "launch", "--config_file", output, "TRAIN.py"]
+
+
+def mesh_about(preset: Preset, output: str) -> list[str]:
+    """What a TP/EP preset is and how it is used, in sentences (the YAML's header and the JSON's
+    ``about``)."""
+    from fsdp_presets.preset.emit_distributed import distributed_config_path
+
+    parallelism = preset.parallelism
+    json_path = distributed_config_path(output)
+    pair = ("the installed accelerate/transformers pair prepares FSDP2 x TP itself, so this config carries "
+            "the mesh too (parallelism_config)" if parallelism.tp_size > 1 and accelerate_runs_tp() else
+            "accelerate's own path does not carry this mesh here (" + (
+                "accelerate has no expert parallelism" if parallelism.tp_size == 1 else
+                "the installed pair cannot prepare FSDP2 x TP; fsdp-presets check rule tp-pair-cannot-run") + ")")
+    return [
+        f"{parallelism.label}: the model is sharded by transformers' DistributedConfig, whose arguments are "
+        f"{json_path} ({', '.join(f'{key}={value}' for key, value in parallelism.distributed_config().items())}); "
+        f"{pair}.",
+        f"Load the model with it in a Trainer script (transformers' Trainer takes a model so sharded without "
+        f"wrapping it again; the recipes in recipes/ do not load a DistributedConfig yet): config = "
+        f"DistributedConfig.from_dict(json.load(open('{json_path}'))); model = "
+        f"AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config).",
+        "Hold the run to its DDP baseline (fsdp-presets converge): tensor parallelism has counted the loss "
+        "tp_size times without an error (transformers issues 45994, 39674).",
+    ]
+
+
+def _mesh_launch_lines(preset: Preset, output: str) -> list[str]:
+    lines = ["# Launch (TRAIN.py: your Trainer script; see below):",
+             *_shell_lines(mesh_launch_words(preset, output)), "#", "# Mesh:"]
+    for sentence in mesh_about(preset, output):
+        lines += _wrapped(sentence)
+    return lines
 
 
 def _rehearsed_lines(preset: Preset, output: str) -> list[str]:
@@ -427,7 +487,7 @@ def header_model_path(config, source: str) -> str:
 
 
 __all__ = [
-    "METADATA_PREFIX", "accelerate_config", "config_yaml", "ddp_baseline_of", "ddp_config",
-    "emitted_constants", "header_model_path", "machine_keys", "read_metadata", "render_ddp_baseline", "render_preset",
+    "METADATA_PREFIX", "accelerate_config", "accelerate_runs_tp", "config_yaml", "ddp_baseline_of", "ddp_config",
+    "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "mesh_launch_words", "metadata_document", "read_metadata", "render_ddp_baseline", "render_preset",
     "written_config"
 ]

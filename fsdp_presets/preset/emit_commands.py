@@ -62,6 +62,8 @@ def generate_words(request: PresetRequest, *, output: str, baseline_output: str 
         ("--lora-alpha", request.lora_alpha, None),
         ("--lora-dropout", request.lora_dropout, None),
         ("--lora-target-modules", request.lora_target_modules, None),
+        ("--tp", request.tp, 1),
+        ("--ep", request.ep, 1),
         ("--launch-model", launch.model, None),
         ("--launch-data", launch.data, None),
     ]

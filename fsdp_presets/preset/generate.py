@@ -72,7 +72,7 @@ REQUEST_FLAGS = {
     "fsdp_version": "fsdp_version", "state_dict": "state_dict", "activation_checkpointing": "activation_checkpointing",
     "offload": "offload", "seq_len": "seq_len", "global_batch": "global_batch", "micro_batch": "micro_batch",
     "method": "method", "lora_r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-    "lora_target_modules": "lora_target_modules",
+    "lora_target_modules": "lora_target_modules", "tp": "tp", "ep": "ep",
 }
 
 
@@ -227,6 +227,14 @@ def render_files(profile, request, *, output: str, baseline_output: str | None, 
     if baseline_output is not None:
         files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
                                                      launch=launch)
+    if preset.parallelism.is_nd:
+        from fsdp_presets.preset.emit import mesh_about, metadata_document
+        from fsdp_presets.preset.emit_distributed import distributed_config_path, render_distributed_config
+
+        files[distributed_config_path(output)] = render_distributed_config(
+            preset, config_file=output, about=mesh_about(preset, output),
+            metadata=metadata_document(preset, kind="distributed-config", output=output,
+                                       baseline_output=baseline_output, launch=launch))
     return files, preset
 
 
@@ -235,13 +243,14 @@ def decide_with_rehearsed_terms(profile, request, *, trust_remote_code: bool = F
     own config where one runs (:func:`fsdp_presets.preset.measured_activations.with_rehearsed_terms`;
     decided again with those terms), else estimated from the family constants; its
     ``memory_figures`` says which."""
-    from fsdp_presets.preset.measured_activations import with_rehearsed_terms
+    from fsdp_presets.preset.measured_activations import rehearsed_mesh_terms, with_rehearsed_terms
     from fsdp_presets.preset.presets import decide
 
     preset = decide(profile, request)
     shape, note = with_rehearsed_terms(request.model, preset.memory_plan.shape, trust_remote_code=trust_remote_code)
-    if shape.measured is not None:
-        preset = decide(profile, request, measured=shape.measured)
+    on_mesh, _ = rehearsed_mesh_terms(request.model, shape, (request.mesh,), trust_remote_code=trust_remote_code)
+    if shape.measured is not None or on_mesh:
+        preset = decide(profile, request, measured=shape.measured, measured_on_mesh=on_mesh)
     source = preset.row.source
     how = note["how"] if source == note["source"] else f"{preset.row.label} from the family constants"
     return dataclasses.replace(preset, memory_figures=f"{source}; {how}")
@@ -301,13 +310,15 @@ def check_generated_output(path, *, force: bool = False) -> None:
     ``# fsdp-presets:`` line), unless ``force``: regenerating a generated file is what its header
     says to do, overwriting a hand-written one is not. Nothing is written."""
     from fsdp_presets.preset.emit import METADATA_PREFIX, read_metadata
+    from fsdp_presets.preset.emit_distributed import SUFFIX, read_distributed_metadata
 
     path = Path(path)
     if force or not (path.exists() or path.is_symlink()):
         return
+    reader = read_distributed_metadata if path.name.endswith(SUFFIX) else read_metadata
     try:
         ours = path.is_file() and not path.is_symlink() and \
-            read_metadata(path.read_text(encoding="utf-8", errors="replace")) is not None
+            reader(path.read_text(encoding="utf-8", errors="replace")) is not None
     except OSError:
         ours = False
     if not ours:
@@ -320,6 +331,7 @@ def write_files(files: dict) -> None:
     through accelerate's own loader before it replaces anything (``os.replace`` is atomic): either
     every file is replaced or none is."""
     from fsdp_presets.preset.accelerate_view import AccelerateRejected, accelerate_view
+    from fsdp_presets.preset.emit_distributed import SUFFIX, load_distributed_config
 
     staged = []
     try:
@@ -329,6 +341,13 @@ def write_files(files: dict) -> None:
             temporary = temporary_sibling(path)
             staged.append((temporary, path))
             temporary.write_text(text, encoding="utf-8")
+            if path.name.endswith(SUFFIX):  # transformers' own loader for a DistributedConfig
+                try:
+                    load_distributed_config(temporary)
+                except (ValueError, TypeError) as error:
+                    raise RuntimeError(f"transformers rejects the generated {path} (a bug in fsdp-presets): "
+                                       f"{error}") from None
+                continue
             try:
                 accelerate_view(temporary)
             except AccelerateRejected as error:

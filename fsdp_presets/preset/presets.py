@@ -45,19 +45,25 @@ __all__ = ["decide", "full_state_dict_host_bytes"]
 # --------------------------------------------------------------------------- deciding
 
 
-def decide(profile: ModelProfile, request: PresetRequest, *, measured=None) -> Preset:
+def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, measured_on_mesh: tuple = ()) -> Preset:
     """The preset for ``profile`` on the layout of ``request``; UsageError when it cannot be made.
     ``measured``: the model's own activation terms
-    (:func:`fsdp_presets.preset.measured_activations.with_rehearsed_terms`), else the family's."""
+    (:func:`fsdp_presets.preset.measured_activations.with_rehearsed_terms`), else the family's;
+    ``measured_on_mesh``: on the request's TP/EP mesh
+    (:func:`~fsdp_presets.preset.measured_activations.rehearsed_mesh_terms`), else estimated."""
     notes: list[str] = []
     seq_len = _seq_len(profile, request, notes)
     hardware = request.hardware
     precision = _precision(profile, request, notes)
-    data_parallel = request.gpus
+    mesh = request.mesh
+    meshes = (mesh,) if mesh.is_nd else ()
+    data_parallel = request.gpus // mesh.tp  # a TP group's ranks share one batch
     global_samples = _global_samples(request, seq_len, data_parallel, notes)
     per_rank = global_samples // data_parallel
 
     candidates = _strategy_candidates(request)
+    if mesh.is_nd:
+        candidates = _mesh_candidates(profile, request, candidates)
     checkpointing = {"on": [True], "off": [False], "auto": [False, True]}[request.activation_checkpointing]
     offloading = [False] if request.device == "cpu" else {"on": [True], "off": [False], "auto": [False, True]}[
         request.offload]
@@ -92,8 +98,8 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None) -> P
                     shape = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=needed_micro,
                                           precision=precision.planner_precision, activation_checkpointing=ac,
                                           offload=offload, grad_accum=2 if accumulating else 1,
-                                          reduce_every_micro_batch=reduce_every)
-                    row = plan(profile, hardware, shape).get(name, request.fsdp_version)
+                                          reduce_every_micro_batch=reduce_every, measured_on_mesh=measured_on_mesh)
+                    row = _row(plan(profile, hardware, shape, meshes), name, request)
                     if row.max_micro_batch < needed_micro:
                         continue
                     if offload and not _host_holds_offload(row, request):
@@ -117,9 +123,9 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None) -> P
     reduce_every = reduce_every and accumulation > 1
     final_shape = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
                                 activation_checkpointing=ac, offload=offload, grad_accum=accumulation,
-                                reduce_every_micro_batch=reduce_every)
-    memory_plan = plan(profile, hardware, final_shape)
-    row = memory_plan.get(name, request.fsdp_version)
+                                reduce_every_micro_batch=reduce_every, measured_on_mesh=measured_on_mesh)
+    memory_plan = plan(profile, hardware, final_shape, meshes)
+    row = _row(memory_plan, name, request)
 
     parallelism = _parallelism(request, name, row, memory_plan)
     savers = MemorySavers(activation_checkpointing=ac, offload=offload,
@@ -130,7 +136,7 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None) -> P
     batch = BatchPlan(
         seq_len=seq_len, micro_batch=micro, accumulation=accumulation, data_parallel_size=data_parallel,
         reason=_batch_reason(request, row, micro, accumulation, data_parallel, global_samples, seq_len)
-        + _accumulation_reason(profile, hardware, final_shape, name, request.fsdp_version),
+        + _accumulation_reason(profile, hardware, final_shape, name, request),
         reduce_every_micro_batch=reduce_every,
     )
     if precision.mixed_precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
@@ -199,6 +205,32 @@ def _global_samples(request: PresetRequest, seq_len: int, data_parallel: int, no
 
 def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
+
+
+def _row(memory_plan: MemoryPlan, name: str, request: PresetRequest) -> StrategyPlan:
+    """The plan's row of strategy ``name`` on the request's mesh (FSDP alone without one)."""
+    mesh = request.mesh
+    if not mesh.is_nd:
+        return memory_plan.get(name, request.fsdp_version)
+    return next(row for row in memory_plan.strategies
+                if row.name == name and (row.tp_size, row.ep_size) == (mesh.tp, mesh.ep))
+
+
+def _mesh_candidates(profile: ModelProfile, request: PresetRequest, candidates: list[str]) -> list[str]:
+    """The strategies of ``candidates`` the request's TP/EP mesh can run with (UsageError, with why,
+    when none can)."""
+    mesh = request.mesh
+    parallel = profile.structure.get("parallel") or {}
+    problems: dict[str, list[str]] = {
+        name: mesh.problems(parallel, gpus=request.gpus, gpus_per_node=request.gpus_per_node,
+                            hybrid=name == "HYBRID_SHARD", nodes=request.nodes)
+        for name in candidates}
+    usable = [name for name in candidates if not problems[name]]
+    if not usable:
+        found = sorted({problem for listed in problems.values() for problem in listed})
+        raise UsageError(f"--tp {mesh.tp} --ep {mesh.ep}: {'; '.join(found)} (`fsdp-presets inspect MODEL` lists the "
+                         "sizes the model allows)")
+    return usable
 
 
 def _strategy_candidates(request: PresetRequest) -> list[str]:
@@ -323,8 +355,14 @@ def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_pl
                   "--strategy grad-op)")
     if request.fsdp_version == 1:
         reason += ". FSDP1 as asked (--fsdp-version 1)"
+    if row.is_nd:
+        reason = (f"{row.label} as asked (--tp {request.tp} --ep {request.ep}), through transformers' "
+                  f"DistributedConfig: every rank holds {format_bytes(row.model_state.total)} of model states as "
+                  f"with FSDP alone; {comm}, and {format_bytes(row.mesh_comm.total)} of TP/EP collectives inside "
+                  f"the node. " + reason)
     return Parallelism(num_processes=request.gpus, num_machines=request.nodes, strategy=name,
-                       fsdp_version=request.fsdp_version, replicate_size=replicate, shard_size=shard, reason=reason)
+                       fsdp_version=request.fsdp_version, replicate_size=replicate, shard_size=shard, reason=reason,
+                       tp_size=request.tp, ep_size=request.ep)
 
 
 def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision, shape=None) -> str:
@@ -362,8 +400,11 @@ def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precis
 
 
 def _state_dict(profile: ModelProfile, request: PresetRequest, notes: list[str]) -> StateDictChoice:
-    ram_efficient = request.device == "gpu"
-    if ram_efficient:
+    ram_efficient = request.device == "gpu" and request.ep == 1
+    if request.ep > 1:
+        loading = (f"RAM-efficient loading off: under expert parallelism {request.ep} rank 0's broadcast would give "
+                   "every rank rank 0's experts, silently (transformers issue 45662); each rank reads its own")
+    elif ram_efficient:
         loading = ("RAM-efficient loading on: only rank 0 reads the pretrained weights into host RAM, the other "
                    "ranks start on the meta device and receive their shards (otherwise each of a node's "
                    f"{request.gpus_per_node} processes loads a full copy: "
@@ -483,13 +524,18 @@ def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
     return parts
 
 
-def _accumulation_reason(profile, hardware, shape, name, fsdp_version) -> str:
+def _accumulation_reason(profile, hardware, shape, name, request) -> str:
     """Why gradients are accumulated under no_sync or reduced every micro-batch, with the
     planner's (rehearsal-checked) numbers."""
     if shape.grad_accum == 1:
         return ""
-    no_sync = plan(profile, hardware, shape.replace(reduce_every_micro_batch=False)).get(name, fsdp_version)
-    held = no_sync.per_gpu.buffers - plan(profile, hardware, shape.replace(grad_accum=1)).get(name, fsdp_version).per_gpu.buffers
+    meshes = (request.mesh,) if request.mesh.is_nd else ()
+
+    def row_of(changed) -> StrategyPlan:
+        return _row(plan(profile, hardware, changed, meshes), name, request)
+
+    no_sync = row_of(shape.replace(reduce_every_micro_batch=False))
+    held = no_sync.per_gpu.buffers - row_of(shape.replace(grad_accum=1)).per_gpu.buffers
     if not shape.reduce_every_micro_batch:
         return (f"; accumulated under no_sync: reduced once per optimizer step, while each GPU holds "
                 f"{format_bytes(held)} of unsharded gradients between micro-batches")

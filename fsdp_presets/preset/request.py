@@ -96,6 +96,11 @@ class PresetRequest(OnNodes):
     """Dropout on the LoRA path (default 0)."""
     lora_target_modules: str | None = None
     """Comma-separated Linear names or ``all-linear`` (default: every projection of the block)."""
+    tp: int = 1
+    """Tensor-parallel ranks beside FSDP2 (``--tp``; 1: none), laid out as transformers'
+    ``DistributedConfig`` (:class:`~fsdp_presets.rehearse.mesh.Mesh`)."""
+    ep: int = 1
+    """Expert-parallel ranks (``--ep``; 1: none)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -109,7 +114,8 @@ class PresetRequest(OnNodes):
         # the cluster by Hardware: one validation, whichever way a request is made.
         numbers_fine = True
         for name, check in (("gpu_memory_gib", limits.gpu_memory_gib), ("host_memory_gib", limits.host_memory_gib),
-                            ("seq_len", limits.seq_len), ("micro_batch", limits.micro_batch)):
+                            ("seq_len", limits.seq_len), ("micro_batch", limits.micro_batch),
+                            ("tp", limits.tp_size), ("ep", limits.ep_size)):
             problem = limits.value_problem(getattr(self, name), check, flag=_flag(name))
             if problem:
                 problems.append(problem)
@@ -154,6 +160,17 @@ class PresetRequest(OnNodes):
         if self.strategy == "no-shard" and self.fsdp_version == 2:
             problems.append("--strategy no-shard exists in FSDP1 only (FSDP2 takes reshard_after_forward "
                             "true/false): add --fsdp-version 1, or use the DDP baseline (--baseline ddp)")
+        if self.mesh.is_nd:
+            if self.fsdp_version != 2:
+                problems.append("--tp/--ep shard with FSDP2 (transformers' DistributedConfig): drop --fsdp-version 1")
+            if self.strategy in ("grad-op", "no-shard"):
+                problems.append(f"--strategy {self.strategy} with --tp/--ep: a mesh is planned with full sharding "
+                                "(or hybrid across nodes)")
+            if self.method != "full":
+                problems.append(f"--method {self.method} with --tp/--ep: a mesh is planned for full fine-tuning")
+            if self.precision == "fp16":
+                problems.append("--precision fp16 with --tp/--ep: transformers' DistributedConfig mixes bf16 "
+                                "parameters with fp32 reductions; use bf16")
         if self.device == "cpu":
             if self.offload == "on":
                 problems.append("--offload on with --device cpu: parameters already live in host memory, "
@@ -198,11 +215,21 @@ class PresetRequest(OnNodes):
                                               lora_dropout=self.lora_dropout,
                                               lora_target_modules=self.lora_target_modules))
 
+    @property
+    def mesh(self):
+        """The TP/EP :class:`~fsdp_presets.rehearse.mesh.Mesh` asked for."""
+        from fsdp_presets.rehearse.mesh import Mesh
+
+        return Mesh(tp=self.tp, ep=self.ep)
+
     def to_json(self) -> dict:
         data = asdict(self)
         if self.method == "full":  # a full fine-tune's header stays as it always was
             for name in ("method", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"):
                 data.pop(name)
+        if not self.mesh.is_nd:  # nor does one without a mesh
+            data.pop("tp")
+            data.pop("ep")
         return data
 
     @classmethod

@@ -8,7 +8,8 @@ Dense parameters lie on ``(dp_replicate, fsdp, tp)``, routed experts on ``(dp_re
 ep)`` with ``efsdp = fsdp x tp / ep`` (``transformers.distributed.utils.TransformersDeviceMesh``):
 every rank holds ``1 / (fsdp x tp)`` of the dense parameters and ``1 / (efsdp x ep)`` of the experts
 (within a replica under HSDP). The ranks of a TP group see the same batch; the data-parallel ranks
-are ``dp_replicate x fsdp``. Standard library only.
+are ``dp_replicate x fsdp``. Standard library only (:func:`accelerate_tp_import_problem` imports
+transformers when called).
 """
 
 from __future__ import annotations
@@ -80,4 +81,20 @@ class Mesh:
         return found
 
 
-__all__ = ["Mesh"]
+def accelerate_tp_import_problem() -> str | None:
+    """Why accelerate cannot prepare an FSDP2 x TP model with the installed transformers, or None:
+    tried, not looked up in a version table."""
+    import importlib
+
+    # NOTE: accelerate 1.16's Accelerator.prepare runs `from transformers.integrations.tensor_parallel
+    # import ReplicateParallel` for FSDP2 with a TP mesh; the same lookup, made here.
+    try:
+        module = importlib.import_module("transformers.integrations.tensor_parallel")
+    except ImportError as error:
+        return str(error)
+    if not hasattr(module, "ReplicateParallel"):
+        return "cannot import name 'ReplicateParallel' from 'transformers.integrations.tensor_parallel'"
+    return None
+
+
+__all__ = ["Mesh", "accelerate_tp_import_problem"]

@@ -1,0 +1,79 @@
+"""``NAME.distributed.json``: a preset's TP/EP mesh as transformers' ``DistributedConfig`` arguments,
+written by ``generate --tp N`` / ``--ep N`` beside the accelerate config::
+
+    {
+      "fsdp_presets": {"about": ["FSDP 8 x TP 8 of ...", ...], "metadata": {...}},
+      "dp_replicate_size": 1, "fsdp_size": 8, "tp_size": 8, "ep_size": 1,
+      "fsdp_mixed_precision": true, "fsdp_cpu_offload": false
+    }
+
+Every key but ``fsdp_presets`` is an argument of ``DistributedConfig``, whose own loader reads the
+file as it is (``DistributedConfig.from_dict`` keeps the keys it knows)::
+
+    config = DistributedConfig.from_dict(json.load(open("NAME.distributed.json")))
+    model = AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config)
+
+``fsdp_presets`` holds what a YAML preset's header says (JSON has no comments) and the same
+metadata document, so ``generate`` knows the file as its own and regenerates it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+HEADER_KEY = "fsdp_presets"
+"""The key of the header and metadata (not a ``DistributedConfig`` argument)."""
+SUFFIX = ".distributed.json"
+
+
+def distributed_config_path(output: str) -> str:
+    """``runs/llama.yaml`` -> ``runs/llama.distributed.json``."""
+    path = Path(output)
+    return str(path.with_name(path.stem + SUFFIX))
+
+
+def distributed_arguments(preset) -> dict:
+    """``DistributedConfig``'s arguments of ``preset``: the mesh's sizes, mixed precision (transformers'
+    policy: bf16 parameters, fp32 reduction) and CPU offload."""
+    return {**preset.parallelism.distributed_config(),
+            "fsdp_mixed_precision": preset.precision.mixed_precision != "no",
+            "fsdp_cpu_offload": preset.savers.offload}
+
+
+def render_distributed_config(preset, *, config_file: str, about: list[str], metadata: dict) -> str:
+    """The JSON text: ``about`` (the header's lines, without ``#``) and ``metadata`` under
+    :data:`HEADER_KEY`, then the arguments."""
+    document = {HEADER_KEY: {"about": about, "config": config_file, "metadata": metadata},
+                **distributed_arguments(preset)}
+    return json.dumps(document, indent=2) + "\n"
+
+
+def read_distributed_metadata(text: str) -> dict | None:
+    """The metadata document of a file :func:`render_distributed_config` wrote, None for any other text."""
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return None
+    header = document.get(HEADER_KEY) if isinstance(document, dict) else None
+    metadata = header.get("metadata") if isinstance(header, dict) else None
+    return metadata if isinstance(metadata, dict) else None
+
+
+def load_distributed_config(path):
+    """``path`` through transformers' own loader (``DistributedConfig.from_dict``), the sizes it
+    resolved checked against the file's: ValueError when they differ (a key it did not take)."""
+    from transformers.distributed.configuration_utils import DistributedConfig
+
+    document = json.loads(Path(path).read_text(encoding="utf-8"))
+    config = DistributedConfig.from_dict(document)
+    resolved = config.to_dict()
+    differing = {key: (value, resolved.get(key)) for key, value in document.items()
+                 if key != HEADER_KEY and resolved.get(key) != value}
+    if differing:
+        raise ValueError(f"DistributedConfig does not take {path} as written: {differing}")
+    return config
+
+
+__all__ = ["HEADER_KEY", "SUFFIX", "distributed_arguments", "distributed_config_path", "load_distributed_config",
+           "read_distributed_metadata", "render_distributed_config"]
