@@ -28,6 +28,8 @@ from typing import Any, Literal
 FSDP_PREFIX = "fsdp_"
 """accelerate prefixes an ``fsdp_config`` key that lacks it (``version`` -> ``fsdp_version``)."""
 PARALLELISM_PREFIX = "parallelism_config_"
+ACCELERATE_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
+"""Environment variables through which ``accelerate launch`` passes a config to its processes."""
 """Prefix of every ``parallelism_config`` key."""
 
 ValueType = Literal["bool", "int", "str", "enum", "mapping"]

@@ -30,6 +30,8 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from fsdp_presets.schema import ACCELERATE_ENV_PREFIXES
+
 PROBE_TIMEOUT_S = 180
 """A 70B-parameter model on the meta device builds and wraps in well under a minute here."""
 
@@ -77,7 +79,7 @@ def probe_wrapping(model_source: str, env: dict[str, str], num_processes: int, *
     request = {"model": model_source, "env": env, "world_size": int(num_processes),
                "trust_remote_code": trust_remote_code}
     child_env = {key: value for key, value in os.environ.items()
-                 if not key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
+                 if not key.startswith(ACCELERATE_ENV_PREFIXES)}
     child_env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
                       "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})
     try:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from fsdp_presets.schema import T
+from fsdp_presets.schema import ACCELERATE_ENV_PREFIXES, T
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import YAML_MAX_BYTES, load_yaml_data, read_regular_bytes, read_regular_text
 from fsdp_presets.preset.quoting import comment_text, shell_word
@@ -42,9 +42,6 @@ DEFAULT_PORT = 29500
 """torch's own default rendezvous port (``torchrun --master-port``)."""
 DEFAULT_JOIN_TIMEOUT_S = 600
 """torch's static rendezvous default (``static_tcp_rendezvous._default_timeout_seconds``)."""
-
-ACCELERATE_ENV_PREFIXES = ("ACCELERATE_", "FSDP_", "PARALLELISM_CONFIG_")
-"""Environment variables through which ``accelerate launch`` passes a config to its processes."""
 
 # A flag or value that is a secret belongs in the environment, not in a script on shared storage.
 _SECRET_FLAG = re.compile(r"^--?[\w-]*(token|secret|password|api[-_]?key)[\w-]*(=.*)?$", re.IGNORECASE)

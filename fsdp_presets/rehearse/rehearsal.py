@@ -50,7 +50,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-_LAUNCH_ENV_PREFIXES = ("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_")
 
 # Settings a fake run switches off: each moves weights between ranks or devices, not memory on the
 # GPU during a step (RAM-efficient loading broadcasts rank 0's weights; module-state sync too);
@@ -146,11 +145,12 @@ def fake_accelerate(env: dict[str, str], *, world_size: int):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdp_presets.cpu_fsdp import enable_cpu_fsdp
+    from fsdp_presets.schema import ACCELERATE_ENV_PREFIXES
 
     if dist.is_initialized():
         raise RuntimeError("fake_accelerate needs a process without a process group")
     saved_env = dict(os.environ)
-    os.environ.update({key: value for key, value in env.items() if key.startswith(_LAUNCH_ENV_PREFIXES)})
+    os.environ.update({key: value for key, value in env.items() if key.startswith(ACCELERATE_ENV_PREFIXES)})
     os.environ.update(FAKE_RUN_OVERRIDES)
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world_size),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
