@@ -275,5 +275,5 @@ FULL_FINETUNE_RULES = frozenset({"full-state-dict-host-memory", "offload-host-me
 """Memory rules that count gradients and optimizer state for every parameter."""
 
 
-def _sorted(findings: list[Finding]) -> list[Finding]:
+def sorted_findings(findings: list[Finding]) -> list[Finding]:
     return sorted(findings, key=lambda item: ("error", "warning", "note", "info").index(item.severity))

@@ -45,8 +45,8 @@ from __future__ import annotations
 import os
 
 # The checker's pieces, importable from here (the names other code uses).
-from fsdp_presets.preset.accelerate_view import AccelerateRejected, AccelerateView, _whole, accelerate_view
-from fsdp_presets.check.findings import CheckContext, CheckReport, Finding, ModelFacts, _sorted, finding
+from fsdp_presets.preset.accelerate_view import AccelerateRejected, AccelerateView, as_whole, accelerate_view
+from fsdp_presets.check.findings import CheckContext, CheckReport, Finding, ModelFacts, sorted_findings, finding
 from fsdp_presets.check.rules_keys import lint_config
 from fsdp_presets.check.rules_memory import memory_figures
 from fsdp_presets.schema import FSDP_CONFIG, K, PARALLELISM_CONFIG, PARALLELISM_PREFIX, T, fsdp_where
@@ -134,7 +134,7 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
         superseded = {"prepare-crashes": "wrap-classes-unset", "params-outside-units": "ignored-modules"}
         drop = {superseded[rule] for rule in report.rules() & set(superseded)}
         report.findings = [item for item in report.findings if item.rule not in drop]
-    report.findings = _sorted(report.findings)
+    report.findings = sorted_findings(report.findings)
     report.memory_figures = memory_figures(config, context)
     return report, view
 
@@ -147,7 +147,7 @@ def _launch_processes(config: dict, context: CheckContext) -> int:
     parallelism = config.get(PARALLELISM_CONFIG) or {}
     product = 1
     for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
-        product *= _whole(parallelism.get(f"{PARALLELISM_PREFIX}{name}", 1)) or 1
+        product *= as_whole(parallelism.get(f"{PARALLELISM_PREFIX}{name}", 1)) or 1
     return product if product > 1 else 2
 
 

@@ -7,25 +7,25 @@ from typing import Any
 
 from fsdp_presets.plan.limits import MAX_GPUS
 from fsdp_presets.preset.accelerate_view import (
-    _BOOLEAN_FSDP_KEYS,
-    _boolean,
-    _close,
-    _did_you_mean,
-    _distributed_types,
-    _enumerations,
-    _precisions,
-    _rename,
-    _strategy_name,
-    _whole,
+    STRICT_BOOLEAN_FSDP_KEYS,
+    as_boolean,
+    as_strategy_name,
+    as_whole,
     canonical_fsdp,
+    close_names,
+    did_you_mean,
     enumeration_name,
+    known_distributed_types,
+    known_enumerations,
     known_fsdp_keys,
     known_parallelism_keys,
+    known_precisions,
     known_top_level_keys,
     plugin_option_defaults,
+    renamed_key,
 )
-from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, _sorted, finding
-from fsdp_presets.check.rules_memory import _device_and_memory, _layout, _lora_rules
+from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, sorted_findings, finding
+from fsdp_presets.check.rules_memory import device_and_memory_rules, layout_rules, lora_rules
 from fsdp_presets.check.rules_parallel import parallel_rules
 from fsdp_presets.schema import (
     T,
@@ -66,13 +66,13 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     findings += _read_as_boolean(config, written)
     # Every rule below reads values as accelerate parses them (FULL_SHARD, 1 and "full_shard" alike).
     fsdp = canonical_fsdp(written)
-    if _boolean(config.get(T.debug, False)):
+    if as_boolean(config.get(T.debug, False)):
         findings.append(finding(
             "debug-mode", f"{T.debug}: true turns on accelerate's debug mode (ACCELERATE_DEBUG_MODE): every gather, "
             "broadcast and reduce first checks the tensors' shapes on all ranks with collectives of its own, every "
             "step, which slows training", f"set {T.debug}: false (keep it for a short run that hunts a shape mismatch)",
             T.debug))
-    processes, machines = _whole(config.get(T.num_processes, 1)), _whole(config.get(T.num_machines, 1))
+    processes, machines = as_whole(config.get(T.num_processes, 1)), as_whole(config.get(T.num_machines, 1))
     for key, count in ((T.num_processes, processes), (T.num_machines, machines)):
         if count is not None and count > MAX_GPUS:  # the bound `launcher` and `plan --gpus` apply
             findings.append(finding("invalid-value", f"{key} {count} is more than {MAX_GPUS}, beyond any cluster",
@@ -100,9 +100,9 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             findings.append(finding("fsdp-config-ignored", f"distributed_type is {distributed_type or 'unset'}: "
                                     f"{FSDP_CONFIG} is ignored", f"set {T.distributed_type}: FSDP, or drop {FSDP_CONFIG}",
                                     FSDP_CONFIG))
-        return _sorted(findings)
+        return sorted_findings(findings)
 
-    version = _whole(fsdp.get(K.version))
+    version = as_whole(fsdp.get(K.version))
     if K.version not in fsdp:
         findings.append(finding("fsdp-version-missing", f"no {K.version}: `accelerate launch` runs FSDP1 "
                                 "(FullyShardedDataParallel), its default", f"nothing to do for FSDP1 ({K.version}: 1 "
@@ -117,7 +117,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     findings += _parallelism(parallelism, version, processes if layout_ok else None, machines if layout_ok else None)
     findings += parallel_rules(parallelism if isinstance(parallelism, dict) else {}, context)
     findings += _wrapping(fsdp, context)
-    findings += _layout(config, fsdp, parallelism, version, context, processes if layout_ok else None,
+    findings += layout_rules(config, fsdp, parallelism, version, context, processes if layout_ok else None,
                         machines if layout_ok else None)
     if str(config.get(T.mixed_precision, "")).lower() == "fp8":
         backend = str((config.get(T.fp8_config) or {}).get("backend", "AO")).upper()
@@ -132,20 +132,20 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             "shards nor gradient-synchronises ignored parameters, so each rank updates its own copy and the "
             "replicas drift apart", f"remove {K.ignored_modules}; keep embeddings and heads in FSDP units (the "
             "root or tail unit holds them)", fsdp_where(K.ignored_modules)))
-    ram_efficient = _boolean(fsdp.get(K.cpu_ram_efficient_loading, True))
-    sync = _boolean(fsdp.get(K.sync_module_states, True))
+    ram_efficient = as_boolean(fsdp.get(K.cpu_ram_efficient_loading, True))
+    sync = as_boolean(fsdp.get(K.sync_module_states, True))
     if ram_efficient and sync is False:
         findings.append(finding(
             "ram-efficient-loading-needs-sync", f"{K.cpu_ram_efficient_loading} is true but "
             f"{K.sync_module_states} is false: accelerate launch refuses this (ranks other than 0 start with empty "
             "weights that only the sync fills)", f"set {K.sync_module_states}: true (or remove it)",
             fsdp_where(K.sync_module_states)))
-    findings += _lora_rules(fsdp, version, context)
+    findings += lora_rules(fsdp, version, context)
     if context.script is not None:
         from fsdp_presets.check.script import script_rules
 
         findings += script_rules(fsdp, version, context)
-    memory = _device_and_memory(config, fsdp, parallelism, version, context,
+    memory = device_and_memory_rules(config, fsdp, parallelism, version, context,
                                 processes if layout_ok else None, machines if layout_ok else None)
     full_finetune_only = [item for item in memory if item.rule in FULL_FINETUNE_RULES]
     if full_finetune_only and context.training_method is None:
@@ -159,7 +159,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
             "pass --method full to check it as full fine-tuning; for LoRA/QLoRA these verdicts do not apply",
             full_finetune_only[0].key))
     findings += memory
-    return _sorted(findings)
+    return sorted_findings(findings)
 
 
 # Settings accelerate reads as names: a bare YAML 1.1 no/off/yes/on becomes a boolean there.
@@ -190,32 +190,32 @@ def _read_as_boolean(config: dict, fsdp: dict) -> list[Finding]:
 def _unknown_key(rule: str, section: str, key, known, consequence: str, where: str, value=None) -> Finding:
     """A key accelerate does not know in ``section``: its closest known name, what accelerate does
     with it, and rename it (when a close name takes its value) or remove it."""
-    return finding(rule, f"unknown {section} key {key!r}{_did_you_mean(str(key), known)}: {consequence}",
-                   _rename(str(key), known, value), where)
+    return finding(rule, f"unknown {section} key {key!r}{did_you_mean(str(key), known)}: {consequence}",
+                   renamed_key(str(key), known, value), where)
 
 
 def _top_level(config: dict) -> list[Finding]:
     known = known_top_level_keys()
     findings = [_unknown_key("unknown-key", "top-level", key, known, "accelerate refuses the whole file "
                              "('had unknown keys')", str(key)) for key in config if key not in known]
-    distributed_types = _distributed_types()
+    distributed_types = known_distributed_types()
     if T.distributed_type not in config:
         findings.append(finding("invalid-value", "no distributed_type (accelerate requires one)",
                                 f"add {T.distributed_type}: FSDP", T.distributed_type))
     elif str(config[T.distributed_type]) not in distributed_types and not isinstance(config[T.distributed_type], bool):
         findings.append(finding(
             "invalid-value", f"{T.distributed_type} {config[T.distributed_type]!r} is not one of accelerate's"
-            f"{_did_you_mean(str(config[T.distributed_type]), distributed_types)}",
+            f"{did_you_mean(str(config[T.distributed_type]), distributed_types)}",
             f"use one of {', '.join(distributed_types)}", T.distributed_type))
     precision = config.get(T.mixed_precision, "no")
-    if str(precision).lower() not in _precisions() and not isinstance(precision, bool):
-        findings.append(finding("invalid-value", f"mixed_precision {precision!r} is not one of {_precisions()}",
+    if str(precision).lower() not in known_precisions() and not isinstance(precision, bool):
+        findings.append(finding("invalid-value", f"mixed_precision {precision!r} is not one of {known_precisions()}",
                                 "use bf16, fp16 or 'no' (quoted: a bare no is YAML false)", T.mixed_precision))
     for key in (T.num_processes, T.num_machines):
-        if key in config and (_whole(config[key]) is None or _whole(config[key]) < 1):
+        if key in config and (as_whole(config[key]) is None or as_whole(config[key]) < 1):
             findings.append(finding("invalid-value", f"{key} {config[key]!r} must be a whole number >= 1",
                                     f"set {key} to a count", key))
-    rank, machines = _whole(config.get(T.machine_rank, 0)), _whole(config.get(T.num_machines, 1))
+    rank, machines = as_whole(config.get(T.machine_rank, 0)), as_whole(config.get(T.num_machines, 1))
     if rank is None or (machines and not 0 <= rank < machines):
         findings.append(finding("invalid-value", f"{T.machine_rank} {config.get(T.machine_rank)!r} must be 0 .. "
                                 f"{T.num_machines} - 1", f"set {T.machine_rank}: 0 in the file; pass --machine_rank on each "
@@ -227,12 +227,12 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
     findings = []
     known = known_fsdp_keys()
     plugin_options = plugin_option_defaults()
-    enumerations = _enumerations()
+    enumerations = known_enumerations()
     for key, value in fsdp.items():
         where = f"{FSDP_CONFIG}.{key}"
         if key not in known and key in plugin_options:
             default = plugin_options[key]
-            if default is not None and _boolean(value) == default:
+            if default is not None and as_boolean(value) == default:
                 findings.append(finding(
                     "ignored-default", f"{key}: {value!r} is a real FSDP option that `accelerate launch` does not read "
                     f"from a config file; its default ({default}) applies anyway", "nothing to do (or remove it)",
@@ -245,7 +245,7 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
                     f"set it in the training script: FullyShardedDataParallelPlugin({key.removeprefix(FSDP_PREFIX)}=...) "
                     "passed to Accelerator(fsdp_plugin=...), or remove it", where))
             continue
-        twin = next((guess for guess in _close(str(key), known, limit=1) if guess in fsdp), None)
+        twin = next((guess for guess in close_names(str(key), known, limit=1) if guess in fsdp), None)
         if key not in known and twin is not None:
             same = canonical_fsdp({twin: value}).get(twin) == canonical_fsdp({twin: fsdp[twin]}).get(twin)
             if same:
@@ -271,14 +271,14 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
             text = str(value).upper()
             if enumeration_name(key, value) is None:  # accelerate also takes torch's 1-based enum values
                 findings.append(finding("invalid-value", f"{key} {value!r} is not one of {', '.join(allowed)}"
-                                        f"{_did_you_mean(text, allowed)}", f"use one of {', '.join(allowed)}", where))
-        if key in _BOOLEAN_FSDP_KEYS and _boolean(value) is None:
+                                        f"{did_you_mean(text, allowed)}", f"use one of {', '.join(allowed)}", where))
+        if key in STRICT_BOOLEAN_FSDP_KEYS and as_boolean(value) is None:
             findings.append(finding("invalid-value", f"{key} {value!r} is not true or false", "write true or false",
                                     where))
-        if key == K.min_num_params and _whole(value) is None:
+        if key == K.min_num_params and as_whole(value) is None:
             findings.append(finding("invalid-value", f"{key} {value!r} is not a whole number",
                                     "write a parameter count", where))
-        if key == K.reshard_after_forward and version == 2 and _boolean(value) is None:
+        if key == K.reshard_after_forward and version == 2 and as_boolean(value) is None:
             findings.append(finding("invalid-value", f"{K.reshard_after_forward} {value!r}: FSDP2 takes true "
                                     "(FULL_SHARD) or false (SHARD_GRAD_OP)", "write true or false", where))
         if version == 2 and key in FSDP1_ONLY_KEYS:
@@ -297,7 +297,7 @@ _PREFETCH_DEFAULTS = {K.backward_prefetch: "NO_PREFETCH", K.forward_prefetch: Fa
 
 def _prefetch_twin(key, known) -> str | None:
     """The prefetch key a misspelt or old one stands for (``fsdp_backward_prefetch_policy``)."""
-    guesses = _close(str(key), known, limit=1)
+    guesses = close_names(str(key), known, limit=1)
     return guesses[0] if guesses and guesses[0] in _PREFETCH_DEFAULTS else None
 
 
@@ -322,9 +322,9 @@ def _fsdp1_key_under_fsdp2(fsdp: dict, key: str, value: Any, where: str) -> list
     """An FSDP1-only key in an FSDP2 config: an error when it asks for something FSDP2 does not do."""
     effect = BY_NAME[key].fsdp2_ignores
     if key == K.sharding_strategy:
-        reshard = _boolean(fsdp.get(K.reshard_after_forward, True))
+        reshard = as_boolean(fsdp.get(K.reshard_after_forward, True))
         applied = "FULL_SHARD" if reshard is not False else "SHARD_GRAD_OP"
-        if _strategy_name(value) == applied:
+        if as_strategy_name(value) == applied:
             return [finding("ignored-default", f"{key}: {value} is an FSDP1 setting that FSDP2 ignores; "
                             f"{K.reshard_after_forward} gives the same ({applied})", "remove it", where)]
         return [finding("fsdp1-key-under-fsdp2", f"{key} {value} is an FSDP1 setting in an FSDP2 config: {effect}, "
@@ -333,7 +333,7 @@ def _fsdp1_key_under_fsdp2(fsdp: dict, key: str, value: Any, where: str) -> list
                         f"hybrid: {P.dp_replicate_size})", where)]
     behaves_like = BY_NAME[key].fsdp2_behaves_like
     moot = behaves_like is None or (str(value).upper() == behaves_like if isinstance(behaves_like, str)
-                                    else _boolean(value) == behaves_like)
+                                    else as_boolean(value) == behaves_like)
     if moot:
         return [finding("ignored-default", f"{key}: {value} is an FSDP1 setting that FSDP2 ignores ({effect}); "
                         "it asks for nothing FSDP2 does not do", "remove it", where)]
@@ -350,9 +350,9 @@ def _fsdp2_key_under_fsdp1(fsdp: dict, key: str, value: Any, where: str) -> list
     if key == K.activation_checkpointing_offload:
         return [finding("fsdp2-key-under-fsdp1", f"{key} is an FSDP2 setting in an FSDP1 config: accelerate refuses "
                         "it with FSDP1", f"remove it, or set {K.version}: 2", where)]
-    applied = _strategy_name(fsdp.get(K.sharding_strategy, "FULL_SHARD")) or "FULL_SHARD"
-    asked = _strategy_name(value)
-    flag = _boolean(value)
+    applied = as_strategy_name(fsdp.get(K.sharding_strategy, "FULL_SHARD")) or "FULL_SHARD"
+    asked = as_strategy_name(value)
+    flag = as_boolean(value)
     if asked is None and flag is not None:
         asked = "FULL_SHARD" if flag else "SHARD_GRAD_OP"
     if asked == applied:
@@ -385,7 +385,7 @@ def _parallelism(parallelism: dict, version: int | None, processes: int | None, 
     for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size"):
         key = f"{PARALLELISM_PREFIX}{name}"
         value = parallelism.get(key, 1)
-        number = _whole(value)
+        number = as_whole(value)
         if number is None or number < 1:
             findings.append(finding("invalid-value", f"{key} {value!r} must be a whole number >= 1",
                                     "write a size", f"{PARALLELISM_CONFIG}.{key}"))
@@ -469,7 +469,7 @@ def _wrapping(fsdp: dict, context: CheckContext) -> list[Finding]:
             if name not in model.module_classes:
                 findings.append(finding(
                     "wrap-class-not-in-model", f"wrap class {name!r} does not exist in {model.profile.architecture} "
-                    f"({model.source}){_did_you_mean(name, model.module_classes)}: accelerate raises 'Could not find "
+                    f"({model.source}){did_you_mean(name, model.module_classes)}: accelerate raises 'Could not find "
                     "the transformer layer class' once the job has started",
                     f"use the model's blocks: {','.join(model.profile.wrap_classes)}",
                     fsdp_where(K.transformer_layer_cls_to_wrap)))

@@ -7,7 +7,7 @@ import functools
 
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import GiB, format_bytes, format_count
-from fsdp_presets.preset.accelerate_view import _boolean, _strategy_name, _whole
+from fsdp_presets.preset.accelerate_view import as_boolean, as_strategy_name, as_whole
 from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
@@ -41,7 +41,7 @@ def lora_shape(context: CheckContext):
         return LoraShape(method=method)
 
 
-def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
+def lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
     """The LoRA/QLoRA failures a config file and the method reveal (docs/troubleshooting.md)."""
     method = context.training_method
     if method not in ("lora", "qlora"):
@@ -50,7 +50,7 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
     # transformers' Trainer (and every TRL trainer) replaces the wrap policy with peft's
     # fsdp_auto_wrap_policy before prepare (update_fsdp_plugin_peft): adapters become units of their own.
     trainer = context.script is not None and context.script.trainer_line is not None
-    orig_params = _boolean(fsdp.get(K.use_orig_params, True))  # accelerate launch's default: true
+    orig_params = as_boolean(fsdp.get(K.use_orig_params, True))  # accelerate launch's default: true
     if version == 1 and orig_params is True and not trainer:
         extra = ""
         if context.model is not None:
@@ -112,7 +112,7 @@ def _lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
 _PRIVATE_PREFIXES = ("10.", "192.168.", "127.", "169.254.") + tuple(f"172.{n}." for n in range(16, 32))
 
 
-def _layout(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
+def layout_rules(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
     """Rules on the process layout: one process, nodes, rendezvous address, the header's arithmetic."""
     findings = []
     if processes == 1 and machines == 1:
@@ -129,8 +129,8 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
                 "waits at rendezvous for a host that is not there", "remove main_process_ip from the file and pass "
                 "--main_process_ip $MASTER_ADDR (the first node of the job) on each node's accelerate launch command",
                 T.main_process_ip))
-        replicate = _whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
-        strategy = _strategy_name(fsdp.get(K.sharding_strategy, "FULL_SHARD")) if version == 1 else None
+        replicate = as_whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
+        strategy = as_strategy_name(fsdp.get(K.sharding_strategy, "FULL_SHARD")) if version == 1 else None
         # (FSDP1 with a replicate size asks for HSDP too: hsdp-needs-fsdp2 reports that one)
         hybrid = replicate > 1 if version in (1, 2) and parallelism else strategy in ("HYBRID_SHARD",
                                                                                    "HYBRID_SHARD_ZERO2")
@@ -151,7 +151,7 @@ def _layout(config, fsdp, parallelism, version, context, processes, machines) ->
     summary = (context.metadata or {}).get("summary") or {}
     header_processes, header_machines = summary.get("processes"), summary.get("machines")
     if context.metadata and context.metadata.get("kind") == "fsdp" and header_processes and T.num_processes in config:
-        file_processes, file_machines = _whole(config.get(T.num_processes)), _whole(config.get(T.num_machines, 1))
+        file_processes, file_machines = as_whole(config.get(T.num_processes)), as_whole(config.get(T.num_machines, 1))
         if (file_processes, file_machines) != (header_processes, header_machines or 1) and file_processes:
             dp = summary.get("data_parallel_size") or header_processes
             micro, accumulation = summary.get("micro_batch"), summary.get("gradient_accumulation")
@@ -179,10 +179,10 @@ def _device(config: dict, context: CheckContext) -> str:
     return "cpu" if request.get("device") == "cpu" else "gpu"
 
 
-def _device_and_memory(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
+def device_and_memory_rules(config, fsdp, parallelism, version, context, processes, machines) -> list[Finding]:
     findings = []
     device = _device(config, context)
-    offload = _boolean(fsdp.get(K.offload_params, False))
+    offload = as_boolean(fsdp.get(K.offload_params, False))
     if device == "cpu" and offload:
         findings.append(finding("offload-on-cpu", f"{K.offload_params}: true in a config for a CPU-only host: "
                                 "parameters already live in host memory and torch fails ('Cannot access accelerator "
@@ -214,7 +214,7 @@ def _device_and_memory(config, fsdp, parallelism, version, context, processes, m
             f"set {K.state_dict_type}: SHARDED_STATE_DICT (export full weights afterwards with `fsdp-presets export` "
             "or accelerate merge-weights; a Trainer/TRL script then needs callbacks=[fsdp_presets.FSDPPresetsCallback()], "
             "or its save_model writes no weights)", fsdp_where(K.state_dict_type)))
-    if device == "gpu" and _boolean(fsdp.get(K.cpu_ram_efficient_loading, True)) is False:
+    if device == "gpu" and as_boolean(fsdp.get(K.cpu_ram_efficient_loading, True)) is False:
         weight_bytes = 4 if profile.structure.get("config_dtype") in (None, "float32") else 2
         need = per_node * profile.total_params * weight_bytes
         if need > host:
@@ -321,7 +321,7 @@ def _training_inputs(config, fsdp, context):
     micro_batch = context.micro_batch or (script.micro_batch if script else None) or summary.get("micro_batch") or 1
     checkpointing = context.activation_checkpointing
     if checkpointing is None:
-        checkpointing = bool(_boolean(fsdp.get(K.activation_checkpointing, False))) or bool(
+        checkpointing = bool(as_boolean(fsdp.get(K.activation_checkpointing, False))) or bool(
             script and script.gradient_checkpointing_line)
         if not checkpointing and open_ended:
             unknown["activation_checkpointing"] = (True, "the script turns on gradient checkpointing")
@@ -339,7 +339,7 @@ def _training_inputs(config, fsdp, context):
         unknown.pop("precision", None)
     shape = TrainingShape(seq_len=seq_len, micro_batch=micro_batch, precision=precision,
                           activation_checkpointing=checkpointing,
-                          offload=bool(_boolean(fsdp.get(K.offload_params, False))), lora=lora)
+                          offload=bool(as_boolean(fsdp.get(K.offload_params, False))), lora=lora)
     if lora is None:
         shape = shape.replace(measured=_own_terms(context.model.source, seq_len, precision)[0])
     return shape, _stated(shape, context), unknown
@@ -407,10 +407,10 @@ def _planner_strategy(fsdp, parallelism, version, processes, machines, context):
     except Exception:  # noqa: BLE001 - a layout the other rules already report
         return None, None
     if version == 2:
-        replicate = _whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
+        replicate = as_whole((parallelism or {}).get(P.dp_replicate_size, 1)) or 1
         if replicate > 1 and machines > 1:
             return ("HYBRID_SHARD", 2), hardware
-        reshard = _boolean(fsdp.get(K.reshard_after_forward, True))
+        reshard = as_boolean(fsdp.get(K.reshard_after_forward, True))
         return (("FULL_SHARD" if reshard is not False else "SHARD_GRAD_OP"), 2), hardware
     strategy = str(fsdp.get(K.sharding_strategy, "FULL_SHARD")).upper()
     if strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"):

@@ -9,7 +9,7 @@ from typing import Iterator, Literal
 
 from fsdp_presets.checkpoint.layout import EXPORT_RECORD, retired_sibling, staging_sibling
 from fsdp_presets.errors import UsageError, disk_full_cause, disk_full_message
-from fsdp_presets.fileio import staged_folder as _staged_folder
+from fsdp_presets import fileio
 
 OutputKind = Literal["export", "import"]
 
@@ -60,7 +60,7 @@ def staged_folder(output: Path, *, kind: OutputKind = "export", force: bool = Fa
     it on any failure; a full disk is one :class:`UsageError` naming the folder."""
     check_output(output, kind=kind, force=force)
     try:
-        with _staged_folder(output, staging=staging_sibling(output),
+        with fileio.staged_folder(output, staging=staging_sibling(output),
                             retired=lambda: retired_sibling(output)) as staging:
             yield staging
     except BaseException as error:  # DCP's CheckpointException is a BaseException

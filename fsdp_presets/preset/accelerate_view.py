@@ -15,7 +15,7 @@ from fsdp_presets.schema import BOOLEAN_FSDP_KEYS, FSDP_PREFIX, K, PARALLELISM_P
 
 # The keys whose values are booleans. fsdp_reshard_after_forward is not one of them: `accelerate config`
 # writes FSDP1 strategy names there, and its own rule checks FSDP2's booleans.
-_BOOLEAN_FSDP_KEYS = tuple(name for name in BOOLEAN_FSDP_KEYS if name != K.reshard_after_forward)
+STRICT_BOOLEAN_FSDP_KEYS = tuple(name for name in BOOLEAN_FSDP_KEYS if name != K.reshard_after_forward)
 
 
 # accelerate.utils.str_to_bool's spellings.
@@ -50,7 +50,7 @@ def known_parallelism_keys() -> frozenset[str]:
     return frozenset(dest for dest in _launch_dests() if dest.startswith(PARALLELISM_PREFIX))
 
 
-def _enumerations() -> dict[str, tuple[str, ...]]:
+def known_enumerations() -> dict[str, tuple[str, ...]]:
     from accelerate.utils.constants import (
         FSDP_AUTO_WRAP_POLICY,
         FSDP_BACKWARD_PREFETCH,
@@ -66,19 +66,19 @@ def _enumerations() -> dict[str, tuple[str, ...]]:
     }
 
 
-def _distributed_types() -> tuple[str, ...]:
+def known_distributed_types() -> tuple[str, ...]:
     from accelerate.utils import DistributedType
 
     return tuple(item.value for item in DistributedType)
 
 
-def _precisions() -> tuple[str, ...]:
+def known_precisions() -> tuple[str, ...]:
     from accelerate.utils import PrecisionType
 
     return tuple(PrecisionType.list())
 
 
-def _boolean(value: Any) -> bool | None:
+def as_boolean(value: Any) -> bool | None:
     """accelerate's reading of a boolean setting; None when it is not one."""
     if isinstance(value, bool):
         return value
@@ -87,7 +87,7 @@ def _boolean(value: Any) -> bool | None:
     return None
 
 
-def _whole(value: Any) -> int | None:
+def as_whole(value: Any) -> int | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -103,20 +103,20 @@ SUGGESTION_CUTOFF = 0.75
 misspelt ``fsdp_min_num_params``: renaming it would put ``true`` into a size threshold)."""
 
 
-def _close(name: str, known, limit: int = 3) -> list[str]:
+def close_names(name: str, known, limit: int = 3) -> list[str]:
     import difflib
 
     return difflib.get_close_matches(name, sorted(known), n=limit, cutoff=SUGGESTION_CUTOFF)
 
 
-def _did_you_mean(name: str, known) -> str:
-    guesses = _close(name, known)
+def did_you_mean(name: str, known) -> str:
+    guesses = close_names(name, known)
     return f" (did you mean {' or '.join(repr(g) for g in guesses)}?)" if guesses else ""
 
 
-def _rename(name: str, known, value: Any = None) -> str:
+def renamed_key(name: str, known, value: Any = None) -> str:
     """``rename it to 'x'`` when a known name is close and takes ``value``, else ``remove it``."""
-    guesses = [guess for guess in _close(name, known, limit=1) if _value_fits(guess, value)]
+    guesses = [guess for guess in close_names(name, known, limit=1) if _value_fits(guess, value)]
     return f"rename it to {guesses[0]!r}" if guesses else "remove it"
 
 
@@ -124,11 +124,11 @@ def _value_fits(key: str, value: Any) -> bool:
     """Whether accelerate would accept ``value`` for ``key`` (so a rename does not break the file)."""
     if value is None:
         return True
-    if key in _BOOLEAN_FSDP_KEYS:
-        return _boolean(value) is not None
+    if key in STRICT_BOOLEAN_FSDP_KEYS:
+        return as_boolean(value) is not None
     if key == K.min_num_params:
-        return _whole(value) is not None
-    if key in _enumerations():
+        return as_whole(value) is not None
+    if key in known_enumerations():
         return enumeration_name(key, value) is not None
     return True
 
@@ -147,12 +147,12 @@ def plugin_option_defaults() -> dict[str, Any]:
     return defaults
 
 
-def _strategy_name(value: Any) -> str | None:
+def as_strategy_name(value: Any) -> str | None:
     """An FSDP1 sharding strategy as accelerate reads it (name or 1-based index), upper case."""
     from accelerate.utils.constants import FSDP_SHARDING_STRATEGY
 
-    if _whole(value) is not None and 1 <= _whole(value) <= len(FSDP_SHARDING_STRATEGY):
-        return FSDP_SHARDING_STRATEGY[_whole(value) - 1]
+    if as_whole(value) is not None and 1 <= as_whole(value) <= len(FSDP_SHARDING_STRATEGY):
+        return FSDP_SHARDING_STRATEGY[as_whole(value) - 1]
     text = str(value).upper().lstrip("_")  # torch's enum spells it _HYBRID_SHARD_ZERO2; accelerate takes both
     return text if text in FSDP_SHARDING_STRATEGY else None
 
@@ -165,9 +165,9 @@ def enumeration_name(key: str, value: Any) -> str | None:
     if isinstance(value, bool):
         return None
     if key == K.sharding_strategy:
-        return _strategy_name(value)
-    allowed = _enumerations().get(key, ())
-    number = _whole(value)
+        return as_strategy_name(value)
+    allowed = known_enumerations().get(key, ())
+    number = as_whole(value)
     indexed = {K.backward_prefetch: 2, K.state_dict_type: 3}.get(key, 0)  # torch's BackwardPrefetch, StateDictType
     if number is not None:
         return allowed[number - 1] if 1 <= number <= indexed else None
@@ -179,17 +179,17 @@ def canonical_fsdp(fsdp: dict) -> dict:
     """``fsdp_config`` (keys already prefixed) with every value accelerate parses in its canonical
     form: enumeration names, booleans, whole-number version; values it refuses stay as written (the
     ``invalid-value`` rule reports them)."""
-    enumerations = _enumerations()
+    enumerations = known_enumerations()
     canonical = {}
     for key, value in fsdp.items():
         if key in enumerations and value is not None:
             value = enumeration_name(key, value) or value
-        elif key in _BOOLEAN_FSDP_KEYS and _boolean(value) is not None:
-            value = _boolean(value)
-        elif key in (K.version, K.min_num_params) and _whole(value) is not None:
-            value = _whole(value)
+        elif key in STRICT_BOOLEAN_FSDP_KEYS and as_boolean(value) is not None:
+            value = as_boolean(value)
+        elif key in (K.version, K.min_num_params) and as_whole(value) is not None:
+            value = as_whole(value)
         elif key == K.reshard_after_forward and not isinstance(value, bool):
-            value = _boolean(value) if _boolean(value) is not None else (_strategy_name(value) or value)
+            value = as_boolean(value) if as_boolean(value) is not None else (as_strategy_name(value) or value)
         canonical[key] = value
     return canonical
 
