@@ -98,7 +98,7 @@ def generate_presets(model: Path, output_dir: Path) -> tuple[Path, Path]:
 def train(label: str, config: Path, model: Path, run_dir: Path, max_steps: int, lora: bool = False) -> float:
     """One recipe run through `accelerate launch`, its output shown as it comes; returns seconds."""
     recipe_args = ["--model", model, "--data", TRAIN, "--eval-data", EVAL, "--max-eval-samples", 32,
-                   "--output-dir", run_dir, "--max-steps", max_steps, "--micro-batch-size", MICRO_BATCH,
+                   "--output-dir", run_dir, "--max-steps", max_steps, "--micro-batch", MICRO_BATCH,
                    "--seq-len", SEQ_LEN, *(LORA_ARGS if lora else ()),
                    "--learning-rate", 2e-3 if lora else 2e-4, "--warmup-steps", 2, "--weight-decay", 0.01, "--max-grad-norm", 1.0,
                    "--save-every", max(max_steps // 2, 1), "--keep-last", 1, "--seed", 1611]
