@@ -4,7 +4,7 @@ checkpoints, a complete final/ under any state-dict type, the global batch kept 
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/sft_trainer.py \
         --model runs/models/smollm2-135m-instruct --data data/kjv_sft/train.jsonl \
-        --output-dir runs/sft-trl --max-steps 20 --seq-len 64 [--lora-r 8] [--method qlora]
+        --output-dir runs/sft-trl --max-steps 20 --seq-len 64 [--method lora|qlora --lora-r 8]
 
 Data: JSONL with `prompt`/`response` (the prompt is masked out of the loss: TRL's prompt-completion
 format) or `text`. One sample per row, truncated to --seq-len tokens (no packing).

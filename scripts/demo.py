@@ -40,7 +40,8 @@ FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml"
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
 TRAIN = REPO / "data" / "kjv_sft" / "train.jsonl"
 EVAL = REPO / "data" / "kjv_sft" / "eval.jsonl"
-LORA_ARGS = ("--lora-r", 16, "--lora-alpha", 32, "--export-merged")  # final/: adapter; merged/: plain HF folder
+# final/: the adapter; merged/: a plain Hugging Face folder
+LORA_ARGS = ("--method", "lora", "--lora-r", 16, "--lora-alpha", 32, "--export-merged")
 MARKER = "demo.json"  # marks a folder this script made, so a rerun may replace it
 SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens per rank: FSDP2 about 4 s per step on 2 cores (FIELD-NOTES)
 # NOTE: gradient clipping is on (the recipe's --max-grad-norm 1.0; the norm of this model is far
