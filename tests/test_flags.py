@@ -195,6 +195,11 @@ def test_an_earlier_spelling_parses_alike_with_a_note(recipe_parsers, monkeypatc
 def test_the_commands_take_the_recipes_earlier_spelling_too():
     args, printed = parse_quietly(cli_parser("plan"), ["llama", "--gpus", "8", "--micro-batch-size", "2"])
     assert args.micro_batch == 2 and "now spelled --micro-batch" in printed
+    # `fsdp-presets converge` had the recipes' spellings: they still parse, into the new names.
+    words = ["--model", "m", "--data", "d", "--config", "c.yaml", "--micro-batch-size", "4",
+             "--gradient-accumulation-steps", "2"]
+    args, printed = parse_quietly(cli_parser("converge"), words)
+    assert (args.micro_batch, args.grad_accum) == (4, 2) and printed.count("note: ") == 2
 
 
 def test_lora_r_alone_still_means_lora_and_an_explicit_full_refuses_it(recipe_parsers):
