@@ -110,18 +110,8 @@ def note_old_spelling(old: str, new: str) -> None:
 
 
 class _Store(argparse._StoreAction):
-    """argparse's ``store``, with a note when an old spelling was typed."""
-
-    new_name = ""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string is not None and option_string != self.new_name:
-            note_old_spelling(option_string, self.new_name)
-        super().__call__(parser, namespace, values, option_string)
-
-
-class _StoreTrue(argparse._StoreTrueAction):
-    """argparse's ``store_true``, with a note when an old spelling was typed."""
+    """argparse's ``store``, with a note when an old spelling was typed. NOTE: argparse tells only
+    an action which of its option strings was typed, hence a subclass of its own action."""
 
     new_name = ""
 
@@ -138,8 +128,9 @@ class _MethodQlora(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, self.dest, None) not in (None, "qlora"):
-            parser.error(f"{option_string} (--method qlora) given with {METHOD.name} {getattr(namespace, self.dest)}")
+        given = getattr(namespace, self.dest, None)
+        if given not in (None, "qlora"):
+            parser.error(f"{option_string} ({METHOD.name} qlora) given with {METHOD.name} {given}")
         note_old_spelling(option_string, f"{METHOD.name} qlora")
         setattr(namespace, self.dest, "qlora")
 
@@ -149,9 +140,8 @@ def add(parser: argparse.ArgumentParser, flag: Flag, *, help_suffix: str = "", *
     ``add_argument``'s: ``type``, ``default``, ``choices``, ``action="store_true"``...); its help
     is :attr:`Flag.help` plus ``help_suffix`` unless ``kwargs`` gives one."""
     kwargs.setdefault("help", flag.help + help_suffix)
-    if flag.old_names:
-        base = _StoreTrue if kwargs.get("action") == "store_true" else _Store
-        kwargs["action"] = type(base.__name__, (base,), {"new_name": flag.name})
+    if flag.old_names:  # a flag that takes a value (the only kind renamed so far)
+        kwargs["action"] = type("_Store", (_Store,), {"new_name": flag.name})
     return parser.add_argument(flag.name, *flag.old_names, dest=flag.dest, **kwargs)
 
 
