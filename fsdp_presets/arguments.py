@@ -12,7 +12,8 @@ requests and shapes the flags become check the same values. Where a default depe
 a command reads later (a preset's header, the device), the flag's default is None and the command
 fills in the value (``DEFAULT_SEQ_LEN``, ``DEFAULT_GPU_MEMORY_GIB``). The training-method flags
 (``--method``, ``--lora-*``) are defined the same way in :mod:`fsdp_presets.plan.methods`, the
-launch-script flags in :mod:`fsdp_presets.preset.launch_options`. tests/test_arguments.py parses
+launch-script flags in :mod:`fsdp_presets.preset.launch_options`. The settings a training run shares
+with the recipes are spelled by :mod:`fsdp_presets.flags`. tests/test_arguments.py parses
 every command's parser and fails when a shared flag drifts.
 
 A bad value raises :class:`~fsdp_presets.errors.UsageError`, which argparse does not catch:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 
+from fsdp_presets import flags
 from fsdp_presets.plan.limits import (DEFAULT_GPU_MEMORY_GIB, DEFAULT_SEQ_LEN, DEVICES, PRECISION_CHOICES,
                                       STRATEGY_CHOICES, SWITCH_CHOICES, activation_checkpointing, device,
                                       gpu_count, gpu_memory_gib, grad_accum, host_memory_gib, micro_batch, node_count,
@@ -74,19 +76,20 @@ def add_precision(parser: argparse.ArgumentParser, *, default_help: str = "") ->
 
 def add_seq_len(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
     """``--seq-len``: tokens per sequence (None: :data:`DEFAULT_SEQ_LEN`, or a preset's)."""
-    parser.add_argument("--seq-len", type=seq_len, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN}, capped "
-                        "by the model's positions" + default_help + ")")
+    flags.add(parser, flags.SEQ_LEN, type=seq_len, help_suffix=f" (default {DEFAULT_SEQ_LEN}, capped by the model's "
+              "positions" + default_help + ")")
 
 
 def add_micro_batch(parser: argparse.ArgumentParser, *, default_help: str = "1") -> None:
-    """``--micro-batch``: sequences per GPU per forward/backward (None: the command's default)."""
-    parser.add_argument("--micro-batch", type=micro_batch, help=f"sequences per GPU per step (default {default_help})")
+    """``--micro-batch``: sequences per GPU per forward/backward (None: the command's default); the
+    recipes' ``--micro-batch-size`` still parses, with a note."""
+    flags.add(parser, flags.MICRO_BATCH, type=micro_batch, help_suffix=f" (default {default_help})")
 
 
 def add_grad_accum(parser: argparse.ArgumentParser, *, extra_help: str = "") -> None:
     """``--grad-accum``: micro-batches per optimizer step (None: 1)."""
-    parser.add_argument("--grad-accum", type=grad_accum, help="micro-batches accumulated per optimizer step "
-                        "(default 1)" + extra_help)
+    flags.add(parser, flags.GRAD_ACCUM, type=grad_accum,
+              help_suffix=f" (default {flags.DEFAULT_GRAD_ACCUM})" + extra_help)
 
 
 def add_savers(parser: argparse.ArgumentParser, *, with_offload: bool = True,

@@ -88,7 +88,7 @@ def main():
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=accelerator.device)  # loss sum, tokens, correct tokens
         with torch.no_grad():
-            for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
+            for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch,
                                                  rank=rank, data_parallel_size=dp_size):
                 batch = loop.collate(eval_set, [index for index, _ in slots], columns, accelerator.device)
                 batch["labels"][torch.tensor([not counts for _, counts in slots], device=accelerator.device)] = \

@@ -6,7 +6,7 @@
     accelerate launch --config_file runs/minilm_fsdp2.yaml recipes/sequence_classification.py \
         --model runs/models/all-minilm-l6-v2 \
         --data data/kjv_genres/train.jsonl --eval-data data/kjv_genres/eval.jsonl \
-        --output-dir runs/genres --max-steps 60 --micro-batch-size 8 --learning-rate 3e-4 --seq-len 40
+        --output-dir runs/genres --max-steps 60 --micro-batch 8 --learning-rate 3e-4 --seq-len 40
 
 Data: JSONL (or CSV, Parquet) with `text` and `label` columns; labels may be names or numbers and
 are numbered in sorted order (the names go into the exported config's id2label); a model that already
@@ -92,7 +92,7 @@ def main():
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         predictions, references, counted = [], [], []
         with torch.no_grad():
-            for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch_size,
+            for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch,
                                                  rank=rank, data_parallel_size=dp_size):
                 batch = loop.collate(eval_set, [index for index, _ in slots], COLUMNS, accelerator.device)
                 keep = torch.tensor([counts for _, counts in slots], device=accelerator.device)

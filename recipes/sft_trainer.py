@@ -4,7 +4,7 @@ checkpoints, a complete final/ under any state-dict type, the global batch kept 
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/sft_trainer.py \
         --model runs/models/smollm2-135m-instruct --data data/kjv_sft/train.jsonl \
-        --output-dir runs/sft-trl --max-steps 20 --seq-len 64 [--lora-r 8] [--load-in-4bit]
+        --output-dir runs/sft-trl --max-steps 20 --seq-len 64 [--method lora|qlora --lora-r 8]
 
 Data: JSONL with `prompt`/`response` (the prompt is masked out of the loss: TRL's prompt-completion
 format) or `text`. One sample per row, truncated to --seq-len tokens (no packing).
@@ -60,8 +60,8 @@ def main():
 
     # ---- train ----
     config = SFTConfig(
-        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.micro_batch_size,
-        per_device_eval_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+        output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.micro_batch,
+        per_device_eval_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.learning_rate, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
         lr_scheduler_type=args.lr_scheduler, max_grad_norm=args.max_grad_norm, max_length=args.seq_len,
         save_strategy="steps", save_steps=args.save_every or args.max_steps, save_total_limit=args.keep_last,

@@ -40,7 +40,8 @@ FSDP2_CONFIG = REPO / "accelerate_configs" / "cpu_fsdp2_demo.yaml"
 DDP_CONFIG = REPO / "accelerate_configs" / "cpu_ddp_demo.yaml"
 TRAIN = REPO / "data" / "kjv_sft" / "train.jsonl"
 EVAL = REPO / "data" / "kjv_sft" / "eval.jsonl"
-LORA_ARGS = ("--lora-r", 16, "--lora-alpha", 32, "--export-merged")  # final/: adapter; merged/: plain HF folder
+# final/: the adapter; merged/: a plain Hugging Face folder
+LORA_ARGS = ("--method", "lora", "--lora-r", 16, "--lora-alpha", 32, "--export-merged")
 MARKER = "demo.json"  # marks a folder this script made, so a rerun may replace it
 SEQ_LEN, MICRO_BATCH = 64, 2  # 2 x 64 tokens per rank: FSDP2 about 4 s per step on 2 cores (FIELD-NOTES)
 # NOTE: gradient clipping is on (the recipe's --max-grad-norm 1.0; the norm of this model is far
@@ -98,7 +99,7 @@ def generate_presets(model: Path, output_dir: Path) -> tuple[Path, Path]:
 def train(label: str, config: Path, model: Path, run_dir: Path, max_steps: int, lora: bool = False) -> float:
     """One recipe run through `accelerate launch`, its output shown as it comes; returns seconds."""
     recipe_args = ["--model", model, "--data", TRAIN, "--eval-data", EVAL, "--max-eval-samples", 32,
-                   "--output-dir", run_dir, "--max-steps", max_steps, "--micro-batch-size", MICRO_BATCH,
+                   "--output-dir", run_dir, "--max-steps", max_steps, "--micro-batch", MICRO_BATCH,
                    "--seq-len", SEQ_LEN, *(LORA_ARGS if lora else ()),
                    "--learning-rate", 2e-3 if lora else 2e-4, "--warmup-steps", 2, "--weight-decay", 0.01, "--max-grad-norm", 1.0,
                    "--save-every", max(max_steps // 2, 1), "--keep-last", 1, "--seed", 1611]

@@ -107,7 +107,7 @@ def planned(settings: dict, gpu: dict) -> dict:
 def recipe_arguments(settings: dict, work_dir: Path) -> list[str]:
     return ["--model", str(work_dir / "model"), "--data", str(TRAIN_DATA), "--eval-data", str(EVAL_DATA),
             "--max-eval-samples", "0", "--output-dir", str(work_dir / "run"), "--seq-len", str(settings["seq_len"]),
-            "--micro-batch-size", str(settings["micro_batch"]), "--max-steps", str(settings["steps"]),
+            "--micro-batch", str(settings["micro_batch"]), "--max-steps", str(settings["steps"]),
             "--learning-rate", "1e-4", "--warmup-steps", "2", "--resume", "none"]
 
 

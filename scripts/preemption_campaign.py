@@ -55,7 +55,7 @@ GRACE_S = 30.0  # torchrun's shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT un
 
 def recipe_args(model: Path, output: Path) -> list[str]:
     return ["--model", model, "--data", SFT / "train.jsonl", "--eval-data", SFT / "eval.jsonl", "--max-eval-samples",
-            "16", "--output-dir", output, "--seq-len", "32", "--micro-batch-size", "2", "--max-steps", STEPS,
+            "16", "--output-dir", output, "--seq-len", "32", "--micro-batch", "2", "--max-steps", STEPS,
             "--eval-every", "3", "--save-every", "4", "--keep-last", "3", "--lr-scheduler", "constant_with_warmup",
             "--warmup-steps", "2", "--learning-rate", "3e-3"]
 

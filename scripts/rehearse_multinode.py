@@ -130,7 +130,7 @@ def recipe_command(model: Path, output_dir: Path, args, *, micro_batch: int) -> 
     return ("recipes/causal_lm.py", "--model", str(model), "--data", "data/kjv_sft/train.jsonl",
             "--eval-data", "data/kjv_sft/eval.jsonl", "--output-dir", str(output_dir),
             "--max-steps", str(args.max_steps), "--save-every", "2", "--keep-last", "2", "--seq-len", str(SEQ_LEN),
-            "--micro-batch-size", str(micro_batch), "--learning-rate", "1e-3")
+            "--micro-batch", str(micro_batch), "--learning-rate", "1e-3")
 
 
 # ---- launches ----

@@ -47,7 +47,7 @@ def args(model: Path, output_dir: Path, *extra) -> list[str]:
     """A short classification run on the shipped genres data (32 tokens per sample)."""
     return ["--model", str(model), "--data", str(GENRES_TRAIN), "--eval-data", str(GENRES_EVAL),
             "--max-eval-samples", "16", "--output-dir", str(output_dir), "--seq-len", "32",
-            "--micro-batch-size", "2", "--gradient-accumulation-steps", "2", "--learning-rate", "3e-3",
+            "--micro-batch", "2", "--grad-accum", "2", "--learning-rate", "3e-3",
             "--weight-decay", "0.01", *SCHEDULE, *map(str, extra)]
 
 

@@ -45,7 +45,7 @@ def causal_lm_args(model: Path, output_dir: Path, *extra) -> list[str]:
     """A short, fast causal LM run on the shipped SFT data (packed 32-token blocks)."""
     return ["--model", str(model), "--data", str(SFT_TRAIN), "--eval-data", str(SFT_EVAL),
             "--max-eval-samples", "16", "--output-dir", str(output_dir), "--seq-len", "32",
-            "--micro-batch-size", "2", "--gradient-accumulation-steps", "2", "--learning-rate", "3e-3",
+            "--micro-batch", "2", "--grad-accum", "2", "--learning-rate", "3e-3",
             "--warmup-steps", "2", "--weight-decay", "0.1", *map(str, extra)]
 
 

@@ -128,7 +128,7 @@ def test_command_proves_the_wrapping_of_a_real_bert_folder(configs, capsys):
 @pytest.mark.slow
 def test_the_launch_crashes_as_check_says_and_the_fix_trains(bert, configs, tmp_path):
     arguments = ["--model", bert, "--data", GENRES_TRAIN, "--eval-data", GENRES_EVAL, "--max-eval-samples", 16,
-                 "--max-steps", 2, "--micro-batch-size", 4, "--seq-len", 32, "--learning-rate", 3e-4,
+                 "--max-steps", 2, "--micro-batch", 4, "--seq-len", 32, "--learning-rate", 3e-4,
                  "--warmup-steps", 1]
     broken = run_launch(configs["broken"], CLASSIFICATION, [*arguments, "--output-dir", tmp_path / "broken"],
                         cwd=REPO, timeout=300)

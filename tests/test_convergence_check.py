@@ -121,7 +121,7 @@ def test_recipe_arguments_are_the_same_for_both_runs_and_start_fresh(tmp_path):
     assert flags[:2] == ["--model", "m"]
     assert flags[flags.index("--max-steps") + 1] == "12" and flags[flags.index("--seed") + 1] == "1234"
     assert flags[flags.index("--resume") + 1] == "none"
-    assert "--micro-batch-size" not in flags  # unset: the recipe default applies to both alike
+    assert "--micro-batch" not in flags  # unset: the recipe default applies to both alike
     assert flags[-3:] == ["--warmup-steps", "2", "--extra"]
 
 
@@ -283,7 +283,7 @@ def test_fault_learning_rate_not_rescaled_is_caught_at_step_1(workdir, tiny_mode
     # The global batch doubled (micro-batch 2 -> 4 on 2 processes: 8 samples per step, as the
     # 4-process reference) but the learning rate stayed at the old value instead of doubling.
     _, _, reference = hsdp_check
-    status, result = run_check(workdir, tiny_model, "fault-lr-not-rescaled", "--micro-batch-size", "4",
+    status, result = run_check(workdir, tiny_model, "fault-lr-not-rescaled", "--micro-batch", "4",
                                baseline=reference)
     assert result["baseline"]["global_batch_samples"] == result["candidate"]["global_batch_samples"] == 8
     assert_diverged(status, result, 1, "lr", "rescaled")

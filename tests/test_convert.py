@@ -323,7 +323,7 @@ def test_inspect_checkpoint_reports_position_sharding_files_and_resumability(tra
     assert "step 10, 80 samples consumed; global batch 8" in text
     assert "2 process(es), FSDP2 (reshard_after_forward=True), SHARDED_STATE_DICT; layout dcp" in text
     assert "integrity   OK" in text and "pytorch_model_fsdp_0/__1_0.distcp  rank 1" in text
-    assert "resume at 4 GPU(s): yes" in text and "--gradient-accumulation-steps 1" in text
+    assert "resume at 4 GPU(s): yes" in text and "--grad-accum 1" in text
     assert cli.main(["inspect-checkpoint", str(trained), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     ranks = {item["rank"] for item in summary["files"] if item["path"].startswith("optimizer_0/")}

@@ -9,7 +9,7 @@ Launched once per module and shared by the tests:
   from step 8 on 1 process (another world size), which must reproduce the uninterrupted losses.
 - The FSDP2 run's exports: the PEFT folder in final/ (``PeftModel.from_pretrained``) and the merged
   folder (plain transformers), checked against the trained adapter read back from the checkpoint.
-- QLoRA (``--load-in-4bit``, bitsandbytes nf4 stored as bf16) under DDP and under FSDP2, the FSDP2
+- QLoRA (``--method qlora``, bitsandbytes nf4 stored as bf16) under DDP and under FSDP2, the FSDP2
   run killed while saving step 12 and resumed: loss falls, each rank holds half the 4-bit base,
   and the resumed run matches QLoRA under DDP.
 """
@@ -267,7 +267,7 @@ def test_a_lora_checkpoint_is_refused_by_a_full_fine_tuning_run(lora_runs, root,
 
 
 # ---- QLoRA ----
-QLORA = ("--load-in-4bit", *LORA)
+QLORA = ("--method", "qlora", *LORA)
 
 
 @pytest.fixture(scope="module")
@@ -361,7 +361,7 @@ def test_classification_recipe_trains_a_lora_adapter_and_its_head(tmp_path):
 def test_qlora_under_fsdp1_is_refused_in_one_line(root, tmp_path):
     pytest.importorskip("bitsandbytes")
     result = _launch(_configs(root)["fsdp1"], causal_lm_args(root / "tiny-qwen2", tmp_path / "q1", "--max-steps", 2,
-                                                             "--load-in-4bit"), ok=False)
+                                                             "--method", "qlora"), ok=False)
     assert result.returncode != 0 and "exitcode: 2" in result.stderr
-    assert "causal_lm.py: error: --load-in-4bit needs FSDP2" in result.stderr
+    assert "causal_lm.py: error: --method qlora needs FSDP2" in result.stderr
     assert not (tmp_path / "q1" / "checkpoints").exists()

@@ -188,7 +188,7 @@ def test_generate_writes_the_launch_script_next_to_the_hsdp_preset(tmp_path, mon
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=2" in text
     assert "--num_machines 2" in text and "--num_processes 4" in text
     # Without --command, the training command is the one the preset's header names.
-    assert "recipes/causal_lm.py --model MODEL_DIR" in text and "--micro-batch-size 2" in text
+    assert "recipes/causal_lm.py --model MODEL_DIR" in text and "--micro-batch 2" in text
 
 
 # ---- the job and its checks ----

@@ -140,11 +140,11 @@ def test_generate_qlora_records_what_accelerate_yaml_cannot(tmp_path):
     done = _generate(tmp_path, "--gpus", "2", "--gpu-memory", "24", "--method", "qlora", "--lora-r", "8",
                      "--lora-target-modules", "q_proj,v_proj", "--baseline", "ddp", "-o", "q.yaml")
     assert done.returncode == 0, done.stderr
-    launch = "--lora-r 8 --lora-alpha 16 --lora-target-modules q_proj,v_proj --load-in-4bit"
+    launch = "--method qlora --lora-r 8 --lora-alpha 16 --lora-target-modules q_proj,v_proj"
     assert launch in done.stdout
     for name in ("q.yaml", "q.ddp.yaml"):
         text = (tmp_path / name).read_text()
-        assert "--load-in-4bit" in text and "bnb_4bit_quant_storage bfloat16" in text and "method: qlora" in text
+        assert "--method qlora" in " ".join(text.replace("#", " ").split()) and "bnb_4bit_quant_storage bfloat16" in text and "method: qlora" in text
         request = read_metadata(text)["request"]
         assert (request["method"], request["lora_r"], request["lora_target_modules"]) == ("qlora", 8, "q_proj,v_proj")
     config = yaml.safe_load((tmp_path / "q.yaml").read_text())

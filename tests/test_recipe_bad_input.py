@@ -297,15 +297,15 @@ def test_lora_flags_need_peft_and_the_plan_bound_on_the_rank(monkeypatch):
 
     def flags(**given):
         values = {"lora_r": 8, "lora_alpha": None, "lora_target_modules": None, "export_merged": False,
-                  "lora_dropout": 0.0, "load_in_4bit": False}
+                  "lora_dropout": 0.0, "method": None}
         return argparse.Namespace(**{**values, **given})
 
-    with pytest.raises(UsageError, match=f"--lora-r {MAX_LORA_R + 1} is out of range; give a whole number from 1 to"):
+    with pytest.raises(UsageError, match=f"--lora-r must be at most {MAX_LORA_R}, got {MAX_LORA_R + 1}"):
         lora.settings(flags(lora_r=MAX_LORA_R + 1))
     assert lora.settings(flags(lora_r=MAX_LORA_R))["r"] == MAX_LORA_R
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "peft" else real(name, *rest))
-    with pytest.raises(UsageError, match="need peft: pip install"):
+    with pytest.raises(UsageError, match="--method lora needs peft: pip install"):
         lora.settings(flags())
 
 

@@ -250,9 +250,12 @@ def test_recipe_imports_leave_peft_and_bitsandbytes_out():
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
-# Every flag the recipes had before their shared parts moved to fsdp_presets.train.recipe.
+# Every flag the recipes had before their shared parts moved to fsdp_presets.train.recipe (the earlier
+# spellings --micro-batch-size, --gradient-accumulation-steps and --load-in-4bit included), and the
+# spellings they share with fsdp-presets since.
 FLAGS_OF_BOTH = {"--model", "--data", "--eval-data", "--eval-fraction", "--max-eval-samples", "--output-dir",
                  "--max-steps", "--micro-batch-size", "--gradient-accumulation-steps", "--reduce-every-micro-batch",
+                 "--micro-batch", "--grad-accum", "--method",
                  "--learning-rate", "--weight-decay", "--warmup-steps", "--lr-scheduler", "--max-grad-norm",
                  "--seq-len", "--eval-every", "--save-every", "--keep-last", "--resume", "--seed", "--lora-r",
                  "--lora-alpha", "--lora-dropout", "--lora-target-modules", "--load-in-4bit", "--export-merged"}

@@ -185,7 +185,7 @@ def test_classification_recipe_lifts_accuracy_far_above_chance(tmp_path):
     run_dir = tmp_path / "genres"
     run_launch(config, CLASSIFICATION, [
         "--model", minilm, "--data", GENRES_TRAIN, "--eval-data", GENRES_EVAL, "--max-eval-samples", 160,
-        "--output-dir", run_dir, "--max-steps", 30, "--micro-batch-size", 8, "--seq-len", 40,
+        "--output-dir", run_dir, "--max-steps", 30, "--micro-batch", 8, "--seq-len", 40,
         "--learning-rate", 6e-4, "--warmup-steps", 5, "--weight-decay", 0.01], cwd=REPO).check()
     evals = [record for record in read_metrics(run_dir / "metrics.jsonl") if record["kind"] == "eval"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 30

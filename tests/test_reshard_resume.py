@@ -4,7 +4,7 @@ One uninterrupted FSDP2 run on 2 processes (steps 1-10) is the reference. For FS
 (``SHARDED_STATE_DICT``, DCP), a chain of launches continues a 2-process checkpoint of step 2 on
 1 process (to step 4), then 2 (to 6), 4 (to 8) and 2 again (to 10): every change 2 -> 1, 1 -> 2,
 2 -> 4, 4 -> 2 resumes a checkpoint written at another world size. Each launch is given the same
-``--gradient-accumulation-steps 2``; the recipe must adjust it to keep the global batch of 8.
+``--grad-accum 2``; the recipe must adjust it to keep the global batch of 8.
 
 The classification recipe does the same through the same code (fsdp_presets.train.recipe): its
 2-process FSDP2 reference (tests/classification_runs.py, tiny BERT without dropout) resumed from

@@ -25,6 +25,7 @@ from typing import Any
 from fsdp_presets.checkpoint.files import CheckpointFiles, RankFile, find_checkpoint_files, rank_files
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import printable
+from fsdp_presets.flags import GRAD_ACCUM, MICRO_BATCH
 
 
 @dataclass(kw_only=True)
@@ -149,8 +150,8 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
         micro = math.gcd(per_rank, micro or per_rank)
     accumulation = per_rank // micro
     return ResumeAnswer(gpus=gpus, possible=True, gradient_accumulation_steps=accumulation,
-                        reason=f"{how}; the global batch of {batch} samples stays with --micro-batch-size {micro} "
-                               f"--gradient-accumulation-steps {accumulation} (the recipes set the accumulation "
+                        reason=f"{how}; the global batch of {batch} samples stays with {MICRO_BATCH.name} {micro} "
+                               f"{GRAD_ACCUM.name} {accumulation} (the recipes set the accumulation "
                                "themselves)")
 
 

@@ -12,7 +12,7 @@ HELP = "train a recipe under an FSDP config and its DDP baseline, then compare t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from fsdp_presets import arguments
+    from fsdp_presets import arguments, flags
     from fsdp_presets.plan import limits
     from fsdp_presets.compare.converge import DEFAULT_MAX_STEPS, DEFAULT_RECIPE, DEFAULT_SEED, DEFAULT_TIMEOUT_S
 
@@ -25,12 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--baseline-run", help="an existing baseline run folder to compare against (no baseline launch)")
     add("--output-dir", default="runs/convergence", help="where both runs, the report and the plot go")
     add("--recipe", default=DEFAULT_RECIPE, help=f"training script (default {DEFAULT_RECIPE})")
-    add("--max-steps", type=int, default=DEFAULT_MAX_STEPS, help=f"optimizer steps per run (default {DEFAULT_MAX_STEPS})")
-    add("--seed", type=int, default=DEFAULT_SEED, help=f"seed of both runs (default {DEFAULT_SEED})")
-    add("--micro-batch-size", type=int, help="per-process micro-batch (recipe default if unset)")
-    add("--gradient-accumulation-steps", type=int, help="accumulation steps (recipe default if unset)")
-    add("--learning-rate", type=float, help="learning rate of both runs (recipe default if unset)")
-    add("--seq-len", type=limits.seq_len, help="sequence length (recipe default if unset)")
+    flags.add(parser, flags.MAX_STEPS, type=int, default=DEFAULT_MAX_STEPS,
+              help=f"optimizer steps per run (default {DEFAULT_MAX_STEPS})")
+    flags.add(parser, flags.SEED, type=int, default=DEFAULT_SEED, help=f"seed of both runs (default {DEFAULT_SEED})")
+    arguments.add_micro_batch(parser, default_help="the recipe's")
+    arguments.add_grad_accum(parser)
+    flags.add(parser, flags.LEARNING_RATE, type=float, help="learning rate of both runs (recipe default if unset)")
+    flags.add(parser, flags.SEQ_LEN, type=limits.seq_len, help="sequence length (recipe default if unset)")
     add("--resume-at", type=int, metavar="K",
         help="stop the candidate after its checkpoint of step K and resume it in a second launch")
     arguments.add_tolerance(parser)
@@ -49,8 +50,7 @@ def request_from(args: argparse.Namespace):
     from fsdp_presets.compare.converge import ConvergeRequest, Training
 
     training = Training(model=args.model, data=args.data, recipe=args.recipe, max_steps=args.max_steps, seed=args.seed,
-                        micro_batch_size=args.micro_batch_size,
-                        gradient_accumulation_steps=args.gradient_accumulation_steps,
+                        micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                         learning_rate=args.learning_rate, seq_len=args.seq_len, recipe_args=list(args.recipe_args))
     return ConvergeRequest(training=training, config=args.config, baseline=args.baseline,
                            baseline_run=args.baseline_run, output_dir=args.output_dir, resume_at=args.resume_at,

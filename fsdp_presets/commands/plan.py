@@ -24,7 +24,7 @@ HELP = "plan per-GPU memory and communication of every FSDP/DDP strategy, and re
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from fsdp_presets import arguments
+    from fsdp_presets import arguments, flags
     from fsdp_presets.plan.methods import add_method_arguments
 
     from fsdp_presets.plan.gpus import GPU_NAMES
@@ -49,8 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_micro_batch(parser)
     arguments.add_grad_accum(parser, extra_help="; under no_sync FSDP keeps unsharded gradients of the whole "
                              "model between them")
-    parser.add_argument("--reduce-every-micro-batch", action="store_true",
-                        help="plan gradients reduced after every micro-batch instead of accumulated under no_sync")
+    flags.add(parser, flags.REDUCE_EVERY_MICRO_BATCH, action="store_true",
+              help="plan gradients reduced after every micro-batch instead of accumulated under no_sync")
     arguments.add_precision(parser)
     parser.add_argument("--optimizer", default="adamw", help="adamw (default), adam, sgd (with momentum) or lion")
     arguments.add_savers(parser, default_text="off; with --method lora|qlora auto: on only when nothing fits "

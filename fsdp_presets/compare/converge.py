@@ -40,6 +40,7 @@ from fsdp_presets.compare.records import load_run
 from fsdp_presets.compare.report import summary_lines, write_plot, write_report
 from fsdp_presets.compare.runs import Comparison, compare_runs
 from fsdp_presets.compare.tolerance import parse_tolerance
+from fsdp_presets import flags
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import write_text_atomic
 from fsdp_presets.preset.local_launch import launch_command, launch_env, run_logged
@@ -68,8 +69,8 @@ class Training:
     max_steps: int = DEFAULT_MAX_STEPS
     """Optimizer steps per run."""
     seed: int = DEFAULT_SEED
-    micro_batch_size: int | None = None
-    gradient_accumulation_steps: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
     learning_rate: float | None = None
     seq_len: int | None = None
     recipe_args: list[str] = field(default_factory=list)
@@ -162,15 +163,14 @@ def write_config(config: dict, header: str, path: Path) -> Path:
 def recipe_arguments(training: Training, output_dir: Path, extra: list[str]) -> list[str]:
     """The recipe flags both runs share (only those the user set, so recipe defaults apply alike)."""
     values = [
-        ("--model", training.model), ("--data", training.data), ("--output-dir", output_dir),
-        ("--max-steps", training.max_steps), ("--seed", training.seed),
-        ("--micro-batch-size", training.micro_batch_size),
-        ("--gradient-accumulation-steps", training.gradient_accumulation_steps),
-        ("--learning-rate", training.learning_rate), ("--seq-len", training.seq_len),
+        (flags.MODEL, training.model), (flags.DATA, training.data), (flags.OUTPUT_DIR, output_dir),
+        (flags.MAX_STEPS, training.max_steps), (flags.SEED, training.seed), (flags.MICRO_BATCH, training.micro_batch),
+        (flags.GRAD_ACCUM, training.grad_accum), (flags.LEARNING_RATE, training.learning_rate),
+        (flags.SEQ_LEN, training.seq_len),
     ]
-    flags = [item for flag, value in values if value is not None for item in (flag, str(value))]
+    words = [item for flag, value in values if value is not None for item in (flag.name, str(value))]
     # A fresh run: never continue a checkpoint found in the folder (a resume is asked explicitly).
-    return flags + ["--resume", "none"] + list(training.recipe_args) + list(extra)
+    return words + [flags.RESUME.name, "none"] + list(training.recipe_args) + list(extra)
 
 
 def _problems(request: ConvergeRequest) -> list[str]:
@@ -292,7 +292,7 @@ def _interrupted_and_resumed(request: ConvergeRequest, launch: _Launcher, config
     # moment, and it leaves step K as the last committed checkpoint.
     kill_step = min(2 * resume_at, request.training.max_steps)
     recipe_args = (recipe_arguments(request.training, run_dir, request.candidate_args)
-                   + ["--save-every", str(resume_at)])
+                   + [flags.SAVE_EVERY.name, str(resume_at)])
     launch(config, recipe_args, output / "candidate-part1.log", f"candidate, killed during the save of step {kill_step}",
            extra_env={FAULT_ENV: f"kill-during-save:step={kill_step}"}, expect_kill=True)
     checkpoint = step_folder(run_dir / CHECKPOINTS, resume_at)
@@ -300,5 +300,5 @@ def _interrupted_and_resumed(request: ConvergeRequest, launch: _Launcher, config
     if problem is not None:
         raise UsageError(f"the interrupted candidate left no usable checkpoint of step {resume_at} "
                          f"({checkpoint}: {problem}); see {output / 'candidate-part1.log'}")
-    launch(config, recipe_args + ["--resume", str(checkpoint)], output / "candidate-part2.log",
+    launch(config, recipe_args + [flags.RESUME.name, str(checkpoint)], output / "candidate-part2.log",
            f"candidate, resumed from step {resume_at}")

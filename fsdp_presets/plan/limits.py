@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from fsdp_presets import flags
 from fsdp_presets.errors import UsageError, unknown_name_message
 
 DEFAULT_SEQ_LEN = 2048
@@ -98,11 +99,11 @@ gpu_memory_gib = count_check("--gpu-memory", high=MAX_GPU_MEMORY_GIB, example="8
                       doc="``--gpu-memory``: GiB of one GPU, (0, :data:`MAX_GPU_MEMORY_GIB`].")
 host_memory_gib = count_check("--host-memory", high=MAX_HOST_MEMORY_GIB, example="1024", gib=True,
                        doc="``--host-memory``: GiB of host RAM of one node, (0, :data:`MAX_HOST_MEMORY_GIB`].")
-seq_len = count_check("--seq-len", high=MAX_SEQ_LEN, example="4096",
+seq_len = count_check(flags.SEQ_LEN.name, high=MAX_SEQ_LEN, example="4096",
                  doc="``--seq-len``: tokens per sequence, 1 .. :data:`MAX_SEQ_LEN`.")
-micro_batch = count_check("--micro-batch", high=MAX_MICRO_BATCH, example="2",
+micro_batch = count_check(flags.MICRO_BATCH.name, high=MAX_MICRO_BATCH, example="2",
                      doc="``--micro-batch``: sequences per GPU per step, 1 .. :data:`MAX_MICRO_BATCH`.")
-grad_accum = count_check("--grad-accum", high=MAX_GRAD_ACCUM, example="4",
+grad_accum = count_check(flags.GRAD_ACCUM.name, high=MAX_GRAD_ACCUM, example="4",
                     doc="``--grad-accum``: micro-batches per optimizer step, 1 .. :data:`MAX_GRAD_ACCUM`.")
 MAX_MESH_SIZE = 128
 """Largest ``--tp``/``--ep`` accepted (a TP group lives inside a node)."""
@@ -110,7 +111,7 @@ tp_size = count_check("--tp", high=MAX_MESH_SIZE, example="8",
                  doc="``--tp``: tensor-parallel ranks, 1 .. :data:`MAX_MESH_SIZE`.")
 ep_size = count_check("--ep", high=MAX_MESH_SIZE, example="8",
                  doc="``--ep``: expert-parallel ranks, 1 .. :data:`MAX_MESH_SIZE`.")
-lora_rank = count_check("--lora-r", high=MAX_LORA_R, example="16",
+lora_rank = count_check(flags.LORA_R.name, high=MAX_LORA_R, example="16",
                    doc="``--lora-r``: the adapter's rank, 1 .. :data:`MAX_LORA_R`.")
 
 
@@ -147,13 +148,13 @@ def token_count(text: str) -> float:
 
 def lora_alpha(text: str) -> float:
     """``--lora-alpha``: peft's ``lora_alpha``, a number above 0."""
-    return _real(text, flag="--lora-alpha", accepts=lambda value: value > 0, rule="a number more than 0",
+    return _real(text, flag=flags.LORA_ALPHA.name, accepts=lambda value: value > 0, rule="a number more than 0",
                  example="32")
 
 
 def lora_dropout(text: str) -> float:
     """``--lora-dropout``: a probability in [0, 1)."""
-    return _real(text, flag="--lora-dropout", accepts=lambda value: 0 <= value < 1,
+    return _real(text, flag=flags.LORA_DROPOUT.name, accepts=lambda value: 0 <= value < 1,
                  rule="a number from 0 up to (not including) 1", example="0.05")
 
 

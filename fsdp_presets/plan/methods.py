@@ -12,29 +12,25 @@ of the decoder block, and for QLoRA bitsandbytes nf4 stored as bfloat16.
 from __future__ import annotations
 
 import argparse
-import re
 
+from fsdp_presets import flags
 from fsdp_presets.plan import limits
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.shapes import DEFAULT_LORA_R, METHODS, LoraShape
+from fsdp_presets.flags import DEFAULT_LORA_DROPOUT, DEFAULT_LORA_R, METHODS
+from fsdp_presets.plan.shapes import LoraShape
 
 __all__ = ["add_method_arguments", "lora_from_args"]
-_TARGET = re.compile(r"[A-Za-z0-9_.\-]{1,200}")
 
 
 def add_method_arguments(parser: argparse.ArgumentParser, *, method_help: str | None = None) -> None:
     """``--method`` and the LoRA shape flags. ``--method`` defaults to None, which every command
     reads as ``full`` unless a preset's header says otherwise; ``method_help`` replaces its help."""
-    add = parser.add_argument
-    add("--method", choices=METHODS, help=method_help or (
-        "full fine-tuning (default), lora (an adapter over a frozen bf16 base) or qlora (an adapter over a "
-        "4-bit NF4 base stored as bfloat16 so FSDP shards it)"))
-    add("--lora-r", type=limits.lora_rank, metavar="R", help=f"LoRA rank (peft's r; default {DEFAULT_LORA_R})")
-    add("--lora-alpha", type=limits.lora_alpha, help="LoRA scaling numerator (peft's lora_alpha; default 2 x --lora-r)")
-    add("--lora-dropout", type=limits.lora_dropout, help="dropout on the LoRA path (default 0)")
-    add("--lora-target-modules", metavar="NAMES", help="comma-separated Linear names to adapt, or all-linear "
-        "(default: the attention and MLP projections of the model's block)")
-    add("--lora-base-dtype", choices=("bf16", "fp16", "fp32"), help="the frozen base's dtype as loaded "
+    flags.add(parser, flags.METHOD, choices=METHODS, **({"help": method_help} if method_help else {}))
+    flags.add(parser, flags.LORA_R, type=limits.lora_rank, metavar="R")
+    flags.add(parser, flags.LORA_ALPHA, type=limits.lora_alpha)
+    flags.add(parser, flags.LORA_DROPOUT, type=limits.lora_dropout)
+    flags.add(parser, flags.LORA_TARGET_MODULES, metavar="NAMES")
+    parser.add_argument("--lora-base-dtype", choices=("bf16", "fp16", "fp32"), help="the frozen base's dtype as loaded "
         "(from_pretrained(dtype=...)); default: the compute dtype for lora, bf16 storage for qlora")
 
 
@@ -43,11 +39,9 @@ def lora_from_args(args: argparse.Namespace, profile=None):
     LoRA flags without ``--method lora|qlora``, bad values, or target names the model's block does
     not have (``profile`` given) are one :class:`UsageError`."""
     method = getattr(args, "method", None) or "full"
-    given = [flag for flag, value in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
-                                      ("--lora-dropout", args.lora_dropout),
-                                      ("--lora-target-modules", args.lora_target_modules),
-                                      ("--lora-base-dtype", getattr(args, "lora_base_dtype", None)))
-             if value is not None]
+    lora_flags = (flags.LORA_R, flags.LORA_ALPHA, flags.LORA_DROPOUT, flags.LORA_TARGET_MODULES)
+    given = [flag.name for flag in lora_flags if getattr(args, flag.dest) is not None]
+    given += ["--lora-base-dtype"] if getattr(args, "lora_base_dtype", None) is not None else []
     if method == "full":
         if given:
             raise UsageError(f"{', '.join(given)} given with --method full; add --method lora or --method qlora")
@@ -56,12 +50,9 @@ def lora_from_args(args: argparse.Namespace, profile=None):
 
     targets = None
     if args.lora_target_modules is not None:
-        targets = tuple(name.strip() for name in args.lora_target_modules.split(",") if name.strip())
-        if not targets or any(not _TARGET.fullmatch(name) for name in targets):
-            raise UsageError(f"--lora-target-modules {args.lora_target_modules!r}: give Linear names separated by "
-                             "commas, such as q_proj,v_proj, or all-linear")
+        targets = flags.target_modules(args.lora_target_modules)
     lora = LoraShape(method=method, r=DEFAULT_LORA_R if args.lora_r is None else args.lora_r, alpha=args.lora_alpha,
-                     dropout=0.0 if args.lora_dropout is None else args.lora_dropout, target_modules=targets,
+                     dropout=DEFAULT_LORA_DROPOUT if args.lora_dropout is None else args.lora_dropout, target_modules=targets,
                      base_dtype=getattr(args, "lora_base_dtype", None))
     if profile is not None:
         unknown = unknown_target_modules(profile, lora)

@@ -16,6 +16,7 @@ from typing import Literal
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN, PRECISIONS, gpu_count, node_count
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import GiB
+from fsdp_presets.flags import DEFAULT_LORA_R, METHODS  # the methods and the rank without --lora-r
 from fsdp_presets.plan.gpus import GpuType, HostRates
 
 Precision = Literal["bf16", "fp16", "fp32"]
@@ -230,11 +231,6 @@ class TrainingShape:
 # --------------------------------------------------------------------------- LoRA and QLoRA
 # (sources: fsdp_presets.plan.lora_memory)
 
-METHODS: tuple[str, ...] = ("full", "lora", "qlora")
-"""Training methods: every weight, a LoRA adapter over a frozen base, or LoRA over a 4-bit base."""
-
-DEFAULT_LORA_R = 16
-"""peft's and trl's usual rank for QLoRA recipes (the recipes' default with --load-in-4bit)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -137,9 +137,9 @@ class BatchPlan:
     seq_len: int
     """Tokens per sequence."""
     micro_batch: int
-    """Sequences per GPU per forward/backward (recipe ``--micro-batch-size``)."""
+    """Sequences per GPU per forward/backward (recipe ``--micro-batch``)."""
     accumulation: int
-    """Micro-batches per optimizer step (recipe ``--gradient-accumulation-steps``)."""
+    """Micro-batches per optimizer step (recipe ``--grad-accum``)."""
     data_parallel_size: int
     """Ranks that each see different data (every process: FSDP and HSDP are data parallel)."""
     reason: str

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from fsdp_presets import flags
 from fsdp_presets.preset.choices import Preset
 from fsdp_presets.preset.request import PresetRequest
 from fsdp_presets.preset.quoting import shell_join, shell_word
@@ -54,14 +55,14 @@ def generate_words(request: PresetRequest, *, output: str, baseline_output: str 
         ("--state-dict", request.state_dict, "sharded"),
         ("--activation-checkpointing", request.activation_checkpointing, "auto"),
         ("--offload", request.offload, "auto"),
-        ("--seq-len", request.seq_len, None),
+        (flags.SEQ_LEN.name, request.seq_len, None),
         ("--global-batch", request.global_batch, None),
-        ("--micro-batch", request.micro_batch, None),
-        ("--method", request.method, "full"),
-        ("--lora-r", request.lora_r, None),
-        ("--lora-alpha", request.lora_alpha, None),
-        ("--lora-dropout", request.lora_dropout, None),
-        ("--lora-target-modules", request.lora_target_modules, None),
+        (flags.MICRO_BATCH.name, request.micro_batch, None),
+        (flags.METHOD.name, request.method, "full"),
+        (flags.LORA_R.name, request.lora_r, None),
+        (flags.LORA_ALPHA.name, request.lora_alpha, None),
+        (flags.LORA_DROPOUT.name, request.lora_dropout, None),
+        (flags.LORA_TARGET_MODULES.name, request.lora_target_modules, None),
         ("--tp", request.tp, 1),
         ("--ep", request.ep, 1),
         ("--launch-model", launch.model, None),
@@ -85,7 +86,7 @@ def default_baseline_path(output: str) -> str:
 
 
 def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, baseline: bool = False) -> list[str]:
-    """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch-size M ...``;
+    """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch M ...``;
     with ``--async-save`` where the preset turned it on (never for the DDP ``baseline``, which the
     recipe saves synchronously)."""
     model = launch.model or "MODEL_DIR"
@@ -97,11 +98,11 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, basel
         words += ["--machine_rank", _NODE_RANK, "--main_process_ip", _MAIN_PROCESS_IP,
                   "--main_process_port", _MAIN_PROCESS_PORT]
     return words + [
-        script, "--model", model, "--data", launch.data or "DATA.jsonl", "--output-dir", f"runs/{run_name}",
-        "--seq-len", str(preset.batch.seq_len), "--micro-batch-size", str(preset.batch.micro_batch),
-        "--gradient-accumulation-steps", str(preset.batch.accumulation),
-    ] + (["--reduce-every-micro-batch"] if preset.batch.reduce_every_micro_batch else []) + lora_recipe_words(preset) \
-        + (["--async-save"] if preset.state_dict.async_save and not baseline else [])
+        script, flags.MODEL.name, model, flags.DATA.name, launch.data or "DATA.jsonl",
+        flags.OUTPUT_DIR.name, f"runs/{run_name}", flags.SEQ_LEN.name, str(preset.batch.seq_len),
+        flags.MICRO_BATCH.name, str(preset.batch.micro_batch), flags.GRAD_ACCUM.name, str(preset.batch.accumulation),
+    ] + ([flags.REDUCE_EVERY_MICRO_BATCH.name] if preset.batch.reduce_every_micro_batch else []) \
+        + lora_recipe_words(preset) + ([flags.ASYNC_SAVE.name] if preset.state_dict.async_save and not baseline else [])
 
 
 def lora_recipe_words(preset: Preset) -> list[str]:
@@ -109,12 +110,13 @@ def lora_recipe_words(preset: Preset) -> list[str]:
     lora = preset.request.lora_shape
     if lora is None:
         return []
-    words = ["--lora-r", str(lora.r), "--lora-alpha", _number(lora.lora_alpha)]
+    words = [flags.METHOD.name, lora.method, flags.LORA_R.name, str(lora.r), flags.LORA_ALPHA.name,
+             _number(lora.lora_alpha)]
     if lora.dropout:
-        words += ["--lora-dropout", _number(lora.dropout)]
+        words += [flags.LORA_DROPOUT.name, _number(lora.dropout)]
     if lora.target_modules is not None:
-        words += ["--lora-target-modules", ",".join(lora.target_modules)]
-    return words + (["--load-in-4bit"] if lora.method == "qlora" else [])
+        words += [flags.LORA_TARGET_MODULES.name, ",".join(lora.target_modules)]
+    return words
 
 
 def command_text(words: list[str]) -> str:

@@ -4,7 +4,7 @@ gradient synchronisation during accumulation, and the exit path for bad input.
 The data position is one number, the count of training samples consumed by all ranks together.
 Global sample ``p`` is sample ``permutation(epoch = p // N)[p % N]`` of a dataset of ``N``
 samples, where each epoch's permutation is seeded by ``(seed, epoch)``. An optimizer step takes
-the next ``micro_batch_size * gradient_accumulation_steps * data_parallel_size`` samples; rank
+the next ``micro_batch * grad_accum * data_parallel_size`` samples; rank
 ``r`` takes its slice of each micro-step. Resuming is arithmetic on that number, so it survives a
 change of GPU count, and RNG state (dropout) is restored by ``accelerator.load_state``.
 """
@@ -18,49 +18,53 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from fsdp_presets import flags
 from fsdp_presets.errors import UsageError
+from fsdp_presets.plan import limits
 from fsdp_presets.train import signals
 
 RECIPE_SEQ_LEN = 128
 """Tokens per sample the recipes train on when ``--seq-len`` is not given: the CPU demo's length
 (accelerate_configs/cpu_fsdp2_demo.yaml is planned for it)."""
+RECIPE_MICRO_BATCH = 2
+"""Sequences per rank per forward pass when ``--micro-batch`` is not given."""
 
 LR_SCHEDULES = ("cosine", "linear", "constant_with_warmup")  # --lr-scheduler
 
 
 # ---- flags ----
 def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
-    """The flags every recipe shares, Hugging Face style."""
+    """The flags every recipe shares: the settings of a training request spelled as
+    ``fsdp-presets`` spells them (:mod:`fsdp_presets.flags`), the rest Hugging Face style."""
     parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--model", required=True, help="local model folder (config.json, weights, tokenizer)")
-    add("--data", required=True, help="training data: JSONL/JSON, CSV, Parquet or plain text")
+    flags.add(parser, flags.MODEL, required=True)
+    flags.add(parser, flags.DATA, required=True)
     add("--eval-data", help="evaluation data in the same format (default: hold out --eval-fraction)")
     add("--eval-fraction", type=float, default=0.05, help="share of --data held out when no --eval-data")
     add("--max-eval-samples", type=int, default=0, help="evaluate on the first N evaluation records (0: all)")
-    add("--output-dir", required=True, help="run folder: metrics.jsonl, checkpoints/, final/, plots/")
-    add("--max-steps", type=int, default=100, help="optimizer steps to train in total")
-    add("--micro-batch-size", type=int, default=2, help="samples per forward pass per rank")
-    add("--gradient-accumulation-steps", type=int, default=1, help="micro-batches per optimizer step")
-    add("--reduce-every-micro-batch", action="store_true",
-        help="reduce gradients after every micro-batch instead of accumulating them unsharded under no_sync "
-        "(FSDP then never holds a whole model's unsharded gradients; more communication)")
-    add("--learning-rate", type=float, default=5e-5, help="peak learning rate (AdamW)")
+    flags.add(parser, flags.OUTPUT_DIR, required=True)
+    flags.add(parser, flags.MAX_STEPS, type=int, default=100)
+    flags.add(parser, flags.MICRO_BATCH, type=limits.micro_batch, default=RECIPE_MICRO_BATCH,
+              help_suffix=f" (default {RECIPE_MICRO_BATCH})")
+    flags.add(parser, flags.GRAD_ACCUM, type=limits.grad_accum, default=flags.DEFAULT_GRAD_ACCUM,
+              help_suffix=f" (default {flags.DEFAULT_GRAD_ACCUM})")
+    flags.add(parser, flags.REDUCE_EVERY_MICRO_BATCH, action="store_true")
+    flags.add(parser, flags.LEARNING_RATE, type=float, default=5e-5)
     add("--weight-decay", type=float, default=0.0, help="AdamW weight decay (never on norms, biases, embeddings)")
     add("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     add("--lr-scheduler", default="cosine", choices=LR_SCHEDULES,
         help="learning-rate schedule after warm-up")
     add("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: off, norm still logged)")
-    add("--seq-len", type=int, default=RECIPE_SEQ_LEN, help="tokens per sample")
+    flags.add(parser, flags.SEQ_LEN, type=limits.seq_len, default=RECIPE_SEQ_LEN,
+              help_suffix=f" (default {RECIPE_SEQ_LEN})")
     add("--eval-every", type=int, default=0, help="evaluate every N steps (0: only before and after)")
-    add("--save-every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    flags.add(parser, flags.SAVE_EVERY, type=int, default=0)
     add("--keep-last", type=int, default=2, help="committed checkpoints to keep")
-    add("--async-save", action="store_true", help="write checkpoints in the background (FSDP2, sharded): "
-        "training waits only while this rank's shards are copied to host memory")
-    add("--resume", default="auto", help="auto (latest valid checkpoint in --output-dir, if any), "
-        "PATH (a checkpoints/step-NNNNNNNN folder) or none")
-    add("--seed", type=int, default=42, help="seed of initialisation, data order and dropout")
+    flags.add(parser, flags.ASYNC_SAVE, action="store_true")
+    flags.add(parser, flags.RESUME, default="auto")
+    flags.add(parser, flags.SEED, type=int, default=42)
     add("--preempt-signals", default=signals.DEFAULT_SIGNALS,
         help="signals that save the step reached and stop the run (exit 75; docs/runbook.md), comma-separated, "
         "or none")
@@ -69,7 +73,7 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
         "mixed_precision; no accelerate config key sets it)")
     from fsdp_presets.train import lora
 
-    lora.add_arguments(parser)  # LoRA/QLoRA: --lora-r/-alpha/-dropout/-target-modules, --load-in-4bit, --export-merged
+    lora.add_arguments(parser)  # LoRA/QLoRA: --method, --lora-r/-alpha/-dropout/-target-modules, --export-merged
     return parser
 
 
@@ -82,9 +86,8 @@ def check_common_args(args: argparse.Namespace) -> None:
                             f"{_EXAMPLE_VALUES.get(name, '1.0')}")
     if problems:
         raise UsageError("; ".join(problems))
-    for name in ("max_steps", "micro_batch_size", "gradient_accumulation_steps", "seq_len"):
-        if getattr(args, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_steps < 1:  # --micro-batch, --grad-accum and --seq-len: limits' checks, while parsing
+        problems.append("--max-steps must be >= 1")
     for name in ("max_eval_samples", "warmup_steps", "eval_every", "save_every", "max_grad_norm", "weight_decay"):
         if getattr(args, name) < 0:
             problems.append(f"--{name.replace('_', '-')} must be >= 0")

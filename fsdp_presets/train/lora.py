@@ -2,7 +2,7 @@
 names and bytes of the trainable weights.
 
     accelerate launch --config_file accelerate_configs/cpu_fsdp2_demo.yaml recipes/causal_lm.py \
-        --model MODEL --data DATA --output-dir runs/lora --lora-r 8 [--load-in-4bit] [--export-merged]
+        --model MODEL --data DATA --output-dir runs/lora --method lora|qlora [--lora-r 8] [--export-merged]
 
 The rest of a LoRA run is where every run's is: the model is loaded, checked and prepared in the
 order FSDP1 and FSDP2 both train right by :mod:`fsdp_presets.train.model_setup`; its checkpoints
@@ -20,67 +20,68 @@ are :mod:`fsdp_presets.train.final_adapter`'s (measured on 2 CPU processes, see 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
+from fsdp_presets import flags
 from fsdp_presets.errors import UsageError
-from fsdp_presets.plan.limits import MAX_LORA_R
+from fsdp_presets.flags import DEFAULT_LORA_DROPOUT, DEFAULT_LORA_R, METHODS
+from fsdp_presets.plan import limits
 
 
 # ---- flags ----
 def add_arguments(parser) -> None:
-    add = parser.add_argument
-    add("--lora-r", type=int, help="train a LoRA adapter of this rank instead of every weight (peft's r); "
-        "default: full fine-tuning, or 16 with --load-in-4bit")
-    add("--lora-alpha", type=float, help="LoRA scaling numerator (peft's lora_alpha; default 2 x --lora-r)")
-    add("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA path (default 0)")
-    add("--lora-target-modules", help="comma-separated module names to adapt, or all-linear (default: the "
-        "attention and MLP projections of the model's decoder block)")
-    add("--load-in-4bit", action="store_true", help="QLoRA: the frozen base in 4 bits (bitsandbytes nf4, "
-        "stored as bfloat16 so FSDP shards it); implies LoRA")
-    add("--export-merged", action="store_true", help="LoRA: also write OUTPUT_DIR/merged, the base with the "
-        "adapter merged in, a plain Hugging Face folder (QLoRA: merged into the dequantized base)")
+    """``--method`` and the LoRA shape, spelled and checked as ``fsdp-presets plan|generate`` take
+    them (:mod:`fsdp_presets.flags`); ``--lora-r`` without ``--method`` means ``--method lora``, and
+    ``--load-in-4bit`` still means ``--method qlora`` (with a note)."""
+    flags.add(parser, flags.METHOD, choices=METHODS)
+    flags.add(parser, flags.LORA_R, type=limits.lora_rank, metavar="R",
+              help_suffix=f"; given without {flags.METHOD.name}, it means {flags.METHOD.name} lora")
+    flags.add(parser, flags.LORA_ALPHA, type=limits.lora_alpha)
+    flags.add(parser, flags.LORA_DROPOUT, type=limits.lora_dropout, default=DEFAULT_LORA_DROPOUT)
+    flags.add(parser, flags.LORA_TARGET_MODULES, metavar="NAMES")
+    flags.add_load_in_4bit(parser)
+    parser.add_argument("--export-merged", action="store_true", help="LoRA: also write OUTPUT_DIR/merged, the base "
+                        "with the adapter merged in, a plain Hugging Face folder (QLoRA: merged into the dequantized "
+                        "base)")
 
 
 def settings(args) -> dict[str, Any] | None:
     """The training method and LoRA shape (for run.json and checkpoint manifests), None for full
     fine-tuning; :class:`UsageError` for bad values."""
-    lora_flags = [flag for flag, value in (("--lora-alpha", args.lora_alpha),
-                                           ("--lora-target-modules", args.lora_target_modules),
+    method = args.method or ("full" if args.lora_r is None else "lora")
+    lora_flags = [flag for flag, value in ((flags.LORA_R.name, args.lora_r), (flags.LORA_ALPHA.name, args.lora_alpha),
+                                           (flags.LORA_TARGET_MODULES.name, args.lora_target_modules),
                                            ("--export-merged", args.export_merged or None),
-                                           ("--lora-dropout", args.lora_dropout or None)) if value is not None]
-    if args.lora_r is None and not args.load_in_4bit:
+                                           (flags.LORA_DROPOUT.name, args.lora_dropout or None)) if value is not None]
+    if method == "full":
         if lora_flags:
-            raise UsageError(f"{', '.join(lora_flags)} set without LoRA; add --lora-r R (e.g. 16) or --load-in-4bit")
+            raise UsageError(f"{', '.join(lora_flags)} set without LoRA; add {flags.METHOD.name} lora or "
+                             f"{flags.METHOD.name} qlora")
         return None
-    r = 16 if args.lora_r is None else args.lora_r
-    problems = []
-    if not 1 <= r <= MAX_LORA_R:  # the bound `plan` and `generate` apply (fsdp_presets.plan.limits.lora_rank)
-        problems.append(f"--lora-r {r} is out of range; give a whole number from 1 to {MAX_LORA_R}, such as 16")
+    r = DEFAULT_LORA_R if args.lora_r is None else args.lora_r
     alpha = float(2 * r if args.lora_alpha is None else args.lora_alpha)
-    if not alpha > 0:
-        problems.append(f"--lora-alpha {alpha} must be > 0")
-    if not 0 <= args.lora_dropout < 1:
-        problems.append(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    # The parser checked what was typed; the same checks again for a namespace built in code.
+    problems = [problem for problem in (limits.value_problem(r, limits.lora_rank, flag=flags.LORA_R.name),
+                                        limits.value_problem(alpha, limits.lora_alpha, flag=flags.LORA_ALPHA.name),
+                                        limits.value_problem(args.lora_dropout, limits.lora_dropout,
+                                                             flag=flags.LORA_DROPOUT.name)) if problem]
     targets = None
     if args.lora_target_modules is not None:
-        targets = [name.strip() for name in args.lora_target_modules.split(",") if name.strip()]
-        if not targets or any(not re.fullmatch(r"[A-Za-z0-9_.\-]+", name) for name in targets):
-            problems.append(f"--lora-target-modules {args.lora_target_modules!r}: give module names such as "
-                            "q_proj,v_proj or all-linear")
+        try:
+            targets = list(flags.target_modules(args.lora_target_modules))
+        except UsageError as error:
+            problems.append(str(error))
     if problems:
         raise UsageError("; ".join(problems))
     import importlib.util
 
     if importlib.util.find_spec("peft") is None:
-        raise UsageError("--lora-r and --load-in-4bit need peft: pip install -e '.[lora]' (scripts/setup.sh does)")
-    if args.load_in_4bit:
-
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise UsageError("--load-in-4bit needs bitsandbytes: pip install -e '.[lora]' (scripts/setup.sh does)")
-    record = {"method": "qlora" if args.load_in_4bit else "lora", "r": r, "alpha": alpha,
-              "dropout": float(args.lora_dropout), "target_modules": targets}
-    if args.load_in_4bit:
+        raise UsageError(f"{flags.METHOD.name} {method} needs peft: pip install -e '.[lora]' (scripts/setup.sh does)")
+    if method == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        raise UsageError(f"{flags.METHOD.name} qlora needs bitsandbytes: pip install -e '.[lora]' "
+                         "(scripts/setup.sh does)")
+    record = {"method": method, "r": r, "alpha": alpha, "dropout": float(args.lora_dropout), "target_modules": targets}
+    if method == "qlora":
         record["quantization"] = {"backend": "bitsandbytes", "quant_type": "nf4", "quant_storage": "bfloat16",
                                   "compute_dtype": "float32", "double_quant": False}
     return record

@@ -76,10 +76,10 @@ def prepare(accelerator, model, build_optimizer: Callable[[Any], tuple[Any, Any]
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
     check_wrap_classes(plugin, model)
     if lora is not None and lora["method"] == "qlora" and plugin is not None and plugin.fsdp_version == 1:
-        raise UsageError(f"--load-in-4bit needs FSDP2 ({K.version}: 2 in the accelerate config): FSDP1 flattens each "
+        raise UsageError(f"--method qlora needs FSDP2 ({K.version}: 2 in the accelerate config): FSDP1 flattens each "
                          "unit into one tensor of one dtype, and the 4-bit base (stored as bfloat16) shares its units "
-                         "with fp32 norms and adapters (\"Must flatten tensors with uniform dtype\"); or train LoRA "
-                         "without --load-in-4bit under FSDP1")
+                         "with fp32 norms and adapters (\"Must flatten tensors with uniform dtype\"); or train "
+                         "--method lora under FSDP1")
     if lora is not None and plugin is not None and plugin.fsdp_version == 1:
         if not plugin.use_orig_params:
             raise UsageError(f"LoRA under FSDP1 needs {K.use_orig_params}: true in the accelerate config (else FSDP "

@@ -100,7 +100,7 @@ class RecipeRun:
     def global_batch(self) -> int:
         """Samples per optimizer step: micro-batch x accumulation x data-parallel ranks."""
         args = self.args
-        return args.micro_batch_size * args.gradient_accumulation_steps * self.data_parallel_size
+        return args.micro_batch * args.grad_accum * self.data_parallel_size
 
     # ---- resume ----
     def resume(self, model, optimizer, *, key_map: dict[str, str] | None = None,
@@ -128,9 +128,9 @@ class RecipeRun:
         elif resume_from is not None:
             saved = Manifest.read(resume_from)
             # Another process count: keep the global batch (and so the samples of every step).
-            args.gradient_accumulation_steps, note = checkpoint_resume.keep_global_batch(
+            args.grad_accum, note = checkpoint_resume.keep_global_batch(
                 resume_from, step=saved.step, samples_consumed=saved.samples_consumed,
-                micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                micro_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
                 data_parallel_size=self.data_parallel_size)
             if note:
                 say(note)
@@ -141,7 +141,7 @@ class RecipeRun:
         memory = recipe_lora.memory_record(accelerator, model) if self.lora else {}  # LoRA/QLoRA: bytes per rank
         self.record = dataclasses.replace(
             self.record, training=self.lora, data=args.data, max_steps=args.max_steps,
-            micro_batch_size=args.micro_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            micro_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
             global_batch_samples=self.global_batch, distributed=self.distributed,
             accelerate_config=launch_config_file(), resumed_from=str(resume_from) if resume_from else None,
             extra={**memory, **(record or {})})
@@ -174,8 +174,8 @@ class RecipeRun:
     def micro_batches(self, stream: loop.SampleStream) -> list[list[int]]:
         """This rank's micro-batches (dataset indices) of the next optimizer step."""
         args = self.args
-        return loop.rank_micro_batches(stream, samples_consumed=self.samples, micro_batch_size=args.micro_batch_size,
-                                       accumulation_steps=args.gradient_accumulation_steps, rank=self.rank,
+        return loop.rank_micro_batches(stream, samples_consumed=self.samples, micro_batch_size=args.micro_batch,
+                                       accumulation_steps=args.grad_accum, rank=self.rank,
                                        data_parallel_size=self.data_parallel_size)
 
     def gradient_sync(self, *, last_micro_batch: bool):

@@ -190,7 +190,7 @@ def resume_drill(settings: BenchSettings, work_dir: Path) -> dict:
     command = launch_command(config, fault_campaign.RECIPE, [
         "--model", model, "--data", fault_campaign.TRAIN_DATA, "--eval-data", fault_campaign.EVAL_DATA,
         "--max-eval-samples", 16, "--output-dir", run_dir, "--seq-len", settings.seq_len,
-        "--micro-batch-size", settings.micro_batch, "--max-steps", 8, "--save-every", 2, "--resume", "auto"])
+        "--micro-batch", settings.micro_batch, "--max-steps", 8, "--save-every", 2, "--resume", "auto"])
     result = kill_and_resume(command, run_dir=run_dir, plan=KillPlan(rank=1, mode="timer", after_step=3),
                              log_dir=work_dir, cwd=REPO, finish=False)
     record = result.to_json()

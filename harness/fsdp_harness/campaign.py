@@ -69,7 +69,7 @@ def recipe_command(config: Path, model: Path, run_dir: Path, settings: CampaignS
     """The recipe run every trial repeats (packed 32-token blocks, a checkpoint every few steps)."""
     return launch_command(config, RECIPE, [
         "--model", model, "--data", TRAIN_DATA, "--eval-data", EVAL_DATA, "--max-eval-samples", 16,
-        "--output-dir", run_dir, "--seq-len", 32, "--micro-batch-size", 2, "--learning-rate", 3e-3,
+        "--output-dir", run_dir, "--seq-len", 32, "--micro-batch", 2, "--learning-rate", 3e-3,
         "--max-steps", settings.max_steps, "--save-every", settings.save_every, "--keep-last", 2,
         "--seed", 1234, "--resume", "auto"])
 

@@ -33,7 +33,7 @@ SFT_EVAL = REPO / "data" / "kjv_sft" / "eval.jsonl"
 def launch(model: Path, output: Path, *, background: bool, max_steps: int, save_every: int) -> list[dict]:
     """One launch; its metrics lines."""
     args = ["--model", model, "--data", SFT_TRAIN, "--eval-data", SFT_EVAL, "--max-eval-samples", 2,
-            "--output-dir", output, "--seq-len", 64, "--micro-batch-size", 1, "--max-steps", max_steps,
+            "--output-dir", output, "--seq-len", 64, "--micro-batch", 1, "--max-steps", max_steps,
             "--save-every", save_every, "--keep-last", 1, *(["--async-save"] if background else [])]
     run_launch(FSDP2_CONFIG, CAUSAL_LM, [str(arg) for arg in args], num_processes=2, cwd=REPO, timeout=1800).check()
     return read_metrics(output / "metrics.jsonl")
