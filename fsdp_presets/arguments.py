@@ -128,10 +128,8 @@ def add_tolerance(parser: argparse.ArgumentParser) -> None:
 
 def add_mesh(parser: argparse.ArgumentParser, *, default_text: str) -> None:
     """``--tp`` and ``--ep``: a second dimension beside FSDP (None: ``default_text``)."""
-    parser.add_argument("--tp", type=tp_size, metavar="N", help="tensor-parallel ranks inside a node (FSDP2 x TP "
-                        f"through transformers' DistributedConfig; default {default_text})")
-    parser.add_argument("--ep", type=ep_size, metavar="N", help="expert-parallel ranks for a mixture-of-experts model "
-                        f"(default {default_text})")
+    flags.add(parser, flags.TP, type=tp_size, metavar="N", help_suffix=f" (default {default_text})")
+    flags.add(parser, flags.EP, type=ep_size, metavar="N", help_suffix=f" (default {default_text})")
 
 
 def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:

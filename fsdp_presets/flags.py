@@ -82,6 +82,9 @@ LORA_DROPOUT = Flag(name="--lora-dropout", help="dropout on the LoRA path (defau
 LORA_TARGET_MODULES = Flag(name="--lora-target-modules", help="comma-separated Linear names to adapt, or all-linear "
                            "(default: the attention and MLP projections of the model's block)")
 
+TP = Flag(name="--tp", help="tensor-parallel ranks inside a node (FSDP2 x TP through transformers' DistributedConfig)")
+EP = Flag(name="--ep", help="expert-parallel ranks for a mixture-of-experts model")
+
 TRAINING = (MODEL, DATA, OUTPUT_DIR, MAX_STEPS, SEED, LEARNING_RATE, RESUME, SAVE_EVERY, ASYNC_SAVE, SEQ_LEN,
             MICRO_BATCH, GRAD_ACCUM, REDUCE_EVERY_MICRO_BATCH, METHOD, LORA_R, LORA_ALPHA, LORA_DROPOUT,
             LORA_TARGET_MODULES)

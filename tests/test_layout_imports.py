@@ -286,3 +286,24 @@ def test_inspect_checkpoint_walks_through_few_modules():
     base = {"fsdp_presets.checkpoint", *(f"fsdp_presets.{name}" for name in BASE_MODULES)}
     walked = {"fsdp_presets.commands.inspect_checkpoint", *found["modules"]} - base - FORMAT_OWNERS
     assert walked == INSPECT_CHECKPOINT_ROUTE and len(walked) <= 5, sorted(walked)
+
+
+def private_imports(folder: Path, root: Path = REPO) -> list[str]:
+    """``file:line module._name`` for each private name (one leading underscore) imported from a
+    module of the package: a helper two modules share is public in the one that owns it."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_presets"):
+                found += [f"{path.relative_to(root)}:{node.lineno} {node.module}.{alias.name}" for alias in node.names
+                          if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    assert private_imports(PACKAGE) == [] and private_imports(REPO / "recipes") == []
+
+
+def test_the_private_name_scan_finds_one(tmp_path):
+    (tmp_path / "x.py").write_text("from fsdp_presets.check.findings import _sorted, finding\n")
+    assert private_imports(tmp_path, root=tmp_path) == ["x.py:1 fsdp_presets.check.findings._sorted"]

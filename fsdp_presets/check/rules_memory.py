@@ -87,7 +87,7 @@ def lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             "only when the whole unit shares it: bnb_4bit_quant_storage=bfloat16 with norms and adapters in bf16 "
             "too and peft's wrap policy (fp32 norms or adapters: 'Must flatten tensors with uniform dtype'; uint8 "
             "storage: 'Cannot flatten integer dtype tensors'; torchao NF4: 'aten.view(NF4Tensor)' not implemented; "
-            "this project's recipes refuse --load-in-4bit under FSDP1); the adapter export under FSDP1 needs the "
+            "this project's recipes refuse --method qlora under FSDP1); the adapter export under FSDP1 needs the "
             "trainable weights gathered with torch's get_model_state_dict (peft's own save writes zero tensors)",
             f"set {K.version}: 2 with TRANSFORMER_BASED_WRAP on the decoder layer (fsdp-presets generate --method "
             "qlora); keep bnb_4bit_quant_storage=bfloat16", fsdp_where(K.version)))
@@ -104,7 +104,7 @@ def lora_rules(fsdp: dict, version, context: CheckContext) -> list[Finding]:
             "quantization-state keys (absmax, quant_map), so the run cannot resume from it. A Trainer/TRL script "
             "is not affected (it saves the adapter through save_model, which needs FULL_STATE_DICT): pass --script "
             "to say which", f"for an accelerate loop: set {K.state_dict_type}: SHARDED_STATE_DICT and resume from "
-            "trainable-only (adapter + optimizer) checkpoints, as the recipes' --lora-r/--load-in-4bit do; for a "
+            "trainable-only (adapter + optimizer) checkpoints, as the recipes' --method lora|qlora do; for a "
             "Trainer/TRL script keep FULL_STATE_DICT", fsdp_where(K.state_dict_type)))
     return findings
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from fsdp_presets.fileio import GiB, format_bytes, format_count
-from fsdp_presets.preset.emit_commands import _SHELL_VARIABLES, LaunchHints, _number, generate_words, launch_words
+from fsdp_presets.preset.emit_commands import SHELL_VARIABLES, LaunchHints, generate_words, launch_words, number_text
 from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
 from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.preset.choices import Preset
@@ -160,7 +160,7 @@ def _method_lines(preset: Preset) -> list[str]:
     base = ("bitsandbytes 4-bit nf4 (transformers BitsAndBytesConfig load_in_4bit, bnb_4bit_quant_type nf4, "
             "bnb_4bit_quant_storage bfloat16 so that FSDP shards it, no double quantization)"
             if lora.method == "qlora" else "frozen in its storage dtype")
-    text = (f"method: {lora.method}, r {lora.r}, alpha {_number(lora.lora_alpha)}, dropout {_number(lora.dropout)}, "
+    text = (f"method: {lora.method}, r {lora.r}, alpha {number_text(lora.lora_alpha)}, dropout {number_text(lora.dropout)}, "
             f"target modules {targets}: {format_count(adapter_params(preset.profile, shape), compact=True)} trainable parameters "
             f"(fp32 with fp32 gradients and AdamW state); base {base}, "
             f"{format_bytes(base_storage_bytes(preset.profile, shape))} stored. FSDP"
@@ -177,7 +177,7 @@ def _shell_lines(words: list[str], indent: str = "#   ") -> list[str]:
     """A long command wrapped with backslashes, each line a comment. Every word is quoted for
     the shell on one line (``$NAME`` words are the script's variables, left for the shell)."""
     lines, current = [], indent
-    for word in (word if word in _SHELL_VARIABLES else shell_word(word) for word in words):
+    for word in (word if word in SHELL_VARIABLES else shell_word(word) for word in words):
         if len(current) + len(word) + 1 > _WIDTH - 2 and current.strip("# "):
             lines.append(current + " \\")
             current = "#       "
@@ -358,9 +358,9 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
 
 
 def mesh_launch_words(preset: Preset, output: str) -> list[str]:
-    """How a TP/EP preset is launched: a training script of the user's (``TRAIN.py``) that loads the
+    """How a TP/EP preset is launched: a training script of the user's (``YOUR_TRAINING_SCRIPT.py``) that loads the
     model with the preset's ``DistributedConfig``, under this accelerate config."""
-    return ["accelerate", "launch", "--config_file", output, "TRAIN.py"]
+    return ["accelerate", "launch", "--config_file", output, "YOUR_TRAINING_SCRIPT.py"]
 
 
 def mesh_about(preset: Preset, output: str) -> list[str]:
@@ -389,7 +389,7 @@ def mesh_about(preset: Preset, output: str) -> list[str]:
 
 
 def _mesh_launch_lines(preset: Preset, output: str) -> list[str]:
-    lines = ["# Launch (TRAIN.py: your Trainer script; see below):",
+    lines = ["# Launch (YOUR_TRAINING_SCRIPT.py: a Trainer script; see below):",
              *_shell_lines(mesh_launch_words(preset, output)), "#", "# Mesh:"]
     for sentence in mesh_about(preset, output):
         lines += _wrapped(sentence)

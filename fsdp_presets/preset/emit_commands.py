@@ -17,7 +17,7 @@ RECIPE = "recipes/causal_lm.py"
 # The variables the multi-node launch command reads (the names of launchers.py's scripts): the
 # only words of a command that are not quoted.
 _NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT = "$NODE_RANK", "$MAIN_PROCESS_IP", "$MAIN_PROCESS_PORT"
-_SHELL_VARIABLES = frozenset((_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT))
+SHELL_VARIABLES = frozenset((_NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,14 +63,14 @@ def generate_words(request: PresetRequest, *, output: str, baseline_output: str 
         (flags.LORA_ALPHA.name, request.lora_alpha, None),
         (flags.LORA_DROPOUT.name, request.lora_dropout, None),
         (flags.LORA_TARGET_MODULES.name, request.lora_target_modules, None),
-        ("--tp", request.tp, 1),
-        ("--ep", request.ep, 1),
+        (flags.TP.name, request.tp, 1),
+        (flags.EP.name, request.ep, 1),
         ("--launch-model", launch.model, None),
         ("--launch-data", launch.data, None),
     ]
     for flag, value, default in optional:
         if value != default:
-            words += [flag, _number(value)]
+            words += [flag, number_text(value)]
     if baseline_output is not None:
         words += ["--baseline", "ddp"]
         if baseline_output != default_baseline_path(output):
@@ -111,9 +111,9 @@ def lora_recipe_words(preset: Preset) -> list[str]:
     if lora is None:
         return []
     words = [flags.METHOD.name, lora.method, flags.LORA_R.name, str(lora.r), flags.LORA_ALPHA.name,
-             _number(lora.lora_alpha)]
+             number_text(lora.lora_alpha)]
     if lora.dropout:
-        words += [flags.LORA_DROPOUT.name, _number(lora.dropout)]
+        words += [flags.LORA_DROPOUT.name, number_text(lora.dropout)]
     if lora.target_modules is not None:
         words += [flags.LORA_TARGET_MODULES.name, ",".join(lora.target_modules)]
     return words
@@ -122,10 +122,10 @@ def lora_recipe_words(preset: Preset) -> list[str]:
 def command_text(words: list[str]) -> str:
     """A command of :func:`launch_words` or :func:`generate_words` as one line of shell: every
     word quoted except the launch variables (``$NODE_RANK``...)."""
-    return " ".join(word if word in _SHELL_VARIABLES else shell_word(word) for word in words)
+    return " ".join(word if word in SHELL_VARIABLES else shell_word(word) for word in words)
 
 
-def _number(value) -> str:
+def number_text(value) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)

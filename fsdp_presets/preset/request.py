@@ -156,7 +156,7 @@ class PresetRequest(OnNodes):
         if self.method == "qlora" and self.fsdp_version == 1:
             problems.append("--method qlora needs FSDP2: FSDP1 flattens each unit into one dtype, and the "
                             "bf16-stored 4-bit weights share units with fp32 norms and adapters (the recipes refuse "
-                            "--load-in-4bit under FSDP1); drop --fsdp-version 1, or use --method lora")
+                            "--method qlora under FSDP1); drop --fsdp-version 1, or use --method lora")
         if self.strategy == "no-shard" and self.fsdp_version == 2:
             problems.append("--strategy no-shard exists in FSDP1 only (FSDP2 takes reshard_after_forward "
                             "true/false): add --fsdp-version 1, or use the DDP baseline (--baseline ddp)")
