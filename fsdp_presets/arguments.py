@@ -12,7 +12,7 @@ requests and shapes the flags become check the same values. Where a default depe
 a command reads later (a preset's header, the device), the flag's default is None and the command
 fills in the value (``DEFAULT_SEQ_LEN``, ``DEFAULT_GPU_MEMORY_GIB``). The training-method flags
 (``--method``, ``--lora-*``) are defined the same way in :mod:`fsdp_presets.plan.methods`, the
-launch-script flags in :mod:`fsdp_presets.preset.launch_options`. The settings a training run shares
+launch-script flags in :mod:`fsdp_presets.launching.options`. The settings a training run shares
 with the recipes are spelled by :mod:`fsdp_presets.flags`. tests/test_arguments.py parses
 every command's parser and fails when a shared flag drifts.
 

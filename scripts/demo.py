@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_presets.preset.local_launch import launch_command, launch_env
+from fsdp_presets.launching.local import launch_command, launch_env
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, FINAL, MANIFEST, MERGED, METRICS, PLOTS
 from fsdp_presets.train.metrics import read_metrics
 

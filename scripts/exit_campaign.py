@@ -44,7 +44,7 @@ from pathlib import Path
 
 from fsdp_harness import campaign_record
 from fsdp_harness.launch import launch_env, write_accelerate_config
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching.local import launch_command
 from fsdp_presets.clean_exit import CLEAN_EXIT
 
 REPO = Path(__file__).resolve().parent.parent

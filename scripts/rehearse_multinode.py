@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from fsdp_harness.launch import launch_env, run_launch_logged
-from fsdp_presets.preset.local_launch import free_port
+from fsdp_presets.launching.local import free_port
 from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.train.metrics import train_losses
 

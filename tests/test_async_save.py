@@ -19,7 +19,7 @@ import pytest
 
 import checkpoint_runs as runs
 from fsdp_harness.launch import launch_env, run_launch
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching.local import launch_command
 from fsdp_presets.checkpoint.async_save import async_save_problem
 from fsdp_presets.checkpoint.layout import CHECKPOINTS, DCP_METADATA, MANIFEST, temporary_step_folder
 from fsdp_presets.checkpoint.manager import committed_checkpoints

@@ -71,7 +71,7 @@ def test_end_training_collects_garbage_while_the_group_still_exists():
     that references the group is collected before accelerate destroys it (one process, gloo)."""
     code = ("import gc, os, torch.distributed as dist, fsdp_presets\n"
             "from accelerate import Accelerator\n"
-            "from fsdp_presets.preset.local_launch import free_port\n"
+            "from fsdp_presets.launching.local import free_port\n"
             "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), RANK='0', WORLD_SIZE='1', "
             "LOCAL_RANK='0')\n"
             "fsdp_presets.enable_cpu_fsdp()\n"

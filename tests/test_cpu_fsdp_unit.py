@@ -123,7 +123,7 @@ if __name__ == "__main__":
 def test_pair_collectives_equal_gloo_and_ddp_bitwise(tmp_path):
     """FSDP2's 2-rank all-gather and reduce-scatter replacements give gloo's results bit for bit,
     and a mean gives what DDP's divide-then-sum all-reduce gives."""
-    from fsdp_presets.preset.local_launch import free_port
+    from fsdp_presets.launching.local import free_port
 
     script = tmp_path / "pair.py"
     script.write_text(PAIR_COLLECTIVES)

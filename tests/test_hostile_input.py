@@ -74,7 +74,7 @@ NASTY = [HOSTILE_MODEL, HOSTILE_DATA, "it's", "a\rb", "tab\there", "\\'\"", "Ã©æ
 
 
 def test_shell_words_read_back_by_bash_as_exactly_the_value_on_one_line(tmp_path):
-    from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word
+    from fsdp_presets.launching.quoting import comment_text, is_one_line, shell_word
 
     for value in NASTY:
         word = shell_word(value)

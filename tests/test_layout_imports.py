@@ -3,7 +3,7 @@ count too, so a lazy import cannot slip past):
 
 - nothing under ``fsdp_presets`` imports the test and benchmark harness (``fsdp_harness``), nor
   do the user-facing scripts, and the harness is not installed with the package;
-- the config stages (model, rehearse, plan, preset, check) import only the stages before them,
+- the config stages (model, rehearse, plan, launching, preset, check) import only the stages before them,
   never the run side (train, checkpoint, compare) or the commands;
 - ``fsdp_presets.checkpoint`` imports none of the config stages (nor train or compare);
 - the small top-level modules (errors, fileio, schema, ...) import no subpackage, and the command
@@ -94,7 +94,7 @@ def test_the_harness_is_a_package_of_its_own():
     assert (REPO / "harness" / "fsdp_harness" / "__init__.py").is_file() and not (REPO / "fsdp_harness").exists()
 
 
-CONFIG_FLOW = ("model", "rehearse", "plan", "preset", "check")
+CONFIG_FLOW = ("model", "rehearse", "plan", "launching", "preset", "check")
 """From a model to a checked config, in the order the data flows: each stage imports only the
 stages before it (and the base modules), never the ones after it, the run side or the commands."""
 RUN_SIDE = ("train", "checkpoint", "compare", "commands", "cli", "arguments")

@@ -19,10 +19,10 @@ import yaml
 from conftest import REPO, WORKERS, accelerate_config
 from fsdp_presets import cli
 from fsdp_presets.errors import UsageError
-from fsdp_presets.preset.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
+from fsdp_presets.launching.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
                                     job_from_config, render_slurm)
 from fsdp_harness.launch import launch_env, read_rank_results
-from fsdp_presets.preset.local_launch import free_port
+from fsdp_presets.launching.local import free_port
 
 TRAIN_COMMAND = "recipes/causal_lm.py --model runs/models/llama --data 'my data/train.jsonl' --output-dir runs/x"
 SLURM_NODES = ["gpu07", "gpu08"]

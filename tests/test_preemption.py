@@ -19,7 +19,7 @@ import pytest
 import checkpoint_runs as runs
 from fsdp_harness.drill import rank_pid
 from fsdp_harness.launch import launch_env, run_launch
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching.local import launch_command
 from fsdp_presets.checkpoint.manager import committed_checkpoints
 from fsdp_presets.checkpoint.verify import checkpoint_verdict
 from fsdp_presets.errors import UsageError

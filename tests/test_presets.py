@@ -20,7 +20,7 @@ from fsdp_presets.preset.generate import decide_with_rehearsed_terms
 from fsdp_presets.preset.presets import decide
 from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
-from fsdp_presets.preset.local_launch import free_port
+from fsdp_presets.launching.local import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

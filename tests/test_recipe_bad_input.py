@@ -35,7 +35,7 @@ from fsdp_presets.train.data import fit_head
 from fsdp_presets.errors import UsageError, disk_full_cause
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_env, run_launch
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching.local import launch_command
 from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
                             causal_lm_args, drive_recipes, file_size_limit, tiny_bert, tiny_llama, tree_digest)
 
@@ -169,7 +169,7 @@ def test_a_rank_that_never_reaches_the_start_up_check_is_named_after_the_timeout
 
     from fsdp_presets.errors import Finding
     from fsdp_presets.train.startup import exchange
-    from fsdp_presets.preset.local_launch import free_port
+    from fsdp_presets.launching.local import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store)

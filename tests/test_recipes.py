@@ -30,7 +30,7 @@ import pytest
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.drill import rank_pid
 from fsdp_harness.launch import launch_env, run_launch
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching.local import launch_command
 import checkpoint_runs as runs
 import classification_runs
 from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL,

@@ -732,7 +732,7 @@ def test_a_relaunch_while_orphaned_ranks_still_train_is_refused(reference, model
     import time
 
     from fsdp_harness.launch import launch_env
-    from fsdp_presets.preset.local_launch import launch_command
+    from fsdp_presets.launching.local import launch_command
 
     run_dir = tmp_path / "run"
     args = causal_lm_args(model, run_dir, "--max-steps", 100000, "--save-every", 50, "--keep-last", 1)

@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_method_arguments(parser, method_help=(
         "full fine-tuning (default), lora or qlora: the planner counts a frozen (4-bit) base and fp32 adapters, "
         "the header and launch command carry the adapter and quantization settings"))
-    from fsdp_presets.preset.launch_options import add_launch_arguments
+    from fsdp_presets.launching.options import add_launch_arguments
 
     add_launch_arguments(parser, with_mesh=False)  # --launcher slurm|torchrun|accelerate: a launch script too
     arguments.add_mesh(parser, default_text="1: FSDP alone; with either, NAME.distributed.json is written beside "
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     # The launch script is checked (flags, secrets, where it goes) before any file is written.
     import yaml
 
-    from fsdp_presets.preset.launch_options import job_from_args, launcher_path, write_from_args
+    from fsdp_presets.launching.options import job_from_args, launcher_path, write_from_args
 
     launch_command = (mesh_launch_words(preset, output) if preset.parallelism.is_nd else
                       launch_words(preset, config_file=output, launch=launch))

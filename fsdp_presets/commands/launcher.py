@@ -1,11 +1,11 @@
 """``fsdp-presets launcher CONFIG --launcher slurm|torchrun|accelerate --command "SCRIPT ARGS"``: the launch
-script of a multi-node job for an accelerate config (see :mod:`fsdp_presets.preset.launchers`).
+script of a multi-node job for an accelerate config (see :mod:`fsdp_presets.launching.launchers`).
 
     fsdp-presets launcher accelerate_configs/llama_hsdp.yaml --launcher slurm --time 24:00:00 \\
         --command "recipes/causal_lm.py --model runs/models/llama --data data/kjv_sft/train.jsonl --output-dir runs/x"
     sbatch accelerate_configs/llama_hsdp.slurm.sh
 
-The options and the writing are :mod:`fsdp_presets.preset.launch_options`, shared with
+The options and the writing are :mod:`fsdp_presets.launching.options`, shared with
 ``generate ... --launcher slurm``.
 """
 
@@ -18,7 +18,7 @@ HELP = "write the SLURM, torchrun or per-node accelerate launch script of a (mul
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from fsdp_presets.preset.launch_options import add_launch_arguments
+    from fsdp_presets.launching.options import add_launch_arguments
 
     parser.add_argument("config", help="the accelerate config (e.g. the HSDP preset of fsdp-presets generate)")
     add_launch_arguments(parser, with_output=False)
@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_presets.preset.launch_options import write_from_args
-    from fsdp_presets.preset.quoting import shell_word
+    from fsdp_presets.launching.options import write_from_args
+    from fsdp_presets.launching.quoting import shell_word
 
     path = write_from_args(args, args.config)
     hint = (f"sbatch {shell_word(str(path))}" if args.launcher == "slurm"

@@ -19,7 +19,7 @@ batch). ``baseline_run`` reuses a baseline run that already exists.
 last committed checkpoint is step K; a second launch resumes from that checkpoint and trains to
 ``max_steps``. The resumed run must still match the uninterrupted baseline.
 
-Each launch goes through ``runner`` (default :func:`~fsdp_presets.preset.local_launch.run_logged`,
+Each launch goes through ``runner`` (default :func:`~fsdp_presets.launching.local.run_logged`,
 a subprocess): any function with its signature, e.g. one that forks the ranks from a pre-imported
 server in tests.
 """
@@ -43,7 +43,7 @@ from fsdp_presets.compare.tolerance import parse_tolerance
 from fsdp_presets import flags
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import write_text_atomic
-from fsdp_presets.preset.local_launch import launch_command, launch_env, run_logged
+from fsdp_presets.launching.local import launch_command, launch_env, run_logged
 from fsdp_presets.schema import P, PARALLELISM_CONFIG, T
 
 DEFAULT_RECIPE = "recipes/causal_lm.py"

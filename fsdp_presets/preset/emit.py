@@ -28,7 +28,7 @@ from fsdp_presets.preset.emit_commands import SHELL_VARIABLES, LaunchHints, gene
 from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
 from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.preset.choices import Preset
-from fsdp_presets.preset.quoting import comment_text, is_one_line, shell_word
+from fsdp_presets.launching.quoting import comment_text, is_one_line, shell_word
 from fsdp_presets.schema import (
     T,
     FSDP_CONFIG,

@@ -1,6 +1,6 @@
 """The commands a generated file names: the ``fsdp-presets generate`` command that makes it again
 and the ``accelerate launch`` command that runs it (words, quoted for the shell by
-:mod:`fsdp_presets.preset.quoting`). Pure: a request or preset in, words out."""
+:mod:`fsdp_presets.launching.quoting`). Pure: a request or preset in, words out."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import PurePosixPath
 from fsdp_presets import flags
 from fsdp_presets.preset.choices import Preset
 from fsdp_presets.preset.request import PresetRequest
-from fsdp_presets.preset.quoting import shell_join, shell_word
+from fsdp_presets.launching.quoting import shell_join, shell_word
 
 RECIPE = "recipes/causal_lm.py"
 """The recipe the launch command runs for causal language models."""
@@ -36,7 +36,7 @@ class LaunchHints:
 def generate_command(request: PresetRequest, *, output: str, baseline_output: str | None = None,
                      launch: LaunchHints = LaunchHints()) -> str:
     """The ``fsdp-presets generate`` command that makes these files again (non-default flags only),
-    as one line of shell (:func:`~fsdp_presets.preset.quoting.shell_word` each word)."""
+    as one line of shell (:func:`~fsdp_presets.launching.quoting.shell_word` each word)."""
     return shell_join(generate_words(request, output=output, baseline_output=baseline_output, launch=launch))
 
 

@@ -263,7 +263,7 @@ def check_outputs(files: dict, *, config_file: str, script_path=None, force: boo
     """Refuse, before anything is written, texts that carry something that looks like an access
     token, outputs ``generate`` did not write (unless ``force``: :func:`check_generated_output`) and
     a launch script (``script_path``) that is one of the configs or a file fsdp-presets did not write."""
-    from fsdp_presets.preset.launchers import carries_token, check_launcher_output
+    from fsdp_presets.launching.launchers import carries_token, check_launcher_output
 
     if any(carries_token(text) for text in files.values()):
         raise UsageError("the generated config would carry a value that looks like an access token (hf_..., sk-...; "

@@ -5,7 +5,7 @@ times the recipes' CPU runs with (:class:`~fsdp_presets.plan.gpus.HostRates`).
 
 Measured as the recipes run on a CPU host: ``processes`` processes (this module run as a script,
 one per rank), one thread each (what torchrun
-and :func:`fsdp_presets.preset.local_launch.launch_env` give every rank), all at once:
+and :func:`fsdp_presets.launching.local.launch_env` give every rank), all at once:
 
 - fp32 matmul FLOP/s over a grid of (tokens, width) shapes, a Linear's forward and backward, each
   process multiplying at the same time;

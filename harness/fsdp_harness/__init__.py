@@ -1,6 +1,6 @@
 """Test and benchmark harness for fsdp-presets: forked and captured launches of recipes and
 workers (``launch``, ``forked_launch``; the command line and environment are
-:mod:`fsdp_presets.preset.local_launch`), measuring what a rank holds and sends (``measure``),
+:mod:`fsdp_presets.launching.local`), measuring what a rank holds and sends (``measure``),
 fault drills (``drill``), the benchmark (``bench``, ``bench_report``, ``step_bench``), the fault
 campaign (``campaign``), the GPU benchmark's figures (``gpu_report``), tiny models
 (``tiny_model``), and generated documentation sections (``doc_sections``).

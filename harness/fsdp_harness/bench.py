@@ -182,7 +182,7 @@ def resume_drill(settings: BenchSettings, work_dir: Path) -> dict:
     SIGKILLed right after step 3 (mid-step 4), the same command again; stopped after its first new
     step. The checkpoint it loads is the same size as the one the checkpoint rows time."""
     from fsdp_harness.drill import KillPlan, kill_and_resume
-    from fsdp_presets.preset.local_launch import launch_command
+    from fsdp_presets.launching.local import launch_command
 
     model = write_model_folder(work_dir / "drill-model", settings.model)
     config = write_accelerate_config(work_dir / "drill.yaml", num_processes=2)

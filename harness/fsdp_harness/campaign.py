@@ -20,7 +20,7 @@ from pathlib import Path
 from fsdp_harness import doc_sections
 from fsdp_harness.drill import DrillResult, KillPlan, kill_and_resume, run_watched
 from fsdp_harness.launch import write_accelerate_config
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching.local import launch_command
 from fsdp_presets.checkpoint.layout import METRICS
 from fsdp_presets.train.metrics import train_losses
 

@@ -4,7 +4,7 @@
                         ["--max-steps", "4"], num_processes=2)
     result.check()            # raises with both output streams when the launch failed
 
-The command line and the environment are the package's (:mod:`fsdp_presets.preset.local_launch`);
+The command line and the environment are the package's (:mod:`fsdp_presets.launching.local`);
 this module adds forked launches, captured output and the tests' config writer.
 """
 
@@ -18,14 +18,14 @@ from pathlib import Path
 
 import yaml
 
-from fsdp_presets.preset import local_launch
-from fsdp_presets.preset.local_launch import launch_command
+from fsdp_presets.launching import local
+from fsdp_presets.launching.local import launch_command
 
 
 def launch_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a launched test job: offline, exactly one thread per process (2 cores
     shared by N processes: oversubscription costs more than it gives), unbuffered output."""
-    return local_launch.launch_env({"OMP_NUM_THREADS": "1", **(extra or {})})
+    return local.launch_env({"OMP_NUM_THREADS": "1", **(extra or {})})
 
 
 @dataclass(kw_only=True)
@@ -91,7 +91,7 @@ def run_launch_logged(command: list[str], log: Path, *, env: dict[str, str], tim
         from fsdp_harness import forked_launch
 
         return forked_launch.run_logged(command, log, env=env, cwd=cwd, timeout=timeout)
-    return local_launch.run_logged(command, log, env=env, timeout=timeout, cwd=cwd)
+    return local.run_logged(command, log, env=env, timeout=timeout, cwd=cwd)
 
 
 def read_rank_results(directory: str | os.PathLike) -> dict[int, dict]:

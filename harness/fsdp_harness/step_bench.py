@@ -472,7 +472,7 @@ def main(argv=None, *, command: str | None = None) -> int:
     import transformers
 
     from fsdp_harness import doc_sections
-    from fsdp_presets.preset.local_launch import launch_command
+    from fsdp_presets.launching.local import launch_command
 
     args = parse_args(argv)
     command = command or shlex.join(["python", "scripts/bench.py", "--side-by-side", *(argv or [])])

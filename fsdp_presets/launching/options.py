@@ -1,6 +1,6 @@
 """The launch-script options a command offers (``--launcher slurm|torchrun|accelerate``,
 ``--command``, ``--port``, ...: :func:`add_launch_arguments`) and what they make: the checked
-:class:`~fsdp_presets.preset.launchers.Job` (:func:`job_from_args`) and the script written next to
+:class:`~fsdp_presets.launching.launchers.Job` (:func:`job_from_args`) and the script written next to
 the config (:func:`write_from_args`). ``fsdp-presets launcher`` and ``fsdp-presets generate ...
 --launcher slurm`` both use them, so each option has one spelling, default and check."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.plan.limits import MAX_GPUS, count_check, node_count
-from fsdp_presets.preset.launchers import (DEFAULT_JOIN_TIMEOUT_S, DEFAULT_PORT, LAUNCHER_KINDS, default_script_path,
+from fsdp_presets.launching.launchers import (DEFAULT_JOIN_TIMEOUT_S, DEFAULT_PORT, LAUNCHER_KINDS, default_script_path,
                                            job_from_config, write_launcher)
-from fsdp_presets.preset.quoting import shell_join
+from fsdp_presets.launching.quoting import shell_join
 
 MAX_JOIN_TIMEOUT_S = 7 * 24 * 3600
 """Seconds the first node waits for the others: a week."""
@@ -60,7 +60,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser, *, with_mesh: bool = T
 
 def job_from_args(args: argparse.Namespace, config_file, *, nodes=None, gpus_per_node=None,
                   default_command: list[str] | None = None, config: dict | None = None):
-    """The :class:`~fsdp_presets.preset.launchers.Job` of ``args`` for ``config_file`` (None when no
+    """The :class:`~fsdp_presets.launching.launchers.Job` of ``args`` for ``config_file`` (None when no
     ``--launcher`` was asked for): every launcher flag checked, nothing written. Without
     ``--command``, the training command is taken from ``default_command`` (a full ``accelerate
     launch ... SCRIPT.py ARGS`` line: from the script on). ``config``: the config's settings when

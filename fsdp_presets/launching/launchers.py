@@ -33,7 +33,7 @@ from typing import Literal
 from fsdp_presets.schema import ACCELERATE_ENV_PREFIXES, T
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import YAML_MAX_BYTES, load_yaml_data, read_regular_bytes, read_regular_text
-from fsdp_presets.preset.quoting import comment_text, shell_word
+from fsdp_presets.launching.quoting import comment_text, shell_word
 
 LauncherKind = Literal["slurm", "torchrun", "accelerate"]
 LAUNCHER_KINDS: tuple[str, ...] = ("slurm", "torchrun", "accelerate")
