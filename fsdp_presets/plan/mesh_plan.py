@@ -4,13 +4,13 @@ parallelism (EP) for mixture-of-experts models, beside FSDP2 (and HSDP), as tran
 
     sliced = sliced_profile(profile, Mesh(tp=8))     # what one rank of a TP group holds and computes
     terms = estimated_mesh_terms(profile, shape, Mesh(tp=8))
-    tensor_parallel_comm(profile, hardware, shape, Mesh(tp=8))
+    tensor_parallel_comm(profile, shape, Mesh(tp=8), micro_batches=4)   # bytes per GPU per step
 
 - Model state: every rank holds ``1 / (fsdp x tp)`` of the dense parameters and ``1 / (efsdp x
   ep)`` of the experts: over the same ranks as FSDP alone, the same bytes.
-- What FSDP gathers and what a rank computes is one TP rank's slice (:func:`sliced_profile`):
-  the attention and MLP projections, the vocabulary-split embedding and head divided by ``tp``,
-  a rank's ``experts / ep`` whole; norms stay whole (a few thousand parameters).
+- What FSDP gathers and what a rank computes is one TP rank's slice (:func:`sliced_profile`): what
+  the model's TP plan covers (its projections, the vocabulary-split embedding and head) divided by
+  ``tp``, a rank's ``experts / ep`` whole; norms, routers and experts the plan leaves out stay whole.
 - Activations: measured by rehearsing the model on the mesh
   (:func:`fsdp_presets.preset.measured_activations.rehearsed_mesh_terms`); without a rehearsal,
   a share of a block's saved activations stays whole on every TP rank (:data:`WHOLE_SHARE`, after
@@ -130,13 +130,6 @@ def tensor_parallel_comm(profile: ModelProfile, shape, mesh: Mesh, micro_batches
     return collectives(parts)
 
 
-def tensor_parallel_seconds(comm: CommBytes, mesh: Mesh, *, intra_bytes_per_s: float, latency_s: float,
-                            collectives_per_step: int) -> float:
-    """Seconds of ``comm`` (from :func:`tensor_parallel_comm`): on the node's link, not hidden
-    behind compute (each waits for the matmul before it and holds up the one after)."""
-    return comm.total / intra_bytes_per_s + collectives_per_step * latency_s
-
-
 def collectives_per_step(profile: ModelProfile, shape, mesh: Mesh, micro_batches: int) -> int:
     """How many TP/EP collectives one step runs (each pays a ring's latency)."""
     count = 0
@@ -148,11 +141,4 @@ def collectives_per_step(profile: ModelProfile, shape, mesh: Mesh, micro_batches
     return count
 
 
-def add_comm(a: CommBytes, b: CommBytes) -> CommBytes:
-    return CommBytes(all_gather=a.all_gather + b.all_gather, reduce_scatter=a.reduce_scatter + b.reduce_scatter,
-                     all_reduce=a.all_reduce + b.all_reduce, intra_node=a.intra_node + b.intra_node,
-                     inter_node=a.inter_node + b.inter_node)
-
-
-__all__ = ["add_comm", "collectives_per_step", "estimated_mesh_terms", "mesh_text", "sliced_profile",
-           "tensor_parallel_comm", "tensor_parallel_seconds"]
+__all__ = ["collectives_per_step", "estimated_mesh_terms", "mesh_text", "sliced_profile", "tensor_parallel_comm"]
