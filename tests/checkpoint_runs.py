@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from conftest import accelerate_config
-from recipe_helpers import CAUSAL_LM, causal_lm_args, checkpoint, launch_recipe, made_once, session_folder, tiny_llama
+from recipe_helpers import CAUSAL_LM, causal_lm_args, launch_recipe, made_once, session_folder, tiny_llama
 
-__all__ = ["checkpoint"]  # re-exported: the tests call runs.checkpoint(run_dir, step)
 
 # Constant learning rate after the warm-up (steps 1-2): a run that stops at --max-steps 4 and one
 # that goes on to 10 follow the same schedule, so a chain of short legs can be compared with one

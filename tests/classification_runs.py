@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 
 from conftest import accelerate_config
-from recipe_helpers import (CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, checkpoint, launch_recipe, made_once,
+from recipe_helpers import (CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, launch_recipe, made_once,
                             session_folder, tiny_bert)
 
-__all__ = ["checkpoint"]  # re-exported: the tests call classification_runs.checkpoint(run_dir, step)
 
 # Constant learning rate after the warm-up: a leg that stops early follows the same schedule.
 SCHEDULE = ("--lr-scheduler", "constant_with_warmup", "--warmup-steps", "2", "--save-every", "2",

@@ -35,7 +35,7 @@ from fsdp_presets.checkpoint.resume import load_imported
 
 import checkpoint_runs as runs
 from conftest import accelerate_config
-from recipe_helpers import causal_lm_args
+from recipe_helpers import causal_lm_args, checkpoint
 
 ROUND_TRIP_STEPS = 4
 LOSS_TOLERANCE = 1e-6  # fp32 round-off, relative (docs/checkpoints.md)
@@ -54,7 +54,7 @@ def reference(root) -> Path:
 @pytest.fixture(scope="module")
 def trained(reference) -> Path:
     """The reference run's last checkpoint: the same weights as its final/."""
-    return runs.checkpoint(reference, runs.REFERENCE_STEPS)
+    return checkpoint(reference, runs.REFERENCE_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_round_trip_export_import_resume_trains_like_the_trained_weights(referen
 def test_export_of_full_and_ddp_checkpoints(round_trip, run_name, layout, tmp_path):
     run_dir = round_trip[run_name]
     output = tmp_path / layout
-    report = export_checkpoint(runs.checkpoint(run_dir, ROUND_TRIP_STEPS), output, verify=True,
+    report = export_checkpoint(checkpoint(run_dir, ROUND_TRIP_STEPS), output, verify=True,
                                        log=lambda message: None)
     assert report.layout == layout and report.verification.passed and report.verification.tied is True
     written, trained = _safetensors(output), _safetensors(run_dir / "final")

@@ -25,7 +25,7 @@ from fsdp_harness.launch import read_rank_results, run_launch
 import checkpoint_runs as runs
 import tiny_train_runs
 from conftest import GLOO_EXIT_ABORT, WORKERS, accelerate_config
-from recipe_helpers import causal_lm_args
+from recipe_helpers import causal_lm_args, checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -211,9 +211,9 @@ def test_resume_at_another_world_size_or_fsdp_version(root, recipe_runs, name):
     source = recipe_runs[saved_by][1]
     run_dir = root / f"numerics-resume-{name}"
     result = runs.launch(config, causal_lm_args(runs.tiny_model(root), run_dir, *runs.SCHEDULE, "--max-steps",
-                                                RESUME_TO, "--resume", runs.checkpoint(source, RESUME_AT)),
+                                                RESUME_TO, "--resume", checkpoint(source, RESUME_AT)),
                          processes=processes)
-    assert f"resumed from {runs.checkpoint(source, RESUME_AT)}: step {RESUME_AT}" in result.stdout
+    assert f"resumed from {checkpoint(source, RESUME_AT)}: step {RESUME_AT}" in result.stdout
     got = train_records(run_dir)
     expected = [record for record in train_records(source) if RESUME_AT < record["step"] <= RESUME_TO]
     assert [record["step"] for record in got] == [3, 4]

@@ -34,7 +34,7 @@ from fsdp_presets.launching.local import launch_command
 import checkpoint_runs as runs
 import classification_runs
 from recipe_helpers import (BERT_FSDP2, CAUSAL_LM, CLASSIFICATION, GENRES_EVAL, GENRES_TRAIN, REPO, SFT_EVAL,
-                            SFT_TRAIN, causal_lm_args, drive_recipe, offline_env, tree_digest)
+                            SFT_TRAIN, causal_lm_args, checkpoint, drive_recipe, offline_env, tree_digest)
 
 STEPS = runs.REFERENCE_STEPS
 TIMING = ("tokens_per_s", "step_time_s")  # the only fields allowed to differ between runs
@@ -88,7 +88,7 @@ def test_reference_run_writes_the_run_folder_contract(root, reference):
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] - 1.0  # it learns
     assert sorted(path.name for path in (reference / "checkpoints").iterdir()) == [
         f"step-{step:08d}" for step in range(2, STEPS + 1, 2)]
-    manifest = json.loads((runs.checkpoint(reference, STEPS) / "manifest.json").read_text())
+    manifest = json.loads((checkpoint(reference, STEPS) / "manifest.json").read_text())
     assert manifest["samples_consumed"] == 8 * STEPS and manifest["world_size"] == 2
     assert any(name.startswith("pytorch_model_fsdp_0/") and name.endswith(".distcp") for name in manifest["files"])
     assert (reference / "plots" / "loss.png").stat().st_size > 10_000
@@ -136,11 +136,11 @@ def test_sigkill_then_a_kill_during_a_save_and_the_same_command_still_equals_the
     partial = run_dir / "checkpoints" / f".tmp-step-{KILLED_IN_SAVE:08d}"
     assert partial.is_dir() and not (partial / "manifest.json").exists()
     assert any(partial.rglob("*.distcp"))  # shards were written: half a checkpoint
-    assert (runs.checkpoint(run_dir, KILLED_IN_SAVE - 2) / "manifest.json").is_file()
+    assert (checkpoint(run_dir, KILLED_IN_SAVE - 2) / "manifest.json").is_file()
 
     resumed = run_launch(config, CAUSAL_LM, args_of(model, run_dir), cwd=REPO).check()
     assert f".tmp-step-{KILLED_IN_SAVE:08d}: a save that did not finish" in resumed.stdout, resumed.stdout
-    assert f"resumed from {runs.checkpoint(run_dir, KILLED_IN_SAVE - 2)}" in resumed.stdout
+    assert f"resumed from {checkpoint(run_dir, KILLED_IN_SAVE - 2)}" in resumed.stdout
     assert comparable(run_dir) == comparable(reference)  # bitwise: every loss, grad norm, lr, eval
     run = json.loads((run_dir / "run.json").read_text())
     assert run["resumed_from"] and Path(run["resumed_from"]).name.startswith("step-")
@@ -161,7 +161,7 @@ def test_export_reloads_with_plain_transformers_tied_with_the_trained_logits(ref
     # The trained weights, straight from the last sharded checkpoint (DCP), into a plain model.
     trained = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(reference / "final"))
     state = {"model": trained.state_dict()}
-    dcp.load(state, checkpoint_id=str(runs.checkpoint(reference, STEPS) / "pytorch_model_fsdp_0"))
+    dcp.load(state, checkpoint_id=str(checkpoint(reference, STEPS) / "pytorch_model_fsdp_0"))
     trained.load_state_dict(state["model"])
     tokenizer = AutoTokenizer.from_pretrained(reference / "final")
     batch = tokenizer(["and god said , let there be light", "blessed are the poor in spirit"],

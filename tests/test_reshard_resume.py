@@ -35,8 +35,8 @@ from fsdp_presets.train.loop import SampleStream, rank_micro_batches
 
 import checkpoint_runs as runs
 from conftest import real_launches
-import classification_runs as classification_runs
-from recipe_helpers import causal_lm_args
+import classification_runs
+from recipe_helpers import causal_lm_args, checkpoint
 
 LEGS = ((1, 4), (2, 6), (4, 8), (2, 10))  # (processes, last step of the leg)
 LOSS_TOLERANCE = 1e-6  # fp32 round-off, relative (docs/checkpoints.md)
@@ -59,11 +59,11 @@ def chain(request, root, reference) -> dict:
     model = runs.tiny_model(root)
     config = runs.fsdp_config(root, version)
     if version == 2:
-        start = runs.checkpoint(reference, 2)
+        start = checkpoint(reference, 2)
     else:  # an FSDP1 checkpoint of step 2, written by 2 processes
         first = root / "fsdp1-start"
         runs.launch(config, causal_lm_args(model, first, *runs.SCHEDULE, "--max-steps", 2), processes=2)
-        start = runs.checkpoint(first, 2)
+        start = checkpoint(first, 2)
     run_dir = root / f"chain-fsdp{version}"
     legs, resume = [], str(start)
     for leg, (processes, last_step) in enumerate(LEGS):
@@ -113,7 +113,7 @@ def test_the_recipe_adjusts_gradient_accumulation_to_keep_the_global_batch(chain
 
 @pytest.mark.slow
 def test_inspect_checkpoint_shows_the_ranks_of_a_4_process_checkpoint(chain, capsys):
-    folder = runs.checkpoint(chain["run_dir"], 8)  # written by the 4-process leg
+    folder = checkpoint(chain["run_dir"], 8)  # written by the 4-process leg
     assert cli.main(["inspect-checkpoint", str(folder), "--json", "--gpus", "2", "--gpus", "1"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert (summary["step"], summary["samples_consumed"], summary["world_size"]) == (8, 64, 4)
@@ -140,7 +140,7 @@ def classification_on_one_process(tmp_path_factory) -> dict:
     """The classification reference's step-4 checkpoint (2 processes) continued on 1 to the end."""
     root = classification_runs.base(tmp_path_factory)
     reference = classification_runs.reference_run(root)
-    start = classification_runs.checkpoint(reference, CLASSIFICATION_RESUME_AT)
+    start = checkpoint(reference, CLASSIFICATION_RESUME_AT)
     run_dir = root / "resumed-on-1"
     result = classification_runs.launch(root, classification_runs.args(
         classification_runs.tiny_model(root), run_dir, "--max-steps", classification_runs.REFERENCE_STEPS,
