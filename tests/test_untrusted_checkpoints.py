@@ -28,6 +28,7 @@ import torch
 
 import checkpoint_runs as runs
 from conftest import accelerate_config
+import recipe_helpers
 from recipe_helpers import CAUSAL_LM, REPO, causal_lm_args, drive_recipe, file_size_limit, recipe_error, tree_digest
 from test_checkpoint import manager
 from fsdp_presets import cli
@@ -115,7 +116,7 @@ def reference(tmp_path_factory) -> Path:
 def checkpoint(reference, tmp_path) -> Path:
     """A private copy of the last checkpoint, ready to be tampered with."""
     copy = tmp_path / "given" / "step-00000010"
-    shutil.copytree(runs.checkpoint(reference, STEPS), copy)
+    shutil.copytree(recipe_helpers.checkpoint(reference, STEPS), copy)
     return copy
 
 
@@ -681,7 +682,7 @@ def test_a_finished_run_relaunched_otherwise_is_refused_with_the_difference(refe
             args(run_dir, "--learning-rate", "1e-3"),
         "(--lr-scheduler 'constant_with_warmup' there, 'cosine' now)": args(run_dir, "--lr-scheduler", "cosine"),
         "it was saved by FSDP2 with SHARDED_STATE_DICT (dcp layout) and this run is one process without FSDP":
-            args(tmp_path / "single", "--resume", runs.checkpoint(reference, STEPS)),
+            args(tmp_path / "single", "--resume", recipe_helpers.checkpoint(reference, STEPS)),
         f"is in use by another job ({os.uname().nodename} PID {busy.pid}": args(locked),
     }
     before = tree_digest(run_dir), tree_digest(locked)
@@ -703,7 +704,7 @@ def test_a_finished_run_relaunched_otherwise_is_refused_with_the_difference(refe
 def test_an_fsdp_checkpoint_under_ddp_is_a_clear_message(reference, model, tmp_path):
     ddp = accelerate_config(tmp_path, "ddp", distributed_type="MULTI_GPU")  # DDP over gloo on a CPU host
     result = _launch(ddp, causal_lm_args(model, tmp_path / "run", *runs.SCHEDULE, "--max-steps", STEPS,
-                                         "--resume", runs.checkpoint(reference, STEPS)))
+                                         "--resume", recipe_helpers.checkpoint(reference, STEPS)))
     assert result.returncode != 0
     assert "and this run is DDP (MULTI_CPU), which cannot read it" in recipe_error(result)
     assert "FileNotFoundError" not in result.stderr and "KeyError" not in result.stderr
