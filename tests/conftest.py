@@ -86,3 +86,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+@pytest.fixture(scope="module")
+def rehearsal_cache(tmp_path_factory):
+    """Plan rehearsals on (the suite turns them off), the cache in a temporary folder (never the
+    user's): for the modules that compare the planner with rehearsals."""
+    folder = tmp_path_factory.mktemp("fsdp-presets-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FSDP_PRESETS_CACHE", str(folder))
+        patch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "on")
+        yield folder

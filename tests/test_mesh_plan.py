@@ -18,8 +18,8 @@ from fsdp_presets.cli import main
 from fsdp_presets.fileio import GiB
 from fsdp_presets.model.profile import profile_model
 from fsdp_presets.plan.gpus import gpu_type
-from fsdp_presets.plan.mesh_plan import sliced_profile
-from fsdp_presets.plan.planner import meshes_for, plan
+from fsdp_presets.plan.mesh_plan import meshes_for, sliced_profile
+from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.rehearse.mesh import Mesh
 
@@ -97,16 +97,6 @@ def test_70b_on_64_gpus_without_checkpointing_needs_a_second_dimension(profiles)
     assert best is not None and best.tp_size > 1 and best.fits
     assert best.mesh_comm.total > 0 and best.mesh_comm.inter_node == 0  # TP traffic stays inside the node
     assert best.label in memory_plan.reason
-
-
-@pytest.fixture(scope="module")
-def rehearsal_cache(tmp_path_factory):
-    """Rehearsals on, the cache in a temporary folder (never the user's)."""
-    folder = tmp_path_factory.mktemp("fsdp-presets-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FSDP_PRESETS_CACHE", str(folder))
-        patch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "on")
-        yield folder
 
 
 def _cut(tmp_path, name: str) -> str:

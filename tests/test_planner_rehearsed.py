@@ -41,16 +41,6 @@ LIVE = (
 )
 
 
-@pytest.fixture(scope="module")
-def rehearsal_cache(tmp_path_factory):
-    """Rehearsals on, the cache in a temporary folder (never the user's)."""
-    folder = tmp_path_factory.mktemp("fsdp-presets-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FSDP_PRESETS_CACHE", str(folder))
-        patch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "on")
-        yield folder
-
-
 def _model_folder(tmp_path, model_type):
     return write_config(tmp_path, model_type, layers=LAYERS)
 
@@ -105,13 +95,14 @@ def _recorded_as_rehearsed(recorded, model_type, source, rehearsed):
 
     from fsdp_presets.model.model_loading import load_config
     from fsdp_presets.preset.measured_activations import config_key
-    from fsdp_presets.preset.model_cache import cache_dir, config_digest
+    from fsdp_presets.preset.model_cache import block_config_digest, cache_dir
 
     point = planner_grid.find_point(recorded, model_type, *COMPOSED[model_type])
     assert point["config_hash"] == config_hash(model_type, layers=LAYERS), "record the table again"
     assert abs(point["rehearsed_per_gpu_bytes"] - rehearsed) <= 1e-4 * rehearsed, \
         f"{model_type}: recorded {point['rehearsed_per_gpu_bytes']}, rehearsed {rehearsed}: record the table again"
-    cached = cache_dir() / "activations" / f"{config_key(config_digest(load_config(source)), seq_len=SEQ, precision='bf16')}.json"
+    key = config_key(block_config_digest(load_config(source)), seq_len=SEQ, precision="bf16")
+    cached = cache_dir() / "activations" / f"{key}.json"
 
     def measured(runs):  # what each run held at each moment (``where`` only names the op of a tie)
         return [{key: value for key, value in run.items() if key != "where"} for run in runs]

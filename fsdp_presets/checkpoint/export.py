@@ -19,7 +19,7 @@ from fsdp_presets.checkpoint.hf_model import (DTYPES, ExpectedTensors, ModelFile
                                               tokenizer_and_generation_config, verify_models)
 from fsdp_presets.checkpoint.layout import (ADAPTER_MODEL, ADAPTER_WEIGHTS, HF_CONFIG, MANIFEST, MODEL_CONFIG, SAFETENSORS_INDEX,
                                             SAFETENSORS_SHARDS, WEIGHTS_SUFFIX)
-from fsdp_presets.checkpoint.outputs import check_output, staged_folder
+from fsdp_presets.checkpoint.outputs import check_output, staged_output
 from fsdp_presets.errors import UsageError
 
 @dataclass(kw_only=True)
@@ -120,7 +120,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
         f"{'and tokenizer ' if plan.tokenizer is not None else ''}from {plan.model.folder} ({plan.model.origin})"
         f"{'' if plan.tokenizer is not None else '; no tokenizer there, so the folder holds none (weights need none)'}")
     report = None
-    with staged_folder(output, kind="export", force=force) as staging:
+    with staged_output(output, kind="export", force=force) as staging:
         if plan.expected.conversion:
             shards, total, largest = _export_whole(plan, staging, target, max_shard_size)
         else:
@@ -152,7 +152,7 @@ def _export_adapter(checkpoint: Path, output: Path, *, dtype: str, verify: bool,
                          "another checkpoint)")
     refuse_oversized_model_files(checkpoint / MODEL_CONFIG)
     log(f"export: {checkpoint / ADAPTER_MODEL} (LoRA adapter) -> {output} as a PEFT folder in {dtype}")
-    with staged_folder(output, kind="export", force=force) as staging:
+    with staged_output(output, kind="export", force=force) as staging:
         tensors, total = export_checkpoint_adapter(checkpoint, staging, dtype=dtype, log=log)
         finish_export_folder(staging, keep_code_references=keep_code_references, log=log)
     return ExportReport(output=output, layout="adapter", dtype=dtype, shards=[ADAPTER_WEIGHTS],

@@ -107,16 +107,6 @@ def find_checkpoint_files(folder: str | Path, *, require_metadata: bool = True) 
 
 
 # ---- DCP ----
-def read_dcp_metadata(folder: Path):
-    """DCP's ``Metadata`` of a DCP folder, read through an allow-list unpickler that admits only
-    checkpoint-metadata types (:mod:`fsdp_presets.checkpoint.safe_unpickle`: torch's own reader uses plain
-    ``pickle.load``, which runs whatever the file says); :class:`UsageError` naming ``.metadata``
-    when it is missing, damaged or refused."""
-    from fsdp_presets.checkpoint.safe_unpickle import read_dcp_metadata as read_safely
-
-    return read_safely(folder)
-
-
 def check_dcp_file_sizes(folder: Path, metadata) -> None:
     """Every byte range ``.metadata`` lists must lie inside its file: catches a truncated or
     missing shard before anything is read (and without a manifest to compare against)."""
@@ -149,6 +139,8 @@ class RankFile:
 def dcp_rank_files(folder: Path, relative_to: Path) -> list[RankFile]:
     """Per-file tensor counts of a DCP folder, from its ``.metadata`` (no tensor data is read)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from fsdp_presets.checkpoint.safe_unpickle import read_dcp_metadata  # the allow-list reader
 
     metadata = read_dcp_metadata(folder)
     tensor_keys = {fqn for fqn, item in metadata.state_dict_metadata.items()
@@ -191,6 +183,8 @@ class DcpReader(WeightReader):
 
     def __init__(self, folder: Path) -> None:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        from fsdp_presets.checkpoint.safe_unpickle import read_dcp_metadata  # the allow-list reader
 
         self.path = Path(folder)
         self._metadata = read_dcp_metadata(self.path)

@@ -16,7 +16,7 @@ from fsdp_presets.checkpoint.hf_model import (ModelFiles, Verification, Verifica
                                               refuse_oversized_model_files, tokenizer_and_generation_config,
                                               verify_models)
 from fsdp_presets.checkpoint.layout import DCP_MODEL, HF_CONFIG, MANIFEST, MODEL_CONFIG, WEIGHTS_SUFFIX
-from fsdp_presets.checkpoint.outputs import check_output, staged_folder
+from fsdp_presets.checkpoint.outputs import check_output, staged_output
 from fsdp_presets.errors import UsageError
 
 
@@ -95,7 +95,7 @@ def import_hf(hf_dir: str | os.PathLike, output: str | os.PathLike, *, verify: b
     state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     log(f"import: {hf_dir} ({', '.join(printable(file.name) for file in weight_files)}) -> {output}: "
         f"{len(state)} tensors, fp32, DCP")
-    with staged_folder(output, kind="import", force=force) as staging:
+    with staged_output(output, kind="import", force=force) as staging:
         with _quiet_single_process_warning():
             dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(staging / DCP_MODEL)), no_dist=True)
         describe = staging / MODEL_CONFIG

@@ -54,7 +54,7 @@ def check_output(output: Path, *, kind: OutputKind = "export", force: bool = Fal
 
 
 @contextlib.contextmanager
-def staged_folder(output: Path, *, kind: OutputKind = "export", force: bool = False) -> Iterator[Path]:
+def staged_output(output: Path, *, kind: OutputKind = "export", force: bool = False) -> Iterator[Path]:
     """Yield a hidden sibling of ``output`` to write into; put it in place of ``output`` on
     success (the replaced folder, with ``force``, is renamed away first and deleted after), delete
     it on any failure; a full disk is one :class:`UsageError` naming the folder."""

@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.plan.fastest import fastest
     from fsdp_presets.plan.inputs import plan_inputs
     from fsdp_presets.plan.methods import lora_from_args
-    from fsdp_presets.plan.planner import fit_seq_len, meshes_for, plan_with_auto_savers
+    from fsdp_presets.plan.mesh_plan import meshes_for
+    from fsdp_presets.plan.planner import fit_seq_len, plan_with_auto_savers
     from fsdp_presets.plan.report import plan_json, plan_text, scaling_json, scaling_text
     from fsdp_presets.preset.generate import load_profile
     from fsdp_presets.preset.measured_activations import rehearsed_mesh_terms, with_rehearsed_terms

@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_presets.errors import UsageError
 from fsdp_presets.model.model_profile import ModelDims, ModelProfile, Unit
 from fsdp_presets.plan.activations import block_activations
 from fsdp_presets.plan.communication import collectives
 from fsdp_presets.plan.results import CommBytes
+from fsdp_presets.plan.shapes import Hardware
 from fsdp_presets.rehearse.mesh import Mesh
 
 WHOLE_SHARE = 0.31
@@ -141,4 +143,25 @@ def collectives_per_step(profile: ModelProfile, shape, mesh: Mesh, micro_batches
     return count
 
 
-__all__ = ["collectives_per_step", "estimated_mesh_terms", "mesh_text", "sliced_profile", "tensor_parallel_comm"]
+def meshes_for(profile: ModelProfile, hardware: Hardware, *, tp: int | None = None,
+               ep: int | None = None) -> tuple[Mesh, ...]:
+    """The TP/EP meshes a plan considers: the one asked (``--tp``/``--ep``, refused with why where
+    the model or the GPUs cannot run it), or else each TP size of 2, 4 and 8 the model allows inside a
+    node, and for a mixture-of-experts model each EP size the model and the GPUs allow up to a node."""
+    parallel = profile.structure.get("parallel") or {}
+    if tp or ep:
+        mesh = Mesh(tp=tp or 1, ep=ep or 1)
+        problems = mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)
+        if problems:
+            raise UsageError(f"{mesh.label(gpus=hardware.gpus) if not hardware.gpus % (tp or 1) else 'the mesh'}: "
+                             f"{'; '.join(problems)} (`fsdp-presets inspect MODEL` lists the sizes the model allows)")
+        return (mesh,) if mesh.is_nd else ()
+    meshes = [Mesh(tp=size) for size in parallel.get("tp_sizes", []) if size in (2, 4, 8)]
+    meshes += [Mesh(ep=size) for size in parallel.get("ep_sizes", []) if 1 < size <= 8]
+    return tuple(mesh for mesh in meshes
+                 if not mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)
+                 and hardware.gpus > max(mesh.tp, 1))
+
+
+__all__ = ["collectives_per_step", "estimated_mesh_terms", "mesh_text", "meshes_for", "sliced_profile",
+           "tensor_parallel_comm"]

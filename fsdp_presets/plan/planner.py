@@ -71,7 +71,7 @@ from fsdp_presets.plan.step_time import step_time
 from fsdp_presets.plan.shapes import (OPTIMIZER_STATE_BYTES, OPTIMIZER_STEP_TEMPORARY_BYTES, STORED_PARAM_BYTES,
                                       Hardware, TrainingShape)
 
-__all__ = ["fit_seq_len", "human_bytes", "meshes_for", "offloads", "plan", "plan_with_auto_savers", "strategies_for"]
+__all__ = ["fit_seq_len", "human_bytes", "offloads", "plan", "plan_with_auto_savers", "strategies_for"]
 
 human_bytes = format_bytes  # the old name, still imported by the benchmark harness
 
@@ -409,7 +409,8 @@ def _best(strategies: list[StrategyPlan]) -> StrategyPlan | None:
     return min(same_name, key=lambda s: _PREFERENCE.index((s.name, s.fsdp_version)))
 
 
-def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape, meshes: tuple[Mesh, ...] = ()) -> MemoryPlan:
+def plan(profile: ModelProfile, hardware: Hardware, shape: TrainingShape,
+         meshes: tuple[Mesh, ...] = ()) -> MemoryPlan:
     """Cost every applicable strategy and recommend one.
 
     The recommendation is, among the strategies that fit at the requested micro-batch, the one
@@ -504,25 +505,6 @@ def plan_with_auto_savers(profile, hardware, shape, *, checkpointing: str, offlo
         if candidate.recommended is not None:
             return candidate, names
     return first, []
-
-
-def meshes_for(profile: ModelProfile, hardware: Hardware, *, tp: int | None = None, ep: int | None = None) -> tuple[Mesh, ...]:
-    """The TP/EP meshes a plan considers: the one asked (``--tp``/``--ep``, refused with why where
-    the model or the GPUs cannot run it), or else each TP size of 2, 4 and 8 the model allows inside a
-    node, and for a mixture-of-experts model each EP size the model and the GPUs allow up to a node."""
-    parallel = profile.structure.get("parallel") or {}
-    if tp or ep:
-        mesh = Mesh(tp=tp or 1, ep=ep or 1)
-        problems = mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)
-        if problems:
-            raise UsageError(f"{mesh.label(gpus=hardware.gpus) if not hardware.gpus % (tp or 1) else 'the mesh'}: "
-                             f"{'; '.join(problems)} (`fsdp-presets inspect MODEL` lists the sizes the model allows)")
-        return (mesh,) if mesh.is_nd else ()
-    meshes = [Mesh(tp=size) for size in parallel.get("tp_sizes", []) if size in (2, 4, 8)]
-    meshes += [Mesh(ep=size) for size in parallel.get("ep_sizes", []) if 1 < size <= 8]
-    return tuple(mesh for mesh in meshes
-                 if not mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)
-                 and hardware.gpus > max(mesh.tp, 1))
 
 
 def fit_seq_len(shape, profile, *, given: int | None):

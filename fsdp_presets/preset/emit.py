@@ -67,9 +67,9 @@ def accelerate_config(preset: Preset) -> dict:
                                       if key.preset}
     if parallelism.tp_size > 1 and accelerate_runs_tp():
         # accelerate's own FSDP2 x TP: data-parallel sharding over the ranks left beside TP
-        config[PARALLELISM_CONFIG] = {f"{PARALLELISM_PREFIX}dp_replicate_size": parallelism.replicate_size,
-                                      f"{PARALLELISM_PREFIX}dp_shard_size": parallelism.shard_size // parallelism.tp_size,
-                                      f"{PARALLELISM_PREFIX}tp_size": parallelism.tp_size}
+        sizes = {"dp_replicate_size": parallelism.replicate_size,
+                 "dp_shard_size": parallelism.shard_size // parallelism.tp_size, "tp_size": parallelism.tp_size}
+        config[PARALLELISM_CONFIG] = {f"{PARALLELISM_PREFIX}{name}": value for name, value in sizes.items()}
     return config
 
 
@@ -488,6 +488,6 @@ def header_model_path(config, source: str) -> str:
 
 __all__ = [
     "METADATA_PREFIX", "accelerate_config", "accelerate_runs_tp", "config_yaml", "ddp_baseline_of", "ddp_config",
-    "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "mesh_launch_words", "metadata_document", "read_metadata", "render_ddp_baseline", "render_preset",
-    "written_config"
+    "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "mesh_launch_words", "metadata_document",
+    "read_metadata", "render_ddp_baseline", "render_preset", "written_config"
 ]

@@ -41,7 +41,7 @@ from pathlib import Path
 from fsdp_presets import environment
 from fsdp_presets.errors import UsageError
 from fsdp_presets.rehearse.mesh import Mesh
-from fsdp_presets.preset.model_cache import (cache_dir, cached_profile, config_digest, describe_cache,
+from fsdp_presets.preset.model_cache import (block_config_digest, cache_dir, cached_profile, describe_cache,
                                              library_versions, read_entry, write_entry)
 
 REHEARSAL_ENV = environment.PLAN_REHEARSAL.name
@@ -64,7 +64,7 @@ _EXCLUDED_CATEGORIES = ("params", "grads", "optimizer", "unsharded params", "uns
 
 def config_key(digest: str, *, seq_len: int, precision: str, mesh: Mesh = Mesh()) -> str:
     """Name of a cache entry: the config's digest
-    (:func:`~fsdp_presets.preset.model_cache.config_digest`, without its layer count: the terms are
+    (:func:`~fsdp_presets.preset.model_cache.block_config_digest`, without its layer count: the terms are
     per block), the sequence length, the precision, the TP/EP mesh (when there is one) and the
     library versions."""
     fields = {"config": digest, "seq_len": seq_len, "precision": precision, "format": CACHE_FORMAT,
@@ -233,7 +233,7 @@ def rehearsed_block_activations(config, *, seq_len: int, precision: str, trust_r
     if not getattr(config, "vocab_size", None) or not getattr(config, "hidden_size", None) or \
             not getattr(config, "num_hidden_layers", None):
         return None, "not a decoder with hidden_size, num_hidden_layers and vocab_size in its config"
-    path, entry = _cached_entry(config_digest(config), seq_len=seq_len, precision=precision)
+    path, entry = _cached_entry(block_config_digest(config), seq_len=seq_len, precision=precision)
     if entry is not None:
         return terms_from_entry(entry), None
     try:
@@ -304,7 +304,7 @@ def rehearsed_mesh_terms(source: str, shape, meshes, *, trust_remote_code: bool 
 
                 hf_logging.set_verbosity_error()
                 config = load_config(source, trust_remote_code=trust_remote_code)
-            path, entry = _cached_entry(config_digest(config), seq_len=shape.seq_len, precision=shape.precision,
+            path, entry = _cached_entry(block_config_digest(config), seq_len=shape.seq_len, precision=shape.precision,
                                         mesh=mesh)
             if entry is None:
                 try:

@@ -8,7 +8,7 @@ Where: ``$FSDP_PRESETS_CACHE`` when set, else ``$XDG_CACHE_HOME/fsdp-presets``, 
 
 - ``profiles/KEY.json``: a model folder's or config.json's :class:`ModelProfile` (building the
   model on the meta device takes seconds; reading it back milliseconds) and the digest of its
-  config as transformers reads it (:func:`config_digest`, which keys the activation terms), keyed
+  config as transformers reads it (:func:`block_config_digest`, which keys the activation terms), keyed
   by the bytes of the config.json, the torch, transformers and fsdp-presets versions and
   :data:`PROFILE_FORMAT`. Family names (tiny debug configs) and ``--trust-remote-code`` models
   (their code may change beside an unchanged config) are not cached.
@@ -86,7 +86,7 @@ def library_versions() -> dict[str, str]:
     return found
 
 
-def config_digest(config) -> str:
+def block_config_digest(config) -> str:
     """Digest of a transformers config as it builds the model, its layer count aside (terms are
     per block): what the activation terms are keyed by."""
     described = {key: value for key, value in config.to_dict().items()
@@ -155,8 +155,8 @@ def store_profile(source: str, profile, config, *, trust_remote_code: bool = Fal
     path = _profile_path(source, trust_remote_code=trust_remote_code)
     if path is not None:
         write_entry(path, {"format": PROFILE_FORMAT, "profile": profile.to_json(),
-                           "config_digest": config_digest(config)})
+                           "config_digest": block_config_digest(config)})
 
 
-__all__ = ["CACHE_ENV", "PROFILE_FORMAT", "cache_dir", "cached_profile", "config_digest", "library_versions",
+__all__ = ["CACHE_ENV", "PROFILE_FORMAT", "cache_dir", "cached_profile", "block_config_digest", "library_versions",
            "read_entry", "store_profile", "write_entry"]
