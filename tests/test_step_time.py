@@ -76,6 +76,33 @@ def test_a_slow_network_exposes_full_shard_and_hybrid_shard_hides_it(llama_8b):
     assert hybrid.time.exposed_comm_s < slow.time.exposed_comm_s
 
 
+def test_a_ring_across_nodes_runs_on_every_adapter_of_the_node_and_hsdp_replicas_on_their_own():
+    from fsdp_presets.plan.step_time import Links
+
+    links = Links.of(gpu_type("H100-SXM"), 100, gpus_per_node=8)
+    assert links.inter == pytest.approx(100 / 8 * 1e9 * 0.85)
+    assert links.spanning == pytest.approx(8 * links.inter)  # 8 adapters of 100 Gb/s, below NVLink
+    assert Links.of(gpu_type("H100-SXM"), 800, gpus_per_node=8).spanning == links.intra  # NVLink caps it
+
+
+def test_hidden_communication_still_slows_compute(llama_8b):
+    from fsdp_presets.plan.step_time import OVERLAP_SLOWDOWN
+
+    small, large = _row(llama_8b, gpus=16, nodes=2, micro_batch=1), _row(llama_8b, gpus=16, nodes=2, micro_batch=4)
+    for row in (small, large):
+        hidden = row.time.comm_s - row.time.exposed_comm_s
+        assert row.time.contention_s == pytest.approx(OVERLAP_SLOWDOWN * hidden) and hidden > 0
+    # The same bytes per micro-batch over more tokens: a smaller share of the step.
+    assert large.time.contention_s / large.time.step_s < small.time.contention_s / small.time.step_s
+
+
+def test_a_plain_mlp_has_fewer_elementwise_bytes_than_a_gated_one(llama_8b):
+    from fsdp_presets.plan.step_time import mlp_is_gated
+
+    mpt = published.profile_for("mpt", (4096, 32, 32, 32, 16384, 50368), 2048)
+    assert mlp_is_gated(llama_8b) and not mlp_is_gated(mpt)
+
+
 def test_accumulation_under_no_sync_reduces_once(llama_8b):
     once = _row(llama_8b, micro_batch=1, grad_accum=4)
     every = _row(llama_8b, micro_batch=1, grad_accum=4, reduce_every_micro_batch=True)
@@ -151,9 +178,10 @@ def test_plan_prints_a_scaling_table_with_gpu_hours(capsys):
     code, out = _cli(capsys, "plan", "model_configs/llama-3.1-8b", "--gpus", "8,16,32", "--json")
     rows = json.loads(out)["scaling"]
     assert [row["gpus"] for row in rows] == [8, 16, 32] and rows[0]["speedup"] == 1.0
-    # More GPUs with the same per-GPU batch: the job is faster, each GPU no faster.
-    assert rows[2]["tokens_per_s"] > rows[0]["tokens_per_s"]
-    assert rows[2]["tokens_per_s_per_gpu"] <= rows[0]["tokens_per_s_per_gpu"] * 1.001
+    # More GPUs with the same per-GPU batch: the job is faster, each GPU about as fast (its optimizer
+    # shard shrinks; a ring over the nodes' adapters costs about what NVLink does).
+    assert rows[2]["tokens_per_s"] > rows[0]["tokens_per_s"] * 3.8
+    assert rows[2]["tokens_per_s_per_gpu"] == pytest.approx(rows[0]["tokens_per_s_per_gpu"], rel=0.05)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -198,10 +226,11 @@ def test_tokens_per_second_within_25_percent_on_most_rows_not_used_for_calibrati
     print(f"{len(test)} rows: within 25% {published.share_within(errors, 0.25):.0%}; one factor per source and GPU "
           f"type, within 10%: model {published.share_within(fitted, 0.10):.0%}, constant MFU "
           f"{published.share_within(baseline, 0.10):.0%}")
-    assert published.share_within(errors, 0.25) >= 0.70
+    assert published.share_within(errors, 0.25) >= 0.85
     # The model's terms earn their place: with a factor per source and GPU type it is closer than one
-    # MFU per source and GPU type.
-    assert published.share_within(fitted, 0.10) > published.share_within(baseline, 0.10)
+    # MFU per source and GPU type (61%); 85% is the goal (docs/sharding.md, "Limits").
+    assert published.share_within(fitted, 0.10) >= 0.75
+    assert published.share_within(fitted, 0.10) > published.share_within(baseline, 0.10) + 0.1
 
 
 def test_scaling_curves_change_as_published(predicted):
@@ -211,7 +240,9 @@ def test_scaling_curves_change_as_published(predicted):
     within = published.share_within([e for _, e in curves], 0.10)
     print(f"{len(curves)} points on scaling curves, {within:.0%} within 10%; outside: "
           + "; ".join(f"{label} {e:.0%}" for label, e in curves if e > 0.10))
-    assert within >= 0.80
+    # 53 of 55: the two outside are llm-foundry's mpt-1b on 32 A100-40GB, published 18% slower per GPU
+    # than on 64 and 128 with the same per-GPU batch (no term of a step grows as the GPUs get fewer).
+    assert within >= 0.95
 
 
 def test_of_two_published_runs_that_differ_in_one_setting_the_faster_is_predicted_faster(predicted):

@@ -44,22 +44,23 @@ from fsdp_presets.plan.model_state import fsdp_units
 
 MATMUL_EFFICIENCY = MappingProxyType({
     # Fitted once on the calibration sources (docs/sharding.md, "Calibration"): the share of the
-    # datasheet's dense bf16 rate that a training step's matmuls and attention reach.
-    # fms-fsdp's A100-80GB rows (20); the A100-40GB is the same GA100 chip at the same clocks.
-    # (Fitted with ATTENTION_EFFICIENCY below: docs/sharding.md, "How fast".)
-    "a100-40gb": 0.88,
-    "a100-80gb": 0.88,
+    # datasheet's dense bf16 rate that a training step's matmuls and attention reach, with
+    # ATTENTION_EFFICIENCY and OVERLAP_SLOWDOWN below (the median calibration row of each type then
+    # predicted exactly). fms-fsdp's and torchtitan's A100-80GB rows (20); the A100-40GB is the same
+    # GA100 chip at the same clocks.
+    "a100-40gb": 0.82,
+    "a100-80gb": 0.82,
     # torchtitan's and fms-fsdp's H100 rows (16).
-    "h100-sxm": 0.60,
+    "h100-sxm": 0.61,
 })
 """Achievable share of the peak matmul rate, per GPU type, where a calibration source measured it."""
-DEFAULT_MATMUL_EFFICIENCY = 0.60
+DEFAULT_MATMUL_EFFICIENCY = 0.61
 """For GPU types no calibration source measured: the H100's share, the lower of the two (an assumption:
 check yours against a short run)."""
 ATTENTION_EFFICIENCY = 0.3
 """Attention kernels' rate against the matmuls', fitted with :data:`MATMUL_EFFICIENCY` on the same two
-calibration sources: their error falls as attention gets slower, down to where the A100's matmul
-share would pass 0.9 of peak (more than its large bf16 GEMMs reach). Lower than the kernels alone
+calibration sources: their rows' spread after one factor per source and GPU type is least from 0.27
+to 0.33 (the A100's matmul share then 0.81 to 0.84 of peak). Lower than the kernels alone
 ([FA2] Sec. 4.1: 50-70% of the A100's peak forward, less backward): it carries what a real step adds
 around them (masks, layout copies, the backward's recomputation of the scores)."""
 HBM_EFFICIENCY = 0.7
@@ -70,6 +71,14 @@ LINK_EFFICIENCY = 0.8
 (nccl-tests on DGX H100: all-gather about 360 of 450 GB/s)."""
 NETWORK_EFFICIENCY = 0.85
 """The same across nodes: InfiniBand/RoCE bus bandwidth against the adapter's line rate."""
+OVERLAP_SLOWDOWN = 0.25
+"""Seconds a step loses per second of communication hidden behind compute. A collective that overlaps
+compute is not free: NCCL's kernels hold SMs (one per channel, up to 32 on NVLink) and read and write
+HBM at the link's rate beside the matmuls, so a large model at a small micro-batch (the most bytes
+gathered per token computed) is slower than its arithmetic. Fitted with :data:`MATMUL_EFFICIENCY` on
+the calibration sources (docs/sharding.md, "Calibration"): their rows' spread after one factor per
+source and GPU type falls as it rises from 0 to 0.25 and stays flat above, where the A100's fitted
+matmul share heads past 0.9 of peak; the low end of the flat range is kept."""
 RING_STEP_LATENCY_S = MappingProxyType({"intra": 1e-6, "inter": 2e-6})
 """Latency of one step of a ring collective inside a node and across nodes ([NCCL]: n-1 steps)."""
 ELEMENTWISE_BYTES_PER_HIDDEN = 400
@@ -77,9 +86,11 @@ ELEMENTWISE_BYTES_PER_HIDDEN = 400
 elementwise kernels: two RMSNorms upcast to fp32 (about 36 B a norm forward), two residual adds,
 rotary embeddings on queries and keys, the transposes around attention: about 130 B forward, twice
 that backward."""
-ELEMENTWISE_BYTES_PER_INTERMEDIATE = 30
-"""The same per MLP intermediate unit (per active expert): the activation and the gate product,
-about 10 B forward and 20 B backward."""
+ELEMENTWISE_BYTES_PER_INTERMEDIATE = MappingProxyType({"gated": 30, "plain": 10})
+"""The same per MLP intermediate unit (per active expert). A gated MLP (SwiGLU, GeGLU): the activation
+and the gate product, about 10 B forward and 20 B backward. A plain one (GELU between two linears,
+GPT-2, MPT): the activation alone, read and written forward (4 B), its backward reads the gradient and
+the input and writes one (6 B). Which one a block has is read off its linears (:func:`mlp_is_gated`)."""
 LOSS_BYTES_PER_LOGIT = 30
 """HBM bytes per logit per token: the logits written in bf16 and upcast to fp32, log-softmax and its
 backward, the gradient cast back (transformers' loss)."""
@@ -105,12 +116,20 @@ class Links:
     """One GPU's network to other nodes."""
     host: float
     """GPU to its host (PCIe), for offload."""
+    spanning: float = 0.0
+    """A ring over every GPU of several nodes: NCCL builds one ring per network adapter, so what enters
+    and leaves a node is spread over all of its adapters and each GPU's ring runs at the node's whole
+    network (``gpus_per_node x inter``) or at its NVLink share, whichever is less ([NCCL]: the bus
+    bandwidth of an all-reduce across DGX nodes approaches the node's adapters together). A group of
+    one GPU per node (HSDP's replicas) has only its own adapter: ``inter``."""
 
     @classmethod
-    def of(cls, gpu: GpuType, inter_node_gbps: float | None) -> "Links":
+    def of(cls, gpu: GpuType, inter_node_gbps: float | None, gpus_per_node: int = 1) -> "Links":
         gbps = gpu.inter_node_gbps if inter_node_gbps is None else inter_node_gbps
-        return cls(intra=gpu.intra_node_bytes_per_s * LINK_EFFICIENCY, inter=gbps / 8 * 1e9 * NETWORK_EFFICIENCY,
-                   host=gpu.host_link_bytes_per_s * HOST_LINK_EFFICIENCY)
+        intra = gpu.intra_node_bytes_per_s * LINK_EFFICIENCY
+        inter = gbps / 8 * 1e9 * NETWORK_EFFICIENCY
+        return cls(intra=intra, inter=inter, host=gpu.host_link_bytes_per_s * HOST_LINK_EFFICIENCY,
+                   spanning=min(intra, inter * max(1, gpus_per_node)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +150,8 @@ class StepTime:
     """The optimizer step."""
     offload_s: float
     """CPU offload's PCIe traffic and host optimizer step (0 without offload)."""
+    contention_s: float = 0.0
+    """Compute slowed by the collectives that run beside it (:data:`OVERLAP_SLOWDOWN`)."""
     tokens_per_s_per_gpu: float
     """Training tokens per second per GPU."""
     mfu: float
@@ -146,7 +167,7 @@ class StepTime:
                 "exposed_comm_fraction": self.exposed_comm_fraction,
                 "terms_s": {"compute": self.compute_s, "memory_bound": self.memory_bound_s, "comm": self.comm_s,
                             "exposed_comm": self.exposed_comm_s, "optimizer": self.optimizer_s,
-                            "offload": self.offload_s}}
+                            "offload": self.offload_s, "contention": self.contention_s}}
 
 
 # --------------------------------------------------------------------------- FLOPs and bytes
@@ -181,6 +202,19 @@ def model_flops_per_token(profile: ModelProfile, seq_len: int) -> float:
     return 6 * (active_block_params(profile) + head_params(profile)) + 12 * dims.num_layers * dims.hidden_size * seq_len
 
 
+def mlp_is_gated(profile: ModelProfile) -> bool:
+    """Whether the blocks' MLP multiplies two projections of the input (SwiGLU and the like): its
+    linears from the hidden size to the intermediate size give twice the intermediate width (a fused
+    ``gate_up_proj`` or two projections). A block whose linears the profile does not list (GPT-2's
+    Conv1D) counts as gated, the costlier."""
+    dims = profile.dims
+    widths = [sum(out for _, inputs, out, _ in linears if inputs == dims.hidden_size and out in
+                  (dims.intermediate_size, 2 * dims.intermediate_size))
+              for linears in (profile.structure.get("block_linears") or {}).values()]
+    widths = [width for width in widths if width]
+    return not widths or max(widths) >= 2 * dims.intermediate_size
+
+
 def _causal(profile: ModelProfile) -> bool:
     return bool(profile.dims.vocab_size) and not profile.is_encoder_decoder
 
@@ -213,7 +247,8 @@ def _work(profile: ModelProfile, shape, micro_batch: int, tp: int = 1) -> _Work:
     moe = profile.structure.get("moe")
     experts = max(1, moe["experts_per_token"]) if moe else 1
     elementwise = dims.num_layers * (ELEMENTWISE_BYTES_PER_HIDDEN * dims.hidden_size
-                                     + ELEMENTWISE_BYTES_PER_INTERMEDIATE * dims.intermediate_size * experts)
+                                     + ELEMENTWISE_BYTES_PER_INTERMEDIATE["gated" if mlp_is_gated(profile) else "plain"]
+                                     * dims.intermediate_size * experts)
     if shape.activation_checkpointing:
         elementwise *= 4 / 3  # the forward (a third of it) again
     memory = tokens * (elementwise * bytes_per_element + LOSS_BYTES_PER_LOGIT * dims.vocab_size)
@@ -257,7 +292,7 @@ def _units(profile, hardware, row, links: Links, compute_rate: float, work: _Wor
     passes = sum(unit.count * unit.params * (2 if unit.reshards_after_forward and name != "SHARD_GRAD_OP" else 1)
                  for unit in units) or 1
     spans = hardware.nodes > 1 and name != "HYBRID_SHARD"  # the shard group crosses the network
-    shard_link = links.inter if spans else links.intra
+    shard_link = links.spanning if spans else links.intra
     shard_latency = _ring_latency(row.shard_world_size, spans)
     reduction = row.comm.all_reduce if name == "NO_SHARD" else row.comm.reduce_scatter
     block_params = profile.unit_params or 1
@@ -340,7 +375,7 @@ def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: Mode
         return cpu_step_time(profile, hardware, shape, row)
     tp = getattr(row, "tp_size", 1)
     gpu = hardware.gpu
-    links = Links.of(gpu, hardware.inter_node_gbps)
+    links = Links.of(gpu, hardware.inter_node_gbps, hardware.gpus_per_node)
     rate = matmul_rate(gpu, shape)
     work = _work(profile, shape, shape.micro_batch, tp)
     memory_s = work.memory_bytes / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
@@ -349,7 +384,7 @@ def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: Mode
     if row.name == "DDP":
         compute = (work.block_forward_flops + work.block_backward_flops + work.head_flops) / rate
         spans = hardware.nodes > 1
-        link = links.inter if spans else links.intra
+        link = links.spanning if spans else links.intra
         all_reduce = row.comm.all_reduce / link + _ring_latency(hardware.gpus, spans) * 2
         backward = (work.block_backward_flops + 2 * work.head_flops / 3) / rate
         exposed_last = max(0.0, all_reduce - backward) + min(all_reduce, BUCKET_BYTES * 2 / link)
@@ -378,6 +413,7 @@ def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: Mode
         copies = per_unit_shard * gathers * accumulation + row.model_state.grads
         offload = copies / links.host + shard_params / HOST_OPTIMIZER_PARAMS_PER_S
     memory_total = memory_s * accumulation
+    contention = OVERLAP_SLOWDOWN * max(0.0, comm - exposed)  # before the TP/EP waits, which nothing hides
     mesh_comm = getattr(row, "mesh_comm", None)
     if mesh_comm is not None and mesh_comm.total:
         mesh = Mesh(tp=tp, ep=getattr(row, "ep_size", 1))
@@ -385,12 +421,12 @@ def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: Mode
                  + collectives_per_step(full_profile or profile, shape, mesh, accumulation)
                  * _ring_latency(max(mesh.tp, mesh.ep), False))
         comm, exposed = comm + waits, exposed + waits
-    step = compute_total + memory_total + exposed + optimizer + offload
+    step = compute_total + memory_total + exposed + contention + optimizer + offload
     tokens = shape.seq_len * shape.micro_batch * accumulation / tp  # a TP group's ranks share its tokens
     tokens_per_s = tokens / step
     mfu = model_flops_per_token(full_profile or profile, shape.seq_len) * tokens_per_s / gpu.peak_bf16_flops
     return StepTime(step_s=step, compute_s=compute_total, memory_bound_s=memory_total, comm_s=comm,
-                    exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload,
+                    exposed_comm_s=exposed, optimizer_s=optimizer, offload_s=offload, contention_s=contention,
                     tokens_per_s_per_gpu=tokens_per_s, mfu=mfu)
 
 
@@ -424,7 +460,7 @@ def cpu_step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
         # threads send while the main thread multiplies); the backward's gathers and the reductions
         # wait (measured: SmolLM2's FSDP2 step costs far less than its gathers' full time over DDP's).
         gather_bw = host.collectives["all_gather"][1]
-        units = _units(profile, hardware, row, Links(intra=gather_bw, inter=gather_bw, host=gather_bw), rate, work)
+        units = _units(profile, hardware, row, Links(intra=gather_bw, inter=gather_bw, host=gather_bw, spanning=gather_bw), rate, work)
         forward_gathers = sum(unit.gather_s for unit in units)
         exposed_forward = (units[0].gather_s if units else 0.0) + sum(
             max(0.0, unit.gather_s - previous.forward_s) for previous, unit in zip(units, units[1:]))
