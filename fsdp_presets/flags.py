@@ -84,10 +84,13 @@ LORA_TARGET_MODULES = Flag(name="--lora-target-modules", help="comma-separated L
 
 TP = Flag(name="--tp", help="tensor-parallel ranks inside a node (FSDP2 x TP through transformers' DistributedConfig)")
 EP = Flag(name="--ep", help="expert-parallel ranks for a mixture-of-experts model")
+DISTRIBUTED_CONFIG = Flag(name="--distributed-config",
+                          help="NAME.distributed.json (from fsdp-presets generate --tp N / --ep N): transformers shards "
+                          "the model over that FSDP2 x TP or x EP mesh at load time")
 
 TRAINING = (MODEL, DATA, OUTPUT_DIR, MAX_STEPS, SEED, LEARNING_RATE, RESUME, SAVE_EVERY, ASYNC_SAVE, SEQ_LEN,
             MICRO_BATCH, GRAD_ACCUM, REDUCE_EVERY_MICRO_BATCH, METHOD, LORA_R, LORA_ALPHA, LORA_DROPOUT,
-            LORA_TARGET_MODULES)
+            LORA_TARGET_MODULES, DISTRIBUTED_CONFIG)
 """Every setting above: the recipes' parser has each of them."""
 SHARED = (SEQ_LEN, MICRO_BATCH, GRAD_ACCUM, METHOD, LORA_R, LORA_ALPHA, LORA_DROPOUT, LORA_TARGET_MODULES)
 """The settings both ``fsdp-presets plan|generate`` and the recipes take (tests/test_flags.py)."""

@@ -61,7 +61,11 @@ def local_square_sums(model, fsdp1_groups: list = ()) -> tuple[list[tuple[Any, l
             continue
         gradients.append(grad)
         if isinstance(grad, DTensor):
-            shard_dims = tuple(dim for dim, placement in enumerate(grad.placements) if placement.is_shard())
+            # Sharded along a mesh dimension: neither replicated nor a pending sum. NOTE: FSDP2 over a TP
+            # mesh shards on the TP dimension's dim 0 again as _StridedShard, whose is_shard() is False
+            # (torch 2.13): read as replicated, the norm would leave out the other FSDP ranks' shards.
+            shard_dims = tuple(dim for dim, placement in enumerate(grad.placements)
+                               if not placement.is_replicate() and not placement.is_partial())
             key = (id(grad.device_mesh), shard_dims)
             groups = [grad.device_mesh.get_group(dim) for dim in shard_dims]
             local = grad.to_local()

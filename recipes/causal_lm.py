@@ -56,7 +56,7 @@ def main():
     # ---- launch and checks: real FSDP/DDP on a CPU-only host too; flags, ranks, run folder, lock ----
     run = recipe.start(args, recipe="causal_lm")  # nothing is written before every check has passed
     accelerator, tokenizer = run.accelerator, run.tokenizer
-    rank, dp_size = run.rank, run.data_parallel_size
+    rank, dp_size = run.data_rank, run.data_parallel_size  # this rank's share of the data (TP ranks share one)
 
     # ---- data ----
     with accelerator.main_process_first():
@@ -69,7 +69,7 @@ def main():
 
     # ---- model ----
     model = model_setup.load_model(AutoModelForCausalLM, args.model, run.lora, task_type="CAUSAL_LM",  # LoRA: peft
-                                   mixed_precision=accelerator.mixed_precision)
+                                   mixed_precision=accelerator.mixed_precision, mesh=run.mesh)  # TP/EP mesh
     key_map = recipe_lora.adapter_key_map(model) if run.lora else None  # LoRA/QLoRA
 
     def build_optimizer(model):
@@ -96,7 +96,7 @@ def main():
                 loss, count, correct = summed_loss(model, batch)
                 totals += torch.stack([loss.double(), count.double(), correct.double()])
         model.train()
-        loss_sum, count, correct = accelerator.reduce(totals, reduction="sum").tolist()
+        loss_sum, count, correct = run.reduce(totals).tolist()  # over the ranks, each sample once
         eval_loss = loss_sum / max(count, 1)
         return {"eval_loss": eval_loss, "perplexity": math.exp(min(eval_loss, 50.0)),
                 "token_accuracy": correct / max(count, 1)}
@@ -108,8 +108,7 @@ def main():
         batches = [loop.collate(train_set, indices, columns, accelerator.device)
                    for indices in run.micro_batches(stream)]
         local_targets = sum(int((batch["labels"][:, 1:] != recipe_data.IGNORE_INDEX).sum()) for batch in batches)
-        global_targets = accelerator.reduce(torch.tensor(float(local_targets), device=accelerator.device),
-                                            reduction="sum").item()
+        global_targets = run.reduce(torch.tensor(float(local_targets), device=accelerator.device)).item()
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
         for index, batch in enumerate(batches):
             with run.gradient_sync(last_micro_batch=index == len(batches) - 1):
@@ -118,7 +117,7 @@ def main():
                 accelerator.backward(loss * dp_size / max(global_targets, 1.0))
             loss_sum += loss.detach().double()
         grad_norm, lr = run.optimizer_step(optimizer, scheduler)
-        step_loss = accelerator.reduce(loss_sum, reduction="sum").item()
+        step_loss = run.reduce(loss_sum).item()
         # metrics, NaN/inf stop (exit 1), evaluation and checkpoint when due, Ctrl-C: save and stop (exit 130)
         run.end_step(loss=step_loss / max(global_targets, 1.0), grad_norm=grad_norm, lr=lr,
                      tokens=run.global_batch * args.seq_len, started=started)

@@ -56,7 +56,7 @@ def main():
     # ---- launch and checks: real FSDP/DDP on a CPU-only host too; flags, ranks, run folder, lock ----
     run = recipe.start(args, recipe="sequence_classification")  # nothing is written before every check passed
     accelerator, tokenizer, config = run.accelerator, run.tokenizer, run.config
-    rank, dp_size = run.rank, run.data_parallel_size
+    rank, dp_size = run.data_rank, run.data_parallel_size  # this rank's share of the data (TP ranks share one)
 
     # ---- data ----
     with accelerator.main_process_first():
@@ -73,7 +73,7 @@ def main():
     # LoRA/QLoRA: a peft model whose adapters and classification head train (else every weight)
     model = model_setup.load_model(AutoModelForSequenceClassification, args.model, run.lora, task_type="SEQ_CLS",
                                    mixed_precision=accelerator.mixed_precision, config=config,
-                                   ignore_mismatched_sizes=args.new_head)
+                                   ignore_mismatched_sizes=args.new_head, mesh=run.mesh)  # TP/EP mesh
     key_map = recipe_lora.adapter_key_map(model) if run.lora else None  # LoRA/QLoRA
 
     def build_optimizer(model):
@@ -89,23 +89,17 @@ def main():
 
     def evaluate_model():
         model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-        predictions, references, counted = [], [], []
+        totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)  # loss sum, correct samples
         with torch.no_grad():
             for slots in loop.eval_micro_batches(len(eval_set), micro_batch_size=args.micro_batch,
                                                  rank=rank, data_parallel_size=dp_size):
                 batch = loop.collate(eval_set, [index for index, _ in slots], COLUMNS, accelerator.device)
                 keep = torch.tensor([counts for _, counts in slots], device=accelerator.device)
                 losses, predicted = sample_losses(model, batch)
-                loss_sum += losses[keep].sum().double()
-                predictions.append(predicted), references.append(batch["labels"]), counted.append(keep)
+                totals += torch.stack([losses[keep].sum().double(),
+                                       (predicted[keep] == batch["labels"][keep]).sum().double()])
         model.train()
-        # Every rank ran the same number of equal batches, so gather needs no padding.
-        predicted, reference, keep = (accelerator.gather(torch.cat(part).to(accelerator.device))
-                                      for part in (predictions, references, counted))
-        total_loss = accelerator.reduce(loss_sum, reduction="sum").item()
-        keep = keep.bool()
-        correct = int((predicted[keep] == reference[keep]).sum())
+        total_loss, correct = run.reduce(totals).tolist()  # over the ranks, each sample once
         return {"eval_loss": total_loss / len(eval_set), "accuracy": correct / len(eval_set)}
 
     # ---- train ----
@@ -123,9 +117,9 @@ def main():
                 accelerator.backward(loss * dp_size / global_batch)
             loss_sum += loss.detach().double()
         grad_norm, lr = run.optimizer_step(optimizer, scheduler)
-        step_loss = accelerator.reduce(loss_sum, reduction="sum").item() / global_batch
+        step_loss = run.reduce(loss_sum).item() / global_batch
         local_tokens = sum(batch["attention_mask"].sum() for batch in batches).float()
-        tokens = accelerator.reduce(local_tokens, reduction="sum").item()
+        tokens = run.reduce(local_tokens).item()
         # metrics, NaN/inf stop (exit 1), evaluation and checkpoint when due, Ctrl-C: save and stop (exit 130)
         run.end_step(loss=step_loss, grad_norm=grad_norm, lr=lr, tokens=tokens, started=started)
 

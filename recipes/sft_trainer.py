@@ -11,9 +11,12 @@ format) or `text`. One sample per row, truncated to --seq-len tokens (no packing
 Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoint-N/, final/}. Restarting the same command
 continues from the last checkpoint (--resume auto). Needs the `trl` extra (scripts/setup.sh installs
 it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
---export-merged.
+--export-merged. With --distributed-config (a TP/EP mesh of `fsdp-presets generate --tp/--ep`) the
+run trains and exports but writes no checkpoints: Trainer does not checkpoint a model sharded at
+load time (recipes/causal_lm.py does).
 """
 
+import os
 from pathlib import Path
 
 from datasets import load_dataset
@@ -22,7 +25,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_presets import FSDPPresetsCallback
 from fsdp_presets.errors import UsageError
-from fsdp_presets.train import loop, model_setup
+from fsdp_presets.train import loop, model_mesh, model_setup
 from fsdp_presets.train import lora as recipe_lora
 
 
@@ -55,8 +58,16 @@ def main():
         if args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(args.max_eval_samples, len(eval_dataset))))
 
-    # ---- model (LoRA: a peft model; QLoRA: its 4-bit base) ----
-    model = model_setup.load_model(AutoModelForCausalLM, args.model, lora, task_type="CAUSAL_LM")
+    # ---- model (LoRA: a peft model; QLoRA: its 4-bit base; --distributed-config: sharded over a TP/EP mesh) ----
+    mesh = None
+    if args.distributed_config:
+        mesh = model_mesh.load_model_mesh(args.distributed_config, rank=int(os.environ.get("RANK", 0)),
+                                          world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if args.save_every or args.resume not in ("auto", "none"):
+            raise UsageError(f"--save-every/--resume with {args.distributed_config}: transformers' Trainer does not "
+                             "checkpoint a model sharded at load time (it refuses: \"Resuming is not supported\"); "
+                             "train a TP/EP run that saves and resumes with recipes/causal_lm.py")
+    model = model_setup.load_model(AutoModelForCausalLM, args.model, lora, task_type="CAUSAL_LM", mesh=mesh)
 
     # ---- train ----
     config = SFTConfig(
@@ -64,7 +75,9 @@ def main():
         per_device_eval_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.learning_rate, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
         lr_scheduler_type=args.lr_scheduler, max_grad_norm=args.max_grad_norm, max_length=args.seq_len,
-        save_strategy="steps", save_steps=args.save_every or args.max_steps, save_total_limit=args.keep_last,
+        # a TP/EP mesh: no checkpoints (Trainer refuses them for a model sharded at load time)
+        save_strategy="no" if mesh else "steps", save_steps=args.save_every or args.max_steps,
+        save_total_limit=args.keep_last,
         eval_strategy="steps" if eval_dataset is not None and args.eval_every else "no",
         eval_steps=args.eval_every or None, logging_steps=1, seed=args.seed, data_seed=args.seed, report_to=[],
         bf16=False, disable_tqdm=True)  # precision: the preset's mixed_precision

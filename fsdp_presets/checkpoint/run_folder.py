@@ -122,6 +122,11 @@ class RunInfo:
     def fsdp(self) -> dict[str, Any] | None:
         return self.distributed.get("fsdp")
 
+    @property
+    def model_mesh(self) -> dict[str, Any] | None:
+        """The TP/EP mesh transformers sharded the model over (``--distributed-config``), None without one."""
+        return self.distributed.get("model_mesh")
+
     def comparable(self) -> list[tuple[str, Any]]:
         """``(words, value)`` of each of :data:`COMPARABLE_KEYS` (None where not recorded)."""
         values = {**self.identity, "global_batch_samples": self.global_batch_samples}
@@ -195,8 +200,10 @@ def training_settings(args) -> dict[str, Any]:
     return {key: values[key] for key in SETTING_KEYS if key in values}
 
 
-def distributed_settings(accelerator) -> dict[str, Any]:
-    """How the processes share the work, as run.json and checkpoint manifests record it."""
+def distributed_settings(accelerator, *, model_mesh: dict[str, Any] | None = None) -> dict[str, Any]:
+    """How the processes share the work, as run.json and checkpoint manifests record it.
+    ``model_mesh``: the sizes of the mesh transformers shards the model over (``--distributed-config``;
+    :meth:`fsdp_presets.train.model_mesh.ModelMesh.settings`), recorded as ``model_mesh``."""
     state = accelerator.state
     world_size = accelerator.num_processes
     parallelism = getattr(accelerator, "parallelism_config", None)
@@ -206,6 +213,8 @@ def distributed_settings(accelerator) -> dict[str, Any]:
         mesh = {name: int(getattr(parallelism, name, 1) or 1)
                 for name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")}
         model_parallel = mesh["tp_size"] * mesh["cp_size"]
+    if model_mesh is not None:  # the TP ranks of a group share their samples
+        model_parallel = int(model_mesh["tp_size"])
     fsdp = None
     plugin = getattr(state, "fsdp_plugin", None)
     if accelerator.distributed_type.value == "FSDP" and plugin is not None:
@@ -231,6 +240,7 @@ def distributed_settings(accelerator) -> dict[str, Any]:
         "precision": str(accelerator.mixed_precision),
         "distributed_type": accelerator.distributed_type.value,
         "fsdp": fsdp,
+        **({"model_mesh": dict(model_mesh)} if model_mesh is not None else {}),
     }
 
 

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--baseline-args", default="", metavar="ARGS",
         help="extra recipe arguments for the baseline only (one shell-quoted string)")
     add("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds allowed per launch (default 3600)")
+    flags.add(parser, flags.DISTRIBUTED_CONFIG, help_suffix=" for the candidate (default: the one generate wrote "
+              "beside --config, if any; its DDP baseline then runs one process per TP group)")
     add("recipe_args", nargs="*", help=argparse.SUPPRESS)
 
 
@@ -55,7 +57,8 @@ def request_from(args: argparse.Namespace):
     return ConvergeRequest(training=training, config=args.config, baseline=args.baseline,
                            baseline_run=args.baseline_run, output_dir=args.output_dir, resume_at=args.resume_at,
                            tolerance=args.tolerance, candidate_args=shlex.split(args.candidate_args),
-                           baseline_args=shlex.split(args.baseline_args), timeout=args.timeout)
+                           baseline_args=shlex.split(args.baseline_args), timeout=args.timeout,
+                           distributed_config=args.distributed_config)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -66,7 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fsdp_presets.preset.emit import mesh_launch_words
     from fsdp_presets.preset.emit_commands import launch_words
     from fsdp_presets.preset.generate import (check_outputs, check_rescaled_batch, generated_lines, load_profile,
                                               render_files, request_from_args, write_files)
@@ -85,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     from fsdp_presets.launching.options import job_from_args, launcher_path, write_from_args
 
-    launch_command = (mesh_launch_words(preset, output) if preset.parallelism.is_nd else
-                      launch_words(preset, config_file=output, launch=launch))
+    launch_command = launch_words(preset, config_file=output, launch=launch)
     job = job_from_args(args, output, nodes=request.nodes, gpus_per_node=request.gpus_per_node,
                         default_command=launch_command, config=yaml.safe_load(files[output]))
     check_outputs(files, config_file=output, script_path=launcher_path(args, output) if job is not None else None,

@@ -14,6 +14,11 @@ The baseline is ``baseline`` (a config) when given, else a DDP config derived fr
 parallelism only, DDP over all processes has the same data-parallel size, hence the same global
 batch). ``baseline_run`` reuses a baseline run that already exists.
 
+A TP/EP candidate (``distributed_config``, by default the ``NAME.distributed.json`` that
+``generate --tp/--ep`` wrote beside ``config``) trains with ``--distributed-config``; its derived
+DDP baseline has one process per TP group, which sees that group's micro-batches, so the global
+batch and every step's samples are the same.
+
 ``resume_at=K`` checks exact resume too: the candidate saves every K steps and is killed
 (SIGKILL, as a crash would; ``FSDP_PRESETS_FAULT``) during its next save after step K, so that its
 last committed checkpoint is step K; a second launch resumes from that checkpoint and trains to
@@ -100,6 +105,8 @@ class ConvergeRequest:
     """Extra recipe arguments for the baseline only."""
     timeout: float = DEFAULT_TIMEOUT_S
     """Seconds allowed per launch."""
+    distributed_config: str | None = None
+    """The candidate's TP/EP mesh (``--distributed-config``); default: the one beside ``config``, if any."""
 
 
 def load_config(path: str | os.PathLike) -> dict:
@@ -120,11 +127,12 @@ def load_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def ddp_baseline_config(candidate: dict, source: str) -> tuple[dict, str]:
-    """The DDP config that matches a candidate config: same processes, machines and precision.
+def ddp_baseline_config(candidate: dict, source: str, *, tp_size: int = 1) -> tuple[dict, str]:
+    """The DDP config that matches a candidate config: same processes (``tp_size`` > 1, a mesh
+    transformers shards: one per TP group), machines and precision.
 
     Returns (config, header). Raises UsageError when no DDP run can have the candidate's global
-    batch (tensor or context parallelism shrink the data-parallel size).
+    batch (accelerate's tensor or context parallelism shrink the data-parallel size).
     """
     from fsdp_presets.preset.emit import ddp_baseline_of
 
@@ -145,11 +153,34 @@ def ddp_baseline_config(candidate: dict, source: str) -> tuple[dict, str]:
             "folders with `fsdp-presets compare`"
         )
     # The machine and precision keys stay; every FSDP- or mesh-specific section goes.
+    processes = "same processes" if tp_size == 1 else f"one process per TP group of {tp_size}"
     header = (
-        f"# DDP baseline of {source}, written by `fsdp-presets converge`: same processes,\n"
+        f"# DDP baseline of {source}, written by `fsdp-presets converge`: {processes},\n"
         "# machines and mixed precision, no FSDP. Launch: accelerate launch --config_file THIS_FILE RECIPE ...\n"
     )
-    return ddp_baseline_of(candidate), header
+    baseline = ddp_baseline_of(candidate)
+    if tp_size > 1:
+        baseline[T.num_processes] = int(candidate.get(T.num_processes, 1) or 1) // tp_size
+    return baseline, header
+
+
+def candidate_mesh(request: ConvergeRequest) -> tuple[str | None, int]:
+    """The candidate's ``--distributed-config`` file (given, or the one ``generate`` wrote beside its
+    config) and its TP size; ``(None, 1)`` for FSDP alone."""
+    from fsdp_presets.preset.emit_distributed import distributed_config_path
+
+    path = request.distributed_config
+    if path is None and Path(distributed_config_path(request.config)).is_file():
+        path = distributed_config_path(request.config)
+    if path is None:
+        return None, 1
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        tp_size = int(document.get("tp_size") or 1)
+    except (OSError, ValueError, TypeError, AttributeError) as error:
+        raise UsageError(f"{flags.DISTRIBUTED_CONFIG.name} {path}: not a DistributedConfig file ({error}); give the "
+                         "NAME.distributed.json `fsdp-presets generate --tp N` or `--ep N` wrote") from None
+    return path, tp_size
 
 
 def write_config(config: dict, header: str, path: Path) -> Path:
@@ -238,6 +269,10 @@ def converge(request: ConvergeRequest, *, runner: Runner = run_logged,
     if taken:
         raise UsageError(f"{' and '.join(taken)} already exist; choose a new --output-dir (or remove them) "
                          "so that no earlier run is mixed into this check (nothing was run)")
+    mesh_file, tp_size = candidate_mesh(request)
+    candidate_args = list(request.candidate_args) + ([flags.DISTRIBUTED_CONFIG.name, mesh_file] if mesh_file else [])
+    if mesh_file:
+        say(f"[candidate] the model sharded over the mesh of {mesh_file}")
     launch = _Launcher(recipe=request.training.recipe, timeout=request.timeout, runner=runner, say=say)
 
     # ---- baseline -----------------------------------------------------------------------------
@@ -249,7 +284,8 @@ def converge(request: ConvergeRequest, *, runner: Runner = run_logged,
             baseline_config = Path(request.baseline)
             load_config(baseline_config)
         else:
-            config, header = ddp_baseline_config(load_config(candidate_config), str(candidate_config))
+            config, header = ddp_baseline_config(load_config(candidate_config), str(candidate_config),
+                                                 tp_size=tp_size)
             baseline_config = write_config(config, header, output / "baseline-ddp.yaml")
         baseline_dir = output / "baseline"
         launch(baseline_config, recipe_arguments(request.training, baseline_dir, request.baseline_args),
@@ -258,10 +294,10 @@ def converge(request: ConvergeRequest, *, runner: Runner = run_logged,
     # ---- candidate ----------------------------------------------------------------------------
     candidate_dir = output / "candidate"
     if request.resume_at is None:
-        launch(candidate_config, recipe_arguments(request.training, candidate_dir, request.candidate_args),
+        launch(candidate_config, recipe_arguments(request.training, candidate_dir, candidate_args),
                output / "candidate.log", "candidate")
     else:
-        _interrupted_and_resumed(request, launch, candidate_config, candidate_dir, output)
+        _interrupted_and_resumed(request, launch, candidate_config, candidate_dir, output, candidate_args)
 
     # ---- compare ------------------------------------------------------------------------------
     comparison = compare_runs(load_run(baseline_dir), load_run(candidate_dir), tolerance)
@@ -280,7 +316,7 @@ def result_lines(comparison: Comparison, output_dir: str | os.PathLike) -> list[
 
 
 def _interrupted_and_resumed(request: ConvergeRequest, launch: _Launcher, config: Path, run_dir: Path,
-                             output: Path) -> None:
+                             output: Path, candidate_args: list[str]) -> None:
     """Train the candidate to step K's checkpoint, kill it in its next save, resume from step K."""
     from fsdp_presets.checkpoint.layout import CHECKPOINTS, step_folder
     from fsdp_presets.checkpoint.verify import verify_checkpoint
@@ -291,7 +327,7 @@ def _interrupted_and_resumed(request: ConvergeRequest, launch: _Launcher, config
     # save at --max-steps), after every rank wrote its shards and before the manifest: the worst
     # moment, and it leaves step K as the last committed checkpoint.
     kill_step = min(2 * resume_at, request.training.max_steps)
-    recipe_args = (recipe_arguments(request.training, run_dir, request.candidate_args)
+    recipe_args = (recipe_arguments(request.training, run_dir, candidate_args)
                    + [flags.SAVE_EVERY.name, str(resume_at)])
     launch(config, recipe_args, output / "candidate-part1.log", f"candidate, killed during the save of step {kill_step}",
            extra_env={FAULT_ENV: f"kill-during-save:step={kill_step}"}, expect_kill=True)

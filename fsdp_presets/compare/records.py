@@ -74,6 +74,12 @@ class RunRecord:
             if isinstance(mesh, dict):
                 parts.append(f"HSDP {mesh.get('dp_replicate_size')} x {mesh.get('dp_shard_size')} "
                              "(replicate x shard)")
+            model_mesh = info.model_mesh
+            if isinstance(model_mesh, dict):  # --distributed-config: sharded by transformers
+                sizes = [f"{name} {model_mesh.get(f'{key}_size')}" for key, name in
+                         (("dp_replicate", "HSDP"), ("fsdp", "FSDP"), ("tp", "TP"), ("ep", "EP"))
+                         if (model_mesh.get(f"{key}_size") or 1) > 1 or key == "fsdp"]
+                parts.append(f"mesh {' x '.join(sizes)} (transformers' DistributedConfig)")
             layout = ", ".join(parts)
         steps = self.train_steps
         return {

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from fsdp_presets.fileio import GiB, format_bytes, format_count
+from fsdp_presets.flags import DISTRIBUTED_CONFIG
 from fsdp_presets.preset.emit_commands import SHELL_VARIABLES, LaunchHints, generate_words, launch_words, number_text
 from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
 from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
@@ -89,8 +90,15 @@ def _emitted_value(key: ConfigKey, preset: Preset):
 
 
 def ddp_config(preset: Preset) -> dict:
-    """The matching DDP baseline: same processes, machines and mixed precision, no sharding."""
-    return _machine_keys(preset, "MULTI_GPU")
+    """The matching DDP baseline: same processes, machines and mixed precision, no sharding; a TP/EP
+    preset's: one process per data-parallel rank (a TP group's micro-batches on one process)."""
+    return machine_keys(distributed_type="MULTI_GPU", num_processes=baseline_processes(preset),
+                        num_machines=preset.parallelism.num_machines, mixed_precision=preset.precision.mixed_precision)
+
+
+def baseline_processes(preset: Preset) -> int:
+    """Processes of the DDP baseline: the preset's data-parallel ranks, which see the same samples."""
+    return preset.parallelism.num_processes // preset.parallelism.tp_size
 
 
 def ddp_baseline_of(config: dict) -> dict:
@@ -305,7 +313,8 @@ def metadata_document(preset: Preset, *, kind: str, output: str, baseline_output
         "request": preset.request.to_json(),
         "launch": launch.to_json(),
         "outputs": {"config": output, "baseline": baseline_output},
-        "summary": preset.summary(),
+        "summary": {**preset.summary(), **({"processes": baseline_processes(preset)}
+                                           if kind == "ddp-baseline" and preset.parallelism.is_nd else {})},
         "predicted": None if time is None else {"gpu": DEFAULT_GPU, "step_time_s": round(time.step_s, 6),
                                                 "tokens_per_s_per_gpu": round(time.tokens_per_s_per_gpu, 1),
                                                 "mfu": round(time.mfu, 4)},
@@ -323,7 +332,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
         "# Generated; regenerate rather than edit (the same command rewrites this file):",
         *_shell_lines(command),
         "#",
-        *(_mesh_launch_lines(preset, output) if preset.parallelism.is_nd else [
+        *(_mesh_launch_lines(preset, output, launch) if preset.parallelism.is_nd else [
             "# Launch" + (" (on every node; NODE_RANK 0..N-1, MAIN_PROCESS_IP the address of node 0;"
                           " `--launcher slurm|torchrun|accelerate` writes this as a script)"
                           if preset.parallelism.num_machines > 1 else "") + ":",
@@ -357,12 +366,6 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
     return _assemble(lines, accelerate_config(preset))
 
 
-def mesh_launch_words(preset: Preset, output: str) -> list[str]:
-    """How a TP/EP preset is launched: a training script of the user's (``YOUR_TRAINING_SCRIPT.py``) that loads the
-    model with the preset's ``DistributedConfig``, under this accelerate config."""
-    return ["accelerate", "launch", "--config_file", output, "YOUR_TRAINING_SCRIPT.py"]
-
-
 def mesh_about(preset: Preset, output: str) -> list[str]:
     """What a TP/EP preset is and how it is used, in sentences (the YAML's header and the JSON's
     ``about``)."""
@@ -379,18 +382,17 @@ def mesh_about(preset: Preset, output: str) -> list[str]:
         f"{parallelism.label}: the model is sharded by transformers' DistributedConfig, whose arguments are "
         f"{json_path} ({', '.join(f'{key}={value}' for key, value in parallelism.distributed_config().items())}); "
         f"{pair}.",
-        f"Load the model with it in a Trainer script (transformers' Trainer takes a model so sharded without "
-        f"wrapping it again; the recipes in recipes/ do not load a DistributedConfig yet): config = "
-        f"DistributedConfig.from_dict(json.load(open('{json_path}'))); model = "
+        f"The recipes load the model with it ({DISTRIBUTED_CONFIG.name} {json_path}, as launched above); a Trainer "
+        f"script loads it as transformers does (the Trainer takes a model so sharded without wrapping it again): "
+        f"config = DistributedConfig.from_dict(json.load(open('{json_path}'))); model = "
         f"AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config).",
         "Hold the run to its DDP baseline (fsdp-presets converge): tensor parallelism has counted the loss "
         "tp_size times without an error (transformers issues 45994, 39674).",
     ]
 
 
-def _mesh_launch_lines(preset: Preset, output: str) -> list[str]:
-    lines = ["# Launch (YOUR_TRAINING_SCRIPT.py: a Trainer script; see below):",
-             *_shell_lines(mesh_launch_words(preset, output)), "#", "# Mesh:"]
+def _mesh_launch_lines(preset: Preset, output: str, launch: LaunchHints) -> list[str]:
+    lines = ["# Launch:", *_shell_lines(launch_words(preset, config_file=output, launch=launch)), "#", "# Mesh:"]
     for sentence in mesh_about(preset, output):
         lines += _wrapped(sentence)
     return lines
@@ -427,9 +429,10 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
                 "it does (fewer layers, a smaller sibling model, or --device cpu)")
     nodes = preset.parallelism.num_machines
     lines = [
-        *_wrapped(f"DDP baseline of {output}: {preset.parallelism.num_processes} processes on {nodes} "
-                  f"node{'s' if nodes > 1 else ''}, mixed precision {preset.precision.mixed_precision}, the same "
-                  "global batch. Every process holds a full replica and all-reduces full gradients (no "
+        *_wrapped(f"DDP baseline of {output}: {baseline_processes(preset)} processes on {nodes} "
+                  f"node{'s' if nodes > 1 else ''}"
+                  f"{' (one per TP group: the same micro-batches)' if preset.parallelism.tp_size > 1 else ''}, "
+                  f"mixed precision {preset.precision.mixed_precision}, the same global batch. Every process holds a full replica and all-reduces full gradients (no "
                   "sharding): the reference that FSDP must match step by step (scripts/convergence_check.py, "
                   "fsdp-presets compare).", first="# ", rest="# "),
         "#",
@@ -488,6 +491,6 @@ def header_model_path(config, source: str) -> str:
 
 __all__ = [
     "METADATA_PREFIX", "accelerate_config", "accelerate_runs_tp", "config_yaml", "ddp_baseline_of", "ddp_config",
-    "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "mesh_launch_words", "metadata_document",
+    "baseline_processes", "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "metadata_document",
     "read_metadata", "render_ddp_baseline", "render_preset", "written_config"
 ]

@@ -88,7 +88,10 @@ def default_baseline_path(output: str) -> str:
 def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, baseline: bool = False) -> list[str]:
     """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch M ...``;
     with ``--async-save`` where the preset turned it on (never for the DDP ``baseline``, which the
-    recipe saves synchronously)."""
+    recipe saves synchronously); a TP/EP preset's recipe with ``--distributed-config``, the file
+    beside ``config_file`` (its DDP baseline: one process per TP group, the same micro-batches)."""
+    from fsdp_presets.preset.emit_distributed import distributed_config_path
+
     model = launch.model or "MODEL_DIR"
     script = RECIPE if preset.profile.architecture.endswith("ForCausalLM") else "YOUR_TRAINING_SCRIPT.py"
     run_name = PurePosixPath(config_file).name.removesuffix(".yaml").replace(".", "_")
@@ -97,8 +100,11 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, basel
         # The same variable names as the scripts `generate --launcher` writes (launchers.py).
         words += ["--machine_rank", _NODE_RANK, "--main_process_ip", _MAIN_PROCESS_IP,
                   "--main_process_port", _MAIN_PROCESS_PORT]
+    words.append(script)
+    if preset.parallelism.is_nd and not baseline:
+        words += [flags.DISTRIBUTED_CONFIG.name, distributed_config_path(config_file)]
     return words + [
-        script, flags.MODEL.name, model, flags.DATA.name, launch.data or "DATA.jsonl",
+        flags.MODEL.name, model, flags.DATA.name, launch.data or "DATA.jsonl",
         flags.OUTPUT_DIR.name, f"runs/{run_name}", flags.SEQ_LEN.name, str(preset.batch.seq_len),
         flags.MICRO_BATCH.name, str(preset.batch.micro_batch), flags.GRAD_ACCUM.name, str(preset.batch.accumulation),
     ] + ([flags.REDUCE_EVERY_MICRO_BATCH.name] if preset.batch.reduce_every_micro_batch else []) \

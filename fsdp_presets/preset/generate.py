@@ -299,7 +299,8 @@ def generated_lines(preset, *, output: str, baseline_output: str | None, launch_
     cache = f" ({describe_cache()})" if preset.memory_figures.startswith("composed") else ""
     lines.append(f"memory figures: {preset.memory_figures}{cache}")  # the header leaves the local folder out
     if baseline_output:
-        lines.append(f"wrote {baseline_output}: DDP baseline (same processes, precision and batch)")
+        processes = ("one process per TP group" if preset.parallelism.tp_size > 1 else "same processes")
+        lines.append(f"wrote {baseline_output}: DDP baseline ({processes}, precision and batch)")
     lines += [f"note: {note}" for note in preset.notes]
     lines.append("launch: " + command_text(launch_command))
     return lines

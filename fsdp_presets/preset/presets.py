@@ -225,12 +225,20 @@ def _mesh_candidates(profile: ModelProfile, request: PresetRequest, candidates: 
         name: mesh.problems(parallel, gpus=request.gpus, gpus_per_node=request.gpus_per_node,
                             hybrid=name == "HYBRID_SHARD", nodes=request.nodes)
         for name in candidates}
-    usable = [name for name in candidates if not problems[name]]
+    # transformers' FSDP plan shards fully (per copy under HSDP): SHARD_GRAD_OP has no mesh row
+    usable = [name for name in candidates if not problems[name] and name in MESH_STRATEGIES]
+    if not usable and not any(problems.values()) and candidates:
+        raise UsageError(f"--strategy {request.strategy} with --tp/--ep: transformers' DistributedConfig shards "
+                         "fully (FULL_SHARD, HYBRID_SHARD across nodes); leave --strategy auto or give full")
     if not usable:
         found = sorted({problem for listed in problems.values() for problem in listed})
         raise UsageError(f"--tp {mesh.tp} --ep {mesh.ep}: {'; '.join(found)} (`fsdp-presets inspect MODEL` lists the "
                          "sizes the model allows)")
     return usable
+
+
+MESH_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
+"""The strategies a TP/EP mesh is planned with (transformers' FSDP plan: each copy fully sharded)."""
 
 
 def _strategy_candidates(request: PresetRequest) -> list[str]:

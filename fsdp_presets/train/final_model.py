@@ -10,6 +10,7 @@ renamed into place, so ``final/`` is either the old export or the complete new o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from pathlib import Path
@@ -87,5 +88,25 @@ def _write(accelerator, model, state_dict, staging: Path, max_shard_size: str) -
     state_dict = {name: tensor.detach().contiguous() for name, tensor in state_dict.items()}
     for name in tied_duplicates(unwrapped):
         state_dict.pop(name, None)
-    unwrapped.save_pretrained(staging, state_dict=state_dict, safe_serialization=True,
-                              max_shard_size=max_shard_size)
+    with _written_by_one_process(unwrapped):
+        unwrapped.save_pretrained(staging, state_dict=state_dict, safe_serialization=True,
+                                  max_shard_size=max_shard_size)
+
+
+@contextlib.contextmanager
+def _written_by_one_process(model):
+    """``save_pretrained`` of a model transformers sharded at load time (``config.distributed_config``,
+    ``--distributed-config``) gathers the weights and waits at a barrier itself, as if every rank
+    called it: called by the main process alone with weights already gathered
+    (``accelerator.get_state_dict``), it would wait for the others forever. Its config leaves the
+    mesh out for the write (config.json never holds it)."""
+    config = model.config
+    mesh = getattr(config, "distributed_config", None)
+    if mesh is None:
+        yield
+        return
+    config.distributed_config = None
+    try:
+        yield
+    finally:
+        config.distributed_config = mesh

@@ -68,6 +68,7 @@ def recipe_argument_parser(description: str) -> argparse.ArgumentParser:
     add("--preempt-signals", default=signals.DEFAULT_SIGNALS,
         help="signals that save the step reached and stop the run (exit 75; docs/runbook.md), comma-separated, "
         "or none")
+    flags.add(parser, flags.DISTRIBUTED_CONFIG)
     add("--fsdp-reduce-dtype", choices=("fp32", "bf16"),
         help="dtype FSDP reduces gradients in (default: accelerate's, which follows "
         "mixed_precision; no accelerate config key sets it)")

@@ -11,6 +11,8 @@
   before ``prepare`` (else every flat parameter gets a full-size gradient and all adapters land on
   one rank) and needs ``use_orig_params: true`` (else "Must flatten tensors with uniform
   requires_grad").
+- **A mesh** (``--distributed-config``): transformers shards the model at load time
+  (:mod:`fsdp_presets.train.model_mesh`); ``prepare`` registers it without wrapping it again.
 - **Optimizer order** (:func:`prepare`). FSDP1 with LoRA: the model is prepared first and the
   optimizer is built over its wrapped parameters (built before, the LoRA weights silently never
   update). Otherwise model and optimizer are prepared together (accelerate swaps the optimizer's
@@ -22,14 +24,17 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
+from fsdp_presets.flags import DISTRIBUTED_CONFIG
 from fsdp_presets.schema import K
 from fsdp_presets.train import lora as peft_lora
+from fsdp_presets.train.model_mesh import is_sharded_by_transformers, prepare_sharded
 
 
 def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, mixed_precision: str = "no",
-               **kwargs):
+               mesh=None, **kwargs):
     """The model to train: ``model_class.from_pretrained(path)`` wrapped by peft when ``lora`` (its
-    4-bit base for QLoRA). Records the chosen target modules in ``lora``.
+    4-bit base for QLoRA), sharded over ``mesh`` (a :class:`fsdp_presets.train.model_mesh.ModelMesh`)
+    when given. Records the chosen target modules in ``lora``.
 
     Trained weights are fp32. Under LoRA with ``mixed_precision: bf16`` the frozen base is loaded
     in bf16: it is only ever computed with in bf16, accelerate's FSDP2 preparation upcasts only
@@ -38,6 +43,12 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
     import torch
 
     quantized = lora is not None and lora["method"] == "qlora"
+    if mesh is not None:
+        if lora is not None:
+            raise UsageError(f"--method {lora['method']} with {DISTRIBUTED_CONFIG.name}: transformers' TP/EP plans shard "
+                             "the base layers peft would wrap; train LoRA/QLoRA with FSDP alone (a preset without "
+                             "--tp/--ep)")
+        kwargs["distributed_config"] = mesh.config
     if quantized:
         kwargs["quantization_config"] = peft_lora.quantization_config()
     base_dtype = torch.bfloat16 if lora is not None and mixed_precision == "bf16" else torch.float32
@@ -55,6 +66,8 @@ def check_wrap_classes(plugin, model) -> None:
     """The block classes the accelerate config wraps must be in the model (accelerate raises
     "Could not find the transformer layer class" deep in ``prepare`` otherwise): refused on every
     rank naming both, before anything is wrapped."""
+    if is_sharded_by_transformers(model):  # --distributed-config: FSDP2 applied already, by the model's own plan
+        return
     wanted = getattr(plugin, "transformer_cls_names_to_wrap", None) if plugin is not None else None
     policy = str(getattr(plugin, "auto_wrap_policy", "") or "").lower()
     if not wanted or "size" in policy or "no_wrap" in policy:  # the classes are used by transformer wrapping only
@@ -74,6 +87,10 @@ def prepare(accelerator, model, build_optimizer: Callable[[Any], tuple[Any, Any]
     ``(model, optimizer, scheduler)``. ``build_optimizer(model)`` returns (optimizer, scheduler).
     Without ``lora`` (full fine-tuning): built first, prepared together, as always."""
     plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type.value == "FSDP" else None
+    if is_sharded_by_transformers(model):  # --distributed-config: sharded at load time, registered as it is
+        prepare_sharded(accelerator, model)
+        optimizer, scheduler = build_optimizer(model)
+        return accelerator.prepare(model, optimizer, scheduler)
     check_wrap_classes(plugin, model)
     if lora is not None and lora["method"] == "qlora" and plugin is not None and plugin.fsdp_version == 1:
         raise UsageError(f"--method qlora needs FSDP2 ({K.version}: 2 in the accelerate config): FSDP1 flattens each "

@@ -49,6 +49,7 @@ from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_adapter import export_adapter
 from fsdp_presets.train.final_model import export_model
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
+from fsdp_presets.train.model_mesh import ModelMesh, check_mesh_launch, load_model_mesh
 from fsdp_presets.train.plots import plot_run
 
 @dataclass(kw_only=True)
@@ -72,6 +73,8 @@ class RecipeRun:
     """The model folder's tokenizer."""
     distributed: dict[str, Any]
     """How the processes share the work (run.json and manifests record it)."""
+    mesh: ModelMesh | None = None
+    """The mesh transformers shards the model over (``--distributed-config``), None for FSDP or DDP alone."""
     say: Callable[[str], None]
     """``print`` on the main process."""
     step: int = 0
@@ -93,8 +96,19 @@ class RecipeRun:
         return self.accelerator.process_index
 
     @property
+    def data_rank(self) -> int:
+        """This rank's share of the data: its rank, or under a TP mesh its TP group's index."""
+        return self.mesh.data_rank if self.mesh is not None else self.rank
+
+    @property
     def data_parallel_size(self) -> int:
         return self.distributed["data_parallel_size"]
+
+    def reduce(self, tensor):
+        """The sum of ``tensor`` over the ranks, each sample counted once (the ranks of a TP group
+        computed it from the same samples; :meth:`ModelMesh.data_share`). Collective."""
+        shared = self.mesh.data_share(tensor) if self.mesh is not None else tensor
+        return self.accelerator.reduce(shared, reduction="sum")
 
     @property
     def global_batch(self) -> int:
@@ -175,7 +189,7 @@ class RecipeRun:
         """This rank's micro-batches (dataset indices) of the next optimizer step."""
         args = self.args
         return loop.rank_micro_batches(stream, samples_consumed=self.samples, micro_batch_size=args.micro_batch,
-                                       accumulation_steps=args.grad_accum, rank=self.rank,
+                                       accumulation_steps=args.grad_accum, rank=self.data_rank,
                                        data_parallel_size=self.data_parallel_size)
 
     def gradient_sync(self, *, last_micro_batch: bool):
@@ -318,7 +332,14 @@ def start(args, *, recipe: str) -> RecipeRun:
     if args.fsdp_reduce_dtype:
         loop.set_fsdp_reduce_dtype(accelerator, args.fsdp_reduce_dtype)
     say = loop.main_process_print(accelerator)
-    distributed = distributed_settings(accelerator)
+    # --distributed-config: transformers shards the model over the file's mesh (checked against the launch)
+    mesh = None
+    if args.distributed_config:
+        mesh = load_model_mesh(args.distributed_config, rank=accelerator.process_index,
+                               world_size=accelerator.num_processes)
+        check_mesh_launch(accelerator, mesh)
+        say(f"mesh: {mesh.label()} ({args.distributed_config}): transformers shards the model at load time")
+    distributed = distributed_settings(accelerator, model_mesh=mesh.settings() if mesh is not None else None)
 
     startup.check_start(accelerator, args)  # every rank, then: do all ranks agree? (exit 2 if not)
     data_files = [args.data] + ([args.eval_data] if args.eval_data else [])
@@ -338,4 +359,4 @@ def start(args, *, recipe: str) -> RecipeRun:
     set_seed(args.seed)
     return RecipeRun(accelerator=accelerator, args=args, folder=folder,
                      record=RunInfo(identity=identity, settings=settings),
-                     lora=method, config=config, tokenizer=tokenizer, distributed=distributed, say=say)
+                     lora=method, config=config, tokenizer=tokenizer, distributed=distributed, mesh=mesh, say=say)

@@ -57,6 +57,7 @@ from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_conf
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
+from fsdp_presets.train.model_mesh import mesh_of, mesh_settings
 from fsdp_presets.train.trainer_saves import TrainerSaves
 
 
@@ -150,7 +151,8 @@ class FSDPPresetsCallback(TrainerCallback):
         return args.per_device_train_batch_size * args.gradient_accumulation_steps * self._data_parallel_size()
 
     def _data_parallel_size(self) -> int:
-        return distributed_settings(self._accelerator)["data_parallel_size"]
+        return distributed_settings(self._accelerator, model_mesh=mesh_settings(self.trainer.model))[
+            "data_parallel_size"]
 
     # ---- train: resume check, run.json, metrics log ----
     def _train(self, original, resume_from_checkpoint=None, *args, **kwargs):
@@ -262,14 +264,15 @@ class FSDPPresetsCallback(TrainerCallback):
             import torch
 
             # The step's loss as Trainer sums it over micro-batches, averaged over the ranks as its log
-            # does, but for this one step and unrounded; tokens summed over the ranks.
+            # does, but for this one step and unrounded; tokens summed over the ranks (a TP group's once).
             local = torch.stack([torch.as_tensor(self._step_loss, dtype=torch.float64).detach().cpu().reshape(()),
                                  torch.tensor(self._step_tokens, dtype=torch.float64)]).to(self._accelerator.device)
-            total = self._accelerator.reduce(local, reduction="sum").cpu()
+            mesh = mesh_of(trainer.model, self._accelerator.process_index)
+            total = self._accelerator.reduce(mesh.data_share(local) if mesh else local, reduction="sum").cpu()
             step_time = time.perf_counter() - self._step_started
             learning_rate = kwargs.get("learning_rate")
             self.metrics.log_train(
-                step=step, loss=float(total[0]) / self._accelerator.num_processes,
+                step=step, loss=float(total[0]) / self._data_parallel_size(),
                 lr=float(learning_rate if learning_rate is not None else trainer._get_learning_rate()),
                 grad_norm=_number(grad_norm), tokens_per_s=float(total[1]) / step_time, step_time_s=step_time,
                 samples_seen=step * self._global_batch(), memory=device_memory_peaks(self._accelerator.device))

@@ -49,6 +49,7 @@ from fsdp_presets.checkpoint.run_folder import (RunInfo, distributed_settings, l
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, write_text_atomic
 from fsdp_presets.train import lora
+from fsdp_presets.train.model_mesh import mesh_settings
 
 
 class TrainerSaves:
@@ -72,18 +73,19 @@ class TrainerSaves:
         accelerator, args = trainer.accelerator, trainer.args
         model = accelerator.unwrap_model(trainer.model)
         self.metrics, self.global_batch = metrics, global_batch
+        distributed = distributed_settings(accelerator, model_mesh=mesh_settings(model))  # a TP/EP mesh too
         if accelerator.is_main_process:
             identity = run_identity(recipe=type(trainer).__name__, seed=args.seed,
                                     model=str(getattr(trainer.model.config, "_name_or_path", "") or ""))
             RunInfo(identity=identity, settings=training_settings(args), training=lora.settings_of(trainer.model),
                     max_steps=args.max_steps, micro_batch_size=args.per_device_train_batch_size,
                     gradient_accumulation_steps=args.gradient_accumulation_steps, global_batch_samples=global_batch,
-                    distributed=distributed_settings(accelerator), accelerate_config=launch_config_file(),
+                    distributed=distributed, accelerate_config=launch_config_file(),
                     resumed_from=str(resumed_from) if resumed_from else None,
                     ).write(RunFolder(root=Path(args.output_dir)))
         self.checkpoints = CheckpointManager(
             accelerator=accelerator, directory=Path(trainer.args.output_dir), keep_last=1,
-            config_digest=config_digest(model.config), distributed=distributed_settings(accelerator), log=self.say,
+            config_digest=config_digest(model.config), distributed=distributed, log=self.say,
             training=lora.settings_of(model), naming=TRAINER_NAMING, rotate=self._rotate)
         if self.async_save:
             from fsdp_presets.checkpoint.async_save import CheckpointSaver

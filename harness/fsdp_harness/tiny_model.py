@@ -14,8 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-Kind = Literal["llama", "llama-tied", "bert", "qwen2"]
-KINDS = ("llama", "llama-tied", "bert", "qwen2")
+Kind = Literal["llama", "llama-tied", "bert", "qwen2", "mixtral"]
+KINDS = ("llama", "llama-tied", "bert", "qwen2", "mixtral")
 
 _LLAMA_SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 _BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -38,12 +38,13 @@ def write_tiny_model(folder: str | os.PathLike, *, kind: Kind = "llama", text: s
                      vocab_size: int = 512, max_positions: int = 128, num_labels: int = 2,
                      seed: int = 0) -> Path:
     """Write a tiny model of ``kind`` with a tokenizer whose vocabulary is the most frequent words
-    of ``text``. Llama (and Qwen2, untied, with attention biases): hidden 64, 2 layers, 4 heads (2 key/value); BERT: hidden 64, 2 layers,
-    for sequence classification with ``num_labels`` labels."""
+    of ``text``. Llama (and Qwen2, untied, with attention biases): hidden 64, 2 layers, 4 heads (2 key/value); Mixtral
+    the same with 4 experts of which 2 per token (a mixture of experts for expert parallelism); BERT: hidden 64, 2
+    layers, for sequence classification with ``num_labels`` labels."""
     import torch
     from tokenizers import processors
-    from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
-                              PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                              MixtralForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r} is not one of {KINDS}")
@@ -64,12 +65,14 @@ def write_tiny_model(folder: str | os.PathLike, *, kind: Kind = "llama", text: s
         backend = _tokenizer(text, vocab_size, _LLAMA_SPECIALS, "<unk>")
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
                                             eos_token="</s>", unk_token="<unk>")
-        config_class, model_class = (Qwen2Config, Qwen2ForCausalLM) if kind == "qwen2" else (LlamaConfig,
-                                                                                              LlamaForCausalLM)
+        config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                     "mixtral": (MixtralConfig, MixtralForCausalLM)}.get(kind, (LlamaConfig,
+                                                                                                LlamaForCausalLM))
+        experts = {"num_local_experts": 4, "num_experts_per_tok": 2} if kind == "mixtral" else {}
         config = config_class(vocab_size=len(backend.get_vocab()), hidden_size=64, intermediate_size=128,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                               max_position_embeddings=max_positions, pad_token_id=0, bos_token_id=1,
-                              eos_token_id=2, tie_word_embeddings=kind == "llama-tied")
+                              eos_token_id=2, tie_word_embeddings=kind == "llama-tied", **experts)
         model = model_class(config)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)

@@ -1,0 +1,159 @@
+"""A run whose model transformers shards at load time over a mesh of more than one dimension
+(FSDP2 x TP, FSDP2 x EP): ``--distributed-config NAME.distributed.json``, the file
+``fsdp-presets generate --tp N`` / ``--ep N`` writes beside its accelerate config::
+
+    accelerate launch --config_file NAME.yaml recipes/causal_lm.py --distributed-config NAME.distributed.json ...
+
+- **The launch**: the accelerate config is FSDP2 (the one ``generate`` wrote) and its processes are
+  the mesh's ranks (``dp_replicate_size x fsdp_size x tp_size``); anything else is refused at start.
+- **The model**: ``from_pretrained(..., distributed_config=...)`` shards it by the model's own TP or
+  EP plan, then FSDP2 by its FSDP plan (transformers' ``maybe_distribute_model``).
+  ``accelerator.prepare`` then registers it without wrapping it again (:func:`prepare_sharded`), so
+  saves, loads (DCP of 2-D DTensors, resharded on load to another mesh) and the export take
+  accelerate's FSDP2 paths like any other run.
+- **The data**: the ranks of one TP group compute on the same micro-batches. transformers lays the
+  ranks out as ``(dp_replicate, fsdp, tp)`` with TP innermost, so a rank's data-parallel index is
+  ``rank // tp_size``; sums over the run (loss, token counts, evaluation) count each sample once
+  (:meth:`ModelMesh.data_share`). EP ranks each have their own data (the experts' all-to-all
+  exchanges tokens between them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_presets.errors import UsageError
+from fsdp_presets.flags import DISTRIBUTED_CONFIG
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelMesh:
+    """The mesh one process trains on, from a ``.distributed.json`` file."""
+
+    config: Any
+    """transformers' ``DistributedConfig``, as its own loader read the file."""
+    path: str | None
+    """The file (None: the model's own ``config.distributed_config``, a Trainer script's)."""
+    rank: int
+    """This process's rank."""
+
+    @property
+    def tp_size(self) -> int:
+        return int(self.config.tp_size)
+
+    @property
+    def ep_size(self) -> int:
+        return int(self.config.ep_size)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each see their own samples (``dp_replicate_size x fsdp_size``)."""
+        return int(self.config.dp_size)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel index (TP ranks of one group share it)."""
+        return self.rank // self.tp_size
+
+    @property
+    def counts_data(self) -> bool:
+        """Whether this rank's samples count in a sum over the run: the first rank of each TP group."""
+        return self.rank % self.tp_size == 0
+
+    def settings(self) -> dict[str, Any]:
+        """What run.json and the checkpoint manifests record of the mesh."""
+        config = self.config
+        return {"file": self.path, "dp_replicate_size": int(config.dp_replicate_size),
+                "fsdp_size": int(config.fsdp_size), "tp_size": self.tp_size, "ep_size": self.ep_size}
+
+    def label(self) -> str:
+        """``FSDP 2 x TP 2``, as ``plan`` and ``generate`` name it."""
+        from fsdp_presets.rehearse.mesh import Mesh
+
+        replicas = int(self.config.dp_replicate_size)
+        return Mesh(tp=self.tp_size, ep=self.ep_size).label(gpus=replicas * int(self.config.fsdp_size) * self.tp_size,
+                                                            nodes=replicas, hybrid=replicas > 1)
+
+    def data_share(self, tensor):
+        """``tensor`` where this rank's samples count in a sum over the run, zeros on the other
+        ranks of its TP group (which computed the same numbers from the same samples): an
+        ``accelerator.reduce(..., "sum")`` of the result counts each sample once."""
+        return tensor if self.counts_data else tensor * 0
+
+
+def load_model_mesh(path: str, *, rank: int, world_size: int) -> ModelMesh:
+    """The mesh of ``path`` (through transformers' own loader) for process ``rank`` of ``world_size``:
+    as many processes as the mesh has ranks, data-parallel ranks, no pipeline stages.
+    :class:`UsageError` otherwise."""
+    from fsdp_presets.preset.emit_distributed import load_distributed_config
+
+    try:
+        config = load_distributed_config(path)
+    except FileNotFoundError:
+        raise UsageError(f"{DISTRIBUTED_CONFIG.name} {path}: no such file; give the NAME.distributed.json "
+                         "`fsdp-presets generate --tp N` or `--ep N` wrote") from None
+    except (OSError, ValueError, TypeError) as error:
+        raise UsageError(f"{DISTRIBUTED_CONFIG.name} {path} is not a DistributedConfig transformers takes ({error}); "
+                         "regenerate it with `fsdp-presets generate MODEL --tp N` or `--ep N`") from None
+    if int(config.pp_size) != 1:
+        raise UsageError(f"{path}: pp_size {config.pp_size}: the recipes do not run pipeline stages; set it to 1")
+    ranks = int(config.dp_replicate_size) * int(config.fsdp_size) * int(config.tp_size)
+    if ranks != world_size:
+        raise UsageError(f"{path} lays out {ranks} ranks (dp_replicate_size {config.dp_replicate_size} x fsdp_size "
+                         f"{config.fsdp_size} x tp_size {config.tp_size}), launched {world_size} processes: launch "
+                         f"{ranks}, or regenerate it for {world_size} (fsdp-presets generate MODEL --gpus N --tp T)")
+    if int(config.dp_size) == 1:
+        # NOTE: transformers applies FSDP2 only when the mesh has data-parallel ranks; a model it leaves
+        # unsharded would be wrapped by accelerate's FSDP2 over the TP ranks (fully_shard of TP DTensors
+        # on the whole world fails: "Invariant encountered").
+        raise UsageError(f"{path}: fsdp_size 1 x tp_size {config.tp_size} has no data-parallel ranks, and the recipes "
+                         f"train FSDP2 meshes: use at least 2 FSDP ranks (fsdp-presets generate MODEL --gpus "
+                         f"{2 * world_size} --tp {config.tp_size}), or FSDP alone on these {world_size} processes "
+                         "(a preset without --tp)")
+    return ModelMesh(config=config, path=str(path), rank=rank)
+
+
+def check_mesh_launch(accelerator, mesh: ModelMesh) -> None:
+    """A mesh transformers shards trains under FSDP2 (the accelerate config ``generate`` wrote beside
+    the file): :class:`UsageError` for any other launch."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if accelerator.distributed_type.value != "FSDP" or int(getattr(plugin, "fsdp_version", 1)) != 2:
+        raise UsageError(f"{DISTRIBUTED_CONFIG.name} {mesh.path} needs an FSDP2 launch (the accelerate config "
+                         f"`fsdp-presets generate` wrote beside it), launched {accelerator.distributed_type.value}"
+                         f"{'' if plugin is None else f' version {plugin.fsdp_version}'}: launch with that config")
+
+
+def prepare_sharded(accelerator, model) -> None:
+    """Let ``accelerator.prepare`` register a model transformers already sharded without wrapping it
+    again: accelerate's FSDP2 preparation looks the accelerate config's block class up by name
+    first ("Could not find the transformer layer class"), which a model ``fully_shard`` has renamed
+    (``FSDPLlamaDecoderLayer``) no longer has, and then leaves an ``FSDPModule`` as it is. Activation
+    checkpointing, which accelerate applies only while it wraps, is switched on here."""
+    plugin = accelerator.state.fsdp_plugin
+    plugin.auto_wrap_policy = None
+    if plugin.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def mesh_of(model, rank: int) -> ModelMesh | None:
+    """The mesh of a model transformers sharded at load time (a Trainer script's own
+    ``from_pretrained(distributed_config=...)``), None for any other model."""
+    config = getattr(getattr(model, "config", None), "distributed_config", None)
+    if not is_sharded_by_transformers(model) or config is None:
+        return None
+    return ModelMesh(config=config, path=None, rank=rank)
+
+
+def mesh_settings(model) -> dict[str, Any] | None:
+    """:meth:`ModelMesh.settings` of :func:`mesh_of` (run.json, manifests), None without a mesh."""
+    mesh = mesh_of(model, 0)
+    return mesh.settings() if mesh is not None else None
+
+
+def is_sharded_by_transformers(model) -> bool:
+    """Whether ``from_pretrained(distributed_config=...)`` sharded ``model`` at load time."""
+    return bool(getattr(model, "is_distributed_loading_by_transformers", False))
+
+
+__all__ = ["ModelMesh", "check_mesh_launch", "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings", "prepare_sharded"]
