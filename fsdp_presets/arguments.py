@@ -104,7 +104,9 @@ def add_savers(parser: argparse.ArgumentParser, *, with_offload: bool = True,
 
 
 def add_strategy(parser: argparse.ArgumentParser, *,
-                 default_text: str = "auto: FULL_SHARD on one node, HYBRID_SHARD across nodes when it fits") -> None:
+                 default_text: str = "auto: on GPUs the fastest that fits by predicted step time; with --device cpu "
+                                     "FULL_SHARD (SHARD_GRAD_OP on 2 processes), HYBRID_SHARD across nodes, when it "
+                                     "fits") -> None:
     """``--strategy``: one of :data:`STRATEGY_CHOICES` (None: auto, which ``default_text`` says)."""
     parser.add_argument("--strategy", type=strategy, metavar="|".join(STRATEGY_CHOICES), help="sharding: full "
                         "(FULL_SHARD), grad-op (SHARD_GRAD_OP), hybrid (HSDP) or no-shard (FSDP1 only) "

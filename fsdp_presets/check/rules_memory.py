@@ -135,8 +135,11 @@ def layout_rules(config, fsdp, parallelism, version, context, processes, machine
         hybrid = replicate > 1 if version in (1, 2) and parallelism else strategy in ("HYBRID_SHARD",
                                                                                    "HYBRID_SHARD_ZERO2")
         hybrid = hybrid or strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
-        # A deliberate choice when HSDP does not fit one node's GPUs (the planner says so with a model).
-        if version in (1, 2) and not hybrid and strategy != "NO_SHARD" and processes and \
+        # A deliberate choice when HSDP does not fit one node's GPUs (the planner says so with a model),
+        # or under CPU offload, where every step moves each GPU's shards over PCIe: sharding over every
+        # node's GPUs halves that per node added (generate chooses it when predicted faster).
+        offloading = as_boolean(fsdp.get(K.offload_params, False))
+        if version in (1, 2) and not hybrid and strategy != "NO_SHARD" and processes and not offloading and \
                 _hybrid_fits(config, fsdp, context, processes, machines) is not False:
             per_node = processes // machines
             fix = (f"shard inside a node, replicate across nodes (HSDP): {PARALLELISM_CONFIG}: "

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_strategy(parser)
     add("--fsdp-version", type=int, choices=(1, 2), help="FSDP version (default 2)")
     add("--state-dict", choices=("sharded", "full"), help="checkpoint format (default sharded: DCP)")
-    arguments.add_savers(parser)
+    arguments.add_savers(parser, default_text="auto: offload only when nothing fits without it; activation "
+                         "checkpointing when needed to fit or, on GPUs, when predicted faster")
     arguments.add_seq_len(parser)
     add("--global-batch", metavar="SAMPLES|TOKENS",
         help="per optimizer step: sequences (256) or tokens (1M, 512K, 524288tok); default 0.5M tokens (--device cpu: 8 sequences per process)")

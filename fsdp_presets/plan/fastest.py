@@ -14,6 +14,7 @@ from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.results import StrategyPlan
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
+from fsdp_presets.plan.step_time import clearly_faster
 
 MAX_CANDIDATE_MICRO_BATCHES = 24
 """Micro-batches tried at most (the divisors of the sequences per GPU nearest the one asked for)."""
@@ -55,8 +56,7 @@ def fastest(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> 
             candidate = shape.replace(micro_batch=micro, grad_accum=sequences // micro,
                                       activation_checkpointing=checkpointing)
             row = plan(profile, hardware, candidate).recommended
-            # NOTE: 1% faster at least: a change of settings for less is within the model's error.
-            if row is not None and (best is None or row.time.step_s < 0.99 * best[0].time.step_s):
+            if row is not None and (best is None or clearly_faster(row.time.step_s, best[0].time.step_s)):
                 best = (row, candidate)
     if best is None:
         return None

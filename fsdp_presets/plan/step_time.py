@@ -106,6 +106,16 @@ HOST_OPTIMIZER_PARAMS_PER_S = 2e8
 assumed figure: a node's cores shared by 8 processes, unfused AdamW; measure yours)."""
 
 
+MODEL_ERROR = 0.01
+"""Steps predicted less than 1% apart are a tie: the model is not more exact than that, so a change of
+settings for less is no reason (:func:`clearly_faster`)."""
+
+
+def clearly_faster(step_s: float, than_s: float) -> bool:
+    """Whether a step of ``step_s`` beats one of ``than_s`` by more than :data:`MODEL_ERROR`."""
+    return step_s < (1 - MODEL_ERROR) * than_s
+
+
 @dataclass(frozen=True, kw_only=True)
 class Links:
     """Bandwidths (bytes/s, already at their achievable share) a step's traffic crosses."""
@@ -353,14 +363,18 @@ def matmul_rate(gpu: GpuType, shape) -> float:
     return (gpu.peak_fp32_flops if shape.compute_bytes == 4 else gpu.peak_bf16_flops) * efficiency
 
 
-def predicted_on(gpu_name: str, profile: ModelProfile, memory_plan, row) -> StepTime:
+def predicted_on(gpu_name: str, profile: ModelProfile, memory_plan, row, *, network_share: float = 1.0) -> StepTime:
     """``row``'s step time on GPUs of type ``gpu_name``, whatever GPU ``memory_plan`` was made for
-    (a preset's header: its plan knows memory only)."""
+    (a preset's header: its plan knows memory only); ``network_share``: of the GPU type's network
+    between nodes, below 1 to check a choice holds on a slower one."""
     import dataclasses
 
     from fsdp_presets.plan.gpus import gpu_type
 
-    hardware = dataclasses.replace(memory_plan.hardware, gpu=gpu_type(gpu_name), host=None)
+    gpu = gpu_type(gpu_name)
+    hardware = dataclasses.replace(memory_plan.hardware, gpu=gpu, host=None)
+    if network_share != 1.0:
+        hardware = dataclasses.replace(hardware, inter_node_gbps=gpu.inter_node_gbps * network_share)
     return step_time(profile, hardware, memory_plan.shape, row)
 
 

@@ -9,14 +9,21 @@ a ``Preset`` out (``emit.py`` turns it into YAML; only the CLI touches files)::
 
 How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every option):
 
-* strategy: one node: FULL_SHARD (ZeRO-3: the most memory left for activations, hence the largest
-  micro-batch; SHARD_GRAD_OP saves one all-gather per step but keeps every block gathered from
-  its forward to its backward, ask for it with ``--strategy grad-op``); on a CPU host with 2
-  processes SHARD_GRAD_OP when it fits (measured faster there, see ``CPU_GRAD_OP_MEASURED``). Several nodes:
-  HYBRID_SHARD (shard inside a node, replicate across nodes: parameter all-gathers never leave
-  the node) when it fits, else FULL_SHARD across every GPU.
-* activation checkpointing only when the strategy does not fit without it; CPU offload only when
-  nothing fits otherwise (and the node's host memory holds the offloaded states).
+* GPUs: the fastest configuration that fits by the step predicted on H100-SXM
+  (:mod:`fsdp_presets.preset.fastest_fit`, the figure the header prints) among the strategies (one
+  node: FULL_SHARD and SHARD_GRAD_OP; several: HYBRID_SHARD and FULL_SHARD across every GPU, judged
+  at half the network too), activation checkpointing off and on, and gradients accumulated under
+  no_sync or reduced every micro-batch, each at the largest micro-batch it fits. Steps within 1% are
+  a tie, which the default order decides (the order above, no_sync, no checkpointing). CPU offload
+  only when nothing fits otherwise (always slower: every step waits on PCIe) and the node's host
+  memory holds the offloaded states.
+* CPU hosts (``--device cpu``) and TP/EP meshes: the first that fits in the default order. Strategy
+  FULL_SHARD; with 2 processes SHARD_GRAD_OP when it fits (measured faster there, see
+  ``CPU_GRAD_OP_MEASURED``); several nodes: HYBRID_SHARD when it fits, else FULL_SHARD. Activation
+  checkpointing only when the strategy does not fit without it, reducing every micro-batch only when
+  no_sync does not fit with it either.
+* what is asked for (``--strategy``, ``--activation-checkpointing``, ``--offload``, ``--micro-batch``)
+  is kept; the rest is decided around it.
 * micro-batch: the largest that fits and divides each rank's share of the global batch; gradient
   accumulation makes up the rest, so micro x accumulation x data-parallel size = global batch.
 """
@@ -24,13 +31,18 @@ How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import islice
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
                                        StateDictChoice, WrapChoice)
 from fsdp_presets.model.model_profile import ModelProfile
+from fsdp_presets.plan.gpus import DEFAULT_GPU
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
+from fsdp_presets.plan.step_time import predicted_on
+from fsdp_presets.preset.fastest_fit import (SLOW_NETWORK_SHARE, Candidate, checkpointing_comparison, fastest,
+                                             reduction_comparison, strategy_comparison)
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.save_cost import staging_fit
@@ -56,7 +68,6 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
     hardware = request.hardware
     precision = _precision(profile, request, notes)
     mesh = request.mesh
-    meshes = (mesh,) if mesh.is_nd else ()
     data_parallel = request.gpus // mesh.tp  # a TP group's ranks share one batch
     global_samples = _global_samples(request, seq_len, data_parallel, notes)
     per_rank = global_samples // data_parallel
@@ -86,57 +97,44 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
 
     # Accumulating (more than one micro-batch per rank): under no_sync FSDP holds a whole model's
     # unsharded gradients between micro-batches; reducing every micro-batch avoids that for more
-    # traffic, and is tried only when no_sync does not fit with any memory saver.
+    # traffic.
     accumulating = per_rank > needed_micro
-    reductions = [False, True] if accumulating else [False]
-    found = None
+    base = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=needed_micro,
+                         precision=precision.planner_precision, grad_accum=2 if accumulating else 1,
+                         measured_on_mesh=measured_on_mesh)
+    by_speed = _chosen_by_speed(request)
     host_short: list[str] = []
-    for offload in offloading:
-        for name in candidates:
-            for reduce_every in reductions:
-                for ac in checkpointing:
-                    shape = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=needed_micro,
-                                          precision=precision.planner_precision, activation_checkpointing=ac,
-                                          offload=offload, grad_accum=2 if accumulating else 1,
-                                          reduce_every_micro_batch=reduce_every, measured_on_mesh=measured_on_mesh)
-                    row = _row(plan(profile, hardware, shape, meshes), name, request)
-                    if row.max_micro_batch < needed_micro:
-                        continue
-                    if offload and not _host_holds_offload(row, request):
-                        host_short.append(_host_message(row, request))
-                        continue
-                    found = (name, ac, offload, reduce_every, row)
-                    break
-                if found:
-                    break
-            if found:
-                break
-        if found:
+    fitting: list[Candidate] = []
+    for offload in offloading:  # offload only when nothing fits without it: every step waits on PCIe
+        fits = _fitting(profile, request, base.replace(offload=offload), candidates, checkpointing,
+                        [False, True] if accumulating else [False], host_short)
+        fitting = [_completed(profile, request, shape, name, row, per_rank, by_speed=by_speed)
+                   for name, shape, row in (fits if by_speed else islice(fits, 1))]
+        if fitting:
             break
-    if found is None:
+    if not fitting:
         raise UsageError(_nothing_fits(profile, request, hardware, seq_len, precision, candidates, checkpointing,
                                        offloading, needed_micro, host_short, measured=measured))
-    name, ac, offload, reduce_every, row = found
+    chosen = fastest(fitting) if by_speed else fitting[0]
+    name, final_shape, memory_plan, row = chosen.name, chosen.shape, chosen.memory_plan, chosen.row
+    micro, accumulation = final_shape.micro_batch, final_shape.grad_accum
+    ac, offload, reduce_every = (final_shape.activation_checkpointing, final_shape.offload,
+                                 final_shape.reduce_every_micro_batch)
+    speed = (strategy_comparison(chosen, fitting, candidates) if by_speed and request.strategy == "auto"
+             else None)
 
-    micro = request.micro_batch or max(d for d in _divisors(per_rank) if d <= row.max_micro_batch)
-    accumulation = per_rank // micro
-    reduce_every = reduce_every and accumulation > 1
-    final_shape = TrainingShape(lora=request.lora_shape, measured=measured, seq_len=seq_len, micro_batch=micro, precision=precision.planner_precision,
-                                activation_checkpointing=ac, offload=offload, grad_accum=accumulation,
-                                reduce_every_micro_batch=reduce_every, measured_on_mesh=measured_on_mesh)
-    memory_plan = plan(profile, hardware, final_shape, meshes)
-    row = _row(memory_plan, name, request)
-
-    parallelism = _parallelism(request, name, row, memory_plan)
+    parallelism = _parallelism(request, name, row, memory_plan, speed=speed)
     savers = MemorySavers(activation_checkpointing=ac, offload=offload,
                           reason=_savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision,
-                                                 shape=final_shape))
+                                                 shape=final_shape,
+                                                 speed=checkpointing_comparison(chosen, fitting) if by_speed else None))
     state_dict = _with_async_save(_state_dict(profile, request, notes), request, memory_plan, row, notes)
     wrap = _wrap(profile, request)
     batch = BatchPlan(
         seq_len=seq_len, micro_batch=micro, accumulation=accumulation, data_parallel_size=data_parallel,
         reason=_batch_reason(request, row, micro, accumulation, data_parallel, global_samples, seq_len)
-        + _accumulation_reason(profile, hardware, final_shape, name, request),
+        + _accumulation_reason(profile, hardware, final_shape, name, request,
+                               speed=reduction_comparison(chosen, fitting) if by_speed else None),
         reduce_every_micro_batch=reduce_every,
     )
     if precision.mixed_precision == "fp16" and profile.structure.get("config_dtype") == "bfloat16":
@@ -144,6 +142,53 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
                      "prefer --precision bf16")
     return Preset(request=request, profile=profile, parallelism=parallelism, precision=precision, savers=savers,
                   state_dict=state_dict, wrap=wrap, batch=batch, memory_plan=memory_plan, row=row, notes=tuple(notes))
+
+
+def _chosen_by_speed(request: PresetRequest) -> bool:
+    """Whether ``auto`` picks the fastest configuration that fits by predicted step time
+    (:mod:`fsdp_presets.preset.fastest_fit`) rather than the first in the default order: on GPUs
+    without a TP/EP mesh. A CPU host's speed is measured, not predicted (its rules quote the
+    measurements); a mesh's layout is the one asked for."""
+    return request.device == "gpu" and not request.mesh.is_nd
+
+
+def _fitting(profile: ModelProfile, request: PresetRequest, base: TrainingShape, candidates: list[str],
+             checkpointing: list[bool], reductions: list[bool], host_short: list[str]):
+    """``(strategy, shape, row)`` for each configuration that fits ``base``'s micro-batch, lazily and in
+    the default order: strategies as listed, accumulation under no_sync before reducing every
+    micro-batch (less traffic), no activation checkpointing before it (no recomputation). An
+    offloading one whose states the node's host memory cannot hold adds why to ``host_short``."""
+    for name in candidates:
+        for reduce_every in reductions:
+            for ac in checkpointing:
+                shape = base.replace(activation_checkpointing=ac, reduce_every_micro_batch=reduce_every)
+                row = _row(plan(profile, request.hardware, shape, _meshes(request)), name, request)
+                if row.max_micro_batch < base.micro_batch:
+                    continue
+                if shape.offload and not _host_holds_offload(row, request):
+                    host_short.append(_host_message(row, request))
+                    continue
+                yield name, shape, row
+
+
+def _completed(profile: ModelProfile, request: PresetRequest, shape: TrainingShape, name: str, row: StrategyPlan,
+               per_rank: int, *, by_speed: bool) -> Candidate:
+    """The configuration at the micro-batch it would run (as asked, else the largest that fits and
+    divides the rank's ``per_rank`` sequences), planned there, with its predicted step when
+    ``by_speed``."""
+    micro = request.micro_batch or max(d for d in _divisors(per_rank) if d <= row.max_micro_batch)
+    accumulation = per_rank // micro
+    final = shape.replace(micro_batch=micro, grad_accum=accumulation,
+                          reduce_every_micro_batch=shape.reduce_every_micro_batch and accumulation > 1)
+    memory_plan = plan(profile, request.hardware, final, _meshes(request))
+    final_row = _row(memory_plan, name, request)
+    if not by_speed:
+        return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row)
+    step_s = predicted_on(DEFAULT_GPU, profile, memory_plan, final_row).step_s
+    slow_network_s = (predicted_on(DEFAULT_GPU, profile, memory_plan, final_row,
+                                   network_share=SLOW_NETWORK_SHARE).step_s if request.nodes > 1 else None)
+    return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row, step_s=step_s,
+                     slow_network_s=slow_network_s)
 
 
 def _seq_len(profile: ModelProfile, request: PresetRequest, notes: list[str]) -> int:
@@ -207,6 +252,11 @@ def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
+def _meshes(request: PresetRequest) -> tuple:
+    """The TP/EP meshes the planner costs beside FSDP alone: the request's, when it has one."""
+    return (request.mesh,) if request.mesh.is_nd else ()
+
+
 def _row(memory_plan: MemoryPlan, name: str, request: PresetRequest) -> StrategyPlan:
     """The plan's row of strategy ``name`` on the request's mesh (FSDP alone without one)."""
     mesh = request.mesh
@@ -242,6 +292,8 @@ MESH_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD")
 
 
 def _strategy_candidates(request: PresetRequest) -> list[str]:
+    """The strategies ``decide`` considers, in the default order (which breaks ties, and is the whole
+    choice where no step is predicted)."""
     if request.strategy != "auto":
         return [STRATEGY_NAMES[request.strategy]]
     # NOTE: with one GPU per node an HSDP mesh would be N x 1, which accelerate refuses ("no
@@ -250,7 +302,11 @@ def _strategy_candidates(request: PresetRequest) -> list[str]:
         return ["HYBRID_SHARD", "FULL_SHARD"]
     if request.device == "cpu" and request.gpus == CPU_GRAD_OP_PROCESSES:
         return ["SHARD_GRAD_OP", "FULL_SHARD"]  # measured faster here; FULL_SHARD when it does not fit
-    return ["FULL_SHARD"]
+    # NOTE: on one node GPU presets weigh SHARD_GRAD_OP's saved all-gather against the memory it holds
+    # by predicted step time. Not across nodes: there it would send every gather over the network
+    # (HSDP keeps them in the node) for a predicted gain within 2% on the shipped models, and only
+    # under the best-case network the prediction assumes (one 400 Gb/s adapter per GPU).
+    return ["FULL_SHARD"] + (["SHARD_GRAD_OP"] if _chosen_by_speed(request) and request.nodes == 1 else [])
 
 
 CPU_GRAD_OP_PROCESSES = 2
@@ -321,7 +377,11 @@ def _flag_for(strategy: str) -> str:
     return {value: key for key, value in STRATEGY_NAMES.items()}[strategy]
 
 
-def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_plan: MemoryPlan) -> Parallelism:
+def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_plan: MemoryPlan, *,
+                 speed: str | None = None) -> Parallelism:
+    """The layout of strategy ``name`` and why: ``speed`` (the predicted steps of the strategies that
+    fit, :func:`~fsdp_presets.preset.fastest_fit.strategy_comparison`) where it was chosen by speed,
+    else the default order's rule."""
     if name == "HYBRID_SHARD":
         replicate, shard = request.nodes, request.gpus_per_node
     elif name == "NO_SHARD":
@@ -333,6 +393,8 @@ def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_pl
         comm += f", {format_bytes(row.comm.inter_node)} of it across nodes"
     if request.strategy != "auto":
         reason = f"{row.label} as asked (--strategy {request.strategy}): {comm}"
+    elif speed is not None:
+        reason = f"{speed}. {_what_it_does(name, request, comm)}"
     elif name == "HYBRID_SHARD":
         full = memory_plan.get("FULL_SHARD", request.fsdp_version)
         reason = (f"HYBRID_SHARD (HSDP {replicate}x{shard}): each node holds one sharded copy of the model states "
@@ -373,9 +435,29 @@ def _parallelism(request: PresetRequest, name: str, row: StrategyPlan, memory_pl
                        tp_size=request.tp, ep_size=request.ep)
 
 
-def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision, shape=None) -> str:
+def _what_it_does(name: str, request: PresetRequest, comm: str) -> str:
+    """What strategy ``name`` shards and gathers on GPUs, and the flag that asks for another."""
+    return {
+        "HYBRID_SHARD": (f"HSDP {request.nodes}x{request.gpus_per_node}: each node holds one sharded copy of the "
+                         "model states and parameter all-gathers stay inside the node; only gradient shards are "
+                         f"all-reduced across nodes ({comm})"),
+        "FULL_SHARD": (f"FULL_SHARD (ZeRO-3) over {request.gpus} GPUs: parameters, gradients and optimizer state "
+                       f"sharded, each block gathered only while it computes, which leaves the most memory for "
+                       f"activations ({comm})"),
+        "SHARD_GRAD_OP": (f"SHARD_GRAD_OP (ZeRO-2) over {request.gpus} GPUs: gradients and optimizer state sharded, "
+                          "each block gathered once for forward and backward instead of twice and held from one "
+                          f"to the other ({comm})"),
+    }[name] + "; --strategy full|grad-op" + ("|hybrid" if request.nodes > 1 else "") + " to choose another"
+
+
+def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision, shape=None,
+                   speed: str | None = None) -> str:
+    """Why activation checkpointing and offload are on or off; ``speed``: the predicted steps with and
+    without checkpointing where both fit (:func:`~fsdp_presets.preset.fastest_fit.checkpointing_comparison`)."""
     parts = []
-    if request.activation_checkpointing == "auto":
+    if request.activation_checkpointing == "auto" and speed is not None:
+        parts.append(speed)
+    elif request.activation_checkpointing == "auto":
         if ac:
             plain = TrainingShape(lora=request.lora_shape, seq_len=seq_len, micro_batch=1, precision=precision.planner_precision, offload=offload)
             if shape is not None:  # the same accumulation, without checkpointing
@@ -532,21 +614,24 @@ def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
     return parts
 
 
-def _accumulation_reason(profile, hardware, shape, name, request) -> str:
+def _accumulation_reason(profile, hardware, shape, name, request, speed: str | None = None) -> str:
     """Why gradients are accumulated under no_sync or reduced every micro-batch, with the
-    planner's (rehearsal-checked) numbers."""
+    planner's (rehearsal-checked) numbers; ``speed``: the predicted steps of both where both fit
+    (:func:`~fsdp_presets.preset.fastest_fit.reduction_comparison`)."""
     if shape.grad_accum == 1:
         return ""
-    meshes = (request.mesh,) if request.mesh.is_nd else ()
-
     def row_of(changed) -> StrategyPlan:
-        return _row(plan(profile, hardware, changed, meshes), name, request)
+        return _row(plan(profile, hardware, changed, _meshes(request)), name, request)
 
     no_sync = row_of(shape.replace(reduce_every_micro_batch=False))
     held = no_sync.per_gpu.buffers - row_of(shape.replace(grad_accum=1)).per_gpu.buffers
     if not shape.reduce_every_micro_batch:
         return (f"; accumulated under no_sync: reduced once per optimizer step, while each GPU holds "
-                f"{format_bytes(held)} of unsharded gradients between micro-batches")
+                f"{format_bytes(held)} of unsharded gradients between micro-batches"
+                + (f" ({speed})" if speed else ""))
+    if speed:
+        return (f"; gradients reduced after every micro-batch (recipe --reduce-every-micro-batch): {speed}; "
+                f"no_sync would hold {format_bytes(held)} of unsharded gradients per GPU between micro-batches")
     return (f"; gradients reduced after every micro-batch (recipe --reduce-every-micro-batch): accumulating "
             f"them under no_sync would hold {format_bytes(held)} of unsharded gradients per GPU "
             f"({format_bytes(no_sync.per_gpu.total)} in all, over {format_bytes(hardware.usable_bytes)} usable)")
