@@ -45,7 +45,7 @@ SETTING_KEYS = ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay",
 METHOD_KEY = "lora"
 """The setting that holds the LoRA/QLoRA shape a continued run keeps (None: full fine-tuning)."""
 # run.json keys of distributed_settings(): how the processes share the work.
-DISTRIBUTED_KEYS = ("world_size", "data_parallel_size", "precision", "distributed_type", "fsdp")
+DISTRIBUTED_KEYS = ("world_size", "data_parallel_size", "precision", "distributed_type", "fsdp", "model_mesh")
 # run.json keys two runs must agree on for a step-by-step comparison to mean anything (they train
 # on the same samples at every step), with the words a report uses for them.
 COMPARABLE_KEYS: tuple[tuple[str, str], ...] = (

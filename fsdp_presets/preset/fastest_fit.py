@@ -24,7 +24,7 @@ from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.step_time import clearly_faster
 
-__all__ = ["SLOW_NETWORK_SHARE", "Candidate", "checkpointing_comparison", "fastest", "reduction_comparison",
+__all__ = ["HEADROOM", "SLOW_NETWORK_SHARE", "Candidate", "checkpointing_comparison", "fastest", "reduction_comparison",
            "strategy_comparison"]
 
 SLOW_NETWORK_SHARE = 0.5
@@ -33,6 +33,12 @@ type's network is the best case (one 400 Gb/s NDR adapter per GPU, as in an NVID
 :mod:`fsdp_presets.plan.gpus`) and a preset does not know the cluster's: FULL_SHARD across 4 nodes of
 Llama 3.1 8B at micro-batch 2 is predicted 1.3% faster than HSDP 4x8 at micro-batch 1 there, and
 1.8% slower at half of it."""
+
+
+HEADROOM = 0.95
+"""A configuration planned above this share of the usable memory is chosen for its speed only when
+none below it fits: the planner is within about 1% of a rehearsal, but the allocator's fragmentation
+over a long run is not in either, and a few percent of step time are not worth an out-of-memory stop."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +57,16 @@ class Candidate:
     """Seconds per optimizer step predicted on :data:`DEFAULT_GPU`; None where not predicted (CPU)."""
     slow_network_s: float | None = None
     """The same at :data:`SLOW_NETWORK_SHARE` of its network between nodes; None on one node."""
+
+    @property
+    def memory_share(self) -> float:
+        """The planned peak per GPU as a share of the usable memory."""
+        return self.row.per_gpu.total / self.memory_plan.hardware.usable_bytes
+
+    @property
+    def roomy(self) -> bool:
+        """Planned within :data:`HEADROOM` of the usable memory."""
+        return self.memory_share <= HEADROOM
 
     @property
     def deciding_s(self) -> float:
@@ -74,10 +90,12 @@ class Candidate:
 
 
 def fastest(candidates: list[Candidate]) -> Candidate:
-    """The candidate with the shortest predicted step; of those within the model's error of it, the
-    first in the default order (a tie is no reason to leave the simpler configuration)."""
-    best_s = min(candidate.deciding_s for candidate in candidates)
-    return next(candidate for candidate in candidates if not clearly_faster(best_s, candidate.deciding_s))
+    """The candidate with the shortest predicted step among those within :data:`HEADROOM` of the
+    memory (all, when none is); of those within the model's error of it, the first in the default
+    order (a tie is no reason to leave the simpler configuration)."""
+    roomy = [candidate for candidate in candidates if candidate.roomy] or candidates
+    best_s = min(candidate.deciding_s for candidate in roomy)
+    return next(candidate for candidate in roomy if not clearly_faster(best_s, candidate.deciding_s))
 
 
 def _best_of(candidates: list[Candidate]) -> Candidate | None:
@@ -89,7 +107,10 @@ def _against(chosen: Candidate, other: Candidate) -> str:
     note when the other is as fast within the model's error."""
     text = f"{chosen.predicted} per optimizer step on {DEFAULT_GPU} against {other.row.label}'s {other.predicted}"
     text += f" at {other.settings}"
-    if not clearly_faster(chosen.deciding_s, other.deciding_s):
+    if clearly_faster(other.deciding_s, chosen.deciding_s) and not other.roomy:
+        text += (f", which is planned at {other.memory_share:.0%} of the usable memory (above {HEADROOM:.0%}: "
+                 "no room for the allocator's fragmentation)")
+    elif not clearly_faster(chosen.deciding_s, other.deciding_s):
         text += ": a tie within the model's 1%, which the default order decides"
     return text
 
