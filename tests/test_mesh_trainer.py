@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,13 +95,13 @@ def _tokens(run: Path) -> list[float]:
 def test_a_trainer_on_a_mesh_trains_like_its_ddp_baseline(mesh_runs, capsys, name, world, mesh):
     run, baseline = mesh_runs[name], mesh_runs[f"{name}-ddp"]
     report = _agrees(capsys, baseline, run)  # loss 1e-6, grad_norm 1e-5 relative (fp32)
-    assert f"loss         within_tolerance      {STEPS} steps" in report or "loss         identical" in report
+    assert re.search(rf"loss +(within_tolerance|identical) +{STEPS} steps", report), report
     # each sample counted once: a TP group's 2 ranks computed the same tokens, logged once
     assert _tokens(run) == _tokens(baseline) and len(_tokens(run)) == STEPS
     settings = json.loads((run / RUN_JSON).read_text())
     assert settings["model_mesh"] == {"file": None, **mesh}
     assert (settings["world_size"], settings["data_parallel_size"], settings["global_batch_samples"]) == (world, 2, 4)
-    assert json.loads((baseline / RUN_JSON).read_text())["model_mesh"] is None
+    assert json.loads((baseline / RUN_JSON).read_text()).get("model_mesh") is None
     assert (run / "final" / "model.safetensors").is_file() and not list(run.glob("checkpoint-*"))
 
 
