@@ -14,10 +14,11 @@ On a host with an accelerator the call does nothing. On a CPU-only host, unpatch
 gives each launched process ``DistributedType.NO`` (N independent rank-0 trainings), because it
 switches FSDP on only inside its GPU-family branch. The patches below are the smallest set that
 makes ``prepare``, ``save_state``/``load_state``, ``get_state_dict`` and ``save_model`` take
-accelerate's real FSDP paths on CPU. Each patch says what accelerate/torch does and why.
+accelerate's real FSDP paths on CPU, and lets a Trainer take a model transformers sharded over a TP
+mesh under a DDP-type launch, as on GPUs. Each patch says what accelerate/torch does and why.
 
 Set ``FSDP_PRESETS_CPU_PATCHES_OFF=name[,name]`` to switch single patches off: the tests use it to
-show that each FSDP1 fix is needed (the run fails or diverges without it).
+show that each fix is needed (the run fails or diverges without it).
 
 Both :func:`enable_cpu_fsdp` and :func:`check_launch` also register the exit handler of
 :mod:`fsdp_presets.clean_exit`, so a script that never calls ``end_training`` still exits 0.
