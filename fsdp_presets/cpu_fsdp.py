@@ -14,10 +14,11 @@ On a host with an accelerator the call does nothing. On a CPU-only host, unpatch
 gives each launched process ``DistributedType.NO`` (N independent rank-0 trainings), because it
 switches FSDP on only inside its GPU-family branch. The patches below are the smallest set that
 makes ``prepare``, ``save_state``/``load_state``, ``get_state_dict`` and ``save_model`` take
-accelerate's real FSDP paths on CPU. Each patch says what accelerate/torch does and why.
+accelerate's real FSDP paths on CPU, and lets a Trainer take a model transformers sharded over a TP
+mesh under a DDP-type launch, as on GPUs. Each patch says what accelerate/torch does and why.
 
 Set ``FSDP_PRESETS_CPU_PATCHES_OFF=name[,name]`` to switch single patches off: the tests use it to
-show that each FSDP1 fix is needed (the run fails or diverges without it).
+show that each fix is needed (the run fails or diverges without it).
 
 Both :func:`enable_cpu_fsdp` and :func:`check_launch` also register the exit handler of
 :mod:`fsdp_presets.clean_exit`, so a script that never calls ``end_training`` still exits 0.
@@ -39,8 +40,9 @@ FULL_STATE_DICT_OFFLOAD = "full-state-dict-offload"
 FSDP1_OPTIMIZER_RESUME = "fsdp1-optimizer-resume"
 SYNC_MODULE_STATES = "sync-module-states"
 GLOO_PAIR_COLLECTIVES = "gloo-pair-collectives"
+PARALLELISM_MULTI_CPU = "parallelism-config-multi-cpu"
 PATCH_NAMES = (FULL_STATE_DICT_OFFLOAD, FSDP1_OPTIMIZER_RESUME, SYNC_MODULE_STATES, GLOO_PAIR_COLLECTIVES,
-               clean_exit.CLEAN_EXIT)
+               PARALLELISM_MULTI_CPU, clean_exit.CLEAN_EXIT)
 """Every name ``FSDP_PRESETS_CPU_PATCHES_OFF`` understands (another one is refused at a recipe's start)."""
 PATCHES_OFF_ENV = environment.CPU_PATCHES_OFF.name
 
@@ -102,6 +104,8 @@ def _patched_internals() -> list[tuple[str, bool]]:
     import torch.distributed.checkpoint.state_dict as dcp_state_dict
     import torch.distributed.fsdp._fully_shard._fsdp_collectives as fsdp2_collectives
     import torch.distributed.fsdp._init_utils as fsdp_init_utils
+    from accelerate.accelerator import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
     from accelerate.state import AcceleratorState, PartialState
 
     state_parameters = list(inspect.signature(AcceleratorState.__init__).parameters)[1:6]
@@ -117,6 +121,9 @@ def _patched_internals() -> list[tuple[str, bool]]:
         ("torch.distributed.checkpoint.state_dict._init_optim_state", hasattr(dcp_state_dict, "_init_optim_state")),
         ("torch.distributed.fsdp._fully_shard._fsdp_collectives.DefaultAllGather/DefaultReduceScatter",
          all(hasattr(fsdp2_collectives, name) for name in ("DefaultAllGather", "DefaultReduceScatter"))),
+        ("accelerate.ParallelismConfig._validate_accelerator, Accelerator.multi_device",
+         hasattr(ParallelismConfig, "_validate_accelerator") and isinstance(Accelerator.__dict__.get("multi_device"),
+                                                                              property)),
     ]
 
 
@@ -162,6 +169,7 @@ def enable_cpu_fsdp() -> bool:
     _patch_fsdp1_state_dict_offload()
     _patch_fsdp1_optimizer_load()
     _patch_fsdp2_pair_collectives()
+    _patch_parallelism_config_multi_cpu()
     clean_exit.install()
     _enabled = True
     return True
@@ -414,6 +422,47 @@ def _patch_fsdp2_pair_collectives() -> None:
 
         scatter._fsdp_presets_patch = True
         collectives.DefaultReduceScatter.__call__ = scatter
+
+
+class _MultiDeviceView:
+    """An ``Accelerator`` as :func:`_patch_parallelism_config_multi_cpu` shows it to accelerate's
+    check: every attribute its own, ``multi_device`` True."""
+
+    multi_device = True
+
+    def __init__(self, accelerator) -> None:
+        self._accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self._accelerator, name)
+
+
+def _patch_parallelism_config_multi_cpu() -> None:
+    """accelerate's ``ParallelismConfig._validate_accelerator`` accepts a mesh of more than one
+    dimension under FSDP2 or a multi-device type (``Accelerator.multi_device``: MULTI_GPU, MULTI_XPU,
+    ...), and refuses ``MULTI_CPU``, which that list leaves out ("ParallelismConfig is only compatible
+    DistributedType.FSDP (version 2) or DistributedType.Multi{Device} ..."). transformers' Trainer
+    builds a ``ParallelismConfig(tp_size, dp_shard_size)`` for a model it sharded at load time (TP), so
+    a Trainer script launched under a DDP-type config fails on CPU where the same launch runs on GPUs.
+    Over gloo, ``MULTI_CPU`` is the CPU's multi-device type: the device mesh is built on ``cpu`` and
+    the model owns its placement and reductions, so the check runs as it does for ``MULTI_GPU``, with
+    ``multi_device`` true (:class:`_MultiDeviceView`); ``multi_device`` itself is left alone, as
+    accelerate's DDP wrapping, even-batch joins and checkpoint loading read it too."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    original = ParallelismConfig._validate_accelerator
+    if getattr(original, "_fsdp_presets_patch", False) or _patch_off(PARALLELISM_MULTI_CPU):
+        return
+
+    @functools.wraps(original)
+    def _validate_accelerator(self, accelerator):
+        if accelerator.distributed_type == DistributedType.MULTI_CPU and accelerator.use_distributed:
+            accelerator = _MultiDeviceView(accelerator)
+        return original(self, accelerator)
+
+    _validate_accelerator._fsdp_presets_patch = True
+    ParallelismConfig._validate_accelerator = _validate_accelerator
 
 
 def check_launch(accelerator) -> None:

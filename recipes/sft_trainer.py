@@ -11,9 +11,10 @@ format) or `text`. One sample per row, truncated to --seq-len tokens (no packing
 Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoint-N/, final/}. Restarting the same command
 continues from the last checkpoint (--resume auto). Needs the `trl` extra (scripts/setup.sh installs
 it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
---export-merged. With --distributed-config (a TP/EP mesh of `fsdp-presets generate --tp/--ep`) the
-run trains and exports but writes no checkpoints: Trainer does not checkpoint a model sharded at
-load time (recipes/causal_lm.py does).
+--export-merged. With --distributed-config (a TP/EP mesh of `fsdp-presets generate --tp/--ep`) launch
+with NAME.trainer.yaml (DDP type, every rank of the mesh; the Trainer's optimizer cannot be prepared
+under FSDP): the run trains and exports but writes no checkpoints: Trainer does not checkpoint a
+model sharded at load time (recipes/causal_lm.py does).
 """
 
 import os

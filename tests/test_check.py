@@ -269,10 +269,11 @@ def test_an_hsdp_mesh_without_a_second_dimension_gets_none_of_these(tmp_path, ca
     assert not rules & {"tp-pair-cannot-run", "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks"}
 
 
-def test_a_trainer_script_with_a_correct_expert_parallel_mesh_gets_only_the_loss_note(tmp_path, capsys):
-    """Mixtral (8 experts) as FSDP 4 x EP 2 through transformers' DistributedConfig, handed to Trainer,
-    weights loaded on every rank: none of the mesh's errors; the same script with RAM-efficient
-    loading left on (accelerate's FSDP2 default) gets exactly that one."""
+def test_a_trainer_script_with_an_expert_parallel_mesh_under_an_fsdp_config(tmp_path, capsys):
+    """Mixtral (8 experts) as FSDP 4 x EP 2 through transformers' DistributedConfig, handed to Trainer
+    under an FSDP config: the Trainer prepares its optimizer alone, which accelerate refuses under FSDP
+    (measured), so the launch is told to use the DDP-type NAME.trainer.yaml; the mesh's sizes are right
+    (no other error), and RAM-efficient loading left on (accelerate's FSDP2 default) adds exactly that one."""
     script = tmp_path / "train.py"
     script.write_text("from transformers import AutoModelForCausalLM, Trainer, TrainingArguments\n"
                       "from transformers.distributed import DistributedConfig\n"
@@ -285,7 +286,10 @@ def test_a_trainer_script_with_a_correct_expert_parallel_mesh_gets_only_the_loss
         copy.deepcopy(GOOD)), sort_keys=False))
     mesh_rules = {"distributed-config-under-fsdp", "ep-ram-efficient-loading", "ep-no-plan", "ep-size-vs-model",
                   "tp-size-vs-model", "tp-no-plan"}
-    assert not _rules(capsys, config, "--model", "model_configs/mixtral-8x7b", "--script", script) & mesh_rules
+    assert _rules(capsys, config, "--model", "model_configs/mixtral-8x7b", "--script", script) & mesh_rules == {
+        "distributed-config-under-fsdp"}
+    cli.main(["check", str(config), "--model", "model_configs/mixtral-8x7b", "--script", str(script)])
+    assert "NAME.trainer.yaml" in capsys.readouterr().out
     config.write_text(yaml.safe_dump(mutate(top={"num_processes": 4})(copy.deepcopy(GOOD)), sort_keys=False))
     found = _rules(capsys, config, "--model", "model_configs/mixtral-8x7b", "--script", script) & mesh_rules
-    assert found == {"ep-ram-efficient-loading"}
+    assert found == {"distributed-config-under-fsdp", "ep-ram-efficient-loading"}

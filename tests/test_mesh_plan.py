@@ -13,6 +13,7 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from fsdp_presets.cli import main
 from fsdp_presets.fileio import GiB
@@ -188,6 +189,14 @@ def test_generate_writes_the_mesh_in_both_forms_each_loaded_by_its_own_library(c
     assert view.env["ACCELERATE_USE_FSDP"] == "true"
     # 8 data-parallel ranks (a TP group shares its batch): 256 sequences of 2,048 tokens = 0.5M
     assert read_metadata(text)["summary"]["data_parallel_size"] == 8
+    # and the config a Trainer script launches with: DDP type, every rank of the mesh, named by the header
+    trainer_path = tmp_path / "l70.trainer.yaml"
+    trainer_text = trainer_path.read_text()
+    assert f"wrote {trainer_path}" in out and str(trainer_path) in " ".join(text.replace("#", " ").split())
+    trainer = yaml.safe_load(trainer_text)
+    assert (trainer["distributed_type"], trainer["num_processes"], trainer["num_machines"]) == ("MULTI_GPU", 64, 8)
+    assert "fsdp_config" not in trainer and "ACCELERATE_USE_FSDP" not in accelerate_view(trainer_path).env
+    assert read_metadata(trainer_text)["kind"] == "trainer" and "recipes/sft_trainer.py" in trainer_text
     assert run_cli(capsys, *argv)[0] == 0  # its own files: rewritten
     json_path.write_text('{"tp_size": 2}\n')  # a hand-written one is not replaced
     code, _, err = run_cli(capsys, *argv)
@@ -217,6 +226,15 @@ def test_an_expert_parallel_preset_loads_on_every_rank(capsys, tmp_path):
     assert code == 0, err
     assert yaml.safe_load(output.read_text())["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] is False
     assert json.loads((tmp_path / "mx.distributed.json").read_text())["ep_size"] == 8
+    assert yaml.safe_load((tmp_path / "mx.trainer.yaml").read_text())["num_processes"] == 64
+
+
+def test_a_preset_without_a_mesh_writes_no_trainer_config(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "generate", "llama", "--device", "cpu", "--gpus", 2, "--seq-len", 32,
+                             "--baseline", "ddp", "-o", tmp_path / "plain.yaml")
+    assert code == 0, err
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["plain.ddp.yaml", "plain.yaml"]
+    assert "trainer" not in out
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -97,8 +97,9 @@ RULES = MappingProxyType({
     "tp-loss-reduction": ("note", "tensor parallelism: a loss counted tp_size times trains silently; hold the run "
                                   "to DDP"),
     "cp-masks": ("warning", "context parallelism drops attention masks: sliding windows and packing break silently"),
-    "distributed-config-under-fsdp": ("error", "a model sharded by transformers' DistributedConfig handed to "
-                                               "accelerate's FSDP plugin: prepare wraps it again and fails (--script)"),
+    "distributed-config-under-fsdp": ("error", "a model sharded by transformers' DistributedConfig under an FSDP "
+                                               "config: prepare wraps it again, or refuses a Trainer's optimizer "
+                                               "(--script)"),
     "ep-ram-efficient-loading": ("error", "expert parallelism with RAM-efficient loading: every rank gets rank 0's "
                                           "experts (--script)"),
     "ep-no-plan": ("error", "expert parallelism for a model whose transformers class ships no EP plan (--script)"),

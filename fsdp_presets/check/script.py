@@ -354,13 +354,23 @@ def _distributed_config_rules(fsdp: dict, version, context) -> list:
     tp = sizes.get("tp_size", 1)
     ep = sizes.get("ep_size") or (tp if sizes.get("enable_expert_parallel") else 1)
     findings = []
+    trainer_config = "NAME.trainer.yaml (`fsdp-presets generate --tp N` / `--ep N` writes it beside NAME.yaml)"
     if script.trainer_line is None:
         findings.append(finding(
             "distributed-config-under-fsdp", f"{where} shards the model with transformers' DistributedConfig and "
             "the config gives accelerate an FSDP plugin too: accelerator.prepare wraps the sharded model again and "
             "fails ('Could not find the transformer layer class ...', measured with accelerate 1.16)",
             "shard it once: drop distributed_config and let the FSDP config shard the model, or hand the model "
-            "sharded by transformers to transformers' Trainer, which takes it as it is", None))
+            "sharded by transformers to transformers' Trainer launched under a DDP-type config with every rank "
+            f"of the mesh, {trainer_config}", None))
+    else:
+        findings.append(finding(
+            "distributed-config-under-fsdp", f"{where} shards the model with transformers' DistributedConfig and "
+            f"hands it to the Trainer (line {script.trainer_line}) under an FSDP config: the Trainer takes the model "
+            "as it is and prepares its optimizer alone, which accelerate refuses under FSDP ('an optimizer must be "
+            "passed together with its model', measured with accelerate 1.16 and transformers 5.25)",
+            f"launch the script with a DDP-type config (distributed_type: MULTI_GPU) of every rank of the mesh, "
+            f"{trainer_config}", None))
     loads_on_rank_0 = fsdp.get(K.cpu_ram_efficient_loading, True)
     if ep > 1 and loads_on_rank_0:
         findings.append(finding(

@@ -94,10 +94,15 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(generated_lines(preset, output=output, baseline_output=baseline_output,
                                     launch_command=launch_command, rescaled_from=args.from_file if old is not None else None,
                                     old_summary=old["summary"] if old is not None else None)))
+    from fsdp_presets.preset.emit_distributed import SUFFIX
+
     for path in files:
-        if path not in (output, baseline_output):
+        if path.endswith(SUFFIX):
             print(f"wrote {path}: transformers' DistributedConfig of the mesh (load it with "
                   "DistributedConfig.from_dict)")
+        elif path not in (output, baseline_output):
+            print(f"wrote {path}: the config a Trainer script launches with on the mesh (DDP type, "
+                  f"{preset.parallelism.num_processes} processes; no checkpoints)")
     script = write_from_args(args, output, job=job)
     if script is not None:
         print(f"wrote {script}: {args.launcher} launch script of {output}")

@@ -369,7 +369,7 @@ def render_preset(preset: Preset, *, output: str, baseline_output: str | None = 
 def mesh_about(preset: Preset, output: str) -> list[str]:
     """What a TP/EP preset is and how it is used, in sentences (the YAML's header and the JSON's
     ``about``)."""
-    from fsdp_presets.preset.emit_distributed import distributed_config_path
+    from fsdp_presets.preset.emit_distributed import distributed_config_path, trainer_config_path
 
     parallelism = preset.parallelism
     json_path = distributed_config_path(output)
@@ -386,6 +386,10 @@ def mesh_about(preset: Preset, output: str) -> list[str]:
         f"script loads it as transformers does (the Trainer takes a model so sharded without wrapping it again): "
         f"config = DistributedConfig.from_dict(json.load(open('{json_path}'))); model = "
         f"AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config).",
+        f"A Trainer script launches with {trainer_config_path(output)} (DDP type, all "
+        f"{parallelism.num_processes} processes of the mesh: the Trainer prepares its optimizer alone, which "
+        f"accelerate refuses under FSDP) and writes no checkpoints (transformers refuses to checkpoint a model "
+        f"sharded at load time; recipes/causal_lm.py saves and resumes).",
         "Hold the run to its DDP baseline (fsdp-presets converge): tensor parallelism has counted the loss "
         "tp_size times without an error (transformers issues 45994, 39674).",
     ]
@@ -450,6 +454,42 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
     return _assemble(lines, ddp_config(preset))
 
 
+def trainer_config(preset: Preset) -> dict:
+    """A TP/EP preset's config for a ``transformers.Trainer`` script: the FSDP config's machine keys,
+    every process of the mesh, ``distributed_type: MULTI_GPU`` (transformers shards the model; the
+    Trainer registers it with accelerate as it is)."""
+    return _machine_keys(preset, "MULTI_GPU")
+
+
+def render_trainer_config(preset: Preset, *, output: str, trainer_output: str, baseline_output: str | None = None,
+                          launch: LaunchHints = LaunchHints()) -> str:
+    """The ``NAME.trainer.yaml`` of a TP/EP preset (:func:`trainer_config`), with its header."""
+    from fsdp_presets.preset.emit_distributed import distributed_config_path
+
+    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
+    parallelism = preset.parallelism
+    lines = [
+        *_wrapped(f"Trainer config of {output}: {parallelism.label} on {parallelism.num_processes} processes, "
+                  f"mixed precision {preset.precision.mixed_precision}, for a transformers.Trainer (or TRL) script "
+                  f"that loads the model with {distributed_config_path(output)}. transformers shards the model at "
+                  "load time and the Trainer registers it with accelerate as it is, then prepares its optimizer "
+                  "alone: accelerate allows that under a multi-device type and refuses it under FSDP (\"an "
+                  "optimizer must be passed together with its model\"), so this file is DDP type with every process "
+                  "of the mesh (on a CPU-only host fsdp_presets.enable_cpu_fsdp() runs it over gloo). The Trainer "
+                  "writes no checkpoints of such a model (transformers refuses); recipes/causal_lm.py with "
+                  f"{output} saves and resumes.", first="# ", rest="# "),
+        "#",
+        "# Generated with its FSDP config by:",
+        *_shell_lines(command),
+        "#",
+        "# Launch (a Trainer script with fsdp_presets.FSDPPresetsCallback: the recipe below, or your own):",
+        *_shell_lines(launch_words(preset, config_file=output, launch=launch, trainer_config=trainer_output)),
+        "#",
+        _metadata(preset, kind="trainer", output=output, baseline_output=baseline_output, launch=launch),
+    ]
+    return _assemble(lines, trainer_config(preset))
+
+
 def _assemble(header: list[str], config: dict) -> str:
     """Header comment lines, then the config through the YAML emitter. Refuses (a bug, never a
     file) a header line that is not one comment line, or a text that does not load back as
@@ -492,5 +532,6 @@ def header_model_path(config, source: str) -> str:
 __all__ = [
     "METADATA_PREFIX", "accelerate_config", "accelerate_runs_tp", "config_yaml", "ddp_baseline_of", "ddp_config",
     "baseline_processes", "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "metadata_document",
-    "read_metadata", "render_ddp_baseline", "render_preset", "written_config"
+    "read_metadata", "render_ddp_baseline", "render_preset", "render_trainer_config", "trainer_config",
+    "written_config"
 ]

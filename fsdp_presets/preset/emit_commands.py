@@ -14,6 +14,8 @@ from fsdp_presets.launching.quoting import shell_join, shell_word
 
 RECIPE = "recipes/causal_lm.py"
 """The recipe the launch command runs for causal language models."""
+TRAINER_RECIPE = "recipes/sft_trainer.py"
+"""The Trainer (TRL SFTTrainer) recipe a TP/EP preset's ``NAME.trainer.yaml`` launches."""
 # The variables the multi-node launch command reads (the names of launchers.py's scripts): the
 # only words of a command that are not quoted.
 _NODE_RANK, _MAIN_PROCESS_IP, _MAIN_PROCESS_PORT = "$NODE_RANK", "$MAIN_PROCESS_IP", "$MAIN_PROCESS_PORT"
@@ -85,17 +87,22 @@ def default_baseline_path(output: str) -> str:
     return str(path.with_name(f"{path.stem}.ddp{path.suffix or '.yaml'}"))
 
 
-def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, baseline: bool = False) -> list[str]:
+def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, baseline: bool = False,
+                 trainer_config: str | None = None) -> list[str]:
     """``accelerate launch --config_file FILE recipes/causal_lm.py --model ... --micro-batch M ...``;
     with ``--async-save`` where the preset turned it on (never for the DDP ``baseline``, which the
     recipe saves synchronously); a TP/EP preset's recipe with ``--distributed-config``, the file
-    beside ``config_file`` (its DDP baseline: one process per TP group, the same micro-batches)."""
+    beside ``config_file`` (its DDP baseline: one process per TP group, the same micro-batches).
+    ``trainer_config``: the Trainer recipe launched with that config (a TP/EP preset's
+    ``NAME.trainer.yaml``) on the same mesh, which checkpoints nothing (no ``--async-save``) and reduces
+    gradients as transformers' Trainer does (no ``--reduce-every-micro-batch``: the recipe refuses it)."""
     from fsdp_presets.preset.emit_distributed import distributed_config_path
 
     model = launch.model or "MODEL_DIR"
-    script = RECIPE if preset.profile.architecture.endswith("ForCausalLM") else "YOUR_TRAINING_SCRIPT.py"
-    run_name = PurePosixPath(config_file).name.removesuffix(".yaml").replace(".", "_")
-    words = ["accelerate", "launch", "--config_file", config_file]
+    causal = preset.profile.architecture.endswith("ForCausalLM")
+    script = (TRAINER_RECIPE if trainer_config else RECIPE) if causal else "YOUR_TRAINING_SCRIPT.py"
+    run_name = PurePosixPath(trainer_config or config_file).name.removesuffix(".yaml").replace(".", "_")
+    words = ["accelerate", "launch", "--config_file", trainer_config or config_file]
     if preset.parallelism.num_machines > 1:
         # The same variable names as the scripts `generate --launcher` writes (launchers.py).
         words += ["--machine_rank", _NODE_RANK, "--main_process_ip", _MAIN_PROCESS_IP,
@@ -107,8 +114,10 @@ def launch_words(preset: Preset, *, config_file: str, launch: LaunchHints, basel
         flags.MODEL.name, model, flags.DATA.name, launch.data or "DATA.jsonl",
         flags.OUTPUT_DIR.name, f"runs/{run_name}", flags.SEQ_LEN.name, str(preset.batch.seq_len),
         flags.MICRO_BATCH.name, str(preset.batch.micro_batch), flags.GRAD_ACCUM.name, str(preset.batch.accumulation),
-    ] + ([flags.REDUCE_EVERY_MICRO_BATCH.name] if preset.batch.reduce_every_micro_batch else []) \
-        + lora_recipe_words(preset) + ([flags.ASYNC_SAVE.name] if preset.state_dict.async_save and not baseline else [])
+    ] + ([flags.REDUCE_EVERY_MICRO_BATCH.name] if preset.batch.reduce_every_micro_batch and not trainer_config
+         else []) \
+        + lora_recipe_words(preset) + ([flags.ASYNC_SAVE.name] if preset.state_dict.async_save and not baseline
+                                       and not trainer_config else [])
 
 
 def lora_recipe_words(preset: Preset) -> list[str]:

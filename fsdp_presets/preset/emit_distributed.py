@@ -25,12 +25,22 @@ from pathlib import Path
 HEADER_KEY = "fsdp_presets"
 """The key of the header and metadata (not a ``DistributedConfig`` argument)."""
 SUFFIX = ".distributed.json"
+TRAINER_SUFFIX = ".trainer.yaml"
+"""The accelerate config a Trainer script launches with on the mesh (:func:`trainer_config_path`)."""
 
 
 def distributed_config_path(output: str) -> str:
     """``runs/llama.yaml`` -> ``runs/llama.distributed.json``."""
     path = Path(output)
     return str(path.with_name(path.stem + SUFFIX))
+
+
+def trainer_config_path(output: str) -> str:
+    """``runs/llama.yaml`` -> ``runs/llama.trainer.yaml``: the DDP-type config with every rank of the
+    mesh that a ``transformers.Trainer`` script launches with (the Trainer takes a model sharded at
+    load time as it is and prepares its optimizer alone, which accelerate refuses under FSDP)."""
+    path = Path(output)
+    return str(path.with_name(path.stem + TRAINER_SUFFIX))
 
 
 def distributed_arguments(preset) -> dict:
@@ -75,5 +85,6 @@ def load_distributed_config(path):
     return config
 
 
-__all__ = ["HEADER_KEY", "SUFFIX", "distributed_arguments", "distributed_config_path", "load_distributed_config",
+__all__ = ["HEADER_KEY", "SUFFIX", "TRAINER_SUFFIX", "distributed_arguments", "distributed_config_path",
+           "load_distributed_config", "trainer_config_path",
            "read_distributed_metadata", "render_distributed_config"]

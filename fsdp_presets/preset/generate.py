@@ -228,13 +228,17 @@ def render_files(profile, request, *, output: str, baseline_output: str | None, 
         files[baseline_output] = render_ddp_baseline(preset, output=output, baseline_output=baseline_output,
                                                      launch=launch)
     if preset.parallelism.is_nd:
-        from fsdp_presets.preset.emit import mesh_about, metadata_document
-        from fsdp_presets.preset.emit_distributed import distributed_config_path, render_distributed_config
+        from fsdp_presets.preset.emit import mesh_about, metadata_document, render_trainer_config
+        from fsdp_presets.preset.emit_distributed import (distributed_config_path, render_distributed_config,
+                                                          trainer_config_path)
 
         files[distributed_config_path(output)] = render_distributed_config(
             preset, config_file=output, about=mesh_about(preset, output),
             metadata=metadata_document(preset, kind="distributed-config", output=output,
                                        baseline_output=baseline_output, launch=launch))
+        trainer_output = trainer_config_path(output)
+        files[trainer_output] = render_trainer_config(preset, output=output, trainer_output=trainer_output,
+                                                      baseline_output=baseline_output, launch=launch)
     return files, preset
 
 

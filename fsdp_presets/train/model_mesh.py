@@ -124,6 +124,30 @@ def check_mesh_launch(accelerator, mesh: ModelMesh) -> None:
                          f"{'' if plugin is None else f' version {plugin.fsdp_version}'}: launch with that config")
 
 
+def trainer_launch_problem(accelerator, model, config_file: str | None) -> str | None:
+    """A ``transformers.Trainer`` given a model transformers sharded at load time takes it as it is and
+    prepares its optimizer alone, which accelerate refuses under FSDP ("an optimizer must be passed
+    together with its model", accelerate 1.16, transformers 5.25): such a run launches under a DDP-type
+    config with every rank of the mesh (``NAME.trainer.yaml``). None for any other model or launch."""
+    from fsdp_presets.preset.emit_distributed import trainer_config_path
+
+    mesh = mesh_of(model, accelerator.process_index)
+    if mesh is None or accelerator.distributed_type.value != "FSDP":
+        return None
+    trainer_config = trainer_config_path(config_file) if config_file else "NAME.trainer.yaml"
+    return (f"a model transformers sharded at load time ({mesh.label()}) under an FSDP launch: transformers' Trainer "
+            "takes it as it is and prepares its optimizer alone, which accelerate refuses under FSDP; launch it with "
+            f"the DDP-type config of all {accelerator.num_processes} processes, {trainer_config} (`fsdp-presets "
+            "generate --tp N` / `--ep N` writes it beside NAME.yaml), or train it with recipes/causal_lm.py "
+            "--distributed-config under the FSDP config")
+
+
+def sum_over_samples(accelerator, tensor, mesh: ModelMesh | None):
+    """The sum of ``tensor`` over the ranks, each sample counted once (the ranks of a TP group computed
+    it from the same samples; :meth:`ModelMesh.data_share`). Collective."""
+    return accelerator.reduce(mesh.data_share(tensor) if mesh is not None else tensor, reduction="sum")
+
+
 def prepare_sharded(accelerator, model) -> None:
     """Let ``accelerator.prepare`` register a model transformers already sharded without wrapping it
     again: accelerate's FSDP2 preparation looks the accelerate config's block class up by name
@@ -156,4 +180,5 @@ def is_sharded_by_transformers(model) -> bool:
     return bool(getattr(model, "is_distributed_loading_by_transformers", False))
 
 
-__all__ = ["ModelMesh", "check_mesh_launch", "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings", "prepare_sharded"]
+__all__ = ["ModelMesh", "check_mesh_launch", "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings",
+           "prepare_sharded", "sum_over_samples", "trainer_launch_problem"]

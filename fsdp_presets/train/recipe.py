@@ -49,7 +49,7 @@ from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_adapter import export_adapter
 from fsdp_presets.train.final_model import export_model
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
-from fsdp_presets.train.model_mesh import ModelMesh, check_mesh_launch, load_model_mesh
+from fsdp_presets.train.model_mesh import ModelMesh, check_mesh_launch, load_model_mesh, sum_over_samples
 from fsdp_presets.train.plots import plot_run
 
 @dataclass(kw_only=True)
@@ -107,8 +107,7 @@ class RecipeRun:
     def reduce(self, tensor):
         """The sum of ``tensor`` over the ranks, each sample counted once (the ranks of a TP group
         computed it from the same samples; :meth:`ModelMesh.data_share`). Collective."""
-        shared = self.mesh.data_share(tensor) if self.mesh is not None else tensor
-        return self.accelerator.reduce(shared, reduction="sum")
+        return sum_over_samples(self.accelerator, tensor, self.mesh)
 
     @property
     def global_batch(self) -> int:

@@ -184,7 +184,7 @@ def preset_launch_problem(accelerator, config_file: str | None, *, resuming: boo
         return None
     summary = (metadata or {}).get("summary")
     kind = (metadata or {}).get("kind")
-    if kind not in ("fsdp", "ddp-baseline") or not isinstance(summary, dict):
+    if kind not in ("fsdp", "ddp-baseline", "trainer") or not isinstance(summary, dict):
         return None
     fsdp = accelerator.distributed_type.value == "FSDP"
     running = f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}" if fsdp else "DDP"

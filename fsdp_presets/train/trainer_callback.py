@@ -57,7 +57,7 @@ from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_conf
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
-from fsdp_presets.train.model_mesh import mesh_of, mesh_settings
+from fsdp_presets.train.model_mesh import mesh_of, mesh_settings, sum_over_samples, trainer_launch_problem
 from fsdp_presets.train.trainer_saves import TrainerSaves
 
 
@@ -70,15 +70,6 @@ def _calling_trainer() -> Trainer | None:
             return candidate
         frame = frame.f_back
     return None
-
-
-def _number(value) -> float | None:
-    """A float from a tensor (DTensor included), a number, or None."""
-    if value is None:
-        return None
-    if hasattr(value, "full_tensor"):
-        value = value.full_tensor()
-    return float(value.item() if hasattr(value, "item") else value)
 
 
 class FSDPPresetsCallback(TrainerCallback):
@@ -186,7 +177,8 @@ class FSDPPresetsCallback(TrainerCallback):
         from fsdp_presets.train.startup import preset_launch_problem
 
         trainer = self.trainer
-        problems = [preset_launch_problem(self._accelerator, launch_config_file(), resuming=resuming)]
+        problems = [preset_launch_problem(self._accelerator, launch_config_file(), resuming=resuming),
+                    trainer_launch_problem(self._accelerator, trainer.model, launch_config_file())]
         if self._async_save:
             from fsdp_presets.checkpoint.async_save import async_save_problem
 
@@ -263,19 +255,21 @@ class FSDPPresetsCallback(TrainerCallback):
         if step > self._logged_step and self._step_started is not None:
             import torch
 
+            from fsdp_presets.numerics import scalar
+
             # The step's loss as Trainer sums it over micro-batches, averaged over the ranks as its log
             # does, but for this one step and unrounded; tokens summed over the ranks (a TP group's once).
             local = torch.stack([torch.as_tensor(self._step_loss, dtype=torch.float64).detach().cpu().reshape(()),
                                  torch.tensor(self._step_tokens, dtype=torch.float64)]).to(self._accelerator.device)
-            mesh = mesh_of(trainer.model, self._accelerator.process_index)
-            total = self._accelerator.reduce(mesh.data_share(local) if mesh else local, reduction="sum").cpu()
+            total = sum_over_samples(self._accelerator, local, mesh_of(trainer.model, self._accelerator.process_index))
             step_time = time.perf_counter() - self._step_started
             learning_rate = kwargs.get("learning_rate")
             self.metrics.log_train(
                 step=step, loss=float(total[0]) / self._data_parallel_size(),
                 lr=float(learning_rate if learning_rate is not None else trainer._get_learning_rate()),
-                grad_norm=_number(grad_norm), tokens_per_s=float(total[1]) / step_time, step_time_s=step_time,
-                samples_seen=step * self._global_batch(), memory=device_memory_peaks(self._accelerator.device))
+                grad_norm=None if grad_norm is None else scalar(grad_norm), tokens_per_s=float(total[1]) / step_time,
+                step_time_s=step_time, samples_seen=step * self._global_batch(),
+                memory=device_memory_peaks(self._accelerator.device))
             self._logged_step = step
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None
         self._exits(self.saves.poll, step)  # async_save: commit the save in flight once every rank's write is done

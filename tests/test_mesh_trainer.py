@@ -1,0 +1,127 @@
+"""A Trainer script on a TP/EP preset: recipes/sft_trainer.py (TRL's SFTTrainer with
+FSDPPresetsCallback) ``--distributed-config NAME.distributed.json``, launched with the
+``NAME.trainer.yaml`` that ``fsdp-presets generate --tp/--ep`` writes (DDP type, every rank of the
+mesh), trains a tiny Llama as FSDP 2 x TP 2 on 4 processes and a tiny Mixtral as FSDP 2 x EP 2 on 2,
+each within the fp32 tolerance of its Trainer DDP baseline (the same recipe without the mesh, one
+process per TP group, the same micro-batch and global batch) over 20 steps; run.json records the
+mesh and the logged loss and tokens count a TP group's samples once. Without the
+``parallelism-config-multi-cpu`` patch of ``enable_cpu_fsdp()`` accelerate refuses the TP run on
+CPU, and a launch under the FSDP config is refused before anything is written.
+
+Launches (forked, tests/conftest.py): the two mesh runs and their two baselines, shared by the
+tests, then the TP run without the patch and the EP run under its FSDP config, 1 step each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from fsdp_harness.launch import run_launch
+from fsdp_harness.tiny_model import write_tiny_model
+from fsdp_presets.checkpoint.layout import RUN_JSON
+from fsdp_presets.cli import main as cli_main
+from fsdp_presets.cpu_fsdp import PARALLELISM_MULTI_CPU, PATCHES_OFF_ENV
+from fsdp_presets.train.metrics import read_metrics
+from recipe_helpers import REPO, SFT_TRAIN
+
+from conftest import GLOO_EXIT_ABORT
+
+SFT_RECIPE = REPO / "recipes" / "sft_trainer.py"
+STEPS = 20
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                                 reason="trl is not installed (pip install --no-deps trl==1.16.0)")]
+
+
+@pytest.fixture(scope="module")
+def mesh_presets(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Llama and Mixtral folders and their mesh presets, as a user makes them."""
+    root = tmp_path_factory.mktemp("mesh_presets")
+    text = SFT_TRAIN.read_text()
+    llama = write_tiny_model(root / "tiny-llama", kind="llama", text=text)
+    moe = write_tiny_model(root / "tiny-moe", kind="mixtral", text=text)
+    for name, model, flags in (("tp2", llama, ("--gpus", "4", "--tp", "2")), ("ep2", moe, ("--gpus", "2", "--ep", "2"))):
+        assert cli_main(["generate", str(model), "--device", "cpu", *flags, "--seq-len", "32", "--global-batch", "4",
+                         "--baseline", "ddp", "-o", str(root / f"{name}.yaml")]) == 0
+    return {"llama": llama, "moe": moe, "root": root}
+
+
+def _sft(config: Path, model: Path, output: Path, *extra, steps: int = STEPS, env: dict | None = None):
+    args = ["--model", str(model), "--data", str(SFT_TRAIN), "--output-dir", str(output), "--max-steps", str(steps),
+            "--seq-len", "32", "--micro-batch", "2", "--learning-rate", "1e-3", "--resume", "none", *map(str, extra)]
+    return run_launch(config, SFT_RECIPE, args, cwd=REPO, env=env)
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(mesh_presets, tmp_path_factory) -> dict[str, Path]:
+    """Each mesh under its NAME.trainer.yaml, and its DDP baseline (NAME.ddp.yaml, no mesh)."""
+    root, runs = tmp_path_factory.mktemp("mesh_runs"), {}
+    for name, model in (("tp2", mesh_presets["llama"]), ("ep2", mesh_presets["moe"])):
+        presets = mesh_presets["root"]
+        for run, config, extra in ((name, presets / f"{name}.trainer.yaml",
+                                    ("--distributed-config", presets / f"{name}.distributed.json")),
+                                   (f"{name}-ddp", presets / f"{name}.ddp.yaml", ())):
+            runs[run] = root / run
+            result = _sft(config, model, runs[run], *extra)
+            result.check()
+            assert GLOO_EXIT_ABORT not in result.stderr
+    return runs
+
+
+def _agrees(capsys, baseline: Path, candidate: Path) -> str:
+    capsys.readouterr()
+    code = cli_main(["compare", str(baseline), str(candidate)])
+    out = capsys.readouterr().out
+    assert code == 0 and "AGREE within tolerance" in out, out
+    return out
+
+
+def _tokens(run: Path) -> list[float]:
+    """Tokens of every step, summed over the ranks (tokens/s x step time)."""
+    return [round(line["tokens_per_s"] * line["step_time_s"], 3) for line in read_metrics(run / "metrics.jsonl")
+            if line["kind"] == "train"]
+
+
+@pytest.mark.parametrize("name,world,mesh", [
+    ("tp2", 4, {"dp_replicate_size": 1, "fsdp_size": 2, "tp_size": 2, "ep_size": 1}),
+    ("ep2", 2, {"dp_replicate_size": 1, "fsdp_size": 2, "tp_size": 1, "ep_size": 2}),
+], ids=["fsdp2-x-tp2", "fsdp2-x-ep2"])
+def test_a_trainer_on_a_mesh_trains_like_its_ddp_baseline(mesh_runs, capsys, name, world, mesh):
+    run, baseline = mesh_runs[name], mesh_runs[f"{name}-ddp"]
+    report = _agrees(capsys, baseline, run)  # loss 1e-6, grad_norm 1e-5 relative (fp32)
+    assert re.search(rf"loss +(within_tolerance|identical) +{STEPS} steps", report), report
+    # each sample counted once: a TP group's 2 ranks computed the same tokens, logged once
+    assert _tokens(run) == _tokens(baseline) and len(_tokens(run)) == STEPS
+    settings = json.loads((run / RUN_JSON).read_text())
+    assert settings["model_mesh"] == {"file": None, **mesh}
+    assert (settings["world_size"], settings["data_parallel_size"], settings["global_batch_samples"]) == (world, 2, 4)
+    assert json.loads((baseline / RUN_JSON).read_text()).get("model_mesh") is None
+    assert (run / "final" / "model.safetensors").is_file() and not list(run.glob("checkpoint-*"))
+
+
+def test_the_tp_run_needs_the_parallelism_config_patch(mesh_presets, tmp_path):
+    """accelerate refuses transformers' ParallelismConfig(tp_size, dp_shard_size) under MULTI_CPU."""
+    presets = mesh_presets["root"]
+    result = _sft(presets / "tp2.trainer.yaml", mesh_presets["llama"], tmp_path / "off", "--distributed-config",
+                  presets / "tp2.distributed.json", steps=1, env={PATCHES_OFF_ENV: PARALLELISM_MULTI_CPU})
+    assert result.returncode != 0
+    assert "ParallelismConfig is only compatible" in result.stderr and "MULTI_CPU" in result.stderr
+
+
+def test_a_mesh_trainer_under_the_fsdp_config_is_refused(mesh_presets, tmp_path):
+    """The Trainer would prepare its optimizer alone, which accelerate refuses under FSDP: one line,
+    naming the config to launch with, exit 2, before a step is taken."""
+    presets = mesh_presets["root"]
+    output = tmp_path / "under-fsdp"
+    result = _sft(presets / "ep2.yaml", mesh_presets["moe"], output, "--distributed-config",
+                  presets / "ep2.distributed.json", steps=1)
+    assert result.returncode != 0 and "exitcode: 2" in result.stderr, result.stderr[-3000:]
+    assert str(presets / "ep2.trainer.yaml") in " ".join((result.stdout + result.stderr).split())
+    assert "an optimizer must be passed together" not in result.stderr
+    assert not (output / "metrics.jsonl").exists()
