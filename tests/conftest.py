@@ -59,7 +59,7 @@ def real_launches():
 
 
 LONGEST_MODULES = ("test_planner_rehearsed", "test_recipes", "test_multinode", "test_rehearse", "test_bench",
-                   "test_trainer_callback", "test_reshard_resume", "test_lora", "test_convergence_check",
+                   "test_trainer_callback", "test_reshard_resume", "test_lora", "test_convergence_check", "test_mesh_training",
                    "test_async_save", "test_preemption", "test_recipe_bad_input", "test_cpu_fsdp", "test_presets")
 """The modules that take longest (``scripts/test.sh`` lists the slowest tests), longest first."""
 

@@ -20,6 +20,13 @@ from fsdp_presets.errors import UsageError
 # The smallest planted faults sit well above both: gradients reduced in bf16 or norms left out of
 # gradient synchronisation move grad_norm by 5.6e-5 at step 1 and the loss by 1.5e-6 or more from
 # step 2.
+# - a TP/EP mesh (--distributed-config, tests/test_mesh_training.py: tiny Llama FSDP 2 x TP 2 and
+#   tiny Mixtral FSDP 2 x EP 2 against DDP, 20 steps): loss at most 1.2e-7 relative, grad_norm
+#   1.8e-7 (tensor and expert parallelism sum in another order), so the same tolerance holds them
+#   by a factor of 8 and 50; the faults planted there (a TP rank that drops its all-reduce, TP
+#   ranks fed different samples, experts changed after loading) move a metric by 5e-3 or more at
+#   step 0 or 1. The loss counted tp_size times leaves every loss within 5e-8 (AdamW and clipping
+#   do not see a gradient's scale) and doubles the gradient norm: the norm catches it at step 1.
 FP32_RELATIVE_TOLERANCE = {"loss": 1e-6, "grad_norm": 1e-5}
 FP32_EPSILON = 2.0 ** -23
 
