@@ -75,10 +75,11 @@ NEW = {
                                   "NO_WRAP: the whole model is one FSDP unit, nothing saved at the peak; stale "
                                   "prefetch key", {"no-wrap-policy", "prefetch-key-not-applied"}),
     "trlx_fsdp_config.yaml": ("CarperAI/trlx", "GPT-J/NeoX class", "full (RLHF)", "2 x 8",
-                              "NO_WRAP; a fixed private main_process_ip for 2 machines; full sharding over 2 nodes; "
-                              "the stale prefetch key asks for NO_PREFETCH, which applies anyway; unprefixed "
+                              "NO_WRAP; a fixed private main_process_ip for 2 machines; full sharding over 2 nodes "
+                              "under CPU offload (not flagged: it halves each node's PCIe traffic); the stale "
+                              "prefetch key asks for NO_PREFETCH, which applies anyway; unprefixed "
                               "offload_params/sharding_strategy are read (accelerate adds the prefix)", {
-                                  "no-wrap-policy", "fixed-main-process-ip", "full-shard-across-nodes"}),
+                                  "no-wrap-policy", "fixed-main-process-ip"}),
     "llammas_fsdp_config.yaml": ("TartuNLP/llammas", "Llama-2-7B", "full (continued pre-training)", "1 x 8",
                                  "stale prefetch key; fsdp_sharding_strategy 1 is FULL_SHARD; mixed_precision 'no' "
                                  "with the Trainer's bf16 flag", {"prefetch-key-not-applied"}),

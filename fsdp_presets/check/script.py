@@ -346,7 +346,7 @@ def _distributed_config_rules(fsdp: dict, version, context) -> list:
     FSDP config: the findings of its mesh."""
     from fsdp_presets.check.findings import finding
     from fsdp_presets.check.rules_parallel import mesh_rules
-    from fsdp_presets.schema import K, fsdp_where
+    from fsdp_presets.schema import K, T, fsdp_where
 
     script: ScriptFacts = context.script
     sizes = dict(script.distributed_sizes)
@@ -369,7 +369,7 @@ def _distributed_config_rules(fsdp: dict, version, context) -> list:
             f"hands it to the Trainer (line {script.trainer_line}) under an FSDP config: the Trainer takes the model "
             "as it is and prepares its optimizer alone, which accelerate refuses under FSDP ('an optimizer must be "
             "passed together with its model', measured with accelerate 1.16 and transformers 5.25)",
-            f"launch the script with a DDP-type config (distributed_type: MULTI_GPU) of every rank of the mesh, "
+            f"launch the script with a DDP-type config ({T.distributed_type}: MULTI_GPU) of every rank of the mesh, "
             f"{trainer_config}", None))
     loads_on_rank_0 = fsdp.get(K.cpu_ram_efficient_loading, True)
     if ep > 1 and loads_on_rank_0:
