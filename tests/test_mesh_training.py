@@ -2,7 +2,7 @@
 ``DistributedConfig``): FSDP 2 x TP 2 on 4 gloo processes (a tiny Llama) and FSDP 2 x EP 2 on 2
 (a tiny Mixtral) through recipes/causal_lm.py, launched from the lines ``generate --tp/--ep``
 prints, held to their DDP baselines by ``fsdp-presets converge``; killed and resumed bitwise on the
-same mesh, resumed within tolerance on another one; exported equal to the gathered weights; and
+same mesh (TP and EP), resumed within tolerance on another one; exported equal to the gathered weights; and
 the check failing each fault peculiar to these meshes.
 
 Measured here (fp32, 20 steps, AdamW, clipping at 1.0): the TP run's losses within 8e-8 relative of
@@ -165,6 +165,16 @@ def test_killed_and_resumed_on_the_same_mesh_is_the_uninterrupted_run_bit_for_bi
     assert result["candidate"]["resumed_from"].endswith(f"step-{RESUME_AT:08d}")
     assert f"[fault] kill at during-save, step {MAX_STEPS}" in (output / "candidate-part1.log").read_text()
     uninterrupted = compare_runs(load_run(tp_check[2] / "candidate"), load_run(output / "candidate"))
+    assert uninterrupted.verdict == "identical", summary_lines(uninterrupted)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_killed_and_resumed_is_the_uninterrupted_run_bit_for_bit(workdir, ep_check):
+    output = workdir / "ep-resumed"
+    status, result = converge(["--config", str(workdir / "ep2.yaml"), *common(workdir / "tiny-moe", output),
+                               "--resume-at", str(RESUME_AT), "--baseline-run", str(ep_check[2] / "baseline")])
+    assert status == 0, result["diagnosis"]
+    uninterrupted = compare_runs(load_run(ep_check[2] / "candidate"), load_run(output / "candidate"))
     assert uninterrupted.verdict == "identical", summary_lines(uninterrupted)
 
 
