@@ -124,6 +124,18 @@ def test_generate_prints_the_recipe_launch_on_the_mesh_and_a_ddp_baseline_per_tp
     assert "--distributed-config" not in baseline
 
 
+def test_a_mesh_without_data_parallel_ranks_is_refused_by_the_recipes_and_its_preset_says_so(workdir, llama):
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.train.model_mesh import load_model_mesh
+
+    preset = generated(workdir, llama, "tp-only", "--tp", "2", gpus=2)
+    assert "The recipes refuse this mesh: it has no data-parallel ranks" in unwrapped(preset)
+    with pytest.raises(UsageError, match="no data-parallel ranks"):
+        load_model_mesh(str(preset.with_name("tp-only.distributed.json")), rank=0, world_size=2)
+    with pytest.raises(UsageError, match="lays out 2 ranks .* launched 4 processes"):
+        load_model_mesh(str(preset.with_name("tp-only.distributed.json")), rank=0, world_size=4)
+
+
 # ---- agreement, resume, export ----
 
 

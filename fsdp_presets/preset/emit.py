@@ -378,11 +378,17 @@ def mesh_about(preset: Preset, output: str) -> list[str]:
             "accelerate's own path does not carry this mesh here (" + (
                 "accelerate has no expert parallelism" if parallelism.tp_size == 1 else
                 "the installed pair cannot prepare FSDP2 x TP; fsdp-presets check rule tp-pair-cannot-run") + ")")
+    sizes = parallelism.distributed_config()
+    recipes = (f"The recipes load the model with it ({DISTRIBUTED_CONFIG.name} {json_path}, as launched above)"
+               if sizes["dp_replicate_size"] * sizes["fsdp_size"] > 1 else
+               f"The recipes refuse this mesh: it has no data-parallel ranks (fsdp_size 1), transformers applies no "
+               f"FSDP and accelerate's FSDP2 would wrap the TP model again (--gpus {2 * parallelism.num_processes} "
+               f"keeps {parallelism.tp_size}-way TP with FSDP 2)")
     return [
         f"{parallelism.label}: the model is sharded by transformers' DistributedConfig, whose arguments are "
-        f"{json_path} ({', '.join(f'{key}={value}' for key, value in parallelism.distributed_config().items())}); "
+        f"{json_path} ({', '.join(f'{key}={value}' for key, value in sizes.items())}); "
         f"{pair}.",
-        f"The recipes load the model with it ({DISTRIBUTED_CONFIG.name} {json_path}, as launched above); a Trainer "
+        f"{recipes}; a Trainer "
         f"script loads it as transformers does (the Trainer takes a model so sharded without wrapping it again): "
         f"config = DistributedConfig.from_dict(json.load(open('{json_path}'))); model = "
         f"AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config).",
