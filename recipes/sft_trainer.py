@@ -63,7 +63,7 @@ def main():
     mesh = None
     if args.distributed_config:
         mesh = model_mesh.load_model_mesh(args.distributed_config, rank=int(os.environ.get("RANK", 0)),
-                                          world_size=int(os.environ.get("WORLD_SIZE", 1)))
+                                          world_size=int(os.environ.get("WORLD_SIZE", 1)), lora=lora)
         if args.save_every or args.resume not in ("auto", "none"):
             raise UsageError(f"--save-every/--resume with {args.distributed_config}: transformers' Trainer does not "
                              "checkpoint a model sharded at load time (it refuses: \"Resuming is not supported\"); "

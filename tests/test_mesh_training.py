@@ -134,6 +134,9 @@ def test_a_mesh_without_data_parallel_ranks_is_refused_by_the_recipes_and_its_pr
         load_model_mesh(str(preset.with_name("tp-only.distributed.json")), rank=0, world_size=2)
     with pytest.raises(UsageError, match="lays out 2 ranks .* launched 4 processes"):
         load_model_mesh(str(preset.with_name("tp-only.distributed.json")), rank=0, world_size=4)
+    with pytest.raises(UsageError, match="--method lora with --distributed-config"):
+        load_model_mesh(str(preset.with_name("tp-only.distributed.json")), rank=0, world_size=2,
+                        lora={"method": "lora"})
 
 
 # ---- agreement, resume, export ----

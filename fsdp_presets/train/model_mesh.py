@@ -82,11 +82,15 @@ class ModelMesh:
         return tensor if self.counts_data else tensor * 0
 
 
-def load_model_mesh(path: str, *, rank: int, world_size: int) -> ModelMesh:
+def load_model_mesh(path: str, *, rank: int, world_size: int, lora: dict[str, Any] | None = None) -> ModelMesh:
     """The mesh of ``path`` (through transformers' own loader) for process ``rank`` of ``world_size``:
-    as many processes as the mesh has ranks, data-parallel ranks, no pipeline stages.
-    :class:`UsageError` otherwise."""
+    as many processes as the mesh has ranks, data-parallel ranks, no pipeline stages, every weight
+    trained (``lora``: the run's LoRA/QLoRA settings, refused). :class:`UsageError` otherwise."""
     from fsdp_presets.preset.emit_distributed import load_distributed_config
+
+    if lora is not None:
+        raise UsageError(f"--method {lora['method']} with {DISTRIBUTED_CONFIG.name}: transformers' TP/EP plans shard the "
+                         "base layers peft would wrap; train LoRA/QLoRA with FSDP alone (a preset without --tp/--ep)")
 
     try:
         config = load_distributed_config(path)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.flags import DISTRIBUTED_CONFIG
 from fsdp_presets.schema import K
 from fsdp_presets.train import lora as peft_lora
 from fsdp_presets.train.model_mesh import is_sharded_by_transformers, prepare_sharded
@@ -43,11 +42,7 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
     import torch
 
     quantized = lora is not None and lora["method"] == "qlora"
-    if mesh is not None:
-        if lora is not None:
-            raise UsageError(f"--method {lora['method']} with {DISTRIBUTED_CONFIG.name}: transformers' TP/EP plans shard "
-                             "the base layers peft would wrap; train LoRA/QLoRA with FSDP alone (a preset without "
-                             "--tp/--ep)")
+    if mesh is not None:  # full fine-tuning only (load_model_mesh refuses LoRA/QLoRA)
         kwargs["distributed_config"] = mesh.config
     if quantized:
         kwargs["quantization_config"] = peft_lora.quantization_config()

@@ -335,7 +335,7 @@ def start(args, *, recipe: str) -> RecipeRun:
     mesh = None
     if args.distributed_config:
         mesh = load_model_mesh(args.distributed_config, rank=accelerator.process_index,
-                               world_size=accelerator.num_processes)
+                               world_size=accelerator.num_processes, lora=recipe_lora.settings(args))
         check_mesh_launch(accelerator, mesh)
         say(f"mesh: {mesh.label()} ({args.distributed_config}): transformers shards the model at load time")
     distributed = distributed_settings(accelerator, model_mesh=mesh.settings() if mesh is not None else None)
