@@ -17,7 +17,7 @@ from fsdp_presets.preset.emit import predicted_time, read_metadata, render_prese
 from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.request import PresetRequest, parse_global_batch
 from fsdp_presets.preset.generate import decide_with_rehearsed_terms
-from fsdp_presets.preset.fastest_fit import HEADROOM, Candidate, fastest
+from fsdp_presets.preset.fastest_fit import HEADROOM, Candidate, fastest_candidate
 from fsdp_presets.preset.presets import decide
 from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
@@ -188,14 +188,14 @@ def test_fastest_takes_the_first_in_the_default_order_within_the_models_error_an
                          slow_network_s=slow_network_s)
 
     first, close, best = candidate("first", 10.0), candidate("close", 9.9), candidate("best", 9.85)
-    assert fastest([first, close]) is first  # 1% is a tie
-    assert fastest([first, close, best]) is close  # within 1% of the fastest, before it
-    assert fastest([first, candidate("faster", 9.0)]).name == "faster"
+    assert fastest_candidate([first, close]) is first  # 1% is a tie
+    assert fastest_candidate([first, close, best]) is close  # within 1% of the fastest, before it
+    assert fastest_candidate([first, candidate("faster", 9.0)]).name == "faster"
     # across nodes the slower prediction decides
-    assert fastest([candidate("hsdp", 10.0, 10.1), candidate("full", 9.8, 10.4)]).name == "hsdp"
+    assert fastest_candidate([candidate("hsdp", 10.0, 10.1), candidate("full", 9.8, 10.4)]).name == "hsdp"
     # planned above the headroom: faster, but chosen only when nothing with room fits
     tight = candidate("tight", 8.0, memory_share=HEADROOM + 0.01)
-    assert fastest([first, tight]) is first and fastest([tight]) is tight
+    assert fastest_candidate([first, tight]) is first and fastest_candidate([tight]) is tight
 
 
 def test_cpu_presets_keep_the_default_order_without_predictions():

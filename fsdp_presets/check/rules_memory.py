@@ -13,7 +13,7 @@ from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.plan.allocator import tensors_and_shown
 from fsdp_presets.plan.save_cost import staging_fit
-from fsdp_presets.preset.presets import full_state_dict_host_bytes
+from fsdp_presets.preset.checkpoint_choice import full_state_dict_host_bytes
 from fsdp_presets.schema import FSDP_CONFIG, K, P, PARALLELISM_CONFIG, PEFT_WRAP_POLICY, T, fsdp_where
 
 

@@ -27,7 +27,6 @@ from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.flags import DISTRIBUTED_CONFIG
 from fsdp_presets.preset.emit_commands import SHELL_VARIABLES, LaunchHints, generate_words, launch_words, number_text
 from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
-from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.preset.choices import Preset
 from fsdp_presets.launching.quoting import comment_text, is_one_line, shell_word
 from fsdp_presets.schema import (
@@ -223,12 +222,12 @@ def _hardware_line(preset: Preset) -> str:
     hardware, shape = preset.memory_plan.hardware, preset.memory_plan.shape
     request = preset.request
     if request.device == "cpu":
-        memory = (f"{(request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB['cpu']):g} GiB host RAM per node shared by "
+        memory = (f"{request.host_bytes / GiB:g} GiB host RAM per node shared by "
                   f"{request.gpus_per_node} processes ({format_bytes(hardware.usable_bytes)} usable each)")
     else:
         memory = (f"{(request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB):g} GiB GPUs "
                   f"({format_bytes(hardware.usable_bytes)} usable: {format_bytes(hardware.reserved_bytes)} reserved for "
-                  f"the CUDA context and libraries), {(request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB['gpu']):g} "
+                  f"the CUDA context and libraries), {request.host_bytes / GiB:g} "
                   "GiB host RAM per node")
     return (f"{memory}; sequence {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.precision}, "
             f"{shape.optimizer}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}, "

@@ -2,7 +2,7 @@
 predicted on :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU` (:mod:`fsdp_presets.plan.step_time`, the
 figure the preset's header prints), and each decision's reason with the numbers::
 
-    chosen = fastest(fitting)                       # fitting: Candidates in the default order
+    chosen = fastest_candidate(fitting)             # fitting: Candidates in the default order
     strategy_comparison(chosen, fitting)            # "SHARD_GRAD_OP 8: predicted 2.9 s per optimizer
                                                     #  step on H100-SXM against FULL_SHARD 8's 3.1 s ...; both fit"
 
@@ -24,7 +24,7 @@ from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.step_time import clearly_faster
 
-__all__ = ["HEADROOM", "SLOW_NETWORK_SHARE", "Candidate", "checkpointing_comparison", "fastest", "reduction_comparison",
+__all__ = ["HEADROOM", "SLOW_NETWORK_SHARE", "Candidate", "checkpointing_comparison", "fastest_candidate", "reduction_comparison",
            "strategy_comparison"]
 
 SLOW_NETWORK_SHARE = 0.5
@@ -89,7 +89,7 @@ class Candidate:
                 f"{'on' if self.shape.activation_checkpointing else 'off'}{reduce}")
 
 
-def fastest(candidates: list[Candidate]) -> Candidate:
+def fastest_candidate(candidates: list[Candidate]) -> Candidate:
     """The candidate with the shortest predicted step among those within :data:`HEADROOM` of the
     memory (all, when none is); of those within the model's error of it, the first in the default
     order (a tie is no reason to leave the simpler configuration)."""
@@ -99,7 +99,7 @@ def fastest(candidates: list[Candidate]) -> Candidate:
 
 
 def _best_of(candidates: list[Candidate]) -> Candidate | None:
-    return fastest(candidates) if candidates else None
+    return fastest_candidate(candidates) if candidates else None
 
 
 def _against(chosen: Candidate, other: Candidate) -> str:

@@ -30,28 +30,26 @@ How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import islice
 
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB, format_bytes, format_count
-from fsdp_presets.preset.choices import (BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset,
-                                       StateDictChoice, WrapChoice)
+from fsdp_presets.preset.choices import BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset, WrapChoice
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.gpus import DEFAULT_GPU
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.step_time import predicted_on
-from fsdp_presets.preset.fastest_fit import (SLOW_NETWORK_SHARE, Candidate, checkpointing_comparison, fastest,
-                                             reduction_comparison, strategy_comparison)
+from fsdp_presets.preset.checkpoint_choice import state_dict_choice, with_async_save
+from fsdp_presets.preset.fastest_fit import (SLOW_NETWORK_SHARE, Candidate, checkpointing_comparison,
+                                             fastest_candidate, reduction_comparison, strategy_comparison)
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.planner import plan
-from fsdp_presets.plan.save_cost import staging_fit
-from fsdp_presets.preset.request import (CPU_DEFAULT_SEQUENCES_PER_PROCESS, DEFAULT_GLOBAL_BATCH_TOKENS, DEFAULT_HOST_MEMORY_GIB, STRATEGY_NAMES,
+from fsdp_presets.preset.request import (CPU_DEFAULT_SEQUENCES_PER_PROCESS, DEFAULT_GLOBAL_BATCH_TOKENS, STRATEGY_NAMES,
                                          PresetRequest, parse_global_batch)
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.schema import K
 
-__all__ = ["decide", "full_state_dict_host_bytes"]
+__all__ = ["decide"]
 
 
 # --------------------------------------------------------------------------- deciding
@@ -115,7 +113,7 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
     if not fitting:
         raise UsageError(_nothing_fits(profile, request, hardware, seq_len, precision, candidates, checkpointing,
                                        offloading, needed_micro, host_short, measured=measured))
-    chosen = fastest(fitting) if by_speed else fitting[0]
+    chosen = fastest_candidate(fitting) if by_speed else fitting[0]
     name, final_shape, memory_plan, row = chosen.name, chosen.shape, chosen.memory_plan, chosen.row
     micro, accumulation = final_shape.micro_batch, final_shape.grad_accum
     ac, offload, reduce_every = (final_shape.activation_checkpointing, final_shape.offload,
@@ -128,7 +126,7 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
                           reason=_savers_reason(request, profile, hardware, row, ac, offload, seq_len, precision,
                                                  shape=final_shape,
                                                  speed=checkpointing_comparison(chosen, fitting) if by_speed else None))
-    state_dict = _with_async_save(_state_dict(profile, request, notes), request, memory_plan, row, notes)
+    state_dict = with_async_save(state_dict_choice(profile, request, notes), request, memory_plan, row, notes)
     wrap = _wrap(profile, request)
     batch = BatchPlan(
         seq_len=seq_len, micro_batch=micro, accumulation=accumulation, data_parallel_size=data_parallel,
@@ -319,19 +317,15 @@ CPU_GRAD_OP_MEASURED = ("measured on SmolLM2-135M, 2 CPU processes, 2 x 64 token
 """The figures behind the CPU SHARD_GRAD_OP rule, quoted in the preset's header."""
 
 
-def _host_bytes(request: PresetRequest) -> float:
-    return (request.host_memory_gib or DEFAULT_HOST_MEMORY_GIB[request.device]) * GiB
-
-
 def _host_holds_offload(row: StrategyPlan, request: PresetRequest) -> bool:
     """Offloaded model states of every rank of a node must fit the node's host RAM."""
-    return row.model_state.total * request.gpus_per_node <= _host_bytes(request)
+    return row.model_state.total * request.gpus_per_node <= request.host_bytes
 
 
 def _host_message(row: StrategyPlan, request: PresetRequest) -> str:
     need = row.model_state.total * request.gpus_per_node / GiB
     return (f"{row.label} with offload needs {need:.0f} GiB of host RAM per node for the offloaded states, more than "
-            f"--host-memory {_host_bytes(request) / GiB:g}")
+            f"--host-memory {request.host_bytes / GiB:g}")
 
 
 def _layout(request: PresetRequest) -> str:
@@ -487,72 +481,6 @@ def _savers_reason(request, profile, hardware, row, ac, offload, seq_len, precis
     else:
         parts.append(f"CPU offload {'on' if offload else 'off'} as asked")
     return "; ".join(parts)
-
-
-def _state_dict(profile: ModelProfile, request: PresetRequest, notes: list[str]) -> StateDictChoice:
-    ram_efficient = request.device == "gpu" and request.ep == 1
-    if request.ep > 1:
-        loading = (f"RAM-efficient loading off: under expert parallelism {request.ep} rank 0's broadcast would give "
-                   "every rank rank 0's experts, silently (transformers issue 45662); each rank reads its own")
-    elif ram_efficient:
-        loading = ("RAM-efficient loading on: only rank 0 reads the pretrained weights into host RAM, the other "
-                   "ranks start on the meta device and receive their shards (otherwise each of a node's "
-                   f"{request.gpus_per_node} processes loads a full copy: "
-                   f"{format_bytes(request.gpus_per_node * profile.total_params * 2, digits=0)} of bf16 weights)")
-    else:
-        loading = ("RAM-efficient loading off: a CPU preset runs small demo models, where each process loading its "
-                   "own copy costs little and every rank starts from the same weights by construction")
-    if request.state_dict == "full":
-        need = full_state_dict_host_bytes(profile)
-        host = _host_bytes(request)
-        if need > host:
-            raise UsageError(f"--state-dict full gathers the whole model and optimizer state on rank 0: about "
-                             f"{format_bytes(need, digits=0)} of host RAM, more than --host-memory {host / GiB:g}; use "
-                             "--state-dict sharded (export full weights afterwards with accelerate merge-weights)")
-        reason = (f"FULL_STATE_DICT as asked: rank 0 gathers the full model and optimizer state into host RAM at every "
-                  f"save (about {format_bytes(need)}) and loading needs the same world size layout; {loading}")
-        return StateDictChoice(state_dict_type="FULL_STATE_DICT", cpu_ram_efficient_loading=ram_efficient,
-                               reason=reason)
-    reason = ("SHARDED_STATE_DICT: each rank writes its own shards with torch.distributed.checkpoint (DCP), nothing is "
-              "gathered on one rank, and DCP reshards on load, so a run resumes on another GPU count; export full "
-              f"Hugging Face weights afterwards (accelerate merge-weights); {loading}")
-    return StateDictChoice(state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=ram_efficient,
-                           reason=reason)
-
-
-def _with_async_save(choice: StateDictChoice, request: PresetRequest, memory_plan: MemoryPlan,
-                     row: StrategyPlan, notes: list[str]) -> StateDictChoice:
-    """``choice`` with ``--async-save`` in the launch line where the recipe takes it (FSDP2,
-    SHARDED_STATE_DICT, every weight trained: :func:`fsdp_presets.checkpoint.async_save.async_save_problem`)
-    and its staging copy fits a node's host memory beside what training keeps there
-    (:func:`fsdp_presets.plan.save_cost.staging_fit`); the reason says which, with the numbers."""
-    if row.fsdp_version != 2:
-        why = "it writes through DCP's asynchronous save, which the recipes take with FSDP2 only"
-    elif choice.state_dict_type != "SHARDED_STATE_DICT":
-        why = "it writes each rank's shards (SHARDED_STATE_DICT), not a gathered full state dict"
-    elif request.lora_shape is not None:
-        why = "a LoRA/QLoRA run saves only its adapter, small and quick to write"
-    elif request.device == "cpu":
-        why = ("on a CPU-only host the background write shares the cores that train: the steps it overlaps "
-               "slow down by about as much as the save would have blocked (docs/benchmarks.md); add the flag to "
-               "try it")
-    else:
-        staging = staging_fit(row, memory_plan.hardware, memory_plan.shape, host_bytes=_host_bytes(request))
-        if staging.fits:
-            return replace(choice, async_save=True, reason=(
-                f"{choice.reason}; --async-save in the launch line: a save stops training only while each process "
-                f"copies its shards into host memory, then writes in the background ({staging.describe()})"))
-        why = (f"its staging copy does not fit --host-memory {_host_bytes(request) / GiB:g} GiB (give your nodes' "
-               f"RAM if they have more): {staging.describe()}")
-        notes.append(f"--async-save left out of the launch line: {why}")
-    return replace(choice, reason=f"{choice.reason}; --async-save off: {why}")
-
-
-def full_state_dict_host_bytes(profile: ModelProfile) -> int:
-    """Rank-0 host RAM a FULL_STATE_DICT save gathers: fp32 parameters (4 bytes) and Adam's two
-    fp32 moments (8 bytes) of the whole model (accelerate gathers model and optimizer state dicts
-    on rank 0 with ``offload_to_cpu`` / ``rank0_only``)."""
-    return profile.total_params * (4 + 8)
 
 
 def _wrap(profile: ModelProfile, request: PresetRequest) -> WrapChoice:

@@ -187,10 +187,15 @@ class PresetRequest(OnNodes):
             raise UsageError("; ".join(problems))
 
     @property
+    def host_bytes(self) -> float:
+        """Host RAM of one node (``--host-memory``, else the device's default)."""
+        return (self.host_memory_gib or DEFAULT_HOST_MEMORY_GIB[self.device]) * GiB
+
+    @property
     def hardware(self) -> Hardware:
         """The GPUs as the planner sees them; on CPU each process gets its share of the node's RAM."""
         if self.device == "cpu":
-            host = (self.host_memory_gib or DEFAULT_HOST_MEMORY_GIB["cpu"]) * GiB
+            host = self.host_bytes
             per_process = int(host // self.gpus_per_node)
             if per_process <= CPU_RESERVED_BYTES:
                 raise UsageError(f"--host-memory {host / GiB:g} GiB over {self.gpus_per_node} processes leaves "
