@@ -1,7 +1,7 @@
 """Recipe runs shared by tests/test_convert.py and tests/test_reshard_resume.py.
 
-Each run is made once per pytest session (under the session's base temp folder) by whichever
-module asks first, so the two modules together launch the reference run once.
+Each run is made once per pytest session (in the folder the session's xdist workers share) by
+whichever module asks first, so the two modules together launch the reference run once.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ def base(tmp_path_factory) -> Path:
 
 def tiny_model(root: Path, *, tied: bool = True) -> Path:
     folder = root / ("tiny-llama-tied" if tied else "tiny-llama")
-    if not (folder / "config.json").is_file():
-        tiny_llama(folder, tied=tied)
-    return folder
+    return made_once(folder, lambda: tiny_llama(folder, tied=tied))
 
 
 def fsdp_config(root: Path, version: int, state_dict_type: str = "SHARDED_STATE_DICT") -> Path:

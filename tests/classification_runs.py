@@ -1,7 +1,7 @@
 """Classification recipe runs shared by tests/test_recipes.py and tests/test_reshard_resume.py.
 
-The reference is made once per pytest session (under the session's base temp folder) by whichever
-module asks first: FSDP2, 2 processes, the tiny BERT with dropout off (so that a run resumed on
+The reference is made once per pytest session (in the folder the session's xdist workers share)
+by whichever module asks first: FSDP2, 2 processes, the tiny BERT with dropout off (so that a run resumed on
 another process count, whose new ranks draw other dropout masks, must still give the same
 losses), steps 1-12 uninterrupted, a checkpoint every 2 steps, all kept.
 """
@@ -30,12 +30,14 @@ def base(tmp_path_factory) -> Path:
 def tiny_model(root: Path) -> Path:
     """The tiny BERT (4 placeholder labels: the genres fit them) without dropout."""
     folder = root / "tiny-bert-no-dropout"
-    if not (folder / "config.json").is_file():
+
+    def make() -> None:
         tiny_bert(folder)
         config = json.loads((folder / "config.json").read_text())
         config.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
+
+    return made_once(folder, make)
 
 
 def fsdp_config(root: Path) -> Path:

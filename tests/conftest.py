@@ -50,9 +50,10 @@ def accelerate_config(directory: Path, name: str, *, distributed_type: str = "FS
 
 @contextlib.contextmanager
 def real_launches():
-    """Launches made inside run for real, not forked: the user-facing proofs (FSDP1/FSDP2 == DDP,
-    exact resume, a world-size change, LoRA == DDP, the convergence check catching a fault) run as
-    users run them, with every rank a new interpreter (its own str hash salt, its own imports)."""
+    """Launches made inside run for real, not forked: each user-facing proof (FSDP == DDP, exact
+    resume, a world-size change, LoRA == DDP, the convergence check catching a fault, FSDP x TP ==
+    DDP) runs once as users run it, with every rank a new interpreter (its own str hash salt, its
+    own imports)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FORKED_LAUNCH, "0")
         yield
@@ -71,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
     ``--no-loadscope-reorder`` xdist orders the modules by their number of tests instead) the
     longest modules start first, then the others by their number of slow tests, so that no long
     module starts last. The runs that ``tests/*_runs.py`` make once per
-    session are made once per worker that uses them (under its own base temp folder)."""
+    session are made once, in a folder every worker shares (``recipe_helpers.made_once``)."""
     if not hasattr(config, "workerinput"):  # the workers collect and order; xdist sends their order
         return
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,8 +51,10 @@ def causal_lm_args(model: Path, output_dir: Path, *extra) -> list[str]:
 
 
 def session_folder(tmp_path_factory, name: str) -> Path:
-    """``NAME/`` under the session's base temp folder: runs there are shared by every test module."""
-    folder = tmp_path_factory.getbasetemp() / name
+    """``NAME/`` in the folder every xdist worker of this pytest session shares (the session's base
+    temp folder without xdist): runs there are shared by every test module, whichever worker runs it."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     folder.mkdir(exist_ok=True)
     return folder
 
@@ -63,14 +66,18 @@ def launch_recipe(config: Path, recipe: Path, args: list[str], *, processes: int
     return result
 
 
-def made_once(run_dir: Path, make) -> Path:
-    """``run_dir`` after ``make()`` has run once per session: a ``RUN_DIR.done`` marker, written
-    when ``make`` returned, tells a later caller (another module) that the run is complete."""
-    done = run_dir.with_name(run_dir.name + ".done")
-    if not done.exists():
-        make()
-        done.write_text("ok\n")
-    return run_dir
+def made_once(path: Path, make) -> Path:
+    """``path`` after ``make()`` has run once per pytest session: a ``PATH.done`` marker, written
+    when ``make`` returned, tells a later caller (another module, on any worker) that it is complete;
+    a caller that comes while another worker makes it waits for it (``PATH.lock``)."""
+    from filelock import FileLock
+
+    done = path.with_name(path.name + ".done")
+    with FileLock(str(path.with_name(path.name + ".lock"))):
+        if not done.exists():
+            make()
+            done.write_text("ok\n")
+    return path
 
 
 def checkpoint(run_dir: Path, step: int) -> Path:

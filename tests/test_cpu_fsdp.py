@@ -62,9 +62,9 @@ RESUMED = ["fsdp2-sharded", "fsdp2-full", "fsdp1-sharded", "fsdp1-full"]
 # sync_module_states must broadcast rank 0's, or it cannot match DDP (its launch also serves the
 # sync_module_states test).
 SEEDED_PER_RANK = "fsdp1-shard-grad-op"
-# FSDP2 and FSDP1 == DDP and their exact resumes, launched for real (conftest.real_launches); the
-# other variants fork their launches.
-PROOFS = ("fsdp2-sharded", "fsdp1-sharded")
+# FSDP == DDP and its exact resume, launched for real (conftest.real_launches) once, with FSDP2; the
+# other variants (FSDP1 among them) fork their launches: the same script, accelerate and torchrun.
+PROOFS = ("fsdp2-sharded",)
 
 
 @pytest.fixture(scope="module")

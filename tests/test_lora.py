@@ -93,9 +93,9 @@ def lora_runs(root) -> dict[str, Path]:
     for name in ("ddp", "fsdp2", "fsdp1"):
         runs[name] = root / f"lora-{name}"
         extra = ("--export-merged",) if name == "fsdp2" else ()
-        # LoRA under FSDP2 and FSDP1 == LoRA under DDP, launched as users launch them; the DDP
-        # baseline forked: its numbers do not depend on how it started (tests/test_forked_launch.py)
-        with contextlib.nullcontext() if name == "ddp" else real_launches():
+        # LoRA under FSDP2 == LoRA under DDP, launched as users launch them; FSDP1 and the DDP
+        # baseline forked: their numbers do not depend on how they started (tests/test_forked_launch.py)
+        with real_launches() if name == "fsdp2" else contextlib.nullcontext():
             _launch(configs[name], causal_lm_args(model, runs[name], *LORA, *extra))
     return runs
 

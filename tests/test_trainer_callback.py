@@ -1,30 +1,30 @@
 """FSDPPresetsCallback on users' own Trainer and TRL scripts (tests/workers/trainer_user.py,
-tests/workers/sft_lora_user.py), launched for real (``accelerate launch``, not forked: these are the
-user-facing proofs) under presets made by ``fsdp-presets generate --device cpu --gpus 2 --baseline
-ddp``: FSDP2, FSDP1 and the DDP baseline train alike, ``save_model`` writes a loadable folder (a
-PEFT adapter for SFT + LoRA, under FSDP1 too) whose logits equal DDP's, ``compare`` reads the runs
-with and without the callback and catches a planted learning-rate change, every ``checkpoint-N``
-verifies, ``export`` needs only a config, a resume on another process count keeps the global batch,
-SIGTERM at the launcher commits the step reached (exit 75 on the ranks) and Trainer's own resume
-continues from it, a rank SIGKILLed in the middle of a save (Trainer) or of a run (SFT + LoRA)
-resumes exactly from the newest committed checkpoint, a checkpoint saved in the background
-(``async_save=True``) equals the synchronous one of its step and resumes exactly, Ctrl-C during a
-background save (with ``save_total_limit``) commits it and exits 130, Ctrl-C at the terminal commits
-the step reached, exits 130 and Trainer's resume continues from it, QLoRA
-(bitsandbytes 4-bit on the CPU) trains like its DDP baseline, bit for bit, and saves its adapter under
-FSDP2, and a launch that is not what the preset's header planned, for another model, is refused.
+tests/workers/sft_lora_user.py), launched with ``accelerate launch`` (real or forked, below) under
+presets made by ``fsdp-presets generate --device cpu --gpus 2 --baseline ddp``: FSDP2, FSDP1 and the
+DDP baseline train alike, ``save_model`` writes a loadable folder (a PEFT adapter for SFT + LoRA, under
+FSDP1 too) whose logits equal DDP's, ``compare`` reads the runs with and without the callback and
+catches a planted learning-rate change, every ``checkpoint-N`` verifies, ``export`` needs only a
+config, a resume on another process count keeps the global batch, SIGTERM at the launcher commits the
+step reached (exit 75 on the ranks) and Trainer's own resume continues from it, a rank SIGKILLed in the
+middle of a save (Trainer) or of a run (SFT + LoRA) resumes exactly from the newest committed
+checkpoint, a checkpoint saved in the background (``async_save=True``) equals the synchronous one of
+its step and resumes exactly, Ctrl-C during a background save (with ``save_total_limit``) commits it
+and exits 130, Ctrl-C at the terminal commits the step reached, exits 130 and Trainer's resume
+continues from it, QLoRA (bitsandbytes 4-bit on the CPU) trains like its DDP baseline, bit for bit, and
+saves its adapter under FSDP2, and a launch that is not what the preset's header planned, for another
+model, is refused.
 
-The launches are shared by the tests (module-scoped fixtures), 12 real and 9 forked. Real launches
-only for the proofs a user makes (FSDP == DDP, the saved model, signals and kills, resumes): the
-FSDP2 and FSDP1 Trainer runs, the SFT + LoRA FSDP2 and FSDP1 runs, SFT + QLoRA, SFT + LoRA killed at
-step 5 and resumed, and one chain of three launches (SIGTERM at step 3, saved with ``async_save``;
-Trainer's resume on one process, which keeps the global batch (the preset for two processes: another
-count is fine for a resume), killed in the save of step 6; Trainer's resume on two processes, saving in
-the background, bit for bit the uninterrupted FSDP2 run, which saves synchronously), Ctrl-C at the
-launcher during a background save, and Ctrl-C at the whole launch. The DDP
-baselines, the refused resume, the refused launches, a signal to one rank, the resume after Ctrl-C, a run saving in the
-background at every step and recipes/sft_trainer.py are forked (tests/conftest.py), a few times
-cheaper.
+The launches are shared by the tests (module-scoped fixtures), 6 real and 14 forked. Real launches
+for each proof a user makes once: the FSDP2 Trainer run (== DDP, the saved model), the FSDP2 SFT +
+LoRA run (== DDP, the adapter), the signals a real torchrun agent forwards (SIGTERM at the launcher
+during a background save, Ctrl-C at the launcher during a background save, Ctrl-C at the whole
+launch), and the last launch of the resume chain (Trainer's resume on two processes, saving in the
+background, bit for bit the uninterrupted FSDP2 run). The chain's other launch (Trainer's resume on
+one process, which keeps the global batch, SIGKILLed by a planted fault in the save of step 6), the
+FSDP1 Trainer run, FSDP1 + LoRA and QLoRA, SFT + LoRA killed at step 5 and resumed, the DDP
+baselines, the refused resume, the refused launches, a signal to one rank, the resume after Ctrl-C,
+a run saving in the background at every step and recipes/sft_trainer.py are forked
+(tests/conftest.py): the same scripts, accelerate and torchrun, a few times cheaper.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -101,9 +102,9 @@ def trainer_runs(presets, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("trainer_runs")
     runs = {}
     for name in ("ddp", "fsdp2", "fsdp1"):
-        runs[name] = root / name  # the DDP baseline forked: its numbers do not depend on how it started
+        runs[name] = root / name  # FSDP2 launched for real: the proof a user makes; FSDP1 and DDP forked
         result = _launch(presets[name], TRAINER_SCRIPT, presets["model"], runs[name],
-                         forked=None if name == "ddp" else False)
+                         forked=False if name == "fsdp2" else None)
         if name != "ddp":
             assert "gathering the full state dict to rank 0 with CPU offload" in result.stdout
     return runs
@@ -249,7 +250,7 @@ def sft_runs(presets, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sft_runs")
     runs = {name: root / name for name in ("ddp", "fsdp2", "fsdp1", "qlora", "qlora-ddp")}
     for name, preset, forked, extra in (("ddp", "ddp", None, ()), ("fsdp2", "fsdp2", False, ()),
-                                        ("fsdp1", "fsdp1-lora", False, ()), ("qlora", "qlora", False, ("--load-in-4bit",)),
+                                        ("fsdp1", "fsdp1-lora", None, ()), ("qlora", "qlora", None, ("--load-in-4bit",)),
                                         ("qlora-ddp", "qlora-ddp", None, ("--load-in-4bit",))):
         if name.startswith("qlora") and not HAS_BITSANDBYTES:
             continue
@@ -324,11 +325,12 @@ def sft_killed_and_resumed(sft_runs, presets, tmp_path_factory) -> dict:
     """The FSDP2 SFT + LoRA run of ``sft_runs`` (same flags), rank 1 SIGKILLed at the end of step 5
     (checkpoint-3 committed), then the same script with Trainer's own resume, to the end."""
     output = tmp_path_factory.mktemp("sft_killed") / "run"
-    killed = _launch(presets["fsdp2"], SFT_SCRIPT, presets["model"], output, "--kill-rank-at-step", 1, 5, check=False)
+    killed = _launch(presets["fsdp2"], SFT_SCRIPT, presets["model"], output, "--kill-rank-at-step", 1, 5, check=False,
+                     forked=None)
     left = {"result": killed, "metrics": read_metrics(output / METRICS),
             "checkpoints": sorted(path.name for path in output.glob("checkpoint-*")),
             "committed": (output / trainer_checkpoint_name(3) / MANIFEST).is_file()}
-    resumed = _launch(presets["fsdp2"], SFT_SCRIPT, presets["model"], output, "--resume")
+    resumed = _launch(presets["fsdp2"], SFT_SCRIPT, presets["model"], output, "--resume", forked=None)
     return {"killed": left, "resumed": resumed, "output": output}
 
 
@@ -337,8 +339,9 @@ def test_sft_lora_killed_mid_run_resumes_exactly_with_trainers_own_resume(sft_ki
     import torch
 
     killed, output = sft_killed_and_resumed["killed"], sft_killed_and_resumed["output"]
-    assert killed["result"].returncode != 0 and "failed (exitcode: -9) local_rank: 1" in killed["result"].stderr, \
-        killed["result"].stderr[-3000:]
+    # torchrun's failure summary lists rank 1 SIGKILLed (rank 0 may fail first, its peer gone)
+    assert killed["result"].returncode != 0 and re.search(r"rank\s*: 1 \(local_rank: 1\)\s+exitcode\s*: -9",
+                                                          killed["result"].stderr), killed["result"].stderr[-3000:]
     assert killed["checkpoints"] == [trainer_checkpoint_name(3)] and killed["committed"]
     uninterrupted = _losses(sft_runs["fsdp2"])
     before_kill = _train_losses(killed["metrics"])
@@ -494,7 +497,7 @@ def killed_and_resumed(preempted_run, presets) -> dict:
     checkpoint-6 in the background."""
     output = preempted_run["output"]
     killed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", check=False,
-                     env={FAULT_ENV: "kill-during-save:step=6"}, processes=1)
+                     env={FAULT_ENV: "kill-during-save:step=6"}, processes=1, forked=None)
     after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
                   "run": json.loads((output / RUN_JSON).read_text()),
                   "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}

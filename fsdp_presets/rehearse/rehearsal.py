@@ -383,10 +383,12 @@ size after the first), so a longer accumulation has the same peak; only the last
 def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micro_batch: int = 1,
              grad_accum: int = 1, reduce_every_micro_batch: bool = False, iterations: int = 2,
              trust_remote_code: bool = False, mesh_sizes: dict[str, int] | None = None) -> Rehearsal:
-    """Rehearse ``iterations`` optimizer steps of ``grad_accum`` micro-batches each (at most
-    :data:`REHEARSED_MICRO_BATCHES`, which have the same peak), as ``recipes/causal_lm.py`` runs
-    them, and return rank 0's peak (see the module notes). ``reduce_every_micro_batch``: reduce
-    gradients after every micro-batch instead of accumulating them unsharded under ``no_sync``.
+    """Rehearse ``iterations`` optimizer steps, the last of ``grad_accum`` micro-batches (at most
+    :data:`REHEARSED_MICRO_BATCHES`, which have the same peak) as ``recipes/causal_lm.py`` runs
+    them, the ones before it on zero gradients (they create the optimizer state that training holds
+    from its second step on), and return rank 0's peak in the last (see the module notes).
+    ``reduce_every_micro_batch``: reduce gradients after every micro-batch instead of accumulating
+    them unsharded under ``no_sync``.
     ``mesh_sizes``: ``DistributedConfig``'s sizes (``fsdp_size``, ``tp_size``, ``ep_size``,
     ``dp_replicate_size``; :meth:`fsdp_presets.rehearse.mesh.Mesh.sizes`) to shard the model with
     transformers' own code on that mesh
@@ -435,11 +437,14 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
             model.train()
             with fake.fake_mode, tracker:
                 for iteration in range(iterations):
-                    # Earlier iterations only create the optimizer state (the peak is in the last,
-                    # which has it): one micro-batch each is enough.
-                    count = micro_batches if iteration == iterations - 1 else 1
-                    for index in range(count):
-                        last = index == count - 1 or reduce_every_micro_batch
+                    if iteration < iterations - 1:
+                        # Earlier iterations only create the optimizer state (the peak is in the
+                        # last, which has it): a step on zero gradients creates the same state,
+                        # without a forward and a backward of the whole model.
+                        _create_optimizer_state(model, optimizer, tracker)
+                        continue
+                    for index in range(micro_batches):
+                        last = index == micro_batches - 1 or reduce_every_micro_batch
                         if accelerator is None:  # transformers' FSDP2: no accelerate to ask
                             model.set_requires_gradient_sync(last)
                             loss = causal_lm_summed_loss(model, input_ids, labels)
@@ -466,6 +471,24 @@ def rehearse(config, env: dict[str, str], *, world_size: int, seq_len: int, micr
         restore_propagation()
     return Rehearsal(peak_bytes=peak, peak_by_category=by_category, peak_where=where, iterations=iterations,
                      seconds=time.perf_counter() - started, units=units, moments=moments)
+
+
+def _create_optimizer_state(model, optimizer, tracker) -> None:
+    """One optimizer step on zero gradients (what a training step's first ``optimizer.step()`` creates:
+    AdamW's moments and step counters, tracked as optimizer state), then what the tracker saw of it
+    forgotten: the rank's peak and the moments are those of the steps that follow, as in training,
+    where every later step holds the same state through its forward and backward."""
+    import torch
+
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    tracker.reset_mod_stats()
+    tracker._peak_mem.clear()  # FSDPMemTracker's rank peak (see _RehearsalTracker._update_peak_stats)
+    tracker._peak_mem_snap.clear()
+    tracker.moments, tracker.moment, tracker.peak_where = {}, "", ""
 
 
 def _by_category(snapshot: dict) -> dict[str, int]:

@@ -63,6 +63,7 @@ PRELOAD = (
     "transformers.models.qwen3.modeling_qwen3", "transformers.models.mistral.modeling_mistral",
     "transformers.models.auto.modeling_auto", "transformers.optimization",
     "datasets", "safetensors.torch", "yaml", "numpy", "peft",
+    "transformers.trainer", "trl", "fsdp_presets.train.trainer_callback",
     "matplotlib", "matplotlib.pyplot",
     "fsdp_presets", "fsdp_presets.cpu_fsdp", "fsdp_presets.train.loop", "fsdp_presets.train.data",
     "fsdp_presets.train.plots", "fsdp_presets.train.model_setup", "fsdp_presets.checkpoint.manager",

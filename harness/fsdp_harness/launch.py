@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_presets.fileio import write_text_atomic
 from fsdp_presets.launching import local
 from fsdp_presets.launching.local import launch_command
 
@@ -127,6 +128,5 @@ def write_accelerate_config(path: Path, *, num_processes: int, distributed_type:
                 settings.setdefault(name, value)
     config = written_config(distributed_type=distributed_type, num_processes=num_processes,
                             mixed_precision=mixed_precision, fsdp=settings or None, parallelism=parallelism)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    write_text_atomic(path, yaml.safe_dump(config, sort_keys=False))  # workers may write one config at once
     return path
