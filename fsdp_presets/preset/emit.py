@@ -427,36 +427,49 @@ def _rehearsed_lines(preset: Preset, output: str) -> list[str]:
     return lines
 
 
+def _companion_file(preset: Preset, *, about: str, kind: str, output: str, baseline_output: str | None,
+                    launch: LaunchHints, launch_title: str, launch_line: list[str], notes: list[str],
+                    config: dict) -> str:
+    """A file generated beside the FSDP config (the DDP baseline, the Trainer config): what it is,
+    the command that generated both, how to launch it, ``notes``, its metadata, then ``config``."""
+    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
+    lines = [
+        *_wrapped(about, first="# ", rest="# "),
+        "#",
+        "# Generated with its FSDP config by:",
+        *_shell_lines(command),
+        "#",
+        f"# {launch_title}:",
+        *_shell_lines(launch_line),
+        *notes,
+        "#",
+        _metadata(preset, kind=kind, output=output, baseline_output=baseline_output, launch=launch),
+    ]
+    return _assemble(lines, config)
+
+
 def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
                         launch: LaunchHints = LaunchHints()) -> str:
     """The DDP baseline file matching ``preset`` (same processes, machines, precision, batch)."""
-    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
     ddp = preset.memory_plan.get("DDP")
     fit = (f"fits: {format_bytes(ddp.per_gpu.total)} per GPU, up to micro-batch {ddp.max_micro_batch}" if ddp.fits
            else f"does not fit here: {format_bytes(ddp.per_gpu.total)} per GPU of "
                 f"{format_bytes(preset.memory_plan.hardware.usable_bytes)} usable; run the comparison at a scale where "
                 "it does (fewer layers, a smaller sibling model, or --device cpu)")
     nodes = preset.parallelism.num_machines
-    lines = [
-        *_wrapped(f"DDP baseline of {output}: {baseline_processes(preset)} processes on {nodes} "
-                  f"node{'s' if nodes > 1 else ''}"
-                  f"{' (one per TP group: the same micro-batches)' if preset.parallelism.tp_size > 1 else ''}, "
-                  f"mixed precision {preset.precision.mixed_precision}, the same global batch. Every process holds a full replica and all-reduces full gradients (no "
-                  "sharding): the reference that FSDP must match step by step (scripts/convergence_check.py, "
-                  "fsdp-presets compare).", first="# ", rest="# "),
-        "#",
-        "# Generated with its FSDP config by:",
-        *_shell_lines(command),
-        "#",
-        "# Launch with the FSDP config's recipe flags (the same samples in the same order):",
-        *_shell_lines(launch_words(preset, config_file=baseline_output, launch=launch, baseline=True)),
-        *_method_lines(preset),
-        "#",
-        *_wrapped(f"Planner: DDP at micro-batch {preset.batch.micro_batch} {fit}.", first="# ", rest="# "),
-        "#",
-        _metadata(preset, kind="ddp-baseline", output=output, baseline_output=baseline_output, launch=launch),
-    ]
-    return _assemble(lines, ddp_config(preset))
+    about = (f"DDP baseline of {output}: {baseline_processes(preset)} processes on {nodes} "
+             f"node{'s' if nodes > 1 else ''}"
+             f"{' (one per TP group: the same micro-batches)' if preset.parallelism.tp_size > 1 else ''}, "
+             f"mixed precision {preset.precision.mixed_precision}, the same global batch. Every process holds a full "
+             "replica and all-reduces full gradients (no sharding): the reference that FSDP must match step by step "
+             "(scripts/convergence_check.py, fsdp-presets compare).")
+    return _companion_file(
+        preset, about=about, kind="ddp-baseline", output=output, baseline_output=baseline_output, launch=launch,
+        launch_title="Launch with the FSDP config's recipe flags (the same samples in the same order)",
+        launch_line=launch_words(preset, config_file=baseline_output, launch=launch, baseline=True),
+        notes=[*_method_lines(preset), "#",
+               *_wrapped(f"Planner: DDP at micro-batch {preset.batch.micro_batch} {fit}.", first="# ", rest="# ")],
+        config=ddp_config(preset))
 
 
 def trainer_config(preset: Preset) -> dict:
@@ -471,28 +484,21 @@ def render_trainer_config(preset: Preset, *, output: str, trainer_output: str, b
     """The ``NAME.trainer.yaml`` of a TP/EP preset (:func:`trainer_config`), with its header."""
     from fsdp_presets.preset.emit_distributed import distributed_config_path
 
-    command = generate_words(preset.request, output=output, baseline_output=baseline_output, launch=launch)
     parallelism = preset.parallelism
-    lines = [
-        *_wrapped(f"Trainer config of {output}: {parallelism.label} on {parallelism.num_processes} processes, "
-                  f"mixed precision {preset.precision.mixed_precision}, for a transformers.Trainer (or TRL) script "
-                  f"that loads the model with {distributed_config_path(output)}. transformers shards the model at "
-                  "load time and the Trainer registers it with accelerate as it is, then prepares its optimizer "
-                  "alone: accelerate allows that under a multi-device type and refuses it under FSDP (\"an "
-                  "optimizer must be passed together with its model\"), so this file is DDP type with every process "
-                  "of the mesh (on a CPU-only host fsdp_presets.enable_cpu_fsdp() runs it over gloo). The Trainer "
-                  "writes no checkpoints of such a model (transformers refuses); recipes/causal_lm.py with "
-                  f"{output} saves and resumes.", first="# ", rest="# "),
-        "#",
-        "# Generated with its FSDP config by:",
-        *_shell_lines(command),
-        "#",
-        "# Launch (a Trainer script with fsdp_presets.FSDPPresetsCallback: the recipe below, or your own):",
-        *_shell_lines(launch_words(preset, config_file=output, launch=launch, trainer_config=trainer_output)),
-        "#",
-        _metadata(preset, kind="trainer", output=output, baseline_output=baseline_output, launch=launch),
-    ]
-    return _assemble(lines, trainer_config(preset))
+    about = (f"Trainer config of {output}: {parallelism.label} on {parallelism.num_processes} processes, "
+             f"mixed precision {preset.precision.mixed_precision}, for a transformers.Trainer (or TRL) script "
+             f"that loads the model with {distributed_config_path(output)}. transformers shards the model at "
+             "load time and the Trainer registers it with accelerate as it is, then prepares its optimizer "
+             "alone: accelerate allows that under a multi-device type and refuses it under FSDP (\"an "
+             "optimizer must be passed together with its model\"), so this file is DDP type with every process "
+             "of the mesh (on a CPU-only host fsdp_presets.enable_cpu_fsdp() runs it over gloo). The Trainer "
+             "writes no checkpoints of such a model (transformers refuses); recipes/causal_lm.py with "
+             f"{output} saves and resumes.")
+    return _companion_file(
+        preset, about=about, kind="trainer", output=output, baseline_output=baseline_output, launch=launch,
+        launch_title="Launch (a Trainer script with fsdp_presets.FSDPPresetsCallback: the recipe below, or your own)",
+        launch_line=launch_words(preset, config_file=output, launch=launch, trainer_config=trainer_output),
+        notes=[], config=trainer_config(preset))
 
 
 def _assemble(header: list[str], config: dict) -> str:
