@@ -465,6 +465,11 @@ def _patch_parallelism_config_multi_cpu() -> None:
     ParallelismConfig._validate_accelerator = _validate_accelerator
 
 
+def fsdp_launch() -> bool:
+    """Whether ``accelerate launch`` ran this process under an FSDP config (its ``ACCELERATE_USE_FSDP``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def check_launch(accelerator) -> None:
     """Refuse a launch that would silently train N independent copies.
 
@@ -484,8 +489,7 @@ def check_launch(accelerator) -> None:
             f"(accelerate sees {accelerator.num_processes} process, distributed type "
             f"{accelerator.distributed_type.value})"
         )
-    wants_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
-    if wants_fsdp and accelerator.distributed_type != DistributedType.FSDP:
+    if fsdp_launch() and accelerator.distributed_type != DistributedType.FSDP:
         problems.append(
             f"the accelerate config asks for FSDP but accelerate runs {accelerator.distributed_type.value}"
         )

@@ -13,8 +13,8 @@ continues from the last checkpoint (--resume auto). Needs the `trl` extra (scrip
 it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
 --export-merged. With --distributed-config (a TP/EP mesh of `fsdp-presets generate --tp/--ep`) launch
 with NAME.trainer.yaml (DDP type, every rank of the mesh; the Trainer's optimizer cannot be prepared
-under FSDP): the run trains and exports but writes no checkpoints: Trainer does not checkpoint a
-model sharded at load time (recipes/causal_lm.py does).
+under FSDP); Trainer checkpoints such a model only with save_only_model=True, and the callback then
+saves and resumes its whole state (model and optimizer shards as DCP, scheduler, RNG).
 """
 
 import os
@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_presets import FSDPPresetsCallback
+from fsdp_presets.cpu_fsdp import fsdp_launch
 from fsdp_presets.errors import UsageError
 from fsdp_presets.train import loop, model_mesh, model_setup
 from fsdp_presets.train import lora as recipe_lora
@@ -64,10 +65,6 @@ def main():
     if args.distributed_config:
         mesh = model_mesh.load_model_mesh(args.distributed_config, rank=int(os.environ.get("RANK", 0)),
                                           world_size=int(os.environ.get("WORLD_SIZE", 1)), lora=lora)
-        if args.save_every or args.resume not in ("auto", "none"):
-            raise UsageError(f"--save-every/--resume with {args.distributed_config}: transformers' Trainer does not "
-                             "checkpoint a model sharded at load time (it refuses: \"Resuming is not supported\"); "
-                             "train a TP/EP run that saves and resumes with recipes/causal_lm.py")
     model = model_setup.load_model(AutoModelForCausalLM, args.model, lora, task_type="CAUSAL_LM", mesh=mesh)
 
     # ---- train ----
@@ -76,9 +73,11 @@ def main():
         per_device_eval_batch_size=args.micro_batch, gradient_accumulation_steps=args.grad_accum,
         learning_rate=args.learning_rate, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
         lr_scheduler_type=args.lr_scheduler, max_grad_norm=args.max_grad_norm, max_length=args.seq_len,
-        # a TP/EP mesh: no checkpoints (Trainer refuses them for a model sharded at load time)
-        save_strategy="no" if mesh else "steps", save_steps=args.save_every or args.max_steps,
-        save_total_limit=args.keep_last,
+        # a TP/EP model: Trainer checkpoints it only with save_only_model=True (the callback saves the rest); under
+        # an FSDP launch Trainer refuses that flag at once, and the callback's refusal at train() names the fix
+        save_strategy="no" if mesh is not None and fsdp_launch() else "steps",
+        save_only_model=mesh is not None and not fsdp_launch(),
+        save_steps=args.save_every or args.max_steps, save_total_limit=args.keep_last,
         eval_strategy="steps" if eval_dataset is not None and args.eval_every else "no",
         eval_steps=args.eval_every or None, logging_steps=1, seed=args.seed, data_seed=args.seed, report_to=[],
         bf16=False, disable_tqdm=True)  # precision: the preset's mixed_precision

@@ -4,12 +4,17 @@ FSDPPresetsCallback) ``--distributed-config NAME.distributed.json``, launched wi
 mesh), trains a tiny Llama as FSDP 2 x TP 2 on 4 processes and a tiny Mixtral as FSDP 2 x EP 2 on 2,
 each within the fp32 tolerance of its Trainer DDP baseline (the same recipe without the mesh, one
 process per TP group, the same micro-batch and global batch) over 20 steps; run.json records the
-mesh and the logged loss and tokens count a TP group's samples once. Without the
+mesh and the logged loss and tokens count a TP group's samples once. The callback checkpoints these
+runs whole (transformers alone refuses): each mesh run SIGKILLed in a save and resumed is the
+uninterrupted run bit for bit, the TP run's checkpoint resumes as plain FSDP2 on 2 processes within
+tolerance, and its last checkpoint exported is the weights ``final/`` gathered. Without the
 ``parallelism-config-multi-cpu`` patch of ``enable_cpu_fsdp()`` accelerate refuses the TP run on
 CPU, and a launch under the FSDP config is refused before anything is written.
 
-Launches (forked, tests/conftest.py): the two mesh runs and their two baselines, shared by the
-tests, then the TP run without the patch and the EP run under its FSDP config, 1 step each.
+Launches (forked, tests/conftest.py): the two mesh runs (saving every 10 steps) and their two
+baselines, shared by the tests; per mesh a run killed in the save of step 10 and its resume; the
+TP checkpoint resumed under FSDP2; the TP run without the patch and the EP run under its FSDP
+config, 1 step each.
 """
 
 from __future__ import annotations
@@ -23,16 +28,23 @@ import pytest
 
 from fsdp_harness.launch import run_launch
 from fsdp_harness.tiny_model import write_tiny_model
-from fsdp_presets.checkpoint.layout import RUN_JSON
+from safetensors.torch import load_file
+
+from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER, MANIFEST, RUN_JSON
 from fsdp_presets.cli import main as cli_main
+from fsdp_presets.compare.records import load_run
+from fsdp_presets.compare.report import summary_lines
+from fsdp_presets.compare.runs import compare_runs
 from fsdp_presets.cpu_fsdp import PARALLELISM_MULTI_CPU, PATCHES_OFF_ENV
+from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
 from recipe_helpers import REPO, SFT_TRAIN
 
-from conftest import GLOO_EXIT_ABORT
+from conftest import GLOO_EXIT_ABORT, accelerate_config
 
 SFT_RECIPE = REPO / "recipes" / "sft_trainer.py"
 STEPS = 20
+SAVE_EVERY = 10
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("trl") is None,
@@ -52,9 +64,10 @@ def mesh_presets(tmp_path_factory) -> dict[str, Path]:
     return {"llama": llama, "moe": moe, "root": root}
 
 
-def _sft(config: Path, model: Path, output: Path, *extra, steps: int = STEPS, env: dict | None = None):
+def _sft(config: Path, model: Path, output: Path, *extra, steps: int = STEPS, env: dict | None = None,
+         resume: str = "none"):
     args = ["--model", str(model), "--data", str(SFT_TRAIN), "--output-dir", str(output), "--max-steps", str(steps),
-            "--seq-len", "32", "--micro-batch", "2", "--learning-rate", "1e-3", "--resume", "none", *map(str, extra)]
+            "--seq-len", "32", "--micro-batch", "2", "--learning-rate", "1e-3", "--resume", resume, *map(str, extra)]
     return run_launch(config, SFT_RECIPE, args, cwd=REPO, env=env)
 
 
@@ -65,7 +78,8 @@ def mesh_runs(mesh_presets, tmp_path_factory) -> dict[str, Path]:
     for name, model in (("tp2", mesh_presets["llama"]), ("ep2", mesh_presets["moe"])):
         presets = mesh_presets["root"]
         for run, config, extra in ((name, presets / f"{name}.trainer.yaml",
-                                    ("--distributed-config", presets / f"{name}.distributed.json")),
+                                    ("--distributed-config", presets / f"{name}.distributed.json", "--save-every",
+                                     SAVE_EVERY)),
                                    (f"{name}-ddp", presets / f"{name}.ddp.yaml", ())):
             runs[run] = root / run
             result = _sft(config, model, runs[run], *extra)
@@ -102,7 +116,43 @@ def test_a_trainer_on_a_mesh_trains_like_its_ddp_baseline(mesh_runs, capsys, nam
     assert settings["model_mesh"] == {"file": None, **mesh}
     assert (settings["world_size"], settings["data_parallel_size"], settings["global_batch_samples"]) == (world, 2, 4)
     assert json.loads((baseline / RUN_JSON).read_text()).get("model_mesh") is None
-    assert (run / "final" / "model.safetensors").is_file() and not list(run.glob("checkpoint-*"))
+    assert (run / "final" / "model.safetensors").is_file()
+    for step in (SAVE_EVERY, STEPS):  # whole checkpoints, committed (transformers alone refuses to write them)
+        folder = run / f"checkpoint-{step}"
+        assert (folder / MANIFEST).is_file() and (folder / DCP_MODEL).is_dir() and (folder / DCP_OPTIMIZER).is_dir()
+        assert len(list(folder.glob("rng_state_*.pth"))) == world and (folder / "scheduler.pt").is_file()
+
+
+@pytest.mark.parametrize("name,model", [("tp2", "llama"), ("ep2", "moe")], ids=["fsdp2-x-tp2", "fsdp2-x-ep2"])
+def test_a_trainer_on_a_mesh_killed_in_a_save_and_resumed_is_the_uninterrupted_run_bit_for_bit(
+        mesh_presets, mesh_runs, tmp_path, name, model):
+    presets, output = mesh_presets["root"], tmp_path / name
+    mesh = ("--distributed-config", presets / f"{name}.distributed.json", "--save-every", 5)
+    killed = _sft(presets / f"{name}.trainer.yaml", mesh_presets[model], output, *mesh, steps=STEPS,
+                  env={FAULT_ENV: "kill-during-save:step=10"})
+    assert killed.returncode != 0 and "[fault] kill at during-save, step 10" in killed.stdout
+    assert (output / "checkpoint-10").is_dir() and not (output / "checkpoint-10" / MANIFEST).exists()
+    resumed = _sft(presets / f"{name}.trainer.yaml", mesh_presets[model], output, *mesh, resume="auto")
+    resumed.check()
+    assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(output / "checkpoint-5")
+    uninterrupted = compare_runs(load_run(mesh_runs[name]), load_run(output))
+    assert uninterrupted.verdict == "identical", summary_lines(uninterrupted)
+
+
+def test_a_trainer_mesh_checkpoint_resumes_under_fsdp2_and_exports_the_gathered_weights(
+        mesh_presets, mesh_runs, capsys, tmp_path):
+    """FSDP 2 x TP 2 -> FSDP2 on 2 processes (no TP, the same data-parallel ranks and global batch):
+    DCP reshards the 2-D DTensors; accelerate's own FSDP2 load reads the callback's folders."""
+    run, output = mesh_runs["tp2"], tmp_path / "fsdp2-from-tp"
+    _sft(accelerate_config(tmp_path, "fsdp2"), mesh_presets["llama"], output,
+         resume=str(run / f"checkpoint-{SAVE_EVERY}")).check()
+    assert json.loads((output / RUN_JSON).read_text())["fsdp"]["version"] == 2
+    report = _agrees(capsys, mesh_runs["tp2-ddp"], output)
+    assert re.search(rf"loss +(within_tolerance|identical) +{STEPS - SAVE_EVERY} steps", report), report
+    exported = tmp_path / "exported"
+    assert cli_main(["export", str(run / f"checkpoint-{STEPS}"), "--output", str(exported)]) == 0
+    final, written = load_file(run / "final" / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert sorted(final) == sorted(written) and all(final[key].equal(written[key]) for key in final)
 
 
 def test_the_tp_run_needs_the_parallelism_config_patch(mesh_presets, tmp_path):

@@ -137,13 +137,15 @@ def step_in_path(path: str | os.PathLike) -> int | None:
 
 
 def run_folder_of(checkpoint: str | os.PathLike) -> Path:
-    """The run folder of a recipe checkpoint: ``OUTPUT_DIR`` for ``OUTPUT_DIR/checkpoints/step-N``
-    (symbolic links resolved, as the checkpoint was written)."""
-    return Path(checkpoint).resolve().parent.parent
+    """The run folder of a checkpoint: ``OUTPUT_DIR`` for a recipe's ``OUTPUT_DIR/checkpoints/step-N``
+    and for Trainer's ``OUTPUT_DIR/checkpoint-N`` (symbolic links resolved, as the checkpoint was
+    written)."""
+    path = Path(checkpoint).resolve()
+    return path.parent if TRAINER_CHECKPOINT_PATTERN.match(path.name) else path.parent.parent
 
 
 def run_json_of(checkpoint: str | os.PathLike) -> Path:
-    """The ``run.json`` of the run that wrote a recipe checkpoint (it may not exist: an imported or
+    """The ``run.json`` of the run that wrote a checkpoint (it may not exist: an imported or
     moved checkpoint has none)."""
     return run_folder_of(checkpoint) / RUN_JSON
 

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
                   "DistributedConfig.from_dict)")
         elif path not in (output, baseline_output):
             print(f"wrote {path}: the config a Trainer script launches with on the mesh (DDP type, "
-                  f"{preset.parallelism.num_processes} processes; no checkpoints)")
+                  f"{preset.parallelism.num_processes} processes)")
     script = write_from_args(args, output, job=job)
     if script is not None:
         print(f"wrote {script}: {args.launcher} launch script of {output}")

@@ -393,8 +393,9 @@ def mesh_about(preset: Preset, output: str) -> list[str]:
         f"AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config).",
         f"A Trainer script launches with {trainer_config_path(output)} (DDP type, all "
         f"{parallelism.num_processes} processes of the mesh: the Trainer prepares its optimizer alone, which "
-        f"accelerate refuses under FSDP) and writes no checkpoints (transformers refuses to checkpoint a model "
-        f"sharded at load time; recipes/causal_lm.py saves and resumes).",
+        f"accelerate refuses under FSDP); it checkpoints such a model with save_only_model=True, as transformers "
+        f"asks, and FSDPPresetsCallback saves and resumes its whole state (model and optimizer shards, scheduler, "
+        f"RNG).",
         "Hold the run to its DDP baseline (fsdp-presets converge): tensor parallelism has counted the loss "
         "tp_size times without an error (transformers issues 45994, 39674).",
     ]
@@ -492,8 +493,8 @@ def render_trainer_config(preset: Preset, *, output: str, trainer_output: str, b
              "alone: accelerate allows that under a multi-device type and refuses it under FSDP (\"an "
              "optimizer must be passed together with its model\"), so this file is DDP type with every process "
              "of the mesh (on a CPU-only host fsdp_presets.enable_cpu_fsdp() runs it over gloo). The Trainer "
-             "writes no checkpoints of such a model (transformers refuses); recipes/causal_lm.py with "
-             f"{output} saves and resumes.")
+             "checkpoints such a model only with save_only_model=True; FSDPPresetsCallback then saves and "
+             "resumes its whole state (model and optimizer shards as DCP, scheduler, RNG).")
     return _companion_file(
         preset, about=about, kind="trainer", output=output, baseline_output=baseline_output, launch=launch,
         launch_title="Launch (a Trainer script with fsdp_presets.FSDPPresetsCallback: the recipe below, or your own)",

@@ -23,7 +23,8 @@ Trainer's names (:mod:`fsdp_presets.train.trainer_saves`), the signals and exit 
   optimizer step with the exact loss), so ``fsdp-presets compare`` reads the run;
 - every ``checkpoint-N`` gets a ``trainer``-kind manifest (its commit), holds data only
   (``training_args.json`` for Trainer's pickle), and ``resume_from_checkpoint=True`` takes the newest
-  committed one; a resume at another process count keeps the global batch, or refuses saying how;
+  committed one; a resume at another process count keeps the global batch, or refuses saying how; a
+  model sharded at load time (TP/EP, ``save_only_model=True`` as Trainer asks) is checkpointed whole;
 - Ctrl-C during training, SIGTERM or SIGUSR1 (``preempt_signals="none"`` turns those two off): the
   ranks agree at the next optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step
   reached and every rank exits 130 (Ctrl-C) or 75 (a preemption, with a ``preempted`` metrics line);
@@ -34,9 +35,9 @@ Trainer's names (:mod:`fsdp_presets.train.trainer_saves`), the signals and exit 
 NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
 gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
 finds its Trainer once, at ``on_init_end`` (called at the end of ``Trainer.__init__``), and wraps
-eight of that instance's methods (``train``, ``training_step``, ``_clip_grad_norm``,
-``_get_grad_norm``, ``_maybe_log_save_evaluate``, ``save_model``, ``_save_checkpoint``,
-``_save_optimizer_and_scheduler``): the class and other Trainers are untouched.
+ten of that instance's methods (``train``, ``training_step``, ``_clip_grad_norm``, ``_get_grad_norm``,
+``_maybe_log_save_evaluate``, ``save_model``, ``_save_checkpoint``, ``_save_optimizer_and_scheduler``,
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``): the class and other Trainers are untouched.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class FSDPPresetsCallback(TrainerCallback):
         self.saves = TrainerSaves(trainer, async_save=self._async_save, adapter_keys=adapter_keys, say=self._say)
         for name in ("train", "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
-        for name in ("save_model", "_save_checkpoint", "_save_optimizer_and_scheduler"):  # trainer_saves does them
+        for name in ("save_model", "_save_checkpoint", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+                     "_load_optimizer_and_scheduler"):  # trainer_saves does them
             setattr(trainer, name, functools.partial(self._exits, getattr(self.saves, name.lstrip("_")),
                                                      getattr(trainer, name)))
         return control

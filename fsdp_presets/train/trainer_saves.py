@@ -29,6 +29,16 @@ and optimizer shards in the background through the recipes' writer
    manifest is written (the commit) and then Trainer's rotation runs, so it never removes the last
    committed checkpoint for one still in flight.
 
+A model transformers sharded at load time (``from_pretrained(distributed_config=...)``, FSDP2 x TP or
+x EP): Trainer refuses to checkpoint it unless ``save_only_model=True`` ("Resuming is not supported"),
+and its own model and optimizer saves would write rank 0's shards alone. Its ``checkpoint-N`` is
+written here whole: the model and optimizer as DCP of its 2-D DTensors into ``pytorch_model_fsdp_0/``
+and ``optimizer_0/`` (the folders and keys accelerate's FSDP2 saves write, so a resume on another mesh
+or under plain FSDP2 reshards them on load), then Trainer's scheduler, RNG and ``trainer_state.json``
+files, whatever ``save_only_model`` says; ``resume_from_checkpoint`` loads them back
+(:meth:`TrainerSaves.load_from_checkpoint`, :meth:`TrainerSaves.load_optimizer_and_scheduler`) and
+Trainer skips the data already trained on as for any run.
+
 Until its manifest is written a ``checkpoint-N`` is not committed, and
 ``trainer.train(resume_from_checkpoint=True)`` with the callback skips it for the newest committed
 one (:func:`fsdp_presets.checkpoint.manager.trainer_resume_choice`).
@@ -46,10 +56,11 @@ from fsdp_presets.checkpoint.layout import TRAINER_ARGS_JSON, TRAINER_ARGS_PICKL
 from fsdp_presets.checkpoint.manager import TRAINER_NAMING, CheckpointManager
 from fsdp_presets.checkpoint.run_folder import (RunInfo, distributed_settings, launch_config_file, run_identity,
                                                 training_settings)
+from fsdp_presets.errors import UsageError
 from fsdp_presets.faults import fault_point
 from fsdp_presets.fileio import config_digest, write_text_atomic
 from fsdp_presets.train import lora
-from fsdp_presets.train.model_mesh import mesh_settings
+from fsdp_presets.train.model_mesh import is_sharded_by_transformers, mesh_settings
 
 
 class TrainerSaves:
@@ -122,6 +133,9 @@ class TrainerSaves:
         started = time.perf_counter()
         save_total_limit, trainer.args.save_total_limit = trainer.args.save_total_limit, None
         self._save_total_limit = save_total_limit  # a save in flight committed by this one rotates with it
+        # a model sharded at load time: the whole state, whatever save_only_model (see the module notes)
+        save_only_model = trainer.args.save_only_model
+        trainer.args.save_only_model = save_only_model and not self._sharded_at_load
         try:
             if self.saver is not None:  # async_save: Trainer's files now, the shards in the background
                 self._trainer_save = functools.partial(original, model, trial, *args, **kwargs)
@@ -134,7 +148,7 @@ class TrainerSaves:
                 self.checkpoints.begin_save(step)
                 original(model, trial, *args, **kwargs)
         finally:
-            trainer.args.save_total_limit = save_total_limit
+            trainer.args.save_total_limit, trainer.args.save_only_model = save_total_limit, save_only_model
             self._trainer_save, self._save_total_limit = None, None
         # drills: sync, Trainer's files written and no manifest yet; async, the shards still being written
         fault_point("during-save", step=step, rank=accelerator.process_index, folder=folder)
@@ -155,9 +169,58 @@ class TrainerSaves:
             self.settings_as_json(folder)
 
     def save_optimizer_and_scheduler(self, original, output_dir):
+        if self._sharded_at_load:
+            self._sharded_state(output_dir, save=True, model=False)
+            return save_scheduler(self.trainer, output_dir)
         if self._trainer_save is None:
             return original(output_dir)
         save_scheduler(self.trainer, output_dir)  # the shards: by the background writer
+
+    # ---- a model sharded at load time: model and optimizer as DCP (see the module notes) ----
+    @property
+    def _sharded_at_load(self) -> bool:
+        return is_sharded_by_transformers(self.trainer.model)
+
+    def load_from_checkpoint(self, original, resume_from_checkpoint, model=None):
+        if not self._sharded_at_load:
+            return original(resume_from_checkpoint, model)
+        self._sharded_state(resume_from_checkpoint, save=False, model=True)
+
+    def load_optimizer_and_scheduler(self, original, checkpoint):
+        if not self._sharded_at_load or checkpoint is None:
+            return original(checkpoint)
+        self._sharded_state(checkpoint, save=False, model=False)
+        load_scheduler(self.trainer, checkpoint)
+
+    def _sharded_state(self, folder, *, save: bool, model: bool) -> None:
+        """The model's (``model``) or the optimizer's state as DCP in accelerate's FSDP2 layout
+        (``pytorch_model_fsdp_0/`` under ``model``, ``optimizer_0/`` under ``optimizer``), saved or
+        loaded in place (DCP reshards what another mesh saved). Collective."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        from fsdp_presets.checkpoint.layout import DCP_METADATA, DCP_MODEL, DCP_OPTIMIZER
+        from fsdp_presets.checkpoint.safe_unpickle import safe_dcp_load
+
+        trainer = self.trainer
+        network = trainer.model  # the DTensor parameters themselves (the Trainer does not wrap this model)
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        key, name = ("model", DCP_MODEL) if model else ("optimizer", DCP_OPTIMIZER)
+        state = {key: get_model_state_dict(network) if model else get_optimizer_state_dict(network, optimizer)}
+        target = Path(folder) / name
+        if save:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target)))
+            return
+        if not (target / DCP_METADATA).is_file():
+            raise UsageError(f"resume_from_checkpoint {folder}: no {name}/ (DCP) in it, so it was not saved from a "
+                             "model sharded at load time with FSDPPresetsCallback; resume from a checkpoint-N this "
+                             "callback wrote")
+        safe_dcp_load(state, target, no_dist=False)
+        if model:
+            set_model_state_dict(network, state[key])
+        else:
+            set_optimizer_state_dict(network, optimizer, state[key])
 
     def _rotate(self) -> None:
         """Trainer's own rotation with the user's ``save_total_limit`` (set aside while Trainer saves)."""
@@ -177,6 +240,11 @@ class TrainerSaves:
     def save_model(self, original, output_dir=None, _internal_call=False):
         trainer, accelerator = self.trainer, self.trainer.accelerator
         plugin = getattr(accelerator.state, "fsdp_plugin", None)
+        if _internal_call and self._sharded_at_load:  # checkpoint-N: the shards, not a gathered folder
+            self._sharded_state(output_dir, save=True, model=True)
+            if accelerator.is_main_process:  # the settings Trainer's own save writes, as data (settings_as_json)
+                write_text_atomic(Path(output_dir) / TRAINER_ARGS_JSON, trainer.args.to_json_string())
+            return None
         if _internal_call:
             return original(output_dir, _internal_call)
         self.wait()  # async_save: save_model inside train() (a callback's) waits too
@@ -241,6 +309,14 @@ def save_scheduler(trainer, output_dir: str) -> None:
         with warnings.catch_warnings(record=True) as caught_warnings:
             torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
         reissue_pt_warnings(caught_warnings)
+
+
+def load_scheduler(trainer, checkpoint: str) -> None:
+    """The scheduler state :func:`save_scheduler` wrote, loaded as Trainer loads it (``weights_only``)."""
+    import torch
+    from transformers.trainer import SCHEDULER_NAME
+
+    trainer.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 
 def rotate(trainer, *, save_total_limit: int | None) -> None:
