@@ -168,6 +168,9 @@ def test_async_save_is_refused_where_dcp_cannot_write_in_the_background():
     assert async_save_problem(accelerator("MULTI_CPU"), lora=False).startswith("--async-save needs an FSDP")
     assert "FSDP1 with FULL_STATE_DICT" in async_save_problem(accelerator("FSDP", 1, "FULL_STATE_DICT"), lora=False)
     assert "LoRA" in async_save_problem(accelerator("FSDP"), lora=True)
+    # a Trainer's model sharded at load time launches DDP-type: "launch with an FSDP2 config" is no fix there
+    mesh = async_save_problem(accelerator("MULTI_CPU"), lora=False, sharded_at_load=True)
+    assert "drop --async-save" in mesh and "FSDP2 config" not in mesh
 
 
 def test_the_background_writer_thread_yields_to_training_and_the_caller_keeps_its_priority():

@@ -12,9 +12,9 @@ tolerance, and its last checkpoint exported is the weights ``final/`` gathered. 
 CPU, and a launch under the FSDP config is refused before anything is written.
 
 Launches (forked, tests/conftest.py): the two mesh runs (saving every 10 steps) and their two
-baselines, shared by the tests; per mesh a run killed in the save of step 10 and its resume; the
-TP checkpoint resumed under FSDP2; the TP run without the patch and the EP run under its FSDP
-config, 1 step each.
+baselines, shared by the tests; per mesh a run killed in the save of step 10 and its resume; the TP
+checkpoint resumed under FSDP2; the TP run without the patch and the EP run under its FSDP config,
+1 step each.
 """
 
 from __future__ import annotations

@@ -52,9 +52,14 @@ from fsdp_presets.errors import (Finding, UsageError, disk_full_cause, disk_full
 from fsdp_presets.faults import fault_point
 
 
-def async_save_problem(accelerator, *, lora: bool) -> str | None:
+def async_save_problem(accelerator, *, lora: bool, sharded_at_load: bool = False) -> str | None:
     """Why this run cannot save asynchronously, or None: the background write is DCP's, so the run
-    must be FSDP2 with ``SHARDED_STATE_DICT`` training every weight."""
+    must be FSDP2 with ``SHARDED_STATE_DICT`` training every weight (``sharded_at_load``: a Trainer's
+    model transformers sharded over a TP/EP mesh, which launches without accelerate's FSDP2)."""
+    if sharded_at_load:
+        return ("--async-save writes accelerate's FSDP2 state, and a Trainer trains a model transformers sharded at "
+                "load time (TP/EP) without it (its launch is the DDP-type NAME.trainer.yaml): drop --async-save; "
+                "its checkpoints are written whole at each save")
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if accelerator.distributed_type.value != "FSDP" or plugin is None:
         return ("--async-save needs an FSDP accelerate config (sharded DCP checkpoints); this run is "

@@ -184,7 +184,8 @@ class FSDPPresetsCallback(TrainerCallback):
         if self._async_save:
             from fsdp_presets.checkpoint.async_save import async_save_problem
 
-            problem = async_save_problem(self._accelerator, lora=self.saves.adapter_keys is not None)
+            problem = async_save_problem(self._accelerator, lora=self.saves.adapter_keys is not None,
+                                         sharded_at_load=mesh_of(trainer.model, 0) is not None)
             problems.append(problem and f"FSDPPresetsCallback(async_save=True): {problem}")
         try:
             check_wrap_classes(self._accelerator.state.fsdp_plugin if trainer.is_fsdp_enabled else None, trainer.model)
