@@ -207,15 +207,15 @@ class TrainerSaves:
         network = trainer.model  # the DTensor parameters themselves (the Trainer does not wrap this model)
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         key, name = ("model", DCP_MODEL) if model else ("optimizer", DCP_OPTIMIZER)
-        state = {key: get_model_state_dict(network) if model else get_optimizer_state_dict(network, optimizer)}
         target = Path(folder) / name
-        if save:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target)))
-            return
-        if not (target / DCP_METADATA).is_file():
+        if not save and not (target / DCP_METADATA).is_file():
             raise UsageError(f"resume_from_checkpoint {folder}: no {name}/ (DCP) in it, so it was not saved from a "
                              "model sharded at load time with FSDPPresetsCallback; resume from a checkpoint-N this "
                              "callback wrote")
+        state = {key: get_model_state_dict(network) if model else get_optimizer_state_dict(network, optimizer)}
+        if save:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target)))
+            return
         safe_dcp_load(state, target, no_dist=False)
         if model:
             set_model_state_dict(network, state[key])
