@@ -22,6 +22,10 @@ TABLE = Path(__file__).resolve().parents[2] / "tests" / "data" / "published_thro
 CALIBRATION_SOURCES = ("torchtitan", "fms-fsdp")
 """The two sources the matmul efficiency per GPU type was fitted on (docs/sharding.md)."""
 PLANNED_STRATEGIES = ("FULL_SHARD", "HYBRID_SHARD", "SHARD_GRAD_OP", "DDP")
+REDUCES_EVERY_MICRO_BATCH = ("llm-foundry", "olmo-core")
+"""Sources whose trainers reduce the gradients after every micro-batch under FSDP (no ``no_sync``),
+as read in their code: Composer (llm-foundry) enters its sync context only for a DDP model, and
+OLMo-core's FSDP train module only marks the last backward (it delays HSDP's all-reduce alone)."""
 NETWORK_GBPS = {
     # One GPU's network where a source states its cluster's (Gb/s per GPU); else the GPU type's usual one.
     ("fms-fsdp", "A100-80GB"): 400 / 8,  # README: "128 GPUs with 400Gbps" (per node of 8)
@@ -132,7 +136,9 @@ def predict(row: Row, *, matmul_efficiency: float | None = None) -> float:
     hardware = Hardware(gpus=row.gpus, nodes=row.nodes, gpu_memory_bytes=int(gpu.memory_gib * GiB), gpu=gpu,
                         inter_node_gbps=NETWORK_GBPS.get((row.source, row.gpu)))
     shape = TrainingShape(seq_len=row.seq_len, micro_batch=row.micro_batch, grad_accum=row.grad_accum,
-                          activation_checkpointing=row.activation_checkpointing)
+                          activation_checkpointing=row.activation_checkpointing,
+                          reduce_every_micro_batch=(row.grad_accum > 1 and row.sharding != "DDP"
+                                                    and row.source in REDUCES_EVERY_MICRO_BATCH))
     profile = profile_for(row.arch, row.dims, row.seq_len)
     if matmul_efficiency is None:
         return plan(profile, hardware, shape).get(row.sharding, 2).time.tokens_per_s_per_gpu
