@@ -31,6 +31,7 @@ from fsdp_harness.tiny_model import write_tiny_model
 from safetensors.torch import load_file
 
 from fsdp_presets.checkpoint.layout import DCP_MODEL, DCP_OPTIMIZER, MANIFEST, RUN_JSON
+from fsdp_presets.checkpoint.manifest import Manifest
 from fsdp_presets.cli import main as cli_main
 from fsdp_presets.compare.records import load_run
 from fsdp_presets.compare.report import summary_lines
@@ -121,6 +122,11 @@ def test_a_trainer_on_a_mesh_trains_like_its_ddp_baseline(mesh_runs, capsys, nam
         folder = run / f"checkpoint-{step}"
         assert (folder / MANIFEST).is_file() and (folder / DCP_MODEL).is_dir() and (folder / DCP_OPTIMIZER).is_dir()
         assert len(list(folder.glob("rng_state_*.pth"))) == world and (folder / "scheduler.pt").is_file()
+        assert Manifest.read(folder).model_mesh == settings["model_mesh"]
+    capsys.readouterr()
+    assert cli_main(["inspect-checkpoint", str(run / f"checkpoint-{STEPS}")]) == 0
+    label = {"tp2": "FSDP 2 x TP 2", "ep2": "FSDP 2 x EP 2"}[name]  # not "DDP": the launch type alone misleads
+    assert f"saved by    {world} process(es), {label}, sharded by transformers at load time" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name,model", [("tp2", "llama"), ("ep2", "moe")], ids=["fsdp2-x-tp2", "fsdp2-x-ep2"])

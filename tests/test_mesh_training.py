@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from fsdp_presets.checkpoint.manifest import Manifest
 from fsdp_presets.cli import build_parser, main as cli
 from fsdp_presets.commands import converge as converge_command
 from fsdp_presets.compare import converge as check
@@ -219,6 +220,7 @@ def test_export_of_a_2d_checkpoint_is_the_gathered_weights(workdir, tp_check):
     assert sorted(final) == sorted(written)
     assert all(final[name].equal(written[name]) for name in final)
     assert "distributed_config" not in json.loads((run / "final" / "config.json").read_text())
+    assert Manifest.read(checkpoint(run, MAX_STEPS)).model_mesh["tp_size"] == 2  # inspect-checkpoint names the mesh
 
 
 # ---- planted faults: each fails the check ----

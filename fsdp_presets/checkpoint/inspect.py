@@ -77,6 +77,8 @@ class CheckpointSummary:
     """Data files: path, rank, tensors, bytes."""
     resume: list[ResumeAnswer] = field(default_factory=list)
     """Answers for the asked process counts."""
+    model_mesh: dict[str, Any] | None = None
+    """The manifest's TP/EP mesh (a model transformers sharded at load time), None without one."""
 
     def per_rank(self) -> dict[str, dict[str, int]]:
         totals: dict[str, dict[str, int]] = {}
@@ -94,7 +96,23 @@ class CheckpointSummary:
         return payload
 
 
-def strategy_words(distributed_type: str | None, fsdp: dict[str, Any] | None, layout: str) -> str:
+def mesh_words(model_mesh: dict[str, Any]) -> str:
+    """``FSDP 2 x TP 2`` (``HSDP 2 x FSDP 4 x TP 2``, ``FSDP 2 x EP 2``): a recorded TP/EP mesh, named
+    as ``plan`` and ``generate`` name it."""
+    sizes = {key: int(model_mesh.get(key) or 1) for key in ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size")}
+    parts = [f"HSDP {sizes['dp_replicate_size']}"] if sizes["dp_replicate_size"] > 1 else []
+    parts.append(f"FSDP {sizes['fsdp_size']}")
+    parts += [f"{name} {sizes[key]}" for name, key in (("TP", "tp_size"), ("EP", "ep_size")) if sizes[key] > 1]
+    return " x ".join(parts)
+
+
+def strategy_words(distributed_type: str | None, fsdp: dict[str, Any] | None, layout: str,
+                   model_mesh: dict[str, Any] | None = None) -> str:
+    if model_mesh:
+        launch = (strategy_words(distributed_type, fsdp, layout) if fsdp else
+                  f"a {distributed_type} launch (a Trainer's)" if distributed_type else "")
+        return (f"{mesh_words(model_mesh)}, sharded by transformers at load time (DistributedConfig)"
+                + (f" under {launch}" if launch else ""))
     if fsdp:
         version = fsdp.get("version")
         details = []
@@ -191,9 +209,9 @@ def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> C
         layout=files.layout, step=step, samples_consumed=samples, global_batch_samples=batch, micro_batch_size=micro,
         world_size=manifest.world_size if manifest else None,
         strategy=strategy_words(manifest.distributed_type if manifest else None, manifest.fsdp if manifest else None,
-                                files.layout),
+                                files.layout, manifest.model_mesh if manifest else None),
         fsdp=manifest.fsdp if manifest else None, config_digest=manifest.config_digest if manifest else None,
-        integrity=integrity, files=data_files)
+        integrity=integrity, files=data_files, model_mesh=manifest.model_mesh if manifest else None)
     summary.resume = [resume_answer(summary, count) for count in (gpus or [])]
     return summary
 

@@ -263,6 +263,7 @@ class CheckpointManager:
                 config_digest=self.config_digest,
                 files={relative: {"sha256": digest, "bytes": size} for relative, digest, size in sorted(hashed)},
                 versions=_library_versions(), created_unix=time.time(), training=self.training,
+                model_mesh=self.distributed.get("model_mesh"),
                 kind=self.naming.kind or (ADAPTER_KIND if self.training else TRAINING_KIND),
             )
             total_bytes = sum(size for _, _, size in hashed)

@@ -74,6 +74,9 @@ class Manifest:
     """``imported``: the Hugging Face folder it was made from."""
     contents: str | None = None
     """``imported``: what it holds, in words, for a reader of the file."""
+    model_mesh: dict[str, Any] | None = None
+    """A model transformers sharded at load time over a TP/EP mesh: its sizes
+    (:meth:`fsdp_presets.train.model_mesh.ModelMesh.settings`); None for FSDP or DDP alone."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,6 +97,8 @@ class Manifest:
             problems.append(f"fsdp {self.fsdp!r} is not an object")
         if self.training is not None and not isinstance(self.training, dict):
             problems.append(f"training {self.training!r} is not an object")
+        if self.model_mesh is not None and not isinstance(self.model_mesh, dict):
+            problems.append(f"model_mesh {self.model_mesh!r} is not an object")
         if not isinstance(self.config_digest, str):
             problems.append(f"config_digest {self.config_digest!r} is not a string")
         if not isinstance(self.files, dict):
