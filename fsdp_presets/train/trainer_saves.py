@@ -31,7 +31,7 @@ and optimizer shards in the background through the recipes' writer
 
 A model transformers sharded at load time (``from_pretrained(distributed_config=...)``, FSDP2 x TP or
 x EP): Trainer refuses to checkpoint it unless ``save_only_model=True`` ("Resuming is not supported"),
-and its own model and optimizer saves would write rank 0's shards alone. Its ``checkpoint-N`` is
+and its own optimizer save would write rank 0's shards alone. Its ``checkpoint-N`` is
 written here whole: the model and optimizer as DCP of its 2-D DTensors into ``pytorch_model_fsdp_0/``
 and ``optimizer_0/`` (the folders and keys accelerate's FSDP2 saves write, so a resume on another mesh
 or under plain FSDP2 reshards them on load), then Trainer's scheduler, RNG and ``trainer_state.json``
