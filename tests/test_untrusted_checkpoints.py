@@ -460,6 +460,7 @@ MALFORMED = {
     "files-list": (_set("files", ["model.safetensors"]), "files is not an object"),
     "no-step": (lambda manifest: manifest.pop("step"), "no step"),
     "digest-number": (_set("config_digest", 7), "config_digest 7 is not a string"),
+    "mesh-size-text": (_set("model_mesh", {"fsdp_size": 2, "tp_size": "2"}), "model_mesh tp_size '2' is not a"),
     "not-an-object": (lambda manifest: manifest.clear() or None, "no step"),
     "impossible-step": (_set("step", 10**15), "manifest.json says step 1000000000000000, the folder is step-00000003"),
 }

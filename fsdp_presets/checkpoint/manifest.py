@@ -99,6 +99,11 @@ class Manifest:
             problems.append(f"training {self.training!r} is not an object")
         if self.model_mesh is not None and not isinstance(self.model_mesh, dict):
             problems.append(f"model_mesh {self.model_mesh!r} is not an object")
+        elif self.model_mesh is not None:
+            sizes = {key: self.model_mesh[key] for key in ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size")
+                     if key in self.model_mesh}
+            problems += [f"model_mesh {key} {size!r} is not a positive integer" for key, size in sizes.items()
+                         if not (type(size) is int and size >= 1)]
         if not isinstance(self.config_digest, str):
             problems.append(f"config_digest {self.config_digest!r} is not a string")
         if not isinstance(self.files, dict):
