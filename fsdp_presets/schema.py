@@ -251,6 +251,21 @@ def default(name: str, version: int) -> Any:
     return BY_NAME[name].default(version)
 
 
+# ---- transformers' DistributedConfig: the sizes of a TP/EP mesh (NAME.distributed.json, run.json, manifests) ----
+MESH_SIZE_KEYS = ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size")
+"""The mesh sizes transformers' ``DistributedConfig`` takes, as this project records them."""
+
+
+def mesh_label(sizes: dict[str, Any]) -> str:
+    """``FSDP 8 x TP 8``, ``HSDP 2 x FSDP 4 x TP 2``, ``FSDP 8 x EP 8``: a mesh as ``plan``,
+    ``generate`` and ``inspect-checkpoint`` name it (a missing size counts as 1)."""
+    size = {key: int(sizes.get(key) or 1) for key in MESH_SIZE_KEYS}
+    parts = [f"HSDP {size['dp_replicate_size']}"] if size["dp_replicate_size"] > 1 else []
+    parts.append(f"FSDP {size['fsdp_size']}")
+    parts += [f"{name} {size[key]}" for name, key in (("TP", "tp_size"), ("EP", "ep_size")) if size[key] > 1]
+    return " x ".join(parts)
+
+
 __all__ = [
     "BOOLEAN_FSDP_KEYS",
     "BY_NAME",
@@ -263,6 +278,7 @@ __all__ = [
     "FSDP_PREFIX",
     "INTEGER_FSDP_KEYS",
     "K",
+    "MESH_SIZE_KEYS",
     "P",
     "PEFT_WRAP_POLICY",
     "PARALLELISM_CONFIG",
@@ -275,4 +291,5 @@ __all__ = [
     "fsdp_key",
     "fsdp_key_name",
     "fsdp_where",
+    "mesh_label",
 ]

@@ -26,6 +26,7 @@ from fsdp_presets.checkpoint.files import CheckpointFiles, RankFile, find_checkp
 from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import printable
 from fsdp_presets.flags import GRAD_ACCUM, MICRO_BATCH
+from fsdp_presets.schema import mesh_label
 
 
 @dataclass(kw_only=True)
@@ -96,22 +97,12 @@ class CheckpointSummary:
         return payload
 
 
-def mesh_words(model_mesh: dict[str, Any]) -> str:
-    """``FSDP 2 x TP 2`` (``HSDP 2 x FSDP 4 x TP 2``, ``FSDP 2 x EP 2``): a recorded TP/EP mesh, named
-    as ``plan`` and ``generate`` name it."""
-    sizes = {key: int(model_mesh.get(key) or 1) for key in ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size")}
-    parts = [f"HSDP {sizes['dp_replicate_size']}"] if sizes["dp_replicate_size"] > 1 else []
-    parts.append(f"FSDP {sizes['fsdp_size']}")
-    parts += [f"{name} {sizes[key]}" for name, key in (("TP", "tp_size"), ("EP", "ep_size")) if sizes[key] > 1]
-    return " x ".join(parts)
-
-
 def strategy_words(distributed_type: str | None, fsdp: dict[str, Any] | None, layout: str,
                    model_mesh: dict[str, Any] | None = None) -> str:
     if model_mesh:
         launch = (strategy_words(distributed_type, fsdp, layout) if fsdp else
                   f"a {distributed_type} launch (a Trainer's)" if distributed_type else "")
-        return (f"{mesh_words(model_mesh)}, sharded by transformers at load time (DistributedConfig)"
+        return (f"{mesh_label(model_mesh)}, sharded by transformers at load time (DistributedConfig)"
                 + (f" under {launch}" if launch else ""))
     if fsdp:
         version = fsdp.get("version")

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from fsdp_presets.checkpoint.layout import MANIFEST
 from fsdp_presets.checkpoint.run_folder import run_info_of
+from fsdp_presets.schema import MESH_SIZE_KEYS
 
 MANIFEST_FORMAT = 2
 """The format written now; 1 is the format without ``kind`` (read, never written)."""
@@ -100,8 +101,7 @@ class Manifest:
         if self.model_mesh is not None and not isinstance(self.model_mesh, dict):
             problems.append(f"model_mesh {self.model_mesh!r} is not an object")
         elif self.model_mesh is not None:
-            sizes = {key: self.model_mesh[key] for key in ("dp_replicate_size", "fsdp_size", "tp_size", "ep_size")
-                     if key in self.model_mesh}
+            sizes = {key: self.model_mesh[key] for key in MESH_SIZE_KEYS if key in self.model_mesh}
             problems += [f"model_mesh {key} {size!r} is not a positive integer" for key, size in sizes.items()
                          if not (type(size) is int and size >= 1)]
         if not isinstance(self.config_digest, str):

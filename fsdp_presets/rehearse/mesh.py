@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_presets.schema import mesh_label
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -42,15 +44,8 @@ class Mesh:
                 "ep_size": self.ep}
 
     def label(self, *, gpus: int, nodes: int = 1, hybrid: bool = False) -> str:
-        """``FSDP 8 x TP 8``, ``HSDP 2 x FSDP 4 x TP 2``, ``FSDP 8 x EP 8``."""
-        sizes = self.sizes(gpus=gpus, nodes=nodes, hybrid=hybrid)
-        parts = [f"HSDP {sizes['dp_replicate_size']}"] if hybrid and nodes > 1 else []
-        parts.append(f"FSDP {sizes['fsdp_size']}")
-        if self.tp > 1:
-            parts.append(f"TP {self.tp}")
-        if self.ep > 1:
-            parts.append(f"EP {self.ep}")
-        return " x ".join(parts)
+        """``FSDP 8 x TP 8``, ``HSDP 2 x FSDP 4 x TP 2``, ``FSDP 8 x EP 8`` (:func:`fsdp_presets.schema.mesh_label`)."""
+        return mesh_label(self.sizes(gpus=gpus, nodes=nodes, hybrid=hybrid))
 
     def problems(self, parallel: dict, *, gpus: int, gpus_per_node: int, hybrid: bool = False,
                  nodes: int = 1) -> list[str]:

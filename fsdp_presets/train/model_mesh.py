@@ -69,11 +69,9 @@ class ModelMesh:
 
     def label(self) -> str:
         """``FSDP 2 x TP 2``, as ``plan`` and ``generate`` name it."""
-        from fsdp_presets.rehearse.mesh import Mesh
+        from fsdp_presets.schema import mesh_label
 
-        replicas = int(self.config.dp_replicate_size)
-        return Mesh(tp=self.tp_size, ep=self.ep_size).label(gpus=replicas * int(self.config.fsdp_size) * self.tp_size,
-                                                            nodes=replicas, hybrid=replicas > 1)
+        return mesh_label(self.settings())
 
     def data_share(self, tensor):
         """``tensor`` where this rank's samples count in a sum over the run, zeros on the other
