@@ -90,11 +90,16 @@ def python() -> str:
 
 
 @pytest.fixture(scope="module")
-def rehearsal_cache(tmp_path_factory):
-    """Plan rehearsals on (the suite turns them off), the cache in a temporary folder (never the
-    user's): for the modules that compare the planner with rehearsals."""
-    folder = tmp_path_factory.mktemp("fsdp-presets-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("FSDP_PRESETS_CACHE", str(folder))
-        patch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "on")
-        yield folder
+def rehearsal_cache_folder(tmp_path_factory) -> Path:
+    """The planner's cache of one module's rehearsal tests (shared by its tests, never the user's)."""
+    return tmp_path_factory.mktemp("fsdp-presets-cache")
+
+
+@pytest.fixture
+def rehearsal_cache(rehearsal_cache_folder, monkeypatch):
+    """Plan rehearsals on (the suite turns them off) for one test, the cache in the module's
+    temporary folder: for the tests that compare the planner with rehearsals. Function-scoped, so
+    the module's other tests plan as the rest of the suite does."""
+    monkeypatch.setenv("FSDP_PRESETS_CACHE", str(rehearsal_cache_folder))
+    monkeypatch.setenv("FSDP_PRESETS_PLAN_REHEARSAL", "on")
+    return rehearsal_cache_folder
