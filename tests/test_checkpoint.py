@@ -245,3 +245,31 @@ def test_a_manifest_of_another_format_is_refused_by_name(change, expected):
     payload = {**json.loads((FORMAT1 / "training-step-00000004" / MANIFEST).read_text()), **change}
     with pytest.raises(ValueError, match=expected):
         Manifest.from_json(payload)
+
+
+# ---- inspect-checkpoint --gpus N on a TP mesh ----
+@pytest.mark.parametrize("gpus,possible,says", [
+    (4, True, ["on FSDP 2 x TP 2: the global batch of 8 samples stays with --micro-batch 2 --grad-accum 2 over 2 "
+               "data-parallel ranks", "as FSDP2 alone: the global batch of 8 samples stays with --micro-batch 2 "
+               "--grad-accum 1 over 4 data-parallel ranks"]),
+    (2, True, ["on FSDP 1 x TP 2: 2 processes do not make 2 or more data-parallel ranks of 2-process TP groups",
+               "as FSDP2 alone: the global batch of 8 samples stays with --micro-batch 2 --grad-accum 2 over 2"]),
+    (6, False, ["on FSDP 3 x TP 2: the global batch of 8 samples does not split over 3 data-parallel ranks",
+                "as FSDP2 alone: the global batch of 8 samples does not split over 6 data-parallel ranks"]),
+])
+def test_a_tp_checkpoint_resumes_on_the_same_tp_size_or_as_fsdp2_alone(gpus, possible, says):
+    """A TP group shares its samples: on N processes the same TP size has N / tp data-parallel ranks
+    to split the global batch over, FSDP2 alone N; the answer gives both, and the accumulation of the
+    first that keeps the batch."""
+    from fsdp_presets.checkpoint.inspect import CheckpointSummary, resume_answer
+
+    summary = CheckpointSummary(checkpoint="run/checkpoint-10", kind="trainer", layout="dcp", step=10,
+                                samples_consumed=80, global_batch_samples=8, micro_batch_size=2, world_size=4,
+                                strategy="FSDP 2 x TP 2", fsdp=None, config_digest=None, integrity={"ok": True},
+                                files=[], model_mesh={"dp_replicate_size": 1, "fsdp_size": 2, "tp_size": 2,
+                                                      "ep_size": 1})
+    answer = resume_answer(summary, gpus)
+    assert answer.possible is possible and all(text in answer.reason for text in says), answer.reason
+    assert answer.gradient_accumulation_steps == {4: 2, 2: 2, 6: None}[gpus]
+    plain = resume_answer(CheckpointSummary(**{**vars(summary), "model_mesh": None}), gpus)  # FSDP alone: N ranks
+    assert "TP" not in plain.reason and plain.gradient_accumulation_steps == {4: 1, 2: 2, 6: None}[gpus]

@@ -7,14 +7,15 @@ process per TP group, the same micro-batch and global batch) over 20 steps; run.
 mesh and the logged loss and tokens count a TP group's samples once. The callback checkpoints these
 runs whole (transformers alone refuses): each mesh run SIGKILLed in a save and resumed is the
 uninterrupted run bit for bit, the TP run's checkpoint resumes as plain FSDP2 on 2 processes within
-tolerance, and its last checkpoint exported is the weights ``final/`` gathered. Without the
+tolerance, and its last checkpoint exported is the weights ``final/`` gathered; a user's Trainer script
+on the EP mesh with ``load_best_model_at_end`` ends with the best checkpoint's weights. Without the
 ``parallelism-config-multi-cpu`` patch of ``enable_cpu_fsdp()`` accelerate refuses the TP run on
 CPU, and a launch under the FSDP config is refused before anything is written.
 
 Launches (forked, tests/conftest.py): the two mesh runs (saving every 10 steps) and their two
 baselines, shared by the tests; per mesh a run killed in the save of step 10 and its resume; the TP
-checkpoint resumed under FSDP2; the TP run without the patch and the EP run under its FSDP config,
-1 step each.
+checkpoint resumed under FSDP2; the user's script on the EP mesh, 6 steps; the TP run without the
+patch and the EP run under its FSDP config, 1 step each.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from recipe_helpers import REPO, SFT_TRAIN
 from conftest import GLOO_EXIT_ABORT, accelerate_config
 
 SFT_RECIPE = REPO / "recipes" / "sft_trainer.py"
+TRAINER_USER = REPO / "tests" / "workers" / "trainer_user.py"
 STEPS = 20
 SAVE_EVERY = 10
 
@@ -124,9 +126,12 @@ def test_a_trainer_on_a_mesh_trains_like_its_ddp_baseline(mesh_runs, capsys, nam
         assert len(list(folder.glob("rng_state_*.pth"))) == world and (folder / "scheduler.pt").is_file()
         assert Manifest.read(folder).model_mesh == settings["model_mesh"]
     capsys.readouterr()
-    assert cli_main(["inspect-checkpoint", str(run / f"checkpoint-{STEPS}")]) == 0
+    assert cli_main(["inspect-checkpoint", str(run / f"checkpoint-{STEPS}"), "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
     label = {"tp2": "FSDP 2 x TP 2", "ep2": "FSDP 2 x EP 2"}[name]  # not "DDP": the launch type alone misleads
-    assert f"saved by    {world} process(es), {label}, sharded by transformers at load time" in capsys.readouterr().out
+    assert f"saved by    {world} process(es), {label}, sharded by transformers at load time" in out
+    # 2 processes: too few for TP 2 with data-parallel ranks; FSDP2 alone (or EP 2) keeps the global batch of 4
+    assert "resume at 2 GPU(s): yes" in out and ("as FSDP2 alone: the global batch of 4 samples" in out) == (name == "tp2")
 
 
 @pytest.mark.parametrize("name,model", [("tp2", "llama"), ("ep2", "moe")], ids=["fsdp2-x-tp2", "fsdp2-x-ep2"])
@@ -159,6 +164,27 @@ def test_a_trainer_mesh_checkpoint_resumes_under_fsdp2_and_exports_the_gathered_
     assert cli_main(["export", str(run / f"checkpoint-{STEPS}"), "--output", str(exported)]) == 0
     final, written = load_file(run / "final" / "model.safetensors"), load_file(exported / "model.safetensors")
     assert sorted(final) == sorted(written) and all(final[key].equal(written[key]) for key in final)
+
+
+def test_load_best_model_at_end_on_a_mesh_loads_the_best_checkpoints_weights(mesh_presets, tmp_path):
+    """A user's Trainer script on the EP mesh with ``load_best_model_at_end``: Trainer alone finds no
+    weights file in a DCP checkpoint, warns and keeps the last weights; with the callback ``final/``
+    holds the best checkpoint's. The best is made the first (the highest evaluation loss), so the
+    last weights cannot pass for it."""
+    presets, output = mesh_presets["root"], tmp_path / "best"
+    result = run_launch(presets / "ep2.trainer.yaml", TRAINER_USER, [
+        "--model", mesh_presets["moe"], "--data", SFT_TRAIN, "--output-dir", output, "--max-steps", 6,
+        "--save-steps", 3, "--distributed-config", presets / "ep2.distributed.json", "--best-is-first"], cwd=REPO)
+    result.check()
+    assert "Could not locate the best model" not in result.stdout + result.stderr
+    state = json.loads((output / "checkpoint-6" / "trainer_state.json").read_text())
+    assert Path(state["best_model_checkpoint"]).name == "checkpoint-3"
+    final = load_file(output / "final" / "model.safetensors")
+    for step, same in ((3, True), (6, False)):
+        exported = tmp_path / f"exported-{step}"
+        assert cli_main(["export", str(output / f"checkpoint-{step}"), "--output", str(exported)]) == 0
+        written = load_file(exported / "model.safetensors")
+        assert all(written[key].equal(final[key]) for key in final) == same, step
 
 
 def test_the_tp_run_needs_the_parallelism_config_patch(mesh_presets, tmp_path):

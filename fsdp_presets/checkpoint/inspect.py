@@ -10,13 +10,17 @@ Where a checkpoint can resume (checked by tests/test_reshard_resume.py):
 - ``ddp``: at any process count under DDP (or one process): whole tensors.
 - imported (``fsdp-presets import``): at any process count and under any of these, from step 0.
 
-The run stays the same training only if the global batch stays the same: ``N`` processes need
-``micro_batch_size x gradient_accumulation_steps = global_batch / N`` (the recipes adjust the
-accumulation on resume, :func:`fsdp_presets.checkpoint.resume.keep_global_batch`).
+The run stays the same training only if the global batch stays the same: ``N`` data-parallel ranks
+need ``micro_batch_size x gradient_accumulation_steps = global_batch / N`` (the recipes adjust the
+accumulation on resume, :func:`fsdp_presets.checkpoint.resume.keep_global_batch`). On ``N`` processes
+a checkpoint of a TP mesh (``model_mesh``, a model transformers sharded at load time) resumes on the
+same TP size, ``N / tp_size`` data-parallel ranks (a TP group shares its samples), or as FSDP2 alone,
+``N`` of them; the answer gives both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -143,25 +147,47 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
            "ddp": f"full tensors load on {gpus} process(es); use DDP (or one process)",
            "adapter": f"DCP reshards the LoRA adapter to {gpus} process(es) under FSDP2, FSDP1 or DDP; relaunch "
                       "with the same --lora-* flags (the base reloads from --model)"}[summary.layout]
-    batch = summary.global_batch_samples
-    if batch is None:
+    if summary.global_batch_samples is None:
         return ResumeAnswer(gpus=gpus, possible=True,
                             reason=f"{how}; the global batch is not recorded, keep micro-batch x accumulation x "
-                                   "processes as it was")
-    if batch % gpus:
+                                   "data-parallel ranks as it was")
+    tp = int((summary.model_mesh or {}).get("tp_size") or 1)
+    if tp == 1:
+        answer = _keeping_the_batch(summary, gpus, data_ranks=gpus, ranks="processes")
+        return answer if not answer.possible else dataclasses.replace(answer, reason=f"{how}; {answer.reason}")
+    # A TP mesh: on the same TP size (each TP group shares its samples), or as FSDP2 alone.
+    alone = _keeping_the_batch(summary, gpus, data_ranks=gpus, ranks="data-parallel ranks")
+    if gpus % tp or gpus // tp < 2:
+        mesh = ResumeAnswer(gpus=gpus, possible=False, reason=f"{gpus} processes do not make 2 or more data-parallel "
+                                                              f"ranks of {tp}-process TP groups")
+    else:
+        mesh = _keeping_the_batch(summary, gpus, data_ranks=gpus // tp, ranks="data-parallel ranks")
+    chosen = mesh if mesh.possible else alone
+    return ResumeAnswer(gpus=gpus, possible=chosen.possible,
+                        gradient_accumulation_steps=chosen.gradient_accumulation_steps,
+                        reason=f"{how}; on FSDP {gpus // tp or 1} x TP {tp}: {mesh.reason}; as FSDP2 alone: "
+                               f"{alone.reason}")
+
+
+def _keeping_the_batch(summary: CheckpointSummary, gpus: int, *, data_ranks: int, ranks: str) -> ResumeAnswer:
+    """Whether the recorded global batch splits over ``data_ranks`` data-parallel ranks (called
+    ``ranks``) at the run's micro-batch size (or the largest that divides), and with which accumulation."""
+    batch = summary.global_batch_samples
+    if batch % data_ranks:
         return ResumeAnswer(gpus=gpus, possible=False,
-                            reason=f"the global batch of {batch} samples does not split over {gpus} processes, so "
-                                   "every later step would take other samples; choose a process count that "
+                            reason=f"the global batch of {batch} samples does not split over {data_ranks} {ranks}, "
+                                   "so every later step would take other samples; choose a process count that "
                                    f"divides {batch}")
-    per_rank = batch // gpus
+    per_rank = batch // data_ranks
     micro = summary.micro_batch_size
     if micro is None or per_rank % micro:
         micro = math.gcd(per_rank, micro or per_rank)
     accumulation = per_rank // micro
     return ResumeAnswer(gpus=gpus, possible=True, gradient_accumulation_steps=accumulation,
-                        reason=f"{how}; the global batch of {batch} samples stays with {MICRO_BATCH.name} {micro} "
-                               f"{GRAD_ACCUM.name} {accumulation} (the recipes set the accumulation "
-                               "themselves)")
+                        reason=f"the global batch of {batch} samples stays with {MICRO_BATCH.name} {micro} "
+                               f"{GRAD_ACCUM.name} {accumulation}" + ("" if ranks == "processes" else
+                                                                      f" over {data_ranks} {ranks}")
+                               + " (the recipes set the accumulation themselves)")
 
 
 def summarize_checkpoint(folder: str | Path, gpus: list[int] | None = None) -> CheckpointSummary:

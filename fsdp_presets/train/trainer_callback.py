@@ -24,7 +24,7 @@ Trainer's names (:mod:`fsdp_presets.train.trainer_saves`), the signals and exit 
 - every ``checkpoint-N`` gets a ``trainer``-kind manifest (its commit), holds data only
   (``training_args.json`` for Trainer's pickle), and ``resume_from_checkpoint=True`` takes the newest
   committed one; a resume at another process count keeps the global batch, or refuses saying how; a
-  model sharded at load time (TP/EP, ``save_only_model=True`` as Trainer asks) is checkpointed whole;
+  model sharded at load time (TP/EP, ``save_only_model=True``) is checkpointed whole (best model too);
 - Ctrl-C during training, SIGTERM or SIGUSR1 (``preempt_signals="none"`` turns those two off): the
   ranks agree at the next optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step
   reached and every rank exits 130 (Ctrl-C) or 75 (a preemption, with a ``preempted`` metrics line);
@@ -34,10 +34,10 @@ Trainer's names (:mod:`fsdp_presets.train.trainer_saves`), the signals and exit 
 
 NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
 gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
-finds its Trainer once, at ``on_init_end`` (called at the end of ``Trainer.__init__``), and wraps
-ten of that instance's methods (``train``, ``training_step``, ``_clip_grad_norm``, ``_get_grad_norm``,
+finds its Trainer once, at ``on_init_end`` (the end of ``Trainer.__init__``), and wraps eleven of that
+instance's methods (``train``, ``training_step``, ``_clip_grad_norm``, ``_get_grad_norm``,
 ``_maybe_log_save_evaluate``, ``save_model``, ``_save_checkpoint``, ``_save_optimizer_and_scheduler``,
-``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``): the class and other Trainers are untouched.
+``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``), not its class.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class FSDPPresetsCallback(TrainerCallback):
         for name in ("train", "training_step", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate"):
             setattr(trainer, name, functools.partial(getattr(self, f"_{name.lstrip('_')}"), getattr(trainer, name)))
         for name in ("save_model", "_save_checkpoint", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
-                     "_load_optimizer_and_scheduler"):  # trainer_saves does them
+                     "_load_optimizer_and_scheduler", "_load_best_model"):  # trainer_saves does them
             setattr(trainer, name, functools.partial(self._exits, getattr(self.saves, name.lstrip("_")),
                                                      getattr(trainer, name)))
         return control

@@ -192,6 +192,14 @@ class TrainerSaves:
         self._sharded_state(checkpoint, save=False, model=False)
         load_scheduler(self.trainer, checkpoint)
 
+    def load_best_model(self, original):
+        """``load_best_model_at_end``: Trainer looks for a weights file its own saves write, which a
+        model sharded at load time has not (its checkpoints are DCP): the best checkpoint's model
+        shards are loaded back here instead (Trainer alone warns and keeps the last weights)."""
+        if not self._sharded_at_load:
+            return original()
+        self._sharded_state(self.trainer.state.best_model_checkpoint, save=False, model=True)
+
     def _sharded_state(self, folder, *, save: bool, model: bool) -> None:
         """The model's (``model``) or the optimizer's state as DCP in accelerate's FSDP2 layout
         (``pytorch_model_fsdp_0/`` under ``model``, ``optimizer_0/`` under ``optimizer``), saved or
