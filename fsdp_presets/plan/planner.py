@@ -258,11 +258,13 @@ def offloads(shape: TrainingShape, name: str) -> bool:
 
 def _strategy_plan(
     profile: ModelProfile, hardware: Hardware, shape: TrainingShape, name: str, fsdp_version: int | None,
-    mesh: Mesh = Mesh(),
+    mesh: Mesh = Mesh(), *, largest_micro_batch: bool = True,
 ) -> StrategyPlan:
     """One row; with a ``mesh`` of TP/EP (FSDP2 ``FULL_SHARD`` or ``HYBRID_SHARD`` only), the same
     model state over the same ranks, and what one rank of the mesh gathers, computes and saves
-    (:mod:`fsdp_presets.plan.mesh_plan`)."""
+    (:mod:`fsdp_presets.plan.mesh_plan`). ``largest_micro_batch=False``: the row only says whether
+    it fits (and how fast), its ``max_micro_batch`` left at 0 (the suggestions' search plans
+    thousands of rows and reads nothing else)."""
     notes: list[str] = []
     if name in ("DDP", "NO_SHARD"):
         shard_size, replicate_size = 1, hardware.gpus
@@ -315,7 +317,7 @@ def _strategy_plan(
         model_state=state,
         per_gpu=per_gpu,
         fits=per_gpu.total <= hardware.usable_bytes,
-        max_micro_batch=_max_micro_batch(total_at, hardware.usable_bytes),
+        max_micro_batch=_max_micro_batch(total_at, hardware.usable_bytes) if largest_micro_batch else 0,
         comm=comm,
         allocator_reserve=reserve.total,
         nvidia_smi=nvidia_smi_bytes(per_gpu.total, reserve, hardware.gpu_memory_bytes),
@@ -529,7 +531,9 @@ def fit_seq_len(shape, profile, *, given: int | None):
 
 
 def _fits_anywhere(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> StrategyPlan | None:
-    return _best([_strategy_plan(profile, hardware, shape, name, version) for name, version in strategies_for(hardware)])
+    """The strategy :func:`plan` would recommend on ``hardware`` for ``shape``, or None when none fits."""
+    return _best([_strategy_plan(profile, hardware, shape, name, version, largest_micro_batch=False)
+                  for name, version in strategies_for(hardware)])
 
 
 def _suggestions(profile: ModelProfile, hardware: Hardware, shape: TrainingShape) -> list[str]:
