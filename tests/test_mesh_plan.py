@@ -128,6 +128,7 @@ def test_planned_mesh_matches_its_rehearsal(rehearsal_cache, tmp_path, capsys, n
     assert abs(document["planner_difference"]) <= 0.10, document
 
 
+@pytest.mark.slow
 def test_the_optimizer_step_on_local_shards_is_dtensors_own_step(capsys, tmp_path, monkeypatch):
     """The rehearsal runs AdamW on each parameter's local shard (fsdp_presets/rehearse/rehearsal.py,
     a shortcut past DTensor's sharding propagation): the rehearsal is the one DTensor's own step

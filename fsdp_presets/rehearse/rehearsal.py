@@ -44,7 +44,8 @@ And one shortcut: ``optimizer.step()`` runs AdamW's foreach kernels on each para
 (:func:`_on_local_shards`). When every gradient has its parameter's placements, that is exactly what
 DTensor's dispatch runs (the same local ops, the same allocations; the moments are the local
 tensors a DTensor would wrap), without DTensor's per-element sharding propagation of each foreach
-list, which in this torch is quadratic in the number of tensors (30 s of a 70B step on a 2-D mesh).
+list, which in this torch is quadratic in the number of tensors (a 70B rehearsal on FSDP x TP 8:
+25 s of CPU before, 15 s with it).
 A step whose gradients are placed otherwise runs through DTensor as written.
 """
 
