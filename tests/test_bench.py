@@ -217,17 +217,27 @@ def _env() -> dict[str, str]:
 
 
 # ---- end to end: the quick modes, real launches ----
+def _script_main(name: str):
+    """``main`` of ``scripts/NAME.py``, run in this process (which has imported what it imports)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
 @pytest.mark.slow
-def test_quick_campaign_then_quick_benchmark(tmp_path):
+def test_quick_campaign_then_quick_benchmark(tmp_path, capsys, monkeypatch):
     """One campaign trial (uninterrupted run, killed run, resumed run) and the benchmark's two
-    quick cases (DDP and FSDP2 with checkpoints), reported together in one document."""
+    quick cases (DDP and FSDP2 with checkpoints), reported together in one document. The scripts'
+    mains run in this process (their launches are launches as anywhere in the suite)."""
     doc, img = tmp_path / "benchmarks.md", tmp_path / "img"
+    monkeypatch.chdir(REPO)
     started = time.monotonic()
-    campaign = subprocess.run([sys.executable, str(SCRIPTS / "fault_campaign.py"), "--quick", "--seed", "3",
-                               "--work-dir", str(tmp_path / "campaign"), "--doc", str(doc), "--img-dir", str(img)],
-                              capture_output=True, text=True, cwd=REPO, env=_env(), timeout=600)
-    assert campaign.returncode == 0, campaign.stdout[-3000:] + campaign.stderr[-3000:]
-    assert "fault campaign: seed 3" in campaign.stdout
+    assert _script_main("fault_campaign")(["--quick", "--seed", "3", "--work-dir", str(tmp_path / "campaign"),
+                                           "--doc", str(doc), "--img-dir", str(img)]) == 0
+    assert "fault campaign: seed 3" in capsys.readouterr().out
     record = json.loads((tmp_path / "campaign" / "campaign.json").read_text())
     (trial,) = record["trials"]
     assert trial["killed"] and trial["passed"] and trial["identical_losses"]
@@ -235,11 +245,8 @@ def test_quick_campaign_then_quick_benchmark(tmp_path):
     assert trial["recovery_s"] > trial["kill_to_exit_s"] > 0
     campaign_s = time.monotonic() - started
 
-    done = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--quick", "--output", str(doc),
-                           "--img-dir", str(img), "--work-dir", str(tmp_path / "bench"),
-                           "--campaign-json", str(tmp_path / "campaign" / "campaign.json")],
-                          capture_output=True, text=True, cwd=REPO, env=_env(), timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert bench.main(["--quick", "--output", str(doc), "--img-dir", str(img), "--work-dir", str(tmp_path / "bench"),
+                       "--campaign-json", str(tmp_path / "campaign" / "campaign.json")]) == 0
     report = json.loads(doc.with_suffix(".json").read_text())
     ddp, fsdp2 = report["cases"]
     assert fsdp2["state_vs_ddp"] == pytest.approx(0.5, abs=1e-3) and fsdp2["state_error"] == 0
@@ -261,16 +268,15 @@ def test_quick_campaign_then_quick_benchmark(tmp_path):
 
 
 @pytest.mark.slow
-def test_side_by_side_dry_run_writes_the_four_configs_and_launch_commands(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPTS / "bench.py"), "--side-by-side", "--dry-run", "--model",
-                           str(REPO / "model_configs" / "smollm2-135m"), "--work-dir", str(tmp_path)],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_side_by_side_dry_run_writes_the_four_configs_and_launch_commands(tmp_path, capsys, monkeypatch):
     import yaml
 
     from fsdp_harness import step_bench
 
-    lines = done.stdout.splitlines()
+    monkeypatch.chdir(REPO)  # what scripts/bench.py --side-by-side runs, in this process
+    assert step_bench.main(["--dry-run", "--model", str(REPO / "model_configs" / "smollm2-135m"),
+                            "--work-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == [run.name for run in step_bench.RUNS]
     assert all("accelerate.commands.launch --config_file" in line and "step_bench.py worker" in line for line in lines)
     configs = {run.name: yaml.safe_load((tmp_path / f"{run.name}.yaml").read_text()) for run in step_bench.RUNS}

@@ -257,12 +257,25 @@ def test_torchrun_scripts_start_a_real_two_node_fsdp_job(tmp_path):
     assert results[0]["losses"] == results[1]["losses"]
 
 
+def rehearse_multinode(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
+    """``scripts/rehearse_multinode.py ARGV`` run in this process (which has imported what it
+    imports; its launches are real processes as anywhere): (exit status, what it printed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rehearse_multinode", REPO / "scripts" / "rehearse_multinode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "argv", ["rehearse_multinode.py", *argv])
+    code = module.main()
+    return code, capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_two_node_rehearsal_matches_one_node_and_resumes_on_the_node_left(tmp_path):
-    completed = subprocess.run([sys.executable, "scripts/rehearse_multinode.py", "--work-dir", str(tmp_path / "r")],
-                               capture_output=True, text=True, cwd=REPO, timeout=900, env=launch_env())
+def test_two_node_rehearsal_matches_one_node_and_resumes_on_the_node_left(tmp_path, monkeypatch, capsys):
+    code, out = rehearse_multinode(monkeypatch, capsys, "--work-dir", str(tmp_path / "r"))
     summary_path = tmp_path / "r" / "summary.json"
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    assert code == 0, out[-4000:]
     summary = json.loads(summary_path.read_text())
     baseline = {int(step): loss for step, loss in summary["baseline"].items()}
     two_nodes = {int(step): loss for step, loss in summary["two_nodes"].items()}
@@ -299,17 +312,16 @@ def test_two_node_rehearsal_matches_one_node_and_resumes_on_the_node_left(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_node_that_never_joins_fails_the_first_within_the_timeout(tmp_path):
+def test_a_node_that_never_joins_fails_the_first_within_the_timeout(tmp_path, monkeypatch, capsys):
     join_timeout = 3  # seconds: the wait is the cost of this test; start-up is outside it
     started = time.monotonic()
-    completed = subprocess.run([sys.executable, "scripts/rehearse_multinode.py", "--work-dir", str(tmp_path / "j"),
-                                "--drill", "missing-node", "--join-timeout", str(join_timeout)],
-                               capture_output=True, text=True, cwd=REPO, timeout=300, env=launch_env())
+    code, out = rehearse_multinode(monkeypatch, capsys, "--work-dir", str(tmp_path / "j"), "--drill", "missing-node",
+                                   "--join-timeout", str(join_timeout))
     elapsed = time.monotonic() - started
-    assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-4000:]
+    assert code == 0, out[-4000:]
     summary = json.loads((tmp_path / "j" / "summary.json").read_text())
     assert summary["exit_code"] != 0
     assert "1/2 clients joined" in summary["reason"]
-    assert "node 1 never joined" in completed.stdout
+    assert "node 1 never joined" in out
     # It waited for the timeout (not an unrelated early failure) and not much longer (start-up only).
     assert join_timeout <= summary["elapsed_s"] <= join_timeout + 90 and elapsed < join_timeout + 120

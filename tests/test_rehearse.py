@@ -22,20 +22,26 @@ TOLERANCE = 0.10
 
 
 def _env() -> dict[str, str]:
+    """A worker's environment: no accelerate launch settings, the suite's planner settings
+    (``FSDP_PRESETS_*``: no plan rehearsals, never the user's cache; tests/conftest.py)."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
+           if key.startswith("FSDP_PRESETS_") or not key.startswith(("FSDP_", "ACCELERATE_", "PARALLELISM_CONFIG_"))}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
                 "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
     return env
 
 
-def rehearse_cli(*argv: str, timeout: float = 900) -> tuple[int, dict | None, str]:
-    """``fsdp-presets rehearse ... --json`` in its own process (a rehearsal holds a process group
-    and accelerate's process-wide state while it runs)."""
-    done = subprocess.run([sys.executable, "-m", "fsdp_presets.cli", "rehearse", *argv, "--json"], cwd=REPO,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
-    document = json.loads(done.stdout) if done.stdout.strip().startswith("{") else None
-    return done.returncode, document, done.stderr
+def rehearse_cli(*argv: str) -> tuple[int, dict | None, str]:
+    """``fsdp-presets rehearse ... --json`` in this process (a rehearsal restores the process-wide
+    state it takes: the process group, accelerate's state): (exit status, document, stderr)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["rehearse", *argv, "--json"])
+    printed = out.getvalue()
+    return code, json.loads(printed) if printed.strip().startswith("{") else None, err.getvalue()
 
 
 def rehearse_cases(*cases: dict, timeout: float = 1800) -> list[dict]:
