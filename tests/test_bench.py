@@ -15,6 +15,7 @@ from fsdp_harness import bench, doc_sections, gpu_report
 from fsdp_harness import campaign as fault_campaign
 from fsdp_harness.drill import DrillResult, KillPlan
 from fsdp_harness.measure import ring_bytes, sent_bytes, state_deviations
+from fsdp_harness.scripts import script_module
 from fsdp_presets.plan.results import ModelStateBytes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -217,16 +218,6 @@ def _env() -> dict[str, str]:
 
 
 # ---- end to end: the quick modes, real launches ----
-def _script_main(name: str):
-    """``main`` of ``scripts/NAME.py``, run in this process (which has imported what it imports)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
 @pytest.mark.slow
 def test_quick_campaign_then_quick_benchmark(tmp_path, capsys, monkeypatch):
     """One campaign trial (uninterrupted run, killed run, resumed run) and the benchmark's two
@@ -235,8 +226,9 @@ def test_quick_campaign_then_quick_benchmark(tmp_path, capsys, monkeypatch):
     doc, img = tmp_path / "benchmarks.md", tmp_path / "img"
     monkeypatch.chdir(REPO)
     started = time.monotonic()
-    assert _script_main("fault_campaign")(["--quick", "--seed", "3", "--work-dir", str(tmp_path / "campaign"),
-                                           "--doc", str(doc), "--img-dir", str(img)]) == 0
+    campaign = script_module(SCRIPTS / "fault_campaign.py")
+    assert campaign.main(["--quick", "--seed", "3", "--work-dir", str(tmp_path / "campaign"), "--doc", str(doc),
+                          "--img-dir", str(img)]) == 0
     assert "fault campaign: seed 3" in capsys.readouterr().out
     record = json.loads((tmp_path / "campaign" / "campaign.json").read_text())
     (trial,) = record["trials"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import importlib.util
 import inspect
 import io
 import json
@@ -45,6 +44,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from fsdp_harness.scripts import script_module
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -272,25 +273,9 @@ def run_shell_utility(words: list[str], work: Path, where: str) -> tuple[int, st
     return completed.returncode, completed.stdout, completed.stderr
 
 
-def _module(path: Path):
-    """The script imported as a module (its ``if __name__ == "__main__"`` part does not run)."""
-    name = f"docs_test_{path.stem}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 def _parse_script_args(script: Path, args: list[str], where: str) -> None:
     """The script's own argument parser accepts ``args`` (its --help, if that is what they ask)."""
-    module = _module(script)
+    module = script_module(script)
     saved = sys.argv
     has_parser = hasattr(module, "parse_args")
     # Without a separate parser main() parses: only its --help is safe to run (it exits before

@@ -22,6 +22,7 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.launching.launchers import (Job, accelerate_environment, accelerate_node_command, concrete,
                                     job_from_config, render_slurm)
 from fsdp_harness.launch import launch_env, read_rank_results
+from fsdp_harness.scripts import script_module
 from fsdp_presets.launching.local import free_port
 
 TRAIN_COMMAND = "recipes/causal_lm.py --model runs/models/llama --data 'my data/train.jsonl' --output-dir runs/x"
@@ -260,14 +261,9 @@ def test_torchrun_scripts_start_a_real_two_node_fsdp_job(tmp_path):
 def rehearse_multinode(monkeypatch, capsys, *argv: str) -> tuple[int, str]:
     """``scripts/rehearse_multinode.py ARGV`` run in this process (which has imported what it
     imports; its launches are real processes as anywhere): (exit status, what it printed)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("rehearse_multinode", REPO / "scripts" / "rehearse_multinode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "argv", ["rehearse_multinode.py", *argv])
-    code = module.main()
+    code = script_module(REPO / "scripts" / "rehearse_multinode.py").main()
     return code, capsys.readouterr().out
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from fsdp_harness import planner_grid
 from fsdp_harness.published_configs import FAMILIES, config_hash
+from fsdp_harness.scripts import script_module
 from fsdp_presets.plan.activations import BLOCK_ACTIVATIONS
 
 
@@ -54,15 +55,12 @@ def test_every_recorded_point_is_planned_within_ten_percent_with_the_same_verdic
 
 
 def test_the_benchmarks_section_is_rendered_from_the_table(table, compared):
-    import importlib.util
     from pathlib import Path
 
     from fsdp_harness import doc_sections
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("planner_accuracy", root / "scripts" / "planner_accuracy.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = script_module(root / "scripts" / "planner_accuracy.py")
     lines, worst, failed = compared
     lines = [*lines, f"largest difference {worst:.2%}; {len(failed)} point(s) off by 10% or more or with another verdict"]
     section = doc_sections.wrap(script.SECTION, script.render(table, lines))
@@ -97,15 +95,12 @@ def test_at_the_published_depth_every_recorded_point_is_planned_within_ten_perce
 
 
 def test_the_full_depth_section_is_rendered_from_its_table(full_depth):
-    import importlib.util
     from pathlib import Path
 
     from fsdp_harness import doc_sections
 
     root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("planner_accuracy", root / "scripts" / "planner_accuracy.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = script_module(root / "scripts" / "planner_accuracy.py")
     table, (lines, worst, failed) = full_depth
     lines = [*lines, f"largest difference {worst:.2%}; {len(failed)} point(s) off by 10% or more or with another verdict"]
     section = doc_sections.wrap(script.FULL_DEPTH_SECTION, script.render_full_depth(table, lines))

@@ -4,7 +4,6 @@ rescaling, bad input, and real launches of generated presets on CPU."""
 from __future__ import annotations
 
 import re
-import sys
 import threading
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from fsdp_presets.preset.fastest_fit import HEADROOM, Candidate, fastest_candida
 from fsdp_presets.preset.presets import decide
 from fsdp_presets.model.profile import profile_model
 from fsdp_harness.launch import read_rank_results, run_launch
+from fsdp_harness.scripts import script_module
 from fsdp_presets.launching.local import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -327,14 +327,9 @@ def test_fsdp1_preset_loads_as_fsdp1_with_its_extras(tmp_path):
 # --------------------------------------------------------------------------- the shipped catalogue
 
 
-def test_regenerating_the_catalogue_gives_the_checked_in_files(tmp_path, capsys, monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("make_presets", REPO / "scripts" / "make_presets.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclasses look their module up
-    spec.loader.exec_module(script)
-    assert script.main(["--output-dir", str(tmp_path)]) == 0, capsys.readouterr().out[-3000:]
+def test_regenerating_the_catalogue_gives_the_checked_in_files(tmp_path, capsys):
+    make_presets = script_module(REPO / "scripts" / "make_presets.py")
+    assert make_presets.main(["--output-dir", str(tmp_path)]) == 0, capsys.readouterr().out[-3000:]
     texts = {path.name: path.read_text() for path in tmp_path.iterdir()}
     assert sorted(texts) == SHIPPED, "accelerate_configs/ holds exactly the catalogue of scripts/make_presets.py"
     different = [name for name, text in texts.items() if (CONFIGS / name).read_text() != text]

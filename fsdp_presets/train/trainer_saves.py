@@ -37,7 +37,8 @@ and ``optimizer_0/`` (the folders and keys accelerate's FSDP2 saves write, so a 
 or under plain FSDP2 reshards them on load), then Trainer's scheduler, RNG and ``trainer_state.json``
 files, whatever ``save_only_model`` says; ``resume_from_checkpoint`` loads them back
 (:meth:`TrainerSaves.load_from_checkpoint`, :meth:`TrainerSaves.load_optimizer_and_scheduler`) and
-Trainer skips the data already trained on as for any run.
+Trainer skips the data already trained on as for any run; ``load_best_model_at_end`` loads the best
+one's model shards (:meth:`TrainerSaves.load_best_model`).
 
 Until its manifest is written a ``checkpoint-N`` is not committed, and
 ``trainer.train(resume_from_checkpoint=True)`` with the callback skips it for the newest committed
