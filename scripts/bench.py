@@ -30,13 +30,21 @@ resume drill failed. Absolute times move with the load of a shared host; CPU tim
 ratios within one run much less.
 """
 
-from fsdp_harness.bench import main
+import sys
 
-if __name__ == "__main__":
-    import sys
+from fsdp_harness import bench
 
-    if "--side-by-side" in sys.argv[1:]:
+
+def main(argv: list[str] | None = None) -> int:
+    """The benchmark (:mod:`fsdp_harness.bench`), or with ``--side-by-side`` the step benchmark
+    (:mod:`fsdp_harness.step_bench`) with the other arguments."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--side-by-side" in argv:
         from fsdp_harness import step_bench
 
-        raise SystemExit(step_bench.main([arg for arg in sys.argv[1:] if arg != "--side-by-side"]))
+        return step_bench.main([arg for arg in argv if arg != "--side-by-side"])
+    return bench.main(argv)
+
+
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -501,7 +501,8 @@ def killed_and_resumed(preempted_run, presets) -> dict:
     after_kill = {"result": killed, "metrics": read_metrics(output / METRICS),
                   "run": json.loads((output / RUN_JSON).read_text()),
                   "checkpoint_6_manifest": (output / trainer_checkpoint_name(6) / MANIFEST).exists()}
-    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", "--async-save")
+    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--resume", "--async-save",
+                      forked=None)
     return {"killed": after_kill, "resumed": resumed, "output": output}
 
 
