@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape.replace(measured_on_mesh=measured),
                                                     checkpointing=inputs.checkpointing, offload=inputs.offload,
                                                     meshes=meshes)
-        plans.append((memory_plan, chosen, fastest(profile, hardware, memory_plan.shape)))
+        plans.append((memory_plan, chosen, fastest(profile, hardware, memory_plan.shape, meshes)))
     gpu_note = (host_note if args.device == "cpu" else None if inputs.gpu_named
                 else f"step times for {inputs.hardware.gpu.name} GPUs: give --gpu for yours")
 

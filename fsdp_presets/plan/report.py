@@ -23,6 +23,8 @@ def plan_json(memory_plan, profile, *, source: str, chosen: list[str], storage_b
         document["tokens"] = tokens
         for row, strategy in zip(document["strategies"], memory_plan.strategies):
             row.update(training_cost(strategy, memory_plan.hardware, tokens))
+        if fastest is not None:
+            document["fastest"].update(training_cost(fastest.row, memory_plan.hardware, tokens))
     if shape.lora is not None:
         from fsdp_presets.plan.lora_memory import adapter_params, base_storage_bytes, default_target_modules
 
@@ -58,8 +60,13 @@ def plan_text(memory_plan, profile, *, source: str, chosen: list[str], seq_note:
     best = memory_plan.recommended
     if tokens and best is not None and best.time is not None:
         cost = training_cost(best, memory_plan.hardware, tokens)
-        lines.append(f"{tokens:.3g} tokens with {best.label}: {cost['training_hours']:,.1f} hours on "
-                     f"{memory_plan.hardware.gpus} GPUs, {cost['gpu_hours']:,.0f} GPU-hours")
+        line = (f"{tokens:.3g} tokens with {best.label}: {cost['training_hours']:,.1f} hours on "
+                f"{memory_plan.hardware.gpus} GPUs, {cost['gpu_hours']:,.0f} GPU-hours")
+        if fastest is not None and fastest.row.time.tokens_per_s_per_gpu > best.time.tokens_per_s_per_gpu:
+            quicker = training_cost(fastest.row, memory_plan.hardware, tokens)
+            line += (f"; with the fastest above: {quicker['training_hours']:,.1f} hours, "
+                     f"{quicker['gpu_hours']:,.0f} GPU-hours")
+        lines.append(line)
     if saves:
         lines += ["", *format_save_costs(memory_plan, storage_bytes_per_s=storage_bytes_per_s,
                                          mtbf_hours=mtbf_hours, step_time_s=step_time_s, host_bytes=host_bytes)]
@@ -180,9 +187,15 @@ def scaling_text(plans, profile, *, source: str, tokens: float | None, gpu_note:
     headers = ["GPUs", "nodes", "recommended", "s/step", "tok/s/GPU", "tok/s", "MFU", "exposed", "speed-up",
                "efficiency"] + (["hours", "GPU-hours"] if tokens else []) + ["fastest"]
     table = []
+    def described(found) -> str:
+        return (f"{found.row.label} mb {found.shape.micro_batch} x {found.shape.grad_accum}, AC "
+                f"{'on' if found.shape.activation_checkpointing else 'off'}: {found.row.time.step_s:.3g} s, "
+                f"{found.row.time.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+
     for row, (counted, chosen, found) in zip(_scaling_rows(plans, tokens), plans):
         if row["step_time_s"] is None:
-            table.append([str(row["gpus"]), str(row["nodes"]), "nothing fits"] + [""] * (len(headers) - 3))
+            table.append([str(row["gpus"]), str(row["nodes"]), "nothing fits"] + [""] * (len(headers) - 4)
+                         + ["" if found is None else described(found)])
             continue
         best = counted.recommended
         cells = [str(row["gpus"]), str(row["nodes"]), best.label + (" +" + "+".join(chosen) if chosen else ""),
@@ -191,9 +204,8 @@ def scaling_text(plans, profile, *, source: str, tokens: float | None, gpu_note:
                  f"{row['scaling_efficiency']:.0%}"]
         if tokens:
             cells += [f"{row['training_hours']:,.1f}", f"{row['gpu_hours']:,.0f}"]
-        cells.append("as asked" if found is None or found.shape == counted.shape and found.row.name == best.name
-                     else f"{found.row.label} mb {found.shape.micro_batch} x {found.shape.grad_accum}, AC "
-                     f"{'on' if found.shape.activation_checkpointing else 'off'}: {found.row.time.step_s:.3g} s")
+        cells.append("as asked" if found is None or found.shape == counted.shape and found.row.label == best.label
+                     else described(found))
         table.append(cells)
     lines += text_table(headers, table, right=set(range(3, len(headers) - 1)))
     lines.append("")
