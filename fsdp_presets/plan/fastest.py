@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.planner import plan
-from fsdp_presets.rehearse.mesh import Mesh
 from fsdp_presets.plan.results import StrategyPlan
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.step_time import clearly_faster
+from fsdp_presets.rehearse.mesh import Mesh
 
 MAX_CANDIDATE_MICRO_BATCHES = 24
 """Micro-batches tried at most (the divisors of the sequences per GPU nearest the one asked for)."""

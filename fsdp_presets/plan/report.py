@@ -187,6 +187,7 @@ def scaling_text(plans, profile, *, source: str, tokens: float | None, gpu_note:
     headers = ["GPUs", "nodes", "recommended", "s/step", "tok/s/GPU", "tok/s", "MFU", "exposed", "speed-up",
                "efficiency"] + (["hours", "GPU-hours"] if tokens else []) + ["fastest"]
     table = []
+
     def described(found) -> str:
         return (f"{found.row.label} mb {found.shape.micro_batch} x {found.shape.grad_accum}, AC "
                 f"{'on' if found.shape.activation_checkpointing else 'off'}: {found.row.time.step_s:.3g} s, "
