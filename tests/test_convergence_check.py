@@ -87,6 +87,14 @@ def test_no_derived_baseline_when_ddp_cannot_match(tmp_path, change, words):
         check.ddp_baseline_config(config, "x.yaml")
 
 
+@pytest.mark.parametrize("processes", [1, 3])
+def test_a_mesh_config_whose_processes_are_not_whole_tp_groups_is_refused(tmp_path, processes):
+    # A generated FSDP x TP 2 config with num_processes edited: no DDP baseline of one process per TP group.
+    config = check.load_config(accelerate_config(tmp_path, "tp", num_processes=processes))
+    with pytest.raises(UsageError, match=f"num_processes {processes} is not a whole number of TP groups of 2"):
+        check.ddp_baseline_config(config, "x.yaml", tp_size=2)
+
+
 def test_bad_input_exits_2_before_any_launch(tmp_path, capsys):
     config = accelerate_config(tmp_path, "fsdp")
     common = ["--model", str(tmp_path), "--data", str(DATA), "--output-dir", str(tmp_path / "out")]

@@ -280,6 +280,8 @@ def test_a_preset_without_a_mesh_writes_no_trainer_config(capsys, tmp_path):
     (("--tp", 2, "--fsdp-version", 1), "drop --fsdp-version 1"),
     (("--tp", 2, "--method", "lora"), "planned for full fine-tuning"),
     (("--ep", 2), "no expert-parallel plan"),
+    (("--tp", 16), "TP 16 does not divide the 8 GPUs that shard one copy"),  # more TP ranks than GPUs
+    (("--tp", 8, "--device", "cpu", "--gpus", 4), "TP 8 does not divide the 4 GPUs"),
 ])
 def test_generate_refuses_a_mesh_it_cannot_plan(capsys, tmp_path, flags, message):
     code, _, err = run_cli(capsys, "generate", REPO / "model_configs" / "llama-3.1-8b", "--gpus", 8, *flags,

@@ -160,7 +160,12 @@ def ddp_baseline_config(candidate: dict, source: str, *, tp_size: int = 1) -> tu
     )
     baseline = ddp_baseline_of(candidate)
     if tp_size > 1:
-        baseline[T.num_processes] = int(candidate.get(T.num_processes, 1) or 1) // tp_size
+        processes = int(candidate.get(T.num_processes, 1) or 1)
+        if processes % tp_size or processes // tp_size < 1:
+            raise UsageError(f"{source}: num_processes {processes} is not a whole number of TP groups of {tp_size} "
+                             "(its --distributed-config); regenerate both files for your process count "
+                             "(`fsdp-presets generate --gpus N --tp T`)")
+        baseline[T.num_processes] = processes // tp_size
     return baseline, header
 
 

@@ -66,13 +66,12 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
     hardware = request.hardware
     precision = _precision(profile, request, notes)
     mesh = request.mesh
+    candidates = _strategy_candidates(request)
+    if mesh.is_nd:  # first: a mesh the GPUs cannot hold is refused before its batch is split
+        candidates = _mesh_candidates(profile, request, candidates)
     data_parallel = request.gpus // mesh.tp  # a TP group's ranks share one batch
     global_samples = _global_samples(request, seq_len, data_parallel, notes)
     per_rank = global_samples // data_parallel
-
-    candidates = _strategy_candidates(request)
-    if mesh.is_nd:
-        candidates = _mesh_candidates(profile, request, candidates)
     checkpointing = {"on": [True], "off": [False], "auto": [False, True]}[request.activation_checkpointing]
     offloading = [False] if request.device == "cpu" else {"on": [True], "off": [False], "auto": [False, True]}[
         request.offload]
