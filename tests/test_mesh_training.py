@@ -183,14 +183,39 @@ def test_killed_and_resumed_on_the_same_mesh_is_the_uninterrupted_run_bit_for_bi
     assert uninterrupted.verdict == "identical", summary_lines(uninterrupted)
 
 
-@pytest.mark.slow
-def test_an_expert_parallel_run_killed_and_resumed_is_the_uninterrupted_run_bit_for_bit(workdir, ep_check):
+@pytest.fixture(scope="module")
+def ep_resumed(workdir, ep_check) -> tuple[int, dict, Path]:
+    """The FSDP 2 x EP 2 run killed in the save of step 20 and resumed from step 10, by converge."""
     output = workdir / "ep-resumed"
     status, result = converge(["--config", str(workdir / "ep2.yaml"), *common(workdir / "tiny-moe", output),
                                "--resume-at", str(RESUME_AT), "--baseline-run", str(ep_check[2] / "baseline")])
+    return status, result, output
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_killed_and_resumed_is_the_uninterrupted_run_bit_for_bit(ep_check, ep_resumed):
+    status, result, output = ep_resumed
     assert status == 0, result["diagnosis"]
     uninterrupted = compare_runs(load_run(ep_check[2] / "candidate"), load_run(output / "candidate"))
     assert uninterrupted.verdict == "identical", summary_lines(uninterrupted)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_under_fsdp_alone_on_one_process(workdir, ep_check, ep_resumed):
+    # FSDP 2 x EP 2 -> FSDP2 on 1 process, what `inspect-checkpoint --gpus 1` answers yes to: DCP gathers
+    # the experts each rank held; accumulation 2 keeps the global batch of 4.
+    output = workdir / "fsdp1-from-ep"
+    config = accelerate_config(workdir, "moe-fsdp", num_processes=1,
+                               fsdp={"transformer_layer_cls_to_wrap": "MixtralDecoderLayer"})
+    launch_recipe(config, RECIPE, ["--model", str(workdir / "tiny-moe"), "--data", str(DATA), "--output-dir", str(output),
+                                   "--max-steps", str(MAX_STEPS), *TRAINING, "--seed", str(check.DEFAULT_SEED),
+                                   "--resume", str(checkpoint(ep_resumed[2] / "candidate", RESUME_AT))], processes=1)
+    record = json.loads((output / "run.json").read_text())
+    assert "model_mesh" not in record and record["gradient_accumulation_steps"] == 2
+    comparison = compare_runs(load_run(ep_check[2] / "candidate"), load_run(output))
+    assert comparison.agrees, summary_lines(comparison)
+    loss = next(metric for metric in comparison.metrics if metric.metric == "loss")
+    assert loss.steps == list(range(RESUME_AT + 1, MAX_STEPS + 1))
 
 
 @pytest.mark.slow
