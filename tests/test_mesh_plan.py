@@ -289,6 +289,20 @@ def test_generate_refuses_a_mesh_it_cannot_plan(capsys, tmp_path, flags, message
     assert code == 2 and message in err and not list(tmp_path.iterdir())
 
 
+def test_a_mesh_preset_rescaled_keeps_its_batch_over_its_data_parallel_ranks(capsys, tmp_path):
+    # TP 8 on 16 GPUs: 2 data-parallel ranks share a global batch of 6 sequences. On 24 GPUs there are 3
+    # (6 divides over them, not over 24 GPUs); on 32 there are 4, which 6 does not divide.
+    preset = tmp_path / "tp8.yaml"
+    assert run_cli(capsys, "generate", REPO / "model_configs" / "llama-3.1-8b", "--gpus", 16, "--nodes", 2, "--tp", 8,
+                   "--global-batch", 6, "-o", preset)[0] == 0
+    code, out, err = run_cli(capsys, "generate", "--from", preset, "--gpus", 24, "-o", tmp_path / "tp8_24.yaml")
+    assert code == 0 and "global batch 6 sequences kept" in out, err
+    assert json.loads((tmp_path / "tp8_24.distributed.json").read_text())["tp_size"] == 8
+    code, _, err = run_cli(capsys, "generate", "--from", preset, "--gpus", 32, "-o", tmp_path / "tp8_32.yaml")
+    assert code == 2 and "does not divide over 4 data-parallel ranks (one per TP group of 8 GPUs)" in err
+    assert not (tmp_path / "tp8_32.yaml").exists()
+
+
 def test_a_generated_mesh_preset_is_rehearsed_on_its_mesh(capsys, tmp_path):
     output = tmp_path / "tiny.yaml"
     assert run_cli(capsys, "generate", "llama", "--gpus", 4, "--tp", 2, "--seq-len", 64, "-o", output)[0] == 0

@@ -165,11 +165,15 @@ def rescaled_request(old: dict, given: dict, *, source) -> PresetRequest:
     elif "gpus" in given and "nodes" not in given:
         given["nodes"] = 1
     kept = old["summary"]["global_batch"]
-    if "global_batch" not in given and "gpus" in given and kept % given["gpus"]:
-        fitting = [n for n in range(1, 4 * kept + 1) if kept % n == 0 and abs(n - given["gpus"]) <= given["gpus"]]
+    tp = given.get("tp") or old_request.tp  # a TP group's GPUs share one data-parallel rank
+    if "global_batch" not in given and "gpus" in given and given["gpus"] % tp == 0 and kept % (given["gpus"] // tp):
+        ranks = given["gpus"] // tp
+        fitting = [n * tp for n in range(1, 4 * kept + 1) if kept % n == 0 and abs(n - ranks) <= ranks]
+        per = "one per GPU" if tp == 1 else f"one per TP group of {tp} GPUs"
         raise UsageError(f"rescaling keeps the global batch of {kept} sequences, which does not divide over "
-                         f"{given['gpus']} data-parallel ranks (one per GPU): use a GPU count that divides "
-                         f"{kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
+                         f"{ranks} data-parallel ranks ({per}): use a GPU count "
+                         + ("that divides" if tp == 1 else "whose data-parallel ranks divide")
+                         + f" {kept} (e.g. {', '.join(str(n) for n in fitting[-3:])}) or pass --global-batch")
     return rescale_request(old_request, old["summary"], **given)
 
 

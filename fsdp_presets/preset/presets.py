@@ -230,8 +230,9 @@ def _global_samples(request: PresetRequest, seq_len: int, data_parallel: int, no
         if value % data_parallel:
             lower, upper = (value // data_parallel) * data_parallel, -(-value // data_parallel) * data_parallel
             options = " or ".join(str(v) for v in (lower, upper) if v > 0)
+            per = "one per GPU" if data_parallel == request.gpus else f"one per TP group of {request.mesh.tp} GPUs"
             raise UsageError(f"--global-batch {value} sequences does not divide over {data_parallel} data-parallel "
-                             f"ranks (one per GPU): use {options}")
+                             f"ranks ({per}): use {options}")
         return value
     sequences = value // seq_len
     samples = (sequences // data_parallel) * data_parallel
