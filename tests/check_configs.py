@@ -241,6 +241,18 @@ BAD_CONFIGS = {
                                         {"script": DISTRIBUTED_EP_SCRIPT}, "8 experts"),
     "expert-parallel-on-a-dense-model": (mutate(top={"num_processes": 6}), "ep-no-plan", LLAMA_8B,
                                          {"script": DISTRIBUTED_EP_SCRIPT}, "not a mixture-of-experts model"),
+    # The NAME.distributed.json beside a config, as check_file reads it (tests/test_mesh_plan.py reads real ones).
+    "distributed-config-unreadable": (mutate(), "distributed-config-invalid", None, {"distributed_config": {
+        "path": "x.distributed.json", "problem": "it cannot be read as JSON (Expecting value)"}},
+        "the recipes refuse it at start"),
+    "distributed-config-of-another-process-count": (mutate(top={"num_processes": 8}), "distributed-config-vs-processes",
+                                                    None, {"distributed_config": {"path": "x.distributed.json", "sizes": {
+                                                        "dp_replicate_size": 1, "fsdp_size": 2, "tp_size": 2,
+                                                        "ep_size": 1}}}, "lays out 4 ranks (FSDP 2 x TP 2)"),
+    "distributed-config-mesh-planned": (mutate(top={"num_processes": 4}), "distributed-config-mesh", None,
+                                        {"distributed_config": {"path": "x.distributed.json", "sizes": {
+                                            "dp_replicate_size": 1, "fsdp_size": 2, "tp_size": 2, "ep_size": 1}}},
+                                        "the memory figures are that mesh's"),
     "70b-on-two-gpus": (mutate(), "does-not-fit", LLAMA_70B, {"method": "full"}, "FULL_SHARD (FSDP2) on 2 GPUs"),
     "70b-on-two-gpus-method-unknown": (mutate(), "memory-assumes-full-finetune", LLAMA_70B, {}, "--method full"),
     "fp16-on-a-bf16-model": (mutate(top={"num_processes": 8, "mixed_precision": "fp16"}), "fp16-on-bf16-model",

@@ -69,7 +69,8 @@ def test_rule_ids_are_stable():
         "trainer-save-model-sharded", "double-activation-checkpointing", "model-moved-before-prepare",
         "trust-remote-code", "prefetch-key-not-applied", "async-save-host-memory", "tp-pair-cannot-run",
         "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks", "distributed-config-under-fsdp",
-        "ep-ram-efficient-loading", "ep-no-plan", "ep-size-vs-model",
+        "ep-ram-efficient-loading", "ep-no-plan", "ep-size-vs-model", "distributed-config-mesh",
+        "distributed-config-invalid", "distributed-config-vs-processes",
     )
 
 

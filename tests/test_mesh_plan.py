@@ -303,6 +303,34 @@ def test_a_mesh_preset_rescaled_keeps_its_batch_over_its_data_parallel_ranks(cap
     assert not (tmp_path / "tp8_32.yaml").exists()
 
 
+def test_check_plans_a_mesh_preset_on_the_mesh_beside_it(capsys, tmp_path):
+    # 70B at 64 GPUs without checkpointing fits as FSDP 8 x TP 8 only: the accelerate config alone
+    # (FULL_SHARD over 64) does not, so a check that left out NAME.distributed.json warned does-not-fit.
+    preset = tmp_path / "tp8.yaml"
+    assert run_cli(capsys, "generate", REPO / "model_configs" / "llama-3.1-70b", "--gpus", 64, "--nodes", 8,
+                   "--tp", 8, "--activation-checkpointing", "off", "-o", preset)[0] == 0
+    check = ("check", preset, "--model", REPO / "model_configs" / "llama-3.1-70b", "--json", "--no-probe")
+    code, out, _ = run_cli(capsys, *check)
+    findings = {item["rule"]: item for item in json.loads(out)["files"][0]["findings"]}
+    assert code == 0 and set(findings) == {"distributed-config-mesh"}, findings
+    assert "FSDP 8 x TP 8" in findings["distributed-config-mesh"]["message"]
+    sidecar = tmp_path / "tp8.distributed.json"
+    edited = {**json.loads(sidecar.read_text()), "tp_size": 4}  # 8 x 4 = 32 ranks for 64 processes
+    sidecar.write_text(json.dumps(edited))
+    code, out, _ = run_cli(capsys, *check)
+    assert code == 1 and "distributed-config-vs-processes" in rules(out)
+    sidecar.write_text("{")
+    code, out, _ = run_cli(capsys, *check)
+    assert code == 1 and "distributed-config-invalid" in rules(out)
+    sidecar.unlink()  # without it: the config alone, FULL_SHARD over 64 GPUs
+    code, out, _ = run_cli(capsys, *check)
+    assert "does-not-fit" in rules(out)
+
+
+def rules(check_json: str) -> set[str]:
+    return {item["rule"] for item in json.loads(check_json)["files"][0]["findings"]}
+
+
 def test_a_generated_mesh_preset_is_rehearsed_on_its_mesh(capsys, tmp_path):
     output = tmp_path / "tiny.yaml"
     assert run_cli(capsys, "generate", "llama", "--gpus", 4, "--tp", 2, "--seq-len", 64, "-o", output)[0] == 0

@@ -102,8 +102,16 @@ RULES = MappingProxyType({
                                                "(--script)"),
     "ep-ram-efficient-loading": ("error", "expert parallelism with RAM-efficient loading: every rank gets rank 0's "
                                           "experts (--script)"),
-    "ep-no-plan": ("error", "expert parallelism for a model whose transformers class ships no EP plan (--script)"),
-    "ep-size-vs-model": ("error", "an EP size that does not divide the model's experts (--script)"),
+    "ep-no-plan": ("error", "expert parallelism for a model whose transformers class ships no EP plan (--script, or "
+                            "the NAME.distributed.json beside the config)"),
+    "ep-size-vs-model": ("error", "an EP size that does not divide the model's experts (--script, or the "
+                                  "NAME.distributed.json beside the config)"),
+    "distributed-config-mesh": ("note", "the NAME.distributed.json beside the config: transformers shards the model "
+                                        "over its mesh, and the memory rules plan that mesh"),
+    "distributed-config-invalid": ("error", "the NAME.distributed.json beside the config is not a DistributedConfig "
+                                            "the recipes load"),
+    "distributed-config-vs-processes": ("error", "the NAME.distributed.json beside the config lays out another "
+                                                 "number of ranks than the config launches"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 
@@ -190,6 +198,10 @@ class CheckContext:
     """``--precision``; None: the script's bf16/fp16 flags, else the file's mixed_precision."""
     script: Any = None
     """The :class:`~fsdp_presets.check.script.ScriptFacts` of ``--script TRAIN.py``, when given."""
+    distributed_config: dict | None = None
+    """The ``NAME.distributed.json`` beside the file (``generate --tp/--ep`` writes it; the recipes load
+    the model over its mesh), as :func:`fsdp_presets.check.rules_parallel.read_distributed_config`
+    reads it; None: there is none."""
 
     def __post_init__(self) -> None:
         if self.device not in (None, "gpu", "cpu"):

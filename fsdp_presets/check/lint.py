@@ -102,6 +102,10 @@ def check_file(path: str | os.PathLike, *, context: CheckContext = CheckContext(
         return report, None
     if context.metadata is None:
         context = dataclasses.replace(context, metadata=read_metadata(text))
+    if context.distributed_config is None:
+        from fsdp_presets.check.rules_parallel import read_distributed_config
+
+        context = dataclasses.replace(context, distributed_config=read_distributed_config(path))
     report.findings += lint_config(config, context=context)
     view = None
     if isinstance(config, dict):

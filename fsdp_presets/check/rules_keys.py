@@ -26,7 +26,7 @@ from fsdp_presets.preset.accelerate_view import (
 )
 from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, sorted_findings, finding
 from fsdp_presets.check.rules_memory import device_and_memory_rules, layout_rules, lora_rules
-from fsdp_presets.check.rules_parallel import parallel_rules
+from fsdp_presets.check.rules_parallel import distributed_config_rules, parallel_rules
 from fsdp_presets.schema import (
     T,
     BY_NAME,
@@ -116,6 +116,7 @@ def lint_config(config: Any, *, context: CheckContext = CheckContext()) -> list[
     findings += _fsdp_keys(written, version)
     findings += _parallelism(parallelism, version, processes if layout_ok else None, machines if layout_ok else None)
     findings += parallel_rules(parallelism if isinstance(parallelism, dict) else {}, context)
+    findings += distributed_config_rules(context, processes if layout_ok else None)
     findings += _wrapping(fsdp, context)
     findings += layout_rules(config, fsdp, parallelism, version, context, processes if layout_ok else None,
                         machines if layout_ok else None)

@@ -236,7 +236,18 @@ def device_and_memory_rules(config, fsdp, parallelism, version, context, process
     shape, stated, unknown = _training_inputs(config, fsdp, context)
     precision = shape.precision
     name, fsdp_version = strategy
-    row = plan(profile, hardware, shape).get(name, fsdp_version)
+    mesh = _mesh_of(context)
+
+    def planned(at: TrainingShape):
+        """The config's row at ``at``: on the mesh of the NAME.distributed.json beside it, if any."""
+        if mesh is None:
+            return plan(profile, hardware, at).get(name, fsdp_version)
+        return next((row for row in plan(profile, hardware, at, (mesh,)).strategies if row.is_nd and row.name == name
+                     and (row.tp_size, row.ep_size) == (mesh.tp, mesh.ep)), None)
+
+    row = planned(shape)
+    if row is None:  # a mesh these GPUs or the model refuse: distributed_config_rules says why
+        return findings
     if offload and row.model_state.total * per_node > host:
         findings.append(finding(
             "offload-host-memory", f"{K.offload_params}: true keeps {format_bytes(row.model_state.total)} of model "
@@ -260,11 +271,10 @@ def device_and_memory_rules(config, fsdp, parallelism, version, context, process
         # What the unknown inputs could be at best: the script may checkpoint activations and
         # train in bf16 (transformers' Trainer: gradient_checkpointing=True, bf16=True).
         best = shape.replace(**{key: value for key, (value, _) in unknown.items()})
-        lower = plan(profile, hardware, best).get(name, fsdp_version) if unknown else None
+        lower = planned(best) if unknown else None
         if lower is not None and lower.fits:
             # the fewest conditions that make it fit: one input alone where one is enough
-            singles = [(words, plan(profile, hardware, shape.replace(**{key: value})).get(name, fsdp_version))
-                       for key, (value, words) in unknown.items()]
+            singles = [(words, planned(shape.replace(**{key: value}))) for key, (value, words) in unknown.items()]
             enough = [(words, alone) for words, alone in singles if alone.fits] or [
                 (" and ".join(words for _, words in unknown.values()), lower)]
             conditions = ", or if ".join(f"{words} ({alone.per_gpu.total / GiB:.1f} GiB per GPU)"
@@ -274,9 +284,8 @@ def device_and_memory_rules(config, fsdp, parallelism, version, context, process
                 f"it needs {tensors_and_shown(row)} ({assumed})",
                 f"make sure the training script does so, or say what it does: --script TRAIN.py, "
                 f"{', '.join(_FLAG_OF[key] for key in unknown)}", None))
-        elif precision == "fp32" and "precision" not in unknown and \
-                plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version).fits:
-            bf16 = plan(profile, hardware, shape.replace(precision="bf16")).get(name, fsdp_version)
+        elif precision == "fp32" and "precision" not in unknown and planned(shape.replace(precision="bf16")).fits:
+            bf16 = planned(shape.replace(precision="bf16"))
             findings.append(finding(
                 "fp32-does-not-fit", f"fp32: {where} needs {tensors_and_shown(row)} of "
                 f"{usable:.1f} usable ({assumed}); bf16 needs {bf16.per_gpu.total / GiB:.1f}",
@@ -371,6 +380,17 @@ def memory_figures(config, context: CheckContext) -> str | None:
     _, note = _own_terms(context.model.source, shape.seq_len, shape.precision)
     cache = f" ({note['cache']})" if note.get("cache") else ""
     return f"{note['source']}; {note['how']}{cache}"
+
+
+def _mesh_of(context: CheckContext):
+    """The TP/EP :class:`~fsdp_presets.rehearse.mesh.Mesh` of the NAME.distributed.json beside the
+    config, or None (none there, FSDP alone, or one the recipes refuse)."""
+    from fsdp_presets.rehearse.mesh import Mesh
+
+    sizes = (context.distributed_config or {}).get("sizes")
+    if not sizes or (sizes["tp_size"] == 1 and sizes["ep_size"] == 1):
+        return None
+    return Mesh(tp=sizes["tp_size"], ep=sizes["ep_size"])
 
 
 def _stated(shape, context) -> list[str]:

@@ -86,3 +86,71 @@ def mesh_rules(*, tp: int, ep: int, context: CheckContext, where: str | None) ->
             "ep-size-vs-model", f"expert parallelism {ep} does not divide {name}'s {experts} experts: the ranks "
             "cannot own whole experts", f"use an EP size of {allowed}", where))
     return findings
+
+
+def read_distributed_config(config_path) -> dict | None:
+    """The ``NAME.distributed.json`` beside the accelerate config at ``config_path`` (what ``generate
+    --tp/--ep`` writes and the recipes load the model over), read as data: ``{"path", "sizes"}``, or
+    ``{"path", "problem"}`` when the recipes would refuse it; None when there is none."""
+    import json
+    from pathlib import Path
+
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text
+    from fsdp_presets.preset.emit_distributed import distributed_config_path, load_distributed_config
+    from fsdp_presets.schema import MESH_SIZE_KEYS
+
+    path = Path(distributed_config_path(str(config_path)))
+    if not (path.exists() or path.is_symlink()):
+        return None
+    try:
+        document = json.loads(read_regular_text(path, limit=CONFIG_MAX_BYTES))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return {"path": str(path), "problem": f"it cannot be read as JSON ({' '.join(str(error).split())})"}
+    if not isinstance(document, dict):
+        return {"path": str(path), "problem": f"it holds {type(document).__name__}, not DistributedConfig's sizes"}
+    sizes = {key: document.get(key, 1) for key in MESH_SIZE_KEYS}
+    bad = {key: value for key, value in sizes.items() if isinstance(value, bool) or not isinstance(value, int) or value < 1}
+    if bad:
+        return {"path": str(path), "problem": f"sizes that are not whole numbers of at least 1: {bad}"}
+    if document.get("pp_size", 1) != 1:
+        return {"path": str(path), "problem": f"pp_size {document.get('pp_size')!r}: the recipes do not run pipeline "
+                                              "stages (pp_size 1)"}
+    if sizes["dp_replicate_size"] * sizes["fsdp_size"] == 1:
+        return {"path": str(path), "problem": f"fsdp_size 1 x tp_size {sizes['tp_size']} has no data-parallel ranks, "
+                                              "and the recipes train FSDP2 meshes (at least 2 FSDP ranks)"}
+    try:
+        load_distributed_config(path)  # transformers' own loader, as the recipes read it
+    except (OSError, ValueError, TypeError) as error:
+        return {"path": str(path), "problem": f"transformers' DistributedConfig does not take it ({error})"}
+    return {"path": str(path), "sizes": sizes}
+
+
+def distributed_config_rules(context: CheckContext, processes: int | None) -> list[Finding]:
+    """The findings for the ``NAME.distributed.json`` beside the config (``context.distributed_config``):
+    one the recipes refuse, a mesh of another number of ranks than ``processes``, TP/EP sizes the model
+    (``--model``) does not allow, and, when it is sound, a note naming the mesh the memory rules plan."""
+    from pathlib import Path
+
+    from fsdp_presets.schema import mesh_label
+
+    document = context.distributed_config
+    if document is None:
+        return []
+    name = Path(document["path"]).name
+    regenerate = "regenerate both files with `fsdp-presets generate MODEL --gpus N --tp T` (or --ep E)"
+    if "problem" in document:
+        return [finding("distributed-config-invalid", f"{document['problem']}: the recipes refuse it at start",
+                        regenerate, name)]
+    sizes = document["sizes"]
+    ranks = sizes["dp_replicate_size"] * sizes["fsdp_size"] * sizes["tp_size"]
+    findings = mesh_rules(tp=sizes["tp_size"], ep=sizes["ep_size"], context=context, where=name)
+    if processes is not None and ranks != processes:
+        findings.append(finding(
+            "distributed-config-vs-processes", f"the mesh lays out {ranks} ranks ({mesh_label(sizes)}) and the config "
+            f"launches {processes} processes: the recipes refuse the launch at start", regenerate, name))
+    elif not findings:
+        findings.append(finding(
+            "distributed-config-mesh", f"transformers shards the model over {mesh_label(sizes)} (the recipes' "
+            "--distributed-config); the memory figures are that mesh's",
+            f"launch the recipes with --distributed-config {document['path']} (the generated launch line does)", name))
+    return findings
