@@ -189,6 +189,14 @@ def test_the_fastest_is_searched_on_the_meshes_too_and_compared_per_token(capsys
     assert "; with the fastest above: " in out
 
 
+def test_a_short_training_is_not_printed_as_zero_hours(capsys):
+    code, out = _cli(capsys, "plan", "model_configs/llama-3.1-8b", "--gpus", 8, "--tokens", "1e6")
+    [line] = [line for line in out.splitlines() if line.startswith("1e+06 tokens with ")]
+    assert code == 0 and " 0.0 hours" not in line and " 0 GPU-hours" not in line
+    hours = float(line.split(": ")[1].split(" hours")[0])
+    assert 0 < hours < 0.1, line  # a million tokens at thousands per second per GPU: minutes
+
+
 def test_plan_prints_a_scaling_table_with_gpu_hours(capsys):
     code, out = _cli(capsys, "plan", "model_configs/llama-3.1-8b", "--gpus", "8,16,32", "--gpu", "A100-80GB",
                      "--seq-len", 4096, "--activation-checkpointing", "on", "--tokens", "1e9")

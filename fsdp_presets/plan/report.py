@@ -44,6 +44,14 @@ def training_cost(strategy, hardware, tokens: float) -> dict:
     return {"training_hours": hours, "gpu_hours": hours * hardware.gpus}
 
 
+def _hours(hours: float, unit: str = "hours") -> str:
+    """``158.1 hours``, ``3,686 GPU-hours``; below one, three significant digits (``0.00417 hours``)
+    rather than a zero."""
+    if hours >= 1:
+        return f"{hours:,.1f} {unit}" if unit == "hours" else f"{hours:,.0f} {unit}"
+    return f"{hours:.3g} {unit}"
+
+
 def plan_text(memory_plan, profile, *, source: str, chosen: list[str], seq_note: str | None, terms_note: dict,
               storage_bytes_per_s: float, host_bytes: float, saves: bool, mtbf_hours: float | None,
               step_time_s: float | None, diagram: str | None, fastest=None, tokens: float | None = None,
@@ -60,12 +68,12 @@ def plan_text(memory_plan, profile, *, source: str, chosen: list[str], seq_note:
     best = memory_plan.recommended
     if tokens and best is not None and best.time is not None:
         cost = training_cost(best, memory_plan.hardware, tokens)
-        line = (f"{tokens:.3g} tokens with {best.label}: {cost['training_hours']:,.1f} hours on "
-                f"{memory_plan.hardware.gpus} GPUs, {cost['gpu_hours']:,.0f} GPU-hours")
+        line = (f"{tokens:.3g} tokens with {best.label}: {_hours(cost['training_hours'])} on "
+                f"{memory_plan.hardware.gpus} GPUs, {_hours(cost['gpu_hours'], 'GPU-hours')}")
         if fastest is not None and fastest.row.time.tokens_per_s_per_gpu > best.time.tokens_per_s_per_gpu:
             quicker = training_cost(fastest.row, memory_plan.hardware, tokens)
-            line += (f"; with the fastest above: {quicker['training_hours']:,.1f} hours, "
-                     f"{quicker['gpu_hours']:,.0f} GPU-hours")
+            line += (f"; with the fastest above: {_hours(quicker['training_hours'])}, "
+                     f"{_hours(quicker['gpu_hours'], 'GPU-hours')}")
         lines.append(line)
     if saves:
         lines += ["", *format_save_costs(memory_plan, storage_bytes_per_s=storage_bytes_per_s,
@@ -204,7 +212,7 @@ def scaling_text(plans, profile, *, source: str, tokens: float | None, gpu_note:
                  f"{row['mfu']:.0%}", f"{row['exposed_comm_fraction']:.0%}", f"{row['speedup']:.2f}x",
                  f"{row['scaling_efficiency']:.0%}"]
         if tokens:
-            cells += [f"{row['training_hours']:,.1f}", f"{row['gpu_hours']:,.0f}"]
+            cells += [_hours(row["training_hours"]).split()[0], _hours(row["gpu_hours"], "GPU-hours").split()[0]]
         cells.append("as asked" if found is None or found.shape == counted.shape and found.row.label == best.label
                      else described(found))
         table.append(cells)
