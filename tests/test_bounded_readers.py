@@ -105,3 +105,16 @@ def test_a_manifest_nested_too_deep_or_too_large_is_unreadable_not_a_crash(tmp_p
     assert "unreadable manifest.json (invalid manifest: nested too deep)" in checkpoint_verdict(folder).problem
     (folder / "manifest.json").write_text(" " * (CONFIG_MAX_BYTES + 1))
     assert "more than the 16.0 MiB this reader accepts" in checkpoint_verdict(folder).problem
+
+
+def test_a_distributed_config_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    # --distributed-config of a recipe, and the NAME.distributed.json `check` reads beside a config
+    from fsdp_presets.check.rules_parallel import read_distributed_config
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.train.model_mesh import load_model_mesh
+
+    fifo = tmp_path / "tp.distributed.json"
+    os.mkfifo(fifo)
+    with pytest.raises(UsageError, match="is a FIFO, not a regular file"):
+        load_model_mesh(str(fifo), rank=0, world_size=2)
+    assert "is a FIFO, not a regular file" in read_distributed_config(tmp_path / "tp.yaml")["problem"]

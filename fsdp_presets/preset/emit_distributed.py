@@ -75,7 +75,9 @@ def load_distributed_config(path):
     resolved checked against the file's: ValueError when they differ (a key it did not take)."""
     from transformers.distributed.configuration_utils import DistributedConfig
 
-    document = json.loads(Path(path).read_text(encoding="utf-8"))
+    from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text
+
+    document = json.loads(read_regular_text(path, limit=CONFIG_MAX_BYTES))  # not a FIFO, not 1 GB
     config = DistributedConfig.from_dict(document)
     resolved = config.to_dict()
     differing = {key: (value, resolved.get(key)) for key, value in document.items()
