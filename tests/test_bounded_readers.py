@@ -76,8 +76,10 @@ def test_yaml_without_anchors_loads_as_before():
         load_yaml_data("a: &x 1\nb: 2\n")  # an anchor alone is refused too: no config needs one
 
 
-@pytest.mark.parametrize("command", [["check"], ["generate", "-o", "out.yaml", "--from"], ["launcher", "--launcher", "slurm", "--command", "train.py"]],
-                         ids=["check", "generate-from", "launcher"])
+@pytest.mark.parametrize("command", [["check"], ["generate", "-o", "out.yaml", "--from"], ["launcher", "--launcher", "slurm", "--command", "train.py"],
+                                     ["converge", "--model", "m", "--data", "d.jsonl", "--output-dir", "o", "--recipe",
+                                      str(Path(__file__).resolve().parent.parent / "recipes" / "causal_lm.py"), "--config"]],
+                         ids=["check", "generate-from", "launcher", "converge"])
 def test_commands_refuse_a_fifo_config_in_one_line(tmp_path, capsys, monkeypatch, command):
     from fsdp_presets import cli
 

@@ -47,7 +47,7 @@ from fsdp_presets.compare.runs import Comparison, compare_runs
 from fsdp_presets.compare.tolerance import parse_tolerance
 from fsdp_presets import flags
 from fsdp_presets.errors import UsageError
-from fsdp_presets.fileio import write_text_atomic
+from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text, write_text_atomic
 from fsdp_presets.launching.local import launch_command, launch_env, run_logged
 from fsdp_presets.schema import P, PARALLELISM_CONFIG, T
 
@@ -110,18 +110,24 @@ class ConvergeRequest:
 
 
 def load_config(path: str | os.PathLike) -> dict:
-    """An accelerate config as a dict, read with the YAML loader accelerate uses."""
+    """An accelerate config as a dict: a bounded regular file, read as accelerate's YAML loader reads it
+    (without anchors, which no config needs and a few of which make gigabytes)."""
     import yaml
 
+    from fsdp_presets.fileio import YAML_MAX_BYTES, load_yaml_data
+
     config_path = Path(path)
-    if not config_path.is_file():
+    if not (config_path.exists() or config_path.is_symlink()):
         raise UsageError(f"accelerate config {config_path} does not exist")
     try:
-        config = yaml.safe_load(config_path.read_text())
+        config = load_yaml_data(read_regular_text(config_path, limit=YAML_MAX_BYTES))
+    except (OSError, UnicodeDecodeError) as error:
+        raise UsageError(f"accelerate config {config_path}: {error}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise UsageError(f"{config_path} is not valid YAML{where}; give an accelerate config file") from None
+        why = getattr(error, "problem", None) or (str(error).splitlines() or [""])[0]
+        raise UsageError(f"{config_path} is not valid YAML{where}: {why}; give an accelerate config file") from None
     if not isinstance(config, dict) or T.distributed_type not in config:
         raise UsageError(f"{config_path} is not an accelerate config (no {T.distributed_type})")
     return config
@@ -175,12 +181,13 @@ def candidate_mesh(request: ConvergeRequest) -> tuple[str | None, int]:
     from fsdp_presets.preset.emit_distributed import distributed_config_path
 
     path = request.distributed_config
-    if path is None and Path(distributed_config_path(request.config)).is_file():
-        path = distributed_config_path(request.config)
+    beside = Path(distributed_config_path(request.config))
+    if path is None and (beside.exists() or beside.is_symlink()):
+        path = str(beside)
     if path is None:
         return None, 1
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        document = json.loads(read_regular_text(path, limit=CONFIG_MAX_BYTES))
         tp_size = int(document.get("tp_size") or 1)
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise UsageError(f"{flags.DISTRIBUTED_CONFIG.name} {path}: not a DistributedConfig file ({error}); give the "
