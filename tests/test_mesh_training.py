@@ -32,7 +32,7 @@ from fsdp_presets.compare import converge as check
 from fsdp_presets.compare.records import load_run
 from fsdp_presets.compare.report import summary_lines
 from fsdp_presets.compare.runs import compare_runs
-from fsdp_harness.launch import run_launch_logged
+from fsdp_harness.launch import run_launch, run_launch_logged
 from fsdp_harness.tiny_model import write_tiny_model
 
 from conftest import GLOO_EXIT_ABORT, REPO, accelerate_config, real_launches
@@ -123,6 +123,20 @@ def test_generate_prints_the_recipe_launch_on_the_mesh_and_a_ddp_baseline_per_tp
     baseline = unwrapped(tp_preset.with_name("tp2.ddp.yaml"))
     assert "num_processes: 2" in baseline and "one per TP group" in baseline
     assert "--distributed-config" not in baseline
+
+
+@pytest.mark.slow
+def test_a_mesh_preset_launched_without_its_distributed_config_is_refused(workdir, llama, tp_preset):
+    # Without --distributed-config the model would train as FSDP 4 alone: another memory per process
+    # and another global batch than the header plans. One line, before anything is written.
+    output = workdir / "no-mesh"
+    result = run_launch(tp_preset, RECIPE, ["--model", str(llama), "--data", str(DATA), "--output-dir", str(output),
+                                            "--max-steps", "1", "--seq-len", "32"], cwd=REPO)
+    assert result.returncode != 0
+    said = [line for line in result.stderr.splitlines() if line.startswith("causal_lm.py: error: ")]
+    assert len(set(said)) == 1 and f"launch the recipe with --distributed-config {tp_preset.with_suffix('')}" \
+        ".distributed.json" in said[0], result.stderr[-3000:]
+    assert not output.exists()
 
 
 def test_a_mesh_without_data_parallel_ranks_is_refused_by_the_recipes_and_its_preset_says_so(workdir, llama):

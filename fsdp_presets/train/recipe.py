@@ -327,7 +327,8 @@ def start(args, *, recipe: str) -> RecipeRun:
     except OSError:  # an unreadable output folder: check_output_dir names it below
         resuming = True
     raise_on_every_rank(accelerator, startup.preset_launch_problem(accelerator, launch_config_file(),
-                                                                   resuming=resuming))  # the header's plan
+                                                                   resuming=resuming)  # the header's plan
+                        or startup.mesh_launch_problem(launch_config_file(), args.distributed_config))
     if args.fsdp_reduce_dtype:
         loop.set_fsdp_reduce_dtype(accelerator, args.fsdp_reduce_dtype)
     say = loop.main_process_print(accelerator)

@@ -211,6 +211,34 @@ def preset_launch_problem(accelerator, config_file: str | None, *, resuming: boo
             f"generated (without the `accelerate launch` flags that override it){regenerate} (nothing was written)")
 
 
+def mesh_launch_problem(config_file: str | None, distributed_config: str | None) -> str | None:
+    """How a launch without ``--distributed-config`` differs from a generated mesh preset (``generate
+    --tp/--ep``: its header plans the model sharded over the mesh of the NAME.distributed.json beside
+    it): the model would train as FSDP alone over every process, another memory per process and
+    another global batch than the header's. None when a mesh file is given, or the file is not a
+    generated mesh preset."""
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.emit_distributed import distributed_config_path
+
+    if distributed_config or not config_file:
+        return None
+    try:
+        metadata = read_metadata(read_regular_text(config_file, limit=YAML_MAX_BYTES))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    request, summary = (metadata or {}).get("request"), (metadata or {}).get("summary")
+    if (metadata or {}).get("kind") != "fsdp" or not isinstance(request, dict) or not isinstance(summary, dict):
+        return None
+    if int(request.get("tp") or 1) == 1 and int(request.get("ep") or 1) == 1:
+        return None
+    return (f"{config_file} was generated for {summary.get('sharding')}, the model sharded over the mesh of "
+            f"{distributed_config_path(config_file)}: launch the recipe with --distributed-config "
+            f"{distributed_config_path(config_file)} (the header's launch line has it); without it the model would "
+            f"train as FSDP alone over every process, which the header's plan (memory per process, a global batch "
+            f"of {summary.get('global_batch')} sequences) does not describe (nothing was written)")
+
+
 # ---- the classification head ----
 def classifier_head_labels(config) -> list[str] | None:
     """The label names of the classification head in the model folder, in output order, or None
