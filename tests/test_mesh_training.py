@@ -221,12 +221,24 @@ def test_an_expert_parallel_checkpoint_resumes_under_fsdp_alone_on_one_process(w
     output = workdir / "fsdp1-from-ep"
     config = accelerate_config(workdir, "moe-fsdp", num_processes=1,
                                fsdp={"transformer_layer_cls_to_wrap": "MixtralDecoderLayer"})
-    launch_recipe(config, RECIPE, ["--model", str(workdir / "tiny-moe"), "--data", str(DATA), "--output-dir", str(output),
-                                   "--max-steps", str(MAX_STEPS), *TRAINING, "--seed", str(check.DEFAULT_SEED),
-                                   "--resume", str(checkpoint(ep_resumed[2] / "candidate", RESUME_AT))], processes=1)
-    record = json.loads((output / "run.json").read_text())
+    record = resumed_without_mesh(config, workdir / "tiny-moe", output, checkpoint(ep_resumed[2] / "candidate", RESUME_AT),
+                                  processes=1)
     assert "model_mesh" not in record and record["gradient_accumulation_steps"] == 2
-    comparison = compare_runs(load_run(ep_check[2] / "candidate"), load_run(output))
+    assert_continues(ep_check[2] / "candidate", output)
+
+
+def resumed_without_mesh(config: Path, model: Path, output: Path, resume_from: Path, *extra: str,
+                         processes: int) -> dict:
+    """The recipe resumed from ``resume_from`` under ``config`` without a mesh file: its run.json."""
+    launch_recipe(config, RECIPE, ["--model", str(model), "--data", str(DATA), "--output-dir", str(output),
+                                   "--max-steps", str(MAX_STEPS), *TRAINING, *extra, "--seed", str(check.DEFAULT_SEED),
+                                   "--resume", str(resume_from)], processes=processes)
+    return json.loads((output / "run.json").read_text())
+
+
+def assert_continues(reference: Path, output: Path) -> None:
+    """Every step of ``output`` after the resume within the tolerance of ``reference``'s."""
+    comparison = compare_runs(load_run(reference), load_run(output))
     assert comparison.agrees, summary_lines(comparison)
     loss = next(metric for metric in comparison.metrics if metric.metric == "loss")
     assert loss.steps == list(range(RESUME_AT + 1, MAX_STEPS + 1))
@@ -238,16 +250,10 @@ def test_resumed_on_another_mesh_continues_within_tolerance(workdir, llama, tp_c
     # the global batch of 4 over 4 data-parallel ranks.
     output = workdir / "fsdp4-from-tp"
     config = accelerate_config(workdir, "fsdp4", num_processes=4)
-    launch_recipe(config, RECIPE, ["--model", str(llama), "--data", str(DATA), "--output-dir", str(output),
-                                   "--max-steps", str(MAX_STEPS), *TRAINING, "--micro-batch", "1",
-                                   "--seed", str(check.DEFAULT_SEED),
-                                   "--resume", str(checkpoint(tp_resumed[2] / "candidate", RESUME_AT))], processes=4)
-    record = json.loads((output / "run.json").read_text())
+    record = resumed_without_mesh(config, llama, output, checkpoint(tp_resumed[2] / "candidate", RESUME_AT),
+                                  "--micro-batch", "1", processes=4)
     assert "model_mesh" not in record and record["data_parallel_size"] == 4
-    comparison = compare_runs(load_run(tp_check[2] / "baseline"), load_run(output))
-    assert comparison.agrees, summary_lines(comparison)
-    loss = next(metric for metric in comparison.metrics if metric.metric == "loss")
-    assert loss.steps == list(range(RESUME_AT + 1, MAX_STEPS + 1))
+    assert_continues(tp_check[2] / "baseline", output)
 
 
 @pytest.mark.slow
