@@ -196,6 +196,19 @@ def test_the_tp_run_needs_the_parallelism_config_patch(mesh_presets, tmp_path):
     assert "ParallelismConfig is only compatible" in result.stderr and "MULTI_CPU" in result.stderr
 
 
+@pytest.mark.slow
+def test_a_trainer_config_of_a_mesh_with_a_model_loaded_whole_is_refused(mesh_presets, tmp_path):
+    """NAME.trainer.yaml is DDP-type: with a model loaded without the mesh every process would hold it
+    whole (the plan was the mesh). One line naming the file to load, exit 2, before a step."""
+    presets = mesh_presets["root"]
+    output = tmp_path / "whole"
+    result = _sft(presets / "ep2.trainer.yaml", mesh_presets["moe"], output, steps=1)
+    assert result.returncode != 0 and "exitcode: 2" in result.stderr, result.stderr[-3000:]
+    text = " ".join((result.stdout + result.stderr).split())
+    assert "the model was loaded without that mesh" in text and str(presets / "ep2.distributed.json") in text
+    assert not (output / "metrics.jsonl").exists()
+
+
 def test_a_mesh_trainer_under_the_fsdp_config_is_refused(mesh_presets, tmp_path):
     """The Trainer would prepare its optimizer alone, which accelerate refuses under FSDP: one line,
     naming the config to launch with, exit 2, before a step is taken."""

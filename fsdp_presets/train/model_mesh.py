@@ -131,10 +131,19 @@ def trainer_launch_problem(accelerator, model, config_file: str | None) -> str |
     prepares its optimizer alone, which accelerate refuses under FSDP ("an optimizer must be passed
     together with its model", accelerate 1.16, transformers 5.25): such a run launches under a DDP-type
     config with every rank of the mesh (``NAME.trainer.yaml``). None for any other model or launch."""
-    from fsdp_presets.preset.emit_distributed import trainer_config_path
+    from fsdp_presets.preset.emit_distributed import distributed_config_path, trainer_config_path
 
     mesh = mesh_of(model, accelerator.process_index)
-    if mesh is None or accelerator.distributed_type.value != "FSDP":
+    if mesh is None:
+        planned = _trainer_config_mesh(config_file)
+        if planned is None:
+            return None
+        config = distributed_config_path(planned["config"])
+        return (f"{config_file} launches the Trainer on {planned['sharding']}, but the model was loaded without that "
+                f"mesh: every process would hold the whole model (DDP); load it as the config's header says: "
+                f"config = DistributedConfig.from_dict(json.load(open('{config}'))); model = "
+                "AutoModelForCausalLM.from_pretrained(MODEL, distributed_config=config)")
+    if accelerator.distributed_type.value != "FSDP":
         return None
     trainer_config = trainer_config_path(config_file) if config_file else "NAME.trainer.yaml"
     return (f"a model transformers sharded at load time ({mesh.label()}) under an FSDP launch: transformers' Trainer "
@@ -142,6 +151,25 @@ def trainer_launch_problem(accelerator, model, config_file: str | None) -> str |
             f"the DDP-type config of all {accelerator.num_processes} processes, {trainer_config} (`fsdp-presets "
             "generate --tp N` / `--ep N` writes it beside NAME.yaml), or train it with recipes/causal_lm.py "
             "--distributed-config under the FSDP config")
+
+
+def _trainer_config_mesh(config_file: str | None) -> dict | None:
+    """``{"sharding", "config"}`` of a NAME.trainer.yaml ``generate --tp/--ep`` wrote (the mesh it
+    launches the Trainer on, and its FSDP config), None for any other file."""
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+    from fsdp_presets.preset.emit import read_metadata
+
+    if not config_file:
+        return None
+    try:
+        metadata = read_metadata(read_regular_text(config_file, limit=YAML_MAX_BYTES)) or {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    summary, outputs = metadata.get("summary"), metadata.get("outputs")
+    if metadata.get("kind") != "trainer" or not isinstance(summary, dict) or not isinstance(outputs, dict) \
+            or not isinstance(outputs.get("config"), str):
+        return None
+    return {"sharding": summary.get("sharding"), "config": outputs["config"]}
 
 
 def sum_over_samples(accelerator, tensor, mesh: ModelMesh | None):
