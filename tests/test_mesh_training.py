@@ -221,8 +221,8 @@ def test_an_expert_parallel_checkpoint_resumes_under_fsdp_alone_on_one_process(w
     output = workdir / "fsdp1-from-ep"
     config = accelerate_config(workdir, "moe-fsdp", num_processes=1,
                                fsdp={"transformer_layer_cls_to_wrap": "MixtralDecoderLayer"})
-    record = resumed_without_mesh(config, workdir / "tiny-moe", output, checkpoint(ep_resumed[2] / "candidate", RESUME_AT),
-                                  processes=1)
+    resume_from = checkpoint(ep_resumed[2] / "candidate", RESUME_AT)
+    record = resumed_without_mesh(config, workdir / "tiny-moe", output, resume_from, processes=1)
     assert "model_mesh" not in record and record["gradient_accumulation_steps"] == 2
     assert_continues(ep_check[2] / "candidate", output)
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from fsdp_presets.errors import UsageError
-from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-from fsdp_presets.preset.emit import header_model_path, read_metadata
+from fsdp_presets.preset.emit import file_metadata, header_model_path
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,10 +77,7 @@ def check_configs(paths, *, context, model: str | None, trust_remote_code: bool 
 def refuse_another_method(path, method) -> None:
     """``--method`` that is not the one a generated preset was decided for: its memory verdicts would
     be of another training (a full fine-tuning preset checked as QLoRA fits, and trains, nothing)."""
-    try:
-        request = (read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}).get("request")
-    except (OSError, UnicodeDecodeError):
-        return
+    request = file_metadata(path).get("request")
     decided = (request.get("method") or "full") if isinstance(request, dict) else None
     if method and decided and method != decided:
         raise UsageError(f"--method {method} disagrees with {path}, a preset generated for {decided} (its header "
@@ -92,10 +88,7 @@ def refuse_another_method(path, method) -> None:
 def model_from_header(path, cache: dict, model_facts):
     """``(facts, note)``: the model a generated preset names in its metadata line, when it can be
     profiled here (``cache``: the models profiled already, by source), and the line that says so."""
-    try:
-        metadata = read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}
-    except (OSError, UnicodeDecodeError):
-        return None, None
+    metadata = file_metadata(path)
     source = (metadata.get("request") or {}).get("model")
     if not source:
         return None, "no --model: the class and memory rules were skipped"

@@ -109,7 +109,8 @@ def read_distributed_config(config_path) -> dict | None:
     if not isinstance(document, dict):
         return {"path": str(path), "problem": f"it holds {type(document).__name__}, not DistributedConfig's sizes"}
     sizes = {key: document.get(key, 1) for key in MESH_SIZE_KEYS}
-    bad = {key: value for key, value in sizes.items() if isinstance(value, bool) or not isinstance(value, int) or value < 1}
+    bad = {key: value for key, value in sizes.items()
+           if isinstance(value, bool) or not isinstance(value, int) or value < 1}
     if bad:
         return {"path": str(path), "problem": f"sizes that are not whole numbers of at least 1: {bad}"}
     if document.get("pp_size", 1) != 1:

@@ -11,13 +11,8 @@ accelerate config the run was launched with (``generate`` writes it:
 from __future__ import annotations
 
 import statistics
-from pathlib import Path
 
 from fsdp_presets.compare.records import RunRecord
-from fsdp_presets.fileio import read_regular_text
-
-MAX_CONFIG_BYTES = 1 << 20
-"""An accelerate config larger than this is not read for its prediction (the presets are a few KiB)."""
 
 
 def measured_tokens_per_s_per_process(record: RunRecord) -> float | None:
@@ -34,16 +29,12 @@ def measured_tokens_per_s_per_process(record: RunRecord) -> float | None:
 def predicted(record: RunRecord) -> dict | None:
     """The ``predicted`` entry of the run's accelerate config, or None (no config, a CPU preset, a
     config not written by ``generate``, or one that cannot be read)."""
-    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.emit import file_metadata
 
     config = record.info.accelerate_config if record.info else None
     if not isinstance(config, str) or not config:
         return None
-    try:
-        metadata = read_metadata(read_regular_text(Path(config), limit=MAX_CONFIG_BYTES))
-    except (OSError, ValueError):
-        return None
-    entry = (metadata or {}).get("predicted")
+    entry = file_metadata(config).get("predicted")
     return entry if isinstance(entry, dict) else None
 
 

@@ -513,6 +513,17 @@ def _assemble(header: list[str], config: dict) -> str:
     return text
 
 
+def file_metadata(path) -> dict:
+    """The ``# fsdp-presets: {...}`` document of the generated file at ``path``, read as a bounded
+    regular file; ``{}`` when it has none or cannot be read (its reader reports that itself)."""
+    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
+
+    try:
+        return read_metadata(read_regular_text(path, limit=YAML_MAX_BYTES)) or {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+
+
 def read_metadata(text: str) -> dict | None:
     """The ``# fsdp-presets: {...}`` document of a generated file, None when there is none."""
     for line in text.splitlines():
@@ -543,7 +554,7 @@ def header_model_path(config, source: str) -> str:
 
 __all__ = [
     "METADATA_PREFIX", "accelerate_config", "accelerate_runs_tp", "config_yaml", "ddp_baseline_of", "ddp_config",
-    "baseline_processes", "emitted_constants", "header_model_path", "machine_keys", "mesh_about", "metadata_document",
-    "read_metadata", "render_ddp_baseline", "render_preset", "render_trainer_config", "trainer_config",
-    "written_config"
+    "baseline_processes", "emitted_constants", "file_metadata", "header_model_path", "machine_keys", "mesh_about",
+    "metadata_document", "read_metadata", "render_ddp_baseline", "render_preset", "render_trainer_config",
+    "trainer_config", "written_config"
 ]

@@ -156,15 +156,11 @@ def trainer_launch_problem(accelerator, model, config_file: str | None) -> str |
 def _trainer_config_mesh(config_file: str | None) -> dict | None:
     """``{"sharding", "config"}`` of a NAME.trainer.yaml ``generate --tp/--ep`` wrote (the mesh it
     launches the Trainer on, and its FSDP config), None for any other file."""
-    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.emit import file_metadata
 
     if not config_file:
         return None
-    try:
-        metadata = read_metadata(read_regular_text(config_file, limit=YAML_MAX_BYTES)) or {}
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
+    metadata = file_metadata(config_file)
     summary, outputs = metadata.get("summary"), metadata.get("outputs")
     if metadata.get("kind") != "trainer" or not isinstance(summary, dict) or not isinstance(outputs, dict) \
             or not isinstance(outputs.get("config"), str):

@@ -173,17 +173,12 @@ def preset_launch_problem(accelerator, config_file: str | None, *, resuming: boo
     ``resuming``: the run continues a checkpoint, whose global batch the recipes and the Trainer
     callback keep at another process count (or refuse); another process count alone is then the
     documented way to resume on another number of GPUs, not a problem."""
-    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.emit import file_metadata
 
     if not config_file:
         return None
-    try:
-        metadata = read_metadata(read_regular_text(config_file, limit=YAML_MAX_BYTES))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    summary = (metadata or {}).get("summary")
-    kind = (metadata or {}).get("kind")
+    metadata = file_metadata(config_file)
+    summary, kind = metadata.get("summary"), metadata.get("kind")
     if kind not in ("fsdp", "ddp-baseline", "trainer") or not isinstance(summary, dict):
         return None
     fsdp = accelerator.distributed_type.value == "FSDP"
@@ -217,18 +212,14 @@ def mesh_launch_problem(config_file: str | None, distributed_config: str | None)
     it): the model would train as FSDP alone over every process, another memory per process and
     another global batch than the header's. None when a mesh file is given, or the file is not a
     generated mesh preset."""
-    from fsdp_presets.fileio import YAML_MAX_BYTES, read_regular_text
-    from fsdp_presets.preset.emit import read_metadata
+    from fsdp_presets.preset.emit import file_metadata
     from fsdp_presets.preset.emit_distributed import distributed_config_path
 
     if distributed_config or not config_file:
         return None
-    try:
-        metadata = read_metadata(read_regular_text(config_file, limit=YAML_MAX_BYTES))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    request, summary = (metadata or {}).get("request"), (metadata or {}).get("summary")
-    if (metadata or {}).get("kind") != "fsdp" or not isinstance(request, dict) or not isinstance(summary, dict):
+    metadata = file_metadata(config_file)
+    request, summary = metadata.get("request"), metadata.get("summary")
+    if metadata.get("kind") != "fsdp" or not isinstance(request, dict) or not isinstance(summary, dict):
         return None
     if int(request.get("tp") or 1) == 1 and int(request.get("ep") or 1) == 1:
         return None
