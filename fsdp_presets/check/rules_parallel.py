@@ -96,7 +96,7 @@ def read_distributed_config(config_path) -> dict | None:
     from pathlib import Path
 
     from fsdp_presets.fileio import CONFIG_MAX_BYTES, read_regular_text
-    from fsdp_presets.preset.emit_distributed import distributed_config_path, load_distributed_config
+    from fsdp_presets.preset.emit_distributed import distributed_config_path, load_distributed_config, recipes_refuse
     from fsdp_presets.schema import MESH_SIZE_KEYS
 
     path = Path(distributed_config_path(str(config_path)))
@@ -113,16 +113,13 @@ def read_distributed_config(config_path) -> dict | None:
            if isinstance(value, bool) or not isinstance(value, int) or value < 1}
     if bad:
         return {"path": str(path), "problem": f"sizes that are not whole numbers of at least 1: {bad}"}
-    if document.get("pp_size", 1) != 1:
-        return {"path": str(path), "problem": f"pp_size {document.get('pp_size')!r}: the recipes do not run pipeline "
-                                              "stages (pp_size 1)"}
-    if sizes["dp_replicate_size"] * sizes["fsdp_size"] == 1:
-        return {"path": str(path), "problem": f"fsdp_size 1 x tp_size {sizes['tp_size']} has no data-parallel ranks, "
-                                              "and the recipes train FSDP2 meshes (at least 2 FSDP ranks)"}
     try:
-        load_distributed_config(path)  # transformers' own loader, as the recipes read it
+        config = load_distributed_config(path)  # transformers' own loader, as the recipes read it
     except (OSError, ValueError, TypeError) as error:
         return {"path": str(path), "problem": f"transformers' DistributedConfig does not take it ({error})"}
+    problem = recipes_refuse(config)
+    if problem is not None:
+        return {"path": str(path), "problem": problem}
     return {"path": str(path), "sizes": sizes}
 
 

@@ -87,6 +87,19 @@ def load_distributed_config(path):
     return config
 
 
+def recipes_refuse(config) -> str | None:
+    """Why the recipes do not train the mesh of ``config`` (a :func:`load_distributed_config`), or None:
+    pipeline stages, or no data-parallel ranks (transformers applies FSDP2 only when the mesh has
+    them; a model it leaves unsharded would be wrapped by accelerate's FSDP2 over the TP ranks, and
+    ``fully_shard`` of TP DTensors on the whole world fails: "Invariant encountered")."""
+    if int(config.pp_size) != 1:
+        return f"pp_size {config.pp_size}: the recipes do not run pipeline stages; set it to 1"
+    if int(config.dp_size) == 1:
+        return (f"fsdp_size 1 x tp_size {config.tp_size} has no data-parallel ranks, and the recipes train FSDP2 "
+                "meshes (at least 2 FSDP ranks)")
+    return None
+
+
 __all__ = ["HEADER_KEY", "SUFFIX", "TRAINER_SUFFIX", "distributed_arguments", "distributed_config_path",
-           "load_distributed_config", "trainer_config_path",
+           "load_distributed_config", "recipes_refuse", "trainer_config_path",
            "read_distributed_metadata", "render_distributed_config"]

@@ -84,7 +84,7 @@ def load_model_mesh(path: str, *, rank: int, world_size: int, lora: dict[str, An
     """The mesh of ``path`` (through transformers' own loader) for process ``rank`` of ``world_size``:
     as many processes as the mesh has ranks, data-parallel ranks, no pipeline stages, every weight
     trained (``lora``: the run's LoRA/QLoRA settings, refused). :class:`UsageError` otherwise."""
-    from fsdp_presets.preset.emit_distributed import load_distributed_config
+    from fsdp_presets.preset.emit_distributed import load_distributed_config, recipes_refuse
 
     if lora is not None:
         raise UsageError(f"--method {lora['method']} with {DISTRIBUTED_CONFIG.name}: transformers' TP/EP plans shard the "
@@ -98,21 +98,17 @@ def load_model_mesh(path: str, *, rank: int, world_size: int, lora: dict[str, An
     except (OSError, ValueError, TypeError) as error:
         raise UsageError(f"{DISTRIBUTED_CONFIG.name} {path} is not a DistributedConfig transformers takes ({error}); "
                          "regenerate it with `fsdp-presets generate MODEL --tp N` or `--ep N`") from None
-    if int(config.pp_size) != 1:
-        raise UsageError(f"{path}: pp_size {config.pp_size}: the recipes do not run pipeline stages; set it to 1")
     ranks = int(config.dp_replicate_size) * int(config.fsdp_size) * int(config.tp_size)
     if ranks != world_size:
         raise UsageError(f"{path} lays out {ranks} ranks (dp_replicate_size {config.dp_replicate_size} x fsdp_size "
                          f"{config.fsdp_size} x tp_size {config.tp_size}), launched {world_size} processes: launch "
                          f"{ranks}, or regenerate it for {world_size} (fsdp-presets generate MODEL --gpus N --tp T)")
-    if int(config.dp_size) == 1:
-        # NOTE: transformers applies FSDP2 only when the mesh has data-parallel ranks; a model it leaves
-        # unsharded would be wrapped by accelerate's FSDP2 over the TP ranks (fully_shard of TP DTensors
-        # on the whole world fails: "Invariant encountered").
-        raise UsageError(f"{path}: fsdp_size 1 x tp_size {config.tp_size} has no data-parallel ranks, and the recipes "
-                         f"train FSDP2 meshes: use at least 2 FSDP ranks (fsdp-presets generate MODEL --gpus "
-                         f"{2 * world_size} --tp {config.tp_size}), or FSDP alone on these {world_size} processes "
-                         "(a preset without --tp)")
+    problem = recipes_refuse(config)
+    if problem is not None:
+        fix = "" if int(config.dp_size) != 1 else (
+            f": use at least 2 FSDP ranks (fsdp-presets generate MODEL --gpus {2 * world_size} --tp {config.tp_size}), "
+            f"or FSDP alone on these {world_size} processes (a preset without --tp)")
+        raise UsageError(f"{path}: {problem}{fix}")
     return ModelMesh(config=config, path=str(path), rank=rank)
 
 
