@@ -87,12 +87,30 @@ def test_plan_refuses_a_tp_size_the_model_does_not_allow(capsys):
     assert "TP 3 does not divide the model's attention heads 32" in err and "fsdp-presets inspect" in err
 
 
+def test_plan_has_no_mesh_for_lora_or_fp16_as_generate_has_none(capsys):
+    """A mesh is planned for full fine-tuning in bf16/fp32 (what generate and the recipes run): plan
+    refuses --tp/--ep with LoRA or fp16 in one line, and plans no mesh row of its own for them (a
+    row with LoRA's gradients and full fine-tuning's optimizer state is neither run)."""
+    model = REPO / "model_configs" / "llama-3.1-8b"
+    for flags, message in ((("--method", "lora"), "--method lora with --tp/--ep: a mesh is planned for full"),
+                           (("--precision", "fp16"), "--precision fp16 with --tp/--ep")):
+        code, out, err = run_cli(capsys, "plan", model, "--gpus", 16, "--tp", 2, *flags)
+        assert code == 2 and message in err and not out
+    for flags in (("--method", "qlora"), ("--precision", "fp16")):
+        code, out, _ = run_cli(capsys, "plan", model, "--gpus", 16, *flags, "--json")
+        assert code == 0
+        document = json.loads(out)
+        assert {(row["tp_size"], row["ep_size"]) for row in document["strategies"]} == {(1, 1)}
+    code, out, _ = run_cli(capsys, "plan", model, "--gpus", 16, "--json")
+    assert {row["tp_size"] for row in json.loads(out)["strategies"]} > {1}  # full fine-tuning in bf16 has them
+
+
 def test_70b_on_64_gpus_without_checkpointing_needs_a_second_dimension(profiles):
     """FSDP alone cannot hold 70B's activations at 2,048 tokens on 64 x 80 GB; a TP mesh inside the
     node can, and the plan says what it costs."""
     hardware = Hardware(gpus=64, nodes=8, gpu_memory_bytes=80 * GiB, gpu=gpu_type("H100-SXM"))
     profile = profiles["llama-3.1-70b"]
-    memory_plan = plan(profile, hardware, TrainingShape(seq_len=2048), meshes_for(profile, hardware))
+    memory_plan = plan(profile, hardware, TrainingShape(seq_len=2048), meshes_for(profile, hardware, TrainingShape(seq_len=2048)))
     assert not any(row.fits for row in memory_plan.strategies if not row.is_nd)
     best = memory_plan.recommended
     assert best is not None and best.tp_size > 1 and best.fits

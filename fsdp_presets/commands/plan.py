@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     plans = []
     for hardware in hardwares:
         meshes = () if args.device == "cpu" else meshes_for(
-            profile, hardware, tp=args.tp, ep=args.ep)
+            profile, hardware, shape, tp=args.tp, ep=args.ep)
         measured, _ = rehearsed_mesh_terms(args.model, shape, meshes, trust_remote_code=args.trust_remote_code,
                                            rehearse_missing=bool(args.tp or args.ep))
         memory_plan, chosen = plan_with_auto_savers(profile, hardware, shape.replace(measured_on_mesh=measured),

@@ -20,6 +20,7 @@ from fsdp_presets.plan.methods import lora_from_args
 from fsdp_presets.plan.gpus import DEFAULT_GPU, GpuType, gpu_type
 from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
+from fsdp_presets.rehearse.mesh import Mesh
 
 __all__ = ["DIAGRAM_SUFFIXES", "PlanInputs", "plan_inputs"]
 
@@ -61,6 +62,8 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         lora_from_args(args)  # the flags alone; target names are checked against the model later
     except UsageError as error:
         problems.append(str(error))
+    if getattr(args, "tp", None) or getattr(args, "ep", None):
+        problems += Mesh.setting_problems(method=args.method or "full", precision=args.precision)
     gpu: GpuType | None = None
     cpu = getattr(args, "device", None) == "cpu"
     counts = args.gpus if isinstance(args.gpus, tuple) else (args.gpus,)

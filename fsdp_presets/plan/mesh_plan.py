@@ -143,12 +143,18 @@ def collectives_per_step(profile: ModelProfile, shape, mesh: Mesh, micro_batches
     return count
 
 
-def meshes_for(profile: ModelProfile, hardware: Hardware, *, tp: int | None = None,
+def meshes_for(profile: ModelProfile, hardware: Hardware, shape, *, tp: int | None = None,
                ep: int | None = None) -> tuple[Mesh, ...]:
     """The TP/EP meshes a plan considers: the one asked (``--tp``/``--ep``, refused with why where
     the model or the GPUs cannot run it), or else each TP size of 2, 4 and 8 the model allows inside a
-    node, and for a mixture-of-experts model each EP size the model and the GPUs allow up to a node."""
+    node, and for a mixture-of-experts model each EP size the model and the GPUs allow up to a node;
+    none for a ``shape`` a mesh is not planned for (LoRA/QLoRA, fp16: :meth:`Mesh.setting_problems`)."""
     parallel = profile.structure.get("parallel") or {}
+    refused = Mesh.setting_problems(method=shape.method, precision=shape.precision)
+    if refused and (tp or ep):
+        raise UsageError("; ".join(refused))
+    if refused:
+        return ()
     if tp or ep:
         mesh = Mesh(tp=tp or 1, ep=ep or 1)
         problems = mesh.problems(parallel, gpus=hardware.gpus, gpus_per_node=hardware.gpus_per_node)

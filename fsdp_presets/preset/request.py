@@ -166,11 +166,7 @@ class PresetRequest(OnNodes):
             if self.strategy in ("grad-op", "no-shard"):
                 problems.append(f"--strategy {self.strategy} with --tp/--ep: a mesh is planned with full sharding "
                                 "(or hybrid across nodes)")
-            if self.method != "full":
-                problems.append(f"--method {self.method} with --tp/--ep: a mesh is planned for full fine-tuning")
-            if self.precision == "fp16":
-                problems.append("--precision fp16 with --tp/--ep: transformers' DistributedConfig mixes bf16 "
-                                "parameters with fp32 reductions; use bf16")
+            problems += self.mesh.setting_problems(method=self.method, precision=self.precision)
         if self.device == "cpu":
             if self.offload == "on":
                 problems.append("--offload on with --device cpu: parameters already live in host memory, "

@@ -75,6 +75,19 @@ class Mesh:
             found.append(f"EP {self.ep} does not divide the {shard_world} GPUs that shard one copy")
         return found
 
+    @staticmethod
+    def setting_problems(*, method: str, precision: str | None) -> list[str]:
+        """Why a TP/EP mesh is not planned or run for these settings (empty when it is): full
+        fine-tuning only (transformers' TP/EP plans shard the base layers peft would wrap), and not
+        fp16 (``DistributedConfig`` mixes bf16 parameters with fp32 reductions)."""
+        found = []
+        if method != "full":
+            found.append(f"--method {method} with --tp/--ep: a mesh is planned for full fine-tuning")
+        if precision == "fp16":
+            found.append("--precision fp16 with --tp/--ep: transformers' DistributedConfig mixes bf16 "
+                         "parameters with fp32 reductions; use bf16")
+        return found
+
 
 def accelerate_tp_import_problem() -> str | None:
     """Why accelerate cannot prepare an FSDP2 x TP model with the installed transformers, or None:
