@@ -273,3 +273,24 @@ def test_a_tp_checkpoint_resumes_on_the_same_tp_size_or_as_fsdp2_alone(gpus, pos
     assert answer.gradient_accumulation_steps == {4: 2, 2: 2, 6: None}[gpus]
     plain = resume_answer(CheckpointSummary(**{**vars(summary), "model_mesh": None}), gpus)  # FSDP alone: N ranks
     assert "TP" not in plain.reason and plain.gradient_accumulation_steps == {4: 1, 2: 2, 6: None}[gpus]
+
+
+@pytest.mark.parametrize("gpus,says", [
+    (4, "on FSDP 4 x EP 4: the global batch of 8 samples stays with --micro-batch 2 --grad-accum 1 over 4"),
+    (8, "on FSDP 8 x EP 4: the global batch of 8 samples stays with --micro-batch 1 --grad-accum 1 over 8"),
+    (2, "on FSDP 2 x EP 4: 2 processes are not whole EP groups of 4"),
+    (6, "on FSDP 6 x EP 4: 6 processes are not whole EP groups of 4"),
+])
+def test_an_ep_checkpoint_says_where_its_ep_mesh_resumes(gpus, says):
+    """EP ranks each train on their own samples (N data-parallel ranks), and the mesh needs whole EP
+    groups; as FSDP2 alone it resumes wherever the batch splits."""
+    from fsdp_presets.checkpoint.inspect import CheckpointSummary, resume_answer
+
+    summary = CheckpointSummary(checkpoint="run/step-10", kind="training", layout="dcp", step=10,
+                                samples_consumed=80, global_batch_samples=8, micro_batch_size=2, world_size=4,
+                                strategy="FSDP 4 x EP 4", fsdp=None, config_digest=None, integrity={"ok": True},
+                                files=[], model_mesh={"dp_replicate_size": 1, "fsdp_size": 4, "tp_size": 1,
+                                                      "ep_size": 4})
+    answer = resume_answer(summary, gpus)
+    assert says in answer.reason and "as FSDP2 alone: the global batch of 8 samples" in answer.reason, answer.reason
+    assert answer.possible is (gpus != 6)

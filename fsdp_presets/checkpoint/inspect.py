@@ -13,9 +13,9 @@ Where a checkpoint can resume (checked by tests/test_reshard_resume.py):
 The run stays the same training only if the global batch stays the same: ``N`` data-parallel ranks
 need ``micro_batch_size x gradient_accumulation_steps = global_batch / N`` (the recipes adjust the
 accumulation on resume, :func:`fsdp_presets.checkpoint.resume.keep_global_batch`). On ``N`` processes
-a checkpoint of a TP mesh (``model_mesh``, a model transformers sharded at load time) resumes on the
-same TP size, ``N / tp_size`` data-parallel ranks (a TP group shares its samples), or as FSDP2 alone,
-``N`` of them; the answer gives both.
+a checkpoint of a TP/EP mesh (``model_mesh``, a model transformers sharded at load time) resumes on the
+same TP and EP sizes, ``N / tp_size`` data-parallel ranks (a TP group shares its samples) where ``N``
+is whole EP groups, or as FSDP2 alone, ``N`` of them; the answer gives both.
 """
 
 from __future__ import annotations
@@ -151,22 +151,27 @@ def resume_answer(summary: CheckpointSummary, gpus: int) -> ResumeAnswer:
         return ResumeAnswer(gpus=gpus, possible=True,
                             reason=f"{how}; the global batch is not recorded, keep micro-batch x accumulation x "
                                    "data-parallel ranks as it was")
-    tp = int((summary.model_mesh or {}).get("tp_size") or 1)
-    if tp == 1:
+    recorded = summary.model_mesh or {}
+    tp, ep = (int(recorded.get(key) or 1) for key in ("tp_size", "ep_size"))
+    if tp == 1 and ep == 1:
         answer = _keeping_the_batch(summary, gpus, data_ranks=gpus, ranks="processes")
         return answer if not answer.possible else dataclasses.replace(answer, reason=f"{how}; {answer.reason}")
-    # A TP mesh: on the same TP size (each TP group shares its samples), or as FSDP2 alone.
+    # A TP/EP mesh: on the same TP and EP sizes (a TP group shares its samples; EP ranks each have
+    # their own), or as FSDP2 alone.
     alone = _keeping_the_batch(summary, gpus, data_ranks=gpus, ranks="data-parallel ranks")
-    if gpus % tp or gpus // tp < 2:
+    label = mesh_label({"fsdp_size": gpus // tp or 1, "tp_size": tp, "ep_size": ep})
+    if tp > 1 and (gpus % tp or gpus // tp < 2):
         mesh = ResumeAnswer(gpus=gpus, possible=False, reason=f"{gpus} processes do not make 2 or more data-parallel "
                                                               f"ranks of {tp}-process TP groups")
+    elif gpus % ep:
+        mesh = ResumeAnswer(gpus=gpus, possible=False, reason=f"{gpus} processes are not whole EP groups of {ep} "
+                                                              f"(each holds 1/{ep} of the experts)")
     else:
         mesh = _keeping_the_batch(summary, gpus, data_ranks=gpus // tp, ranks="data-parallel ranks")
     chosen = mesh if mesh.possible else alone
     return ResumeAnswer(gpus=gpus, possible=chosen.possible,
                         gradient_accumulation_steps=chosen.gradient_accumulation_steps,
-                        reason=f"{how}; on FSDP {gpus // tp or 1} x TP {tp}: {mesh.reason}; as FSDP2 alone: "
-                               f"{alone.reason}")
+                        reason=f"{how}; on {label}: {mesh.reason}; as FSDP2 alone: {alone.reason}")
 
 
 def _keeping_the_batch(summary: CheckpointSummary, gpus: int, *, data_ranks: int, ranks: str) -> ResumeAnswer:
