@@ -62,6 +62,15 @@ def add_gpu_memory(parser: argparse.ArgumentParser, *, default_help: str = "") -
                         f"(default {DEFAULT_GPU_MEMORY_GIB:g}{default_help})")
 
 
+def add_gpu(parser: argparse.ArgumentParser, *, default_help: str) -> None:
+    """``--gpu NAME``: the GPU type (:data:`~fsdp_presets.plan.gpus.GPU_NAMES`) step times are
+    predicted on and, without ``--gpu-memory``, its memory (None: ``default_help``)."""
+    from fsdp_presets.plan.gpus import GPU_NAMES
+
+    parser.add_argument("--gpu", metavar="NAME", help=f"GPU type for step times and memory: {', '.join(GPU_NAMES)} "
+                        f"(case-insensitive; {default_help})")
+
+
 def add_host_memory(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
     """``--host-memory``: GiB of host RAM of one node (None: the command's default)."""
     parser.add_argument("--host-memory", type=host_memory_gib, metavar="GiB",

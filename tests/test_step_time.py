@@ -366,3 +366,37 @@ def test_a_gpu_preset_says_its_predicted_step_time_and_a_cpu_preset_does_not(tmp
     assert any(row["tokens_per_s_per_gpu"] == pytest.approx(predicted["tokens_per_s_per_gpu"], abs=0.1) for row in rows), \
         (predicted, [row["tokens_per_s_per_gpu"] for row in rows])
     assert read_metadata(cpu.read_text())["predicted"] is None and "predicted on" not in cpu.read_text()
+
+
+def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path, capsys):
+    """``generate --gpu A100-40GB``: the memory is the type's (40 GiB), the choice and the header's
+    predicted step are that GPU's (what plan --gpu A100-40GB gives for the preset's settings), and
+    the regenerate command and a rescale keep it; not with --device cpu."""
+    from fsdp_presets.preset.emit import read_metadata
+
+    a100, rescaled = tmp_path / "a100.yaml", tmp_path / "a100x16.yaml"
+    assert main(["generate", "model_configs/llama-3.1-8b", "--gpus", "8", "--gpu", "a100-40gb", "-o", str(a100)]) == 0
+    text = a100.read_text()
+    metadata = read_metadata(text)
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    predicted, summary = metadata["predicted"], metadata["summary"]
+    assert predicted["gpu"] == "A100-40GB" and "40 GiB A100-40GB GPUs" in header
+    assert f"predicted on A100-40GB: {predicted['step_time_s']:.3g} s per optimizer step" in header
+    assert "on A100-40GB against" in header and "H100" not in header
+    assert "--gpu a100-40gb" in header  # the regenerate command
+    capsys.readouterr()
+    code, out = _cli(capsys, "plan", "model_configs/llama-3.1-8b", "--gpus", 8, "--gpu", "A100-40GB",
+                     "--seq-len", summary["seq_len"], "--micro-batch", summary["micro_batch"], "--grad-accum",
+                     summary["gradient_accumulation"], "--activation-checkpointing",
+                     "on" if summary["activation_checkpointing"] else "off", "--json",
+                     *(["--reduce-every-micro-batch"] if summary["reduce_every_micro_batch"] else []))
+    assert any(row["tokens_per_s_per_gpu"] == pytest.approx(predicted["tokens_per_s_per_gpu"], abs=0.1)
+               for row in json.loads(out)["strategies"])
+    h100 = tmp_path / "h100.yaml"
+    assert main(["generate", "model_configs/llama-3.1-8b", "--gpus", "8", "-o", str(h100)]) == 0
+    assert read_metadata(h100.read_text())["summary"] != summary  # 40 GiB fits less than 80 GiB
+    assert main(["generate", "--from", str(a100), "--gpus", "16", "--nodes", "2", "-o", str(rescaled)]) == 0
+    assert read_metadata(rescaled.read_text())["predicted"]["gpu"] == "A100-40GB"
+    capsys.readouterr()
+    assert main(["generate", "llama", "--device", "cpu", "--gpus", "2", "--gpu", "L4", "-o", str(tmp_path / "c.yaml")]) == 2
+    assert "--gpu L4 with --device cpu" in capsys.readouterr().err and not (tmp_path / "c.yaml").exists()

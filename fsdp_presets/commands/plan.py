@@ -26,8 +26,6 @@ HELP = "plan per-GPU memory and communication of every FSDP/DDP strategy, and re
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments, flags
     from fsdp_presets.plan.methods import add_method_arguments
-
-    from fsdp_presets.plan.gpus import GPU_NAMES
     from fsdp_presets.plan.limits import gpu_counts, inter_node_gbps, token_count
 
     arguments.add_model(parser)
@@ -35,8 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs in the whole job; several counts (8,16,32,64) print a scaling table with "
                         "8 GPUs a node above 8")
     arguments.add_nodes(parser)
-    parser.add_argument("--gpu", metavar="NAME", help=f"GPU type for step times and memory: {', '.join(GPU_NAMES)} "
-                        "(case-insensitive; default H100-SXM for the times, --gpu-memory for the memory)")
+    arguments.add_gpu(parser, default_help="default H100-SXM for the times, --gpu-memory for the memory")
     parser.add_argument("--inter-node-gbps", type=inter_node_gbps, metavar="Gb/s",
                         help="one GPU's network to other nodes in Gb/s (default: the GPU type's usual cluster, "
                         "e.g. 400 for H100-SXM: one 400 Gb/s adapter per GPU)")

@@ -120,7 +120,7 @@ def gpu_type(name: str) -> GpuType:
     if key in GPU_TYPES:
         return GPU_TYPES[key]
     raise UsageError(unknown_name_message("--gpu", str(name), GPU_NAMES)
-                     + " (or give --gpu-memory alone for a GPU not listed: the plan then has no step time)")
+                     + f" (for a GPU not listed, leave --gpu out and give --gpu-memory: step times are then {DEFAULT_GPU}'s)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,6 @@ import yaml
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.flags import DISTRIBUTED_CONFIG
 from fsdp_presets.preset.emit_commands import SHELL_VARIABLES, LaunchHints, generate_words, launch_words, number_text
-from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
 from fsdp_presets.preset.choices import Preset
 from fsdp_presets.launching.quoting import comment_text, is_one_line, shell_word
 from fsdp_presets.schema import (
@@ -225,7 +224,7 @@ def _hardware_line(preset: Preset) -> str:
         memory = (f"{request.host_bytes / GiB:g} GiB host RAM per node shared by "
                   f"{request.gpus_per_node} processes ({format_bytes(hardware.usable_bytes)} usable each)")
     else:
-        memory = (f"{(request.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB):g} GiB GPUs "
+        memory = (f"{hardware.gpu_memory_bytes / GiB:g} GiB {request.gpu_type.name + ' ' if request.gpu else ''}GPUs "
                   f"({format_bytes(hardware.usable_bytes)} usable: {format_bytes(hardware.reserved_bytes)} reserved for "
                   f"the CUDA context and libraries), {request.host_bytes / GiB:g} "
                   "GiB host RAM per node")
@@ -271,26 +270,25 @@ def _planner_table(preset: Preset, *, mark: str) -> list[str]:
 
 
 def predicted_time(preset: Preset):
-    """This preset's step time on :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU` GPUs
-    (:mod:`fsdp_presets.plan.step_time`); None for a CPU preset (``plan --device cpu`` measures the host)."""
-    from fsdp_presets.plan.gpus import DEFAULT_GPU
+    """This preset's step time on its request's GPU type (``--gpu``, else
+    :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`; :mod:`fsdp_presets.plan.step_time`); None for a CPU
+    preset (``plan --device cpu`` measures the host)."""
     from fsdp_presets.plan.step_time import predicted_on
 
     if preset.request.device == "cpu":
         return None
-    return predicted_on(DEFAULT_GPU, preset.profile, preset.memory_plan, preset.row)
+    return predicted_on(preset.request.gpu_type.name, preset.profile, preset.memory_plan, preset.row)
 
 
 def _predicted_lines(preset: Preset) -> list[str]:
-    from fsdp_presets.plan.gpus import DEFAULT_GPU
-
     time = predicted_time(preset)
     if time is None:
         return []
-    return _wrapped(f"predicted on {DEFAULT_GPU}: {time.step_s:.3g} s per optimizer step, "
+    other = ("" if preset.request.gpu else " (for other GPUs: generate ... --gpu NAME)")
+    return _wrapped(f"predicted on {preset.request.gpu_type.name}: {time.step_s:.3g} s per optimizer step, "
                     f"{time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {time.mfu:.0%}, "
-                    f"{time.exposed_comm_fraction:.0%} waiting on communication (for other GPUs: "
-                    "fsdp-presets plan ... --gpu NAME; compare shows a run's measured tokens/s against this)",
+                    f"{time.exposed_comm_fraction:.0%} waiting on communication{other}; compare shows a run's "
+                    "measured tokens/s against this",
                     first="#   ", rest="#   ")
 
 
@@ -303,8 +301,6 @@ def metadata_document(preset: Preset, *, kind: str, output: str, baseline_output
                       launch: LaunchHints) -> dict:
     """What a generated file's metadata line holds: the request, launch hints, outputs, summary and
     the predicted step."""
-    from fsdp_presets.plan.gpus import DEFAULT_GPU
-
     time = predicted_time(preset)
     return {
         "format": METADATA_FORMAT,
@@ -314,7 +310,7 @@ def metadata_document(preset: Preset, *, kind: str, output: str, baseline_output
         "outputs": {"config": output, "baseline": baseline_output},
         "summary": {**preset.summary(), **({"processes": baseline_processes(preset)}
                                            if kind == "ddp-baseline" and preset.parallelism.is_nd else {})},
-        "predicted": None if time is None else {"gpu": DEFAULT_GPU, "step_time_s": round(time.step_s, 6),
+        "predicted": None if time is None else {"gpu": preset.request.gpu_type.name, "step_time_s": round(time.step_s, 6),
                                                 "tokens_per_s_per_gpu": round(time.tokens_per_s_per_gpu, 1),
                                                 "mfu": round(time.mfu, 4)},
     }

@@ -49,6 +49,7 @@ def generate_words(request: PresetRequest, *, output: str, baseline_output: str 
     optional = [
         ("--nodes", request.nodes, 1),
         ("--device", request.device, "gpu"),
+        ("--gpu", request.gpu, None),
         ("--gpu-memory", request.gpu_memory_gib, None),
         ("--host-memory", request.host_memory_gib, None),
         ("--precision", request.precision, "auto"),

@@ -1,6 +1,7 @@
 """Which configuration a GPU preset runs when several fit: the one with the shortest optimizer step
-predicted on :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU` (:mod:`fsdp_presets.plan.step_time`, the
-figure the preset's header prints), and each decision's reason with the numbers::
+predicted on the request's GPU type (``--gpu``, else :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`;
+:mod:`fsdp_presets.plan.step_time`, the figure the preset's header prints), and each decision's
+reason with the numbers::
 
     chosen = fastest_candidate(fitting)             # fitting: Candidates in the default order
     strategy_comparison(chosen, fitting)            # "SHARD_GRAD_OP 8: predicted 2.9 s per optimizer
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_presets.plan.gpus import DEFAULT_GPU
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.step_time import clearly_faster
@@ -53,8 +53,10 @@ class Candidate:
     """The planner's table at ``shape``."""
     row: StrategyPlan
     """The strategy's row of ``memory_plan``."""
+    gpu: str = ""
+    """The GPU type ``step_s`` is predicted on."""
     step_s: float | None = None
-    """Seconds per optimizer step predicted on :data:`DEFAULT_GPU`; None where not predicted (CPU)."""
+    """Seconds per optimizer step predicted on ``gpu``; None where not predicted (CPU)."""
     slow_network_s: float | None = None
     """The same at :data:`SLOW_NETWORK_SHARE` of its network between nodes; None on one node."""
 
@@ -105,7 +107,7 @@ def _best_of(candidates: list[Candidate]) -> Candidate | None:
 def _against(chosen: Candidate, other: Candidate) -> str:
     """``2.9 s per optimizer step on H100-SXM against FULL_SHARD 8's 3.1 s (micro-batch ...)``, with a
     note when the other is as fast within the model's error."""
-    text = f"{chosen.predicted} per optimizer step on {DEFAULT_GPU} against {other.row.label}'s {other.predicted}"
+    text = f"{chosen.predicted} per optimizer step on {chosen.gpu} against {other.row.label}'s {other.predicted}"
     text += f" at {other.settings}"
     if clearly_faster(other.deciding_s, chosen.deciding_s) and not other.roomy:
         text += (f", which is planned at {other.memory_share:.0%} of the usable memory (above {HEADROOM:.0%}: "
@@ -123,7 +125,7 @@ def strategy_comparison(chosen: Candidate, candidates: list[Candidate], consider
     head = f"{chosen.row.label} at {chosen.settings}: predicted "
     if not others:
         missing = [name for name in considered if name != chosen.name]
-        text = f"{head}{chosen.predicted} per optimizer step on {DEFAULT_GPU}"
+        text = f"{head}{chosen.predicted} per optimizer step on {chosen.gpu}"
         if missing:
             text += (f"; the only strategy that fits ({' and '.join(missing)} "
                      f"{'does' if len(missing) == 1 else 'do'} not, even with the memory savers allowed)")

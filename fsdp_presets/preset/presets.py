@@ -9,8 +9,8 @@ a ``Preset`` out (``emit.py`` turns it into YAML; only the CLI touches files)::
 
 How ``auto`` decides (the planner, :mod:`fsdp_presets.plan.planner`, costs every option):
 
-* GPUs: the fastest configuration that fits by the step predicted on H100-SXM
-  (:mod:`fsdp_presets.preset.fastest_fit`, the figure the header prints) among the strategies (one
+* GPUs: the fastest configuration that fits by the step predicted on ``--gpu`` (H100-SXM unless given;
+  :mod:`fsdp_presets.preset.fastest_fit`, the figure the header prints) among the strategies (one
   node: FULL_SHARD and SHARD_GRAD_OP; several: HYBRID_SHARD and FULL_SHARD across every GPU, judged
   at half the network too), activation checkpointing off and on, and gradients accumulated under
   no_sync or reduced every micro-batch, each at the largest micro-batch it fits. Steps within 1% are
@@ -36,7 +36,6 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.choices import BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset, WrapChoice
 from fsdp_presets.model.model_profile import ModelProfile
-from fsdp_presets.plan.gpus import DEFAULT_GPU
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.step_time import predicted_on
 from fsdp_presets.preset.checkpoint_choice import state_dict_choice, with_async_save
@@ -181,10 +180,11 @@ def _completed(profile: ModelProfile, request: PresetRequest, shape: TrainingSha
     final_row = _row(memory_plan, name, request)
     if not by_speed:
         return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row)
-    step_s = predicted_on(DEFAULT_GPU, profile, memory_plan, final_row).step_s
-    slow_network_s = (predicted_on(DEFAULT_GPU, profile, memory_plan, final_row,
+    gpu = request.gpu_type.name
+    step_s = predicted_on(gpu, profile, memory_plan, final_row).step_s
+    slow_network_s = (predicted_on(gpu, profile, memory_plan, final_row,
                                    network_share=SLOW_NETWORK_SHARE).step_s if request.nodes > 1 else None)
-    return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row, step_s=step_s,
+    return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row, gpu=gpu, step_s=step_s,
                      slow_network_s=slow_network_s)
 
 

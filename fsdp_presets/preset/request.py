@@ -62,8 +62,12 @@ class PresetRequest(OnNodes):
     """Machines the GPUs are spread over, the same number on each."""
     device: Device = "gpu"
     """``gpu``, or ``cpu``: a CPU-only host (demos, CI) where FSDP runs over gloo."""
+    gpu: str | None = None
+    """GPU type (``--gpu``, :data:`~fsdp_presets.plan.gpus.GPU_NAMES`): the step times the choices
+    and the header are predicted on, and the memory without ``--gpu-memory``; None: times on
+    :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`, memory ``--gpu-memory`` or 80 GiB."""
     gpu_memory_gib: float | None = None
-    """Memory of one GPU in GiB (default 80); unused with ``--device cpu``."""
+    """Memory of one GPU in GiB (default: the ``gpu`` type's, else 80); unused with ``--device cpu``."""
     host_memory_gib: float | None = None
     """Host RAM of one node in GiB (default 1024 for GPU nodes, 16 for ``--device cpu``, where the
     node's processes share it as their device memory)."""
@@ -127,6 +131,17 @@ class PresetRequest(OnNodes):
                 check(str(getattr(self, name)))
             except UsageError as error:
                 problems.append(str(error))
+        if self.gpu is not None:
+            from fsdp_presets.plan.gpus import gpu_type
+
+            try:
+                gpu_type(self.gpu)
+            except UsageError as error:
+                problems.append(str(error))
+                numbers_fine = False
+            if self.device == "cpu":
+                problems.append(f"--gpu {self.gpu} with --device cpu: a CPU host's speed is measured, not looked up "
+                                "(fsdp-presets plan --device cpu); drop --gpu")
         if self.state_dict not in STATE_DICT_CHOICES:
             problems.append(unknown_name_message("--state-dict value", str(self.state_dict), STATE_DICT_CHOICES))
         if self.fsdp_version not in (1, 2):
@@ -199,8 +214,16 @@ class PresetRequest(OnNodes):
                                  f"{CPU_RESERVED_BYTES / GiB:g} GiB before any tensor); use fewer processes")
             return Hardware(gpus=self.gpus, nodes=self.nodes, gpu_memory_bytes=per_process,
                             reserved_bytes=CPU_RESERVED_BYTES)
-        memory = self.gpu_memory_gib or DEFAULT_GPU_MEMORY_GIB
+        memory = self.gpu_memory_gib or (self.gpu_type.memory_gib if self.gpu else DEFAULT_GPU_MEMORY_GIB)
         return Hardware(gpus=self.gpus, nodes=self.nodes, gpu_memory_bytes=int(memory * GiB))
+
+    @property
+    def gpu_type(self):
+        """The :class:`~fsdp_presets.plan.gpus.GpuType` step times are predicted on: ``gpu``, else
+        :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`."""
+        from fsdp_presets.plan.gpus import DEFAULT_GPU, gpu_type
+
+        return gpu_type(self.gpu or DEFAULT_GPU)
 
     @property
     def lora_shape(self):
@@ -231,6 +254,8 @@ class PresetRequest(OnNodes):
         if not self.mesh.is_nd:  # nor does one without a mesh
             data.pop("tp")
             data.pop("ep")
+        if self.gpu is None:  # nor does one without a GPU type
+            data.pop("gpu")
         return data
 
     @classmethod
