@@ -371,7 +371,8 @@ def test_a_gpu_preset_says_its_predicted_step_time_and_a_cpu_preset_does_not(tmp
 def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path, capsys):
     """``generate --gpu A100-40GB``: the memory is the type's (40 GiB), the choice and the header's
     predicted step are that GPU's (what plan --gpu A100-40GB gives for the preset's settings), and
-    the regenerate command and a rescale keep it; not with --device cpu."""
+    the regenerate command and a rescale keep it, ``check`` plans it on that memory; not with
+    --device cpu."""
     from fsdp_presets.preset.emit import read_metadata
 
     a100, rescaled = tmp_path / "a100.yaml", tmp_path / "a100x16.yaml"
@@ -397,6 +398,11 @@ def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path
     assert read_metadata(h100.read_text())["summary"] != summary  # 40 GiB fits less than 80 GiB
     assert main(["generate", "--from", str(a100), "--gpus", "16", "--nodes", "2", "-o", str(rescaled)]) == 0
     assert read_metadata(rescaled.read_text())["predicted"]["gpu"] == "A100-40GB"
+    # check plans a preset on its header's GPU type: an H200 preset's micro-batch fits 141 GB, not 80
+    h200 = tmp_path / "h200.yaml"
+    assert main(["generate", "model_configs/llama-3.1-8b", "--gpus", "8", "--gpu", "H200", "-o", str(h200)]) == 0
     capsys.readouterr()
+    assert main(["check", str(h200)]) == 0
+    assert "0 warnings" in capsys.readouterr().out
     assert main(["generate", "llama", "--device", "cpu", "--gpus", "2", "--gpu", "L4", "-o", str(tmp_path / "c.yaml")]) == 2
     assert "--gpu L4 with --device cpu" in capsys.readouterr().err and not (tmp_path / "c.yaml").exists()

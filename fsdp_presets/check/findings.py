@@ -8,6 +8,7 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
+from fsdp_presets.errors import UsageError
 from fsdp_presets.preset.request import DEFAULT_HOST_MEMORY_GIB
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.schema import FSDP_CONFIG, PARALLELISM_CONFIG, K, T
@@ -222,7 +223,12 @@ class CheckContext:
 
     @property
     def gpu_gib(self) -> float:
-        return self.gpu_memory_gib or self._from_request("gpu_memory_gib") or DEFAULT_GPU_MEMORY_GIB
+        from fsdp_presets.plan.gpus import memory_of
+
+        try:
+            return memory_of(self.gpu_memory_gib or self._from_request("gpu_memory_gib"), self._from_request("gpu"))
+        except UsageError:  # a header's unknown GPU type: the default, as for a hand-written config
+            return DEFAULT_GPU_MEMORY_GIB
 
     @property
     def training_method(self) -> str | None:

@@ -123,6 +123,15 @@ def gpu_type(name: str) -> GpuType:
                      + f" (for a GPU not listed, leave --gpu out and give --gpu-memory: step times are then {DEFAULT_GPU}'s)")
 
 
+def memory_of(gpu_memory_gib: float | None, gpu: str | None) -> float:
+    """GiB of one GPU: ``--gpu-memory`` where given, else the ``--gpu`` type's, else
+    :data:`~fsdp_presets.plan.limits.DEFAULT_GPU_MEMORY_GIB` (``plan``, ``generate`` and ``check`` of a
+    preset's header alike)."""
+    from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB
+
+    return gpu_memory_gib or (gpu_type(gpu).memory_gib if gpu else DEFAULT_GPU_MEMORY_GIB)
+
+
 @dataclass(frozen=True, kw_only=True)
 class HostRates:
     """A CPU host measured as the recipes run on it (:mod:`fsdp_presets.preset.host_rates`): the

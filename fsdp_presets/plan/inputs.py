@@ -17,7 +17,7 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB
 from fsdp_presets.plan import limits
 from fsdp_presets.plan.methods import lora_from_args
-from fsdp_presets.plan.gpus import DEFAULT_GPU, GpuType, gpu_type
+from fsdp_presets.plan.gpus import DEFAULT_GPU, GpuType, gpu_type, memory_of
 from fsdp_presets.plan.save_cost import DEFAULT_STORAGE_GB_PER_S, save_input_problems
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.rehearse.mesh import Mesh
@@ -86,7 +86,7 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         if uneven:
             problems.append(f"--gpus {','.join(map(str, uneven))}: above {GPUS_PER_NODE_IN_SCALING} a scaling "
                             f"table counts whole nodes of {GPUS_PER_NODE_IN_SCALING} (e.g. --gpus 8,16,32,64)")
-    memory_gib = args.gpu_memory or (gpu.memory_gib if gpu is not None and args.gpu else limits.DEFAULT_GPU_MEMORY_GIB)
+    memory_gib = memory_of(args.gpu_memory, args.gpu if gpu is not None else None)
     hardwares = []
     if gpu is not None and not problems:
         try:

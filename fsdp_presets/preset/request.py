@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Literal
 
 from fsdp_presets.plan import limits
-from fsdp_presets.plan.limits import DEFAULT_GPU_MEMORY_GIB, DEVICES
+from fsdp_presets.plan.limits import DEVICES
 from fsdp_presets.errors import UsageError, unknown_name_message
 from fsdp_presets.fileio import GiB
 from fsdp_presets.plan.shapes import Hardware, OnNodes, mesh_problems
@@ -214,8 +214,10 @@ class PresetRequest(OnNodes):
                                  f"{CPU_RESERVED_BYTES / GiB:g} GiB before any tensor); use fewer processes")
             return Hardware(gpus=self.gpus, nodes=self.nodes, gpu_memory_bytes=per_process,
                             reserved_bytes=CPU_RESERVED_BYTES)
-        memory = self.gpu_memory_gib or (self.gpu_type.memory_gib if self.gpu else DEFAULT_GPU_MEMORY_GIB)
-        return Hardware(gpus=self.gpus, nodes=self.nodes, gpu_memory_bytes=int(memory * GiB))
+        from fsdp_presets.plan.gpus import memory_of
+
+        return Hardware(gpus=self.gpus, nodes=self.nodes,
+                        gpu_memory_bytes=int(memory_of(self.gpu_memory_gib, self.gpu) * GiB))
 
     @property
     def gpu_type(self):
