@@ -482,3 +482,28 @@ def test_compare_shows_each_runs_throughput_against_its_presets_prediction(tmp_p
             f"predicts {expected:,.0f} on H100-SXM ({measured / expected:.2f}x)") in out
     candidate = next(line for line in out.splitlines() if line.startswith("throughput: candidate"))
     assert "predicts" not in candidate  # launched with no generated preset: nothing to hold it to
+
+
+def test_a_ddp_baseline_file_predicts_ddps_step_not_its_fsdp_presets(tmp_path, capsys):
+    """The DDP baseline runs DDP at the preset's micro-batch and accumulation: its header and metadata
+    give the planner's DDP row there (what compare holds a baseline run to), and nothing where DDP
+    does not fit."""
+    from fsdp_presets.preset.emit import read_metadata
+
+    config = tmp_path / "preset.yaml"
+    assert main(["generate", "model_configs/smollm2-135m", "--gpus", "8", "--baseline", "ddp", "-o", str(config)]) == 0
+    fsdp = read_metadata(config.read_text())
+    ddp = read_metadata(config.with_suffix(".ddp.yaml").read_text())["predicted"]
+    summary = fsdp["summary"]
+    capsys.readouterr()
+    assert main(["plan", "model_configs/smollm2-135m", "--gpus", "8", "--seq-len", str(summary["seq_len"]),
+                 "--micro-batch", str(summary["micro_batch"]), "--grad-accum", str(summary["gradient_accumulation"]),
+                 "--activation-checkpointing", "on" if summary["activation_checkpointing"] else "off", "--json"]) == 0
+    row = next(row for row in json.loads(capsys.readouterr().out)["strategies"] if row["name"] == "DDP")
+    assert row["fits"] and ddp["tokens_per_s_per_gpu"] == pytest.approx(row["tokens_per_s_per_gpu"], abs=0.1)
+    assert ddp["tokens_per_s_per_gpu"] != fsdp["predicted"]["tokens_per_s_per_gpu"]
+    assert f"Predicted on H100-SXM: {ddp['step_time_s']:.3g} s" in config.with_suffix(".ddp.yaml").read_text()
+    big = tmp_path / "big.yaml"  # at the micro-batch FSDP fits, DDP's replicas of 1B do not
+    assert main(["generate", "model_configs/llama-3.2-1b", "--gpus", "8", "--baseline", "ddp", "-o", str(big)]) == 0
+    assert "does not fit here" in big.with_suffix(".ddp.yaml").read_text().replace("\n# ", " ")
+    assert read_metadata(big.with_suffix(".ddp.yaml").read_text())["predicted"] is None

@@ -269,27 +269,35 @@ def _planner_table(preset: Preset, *, mark: str) -> list[str]:
     return [line(headers)] + [line(row) for row in rows]
 
 
-def predicted_time(preset: Preset):
+def predicted_time(preset: Preset, *, baseline: bool = False):
     """This preset's step time on its request's GPU type (``--gpu``, else
-    :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`; :mod:`fsdp_presets.plan.step_time`); None for a CPU
-    preset (``plan --device cpu`` measures the host)."""
+    :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`; :mod:`fsdp_presets.plan.step_time`), or with
+    ``baseline`` its DDP baseline's (the DDP row at the same micro-batch and accumulation). None for a
+    CPU preset (``plan --device cpu`` measures the host), and for a baseline that does not fit or
+    that runs one process per TP group (not a row of this plan)."""
     from fsdp_presets.plan.step_time import predicted_on
 
     if preset.request.device == "cpu":
         return None
-    return predicted_on(preset.request.gpu_type.name, preset.profile, preset.memory_plan, preset.row)
+    row = preset.row
+    if baseline:
+        row = preset.memory_plan.get("DDP")
+        if preset.parallelism.is_nd or not row.fits:
+            return None
+    return predicted_on(preset.request.gpu_type.name, preset.profile, preset.memory_plan, row)
 
 
-def _predicted_lines(preset: Preset) -> list[str]:
-    time = predicted_time(preset)
+def _predicted_lines(preset: Preset, *, baseline: bool = False, indent: str = "#   ") -> list[str]:
+    time = predicted_time(preset, baseline=baseline)
     if time is None:
         return []
     other = ("" if preset.request.gpu else " (for other GPUs: generate ... --gpu NAME)")
-    return _wrapped(f"predicted on {preset.request.gpu_type.name}: {time.step_s:.3g} s per optimizer step, "
+    return _wrapped(f"{'Predicted' if baseline else 'predicted'} on {preset.request.gpu_type.name}: "
+                    f"{time.step_s:.3g} s per optimizer step, "
                     f"{time.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {time.mfu:.0%}, "
                     f"{time.exposed_comm_fraction:.0%} waiting on communication{other}; compare shows a run's "
                     "measured tokens/s against this",
-                    first="#   ", rest="#   ")
+                    first=indent, rest=indent)
 
 
 def _metadata(preset: Preset, *, kind: str, output: str, baseline_output: str | None, launch: LaunchHints) -> str:
@@ -301,7 +309,7 @@ def metadata_document(preset: Preset, *, kind: str, output: str, baseline_output
                       launch: LaunchHints) -> dict:
     """What a generated file's metadata line holds: the request, launch hints, outputs, summary and
     the predicted step."""
-    time = predicted_time(preset)
+    time = predicted_time(preset, baseline=kind == "ddp-baseline")
     return {
         "format": METADATA_FORMAT,
         "kind": kind,
@@ -465,7 +473,8 @@ def render_ddp_baseline(preset: Preset, *, output: str, baseline_output: str,
         launch_title="Launch with the FSDP config's recipe flags (the same samples in the same order)",
         launch_line=launch_words(preset, config_file=baseline_output, launch=launch, baseline=True),
         notes=[*_method_lines(preset), "#",
-               *_wrapped(f"Planner: DDP at micro-batch {preset.batch.micro_batch} {fit}.", first="# ", rest="# ")],
+               *_wrapped(f"Planner: DDP at micro-batch {preset.batch.micro_batch} {fit}.", first="# ", rest="# "),
+               *_predicted_lines(preset, baseline=True, indent="# ")],
         config=ddp_config(preset))
 
 
