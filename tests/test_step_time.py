@@ -398,6 +398,11 @@ def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path
     assert read_metadata(h100.read_text())["summary"] != summary  # 40 GiB fits less than 80 GiB
     assert main(["generate", "--from", str(a100), "--gpus", "16", "--nodes", "2", "-o", str(rescaled)]) == 0
     assert read_metadata(rescaled.read_text())["predicted"]["gpu"] == "A100-40GB"
+    # Rescaled to another type, the memory is that type's, even where the old preset gave --gpu-memory
+    forty = tmp_path / "forty.yaml"
+    assert main(["generate", "model_configs/llama-3.1-8b", "--gpus", "8", "--gpu-memory", "40", "-o", str(forty)]) == 0
+    assert main(["generate", "--from", str(forty), "--gpu", "H200", "-o", str(tmp_path / "h200-from.yaml")]) == 0
+    assert "141 GiB H200 GPUs" in (tmp_path / "h200-from.yaml").read_text()
     # check plans a preset on its header's GPU type: an H200 preset's micro-batch fits 141 GB, not 80
     h200 = tmp_path / "h200.yaml"
     assert main(["generate", "model_configs/llama-3.1-8b", "--gpus", "8", "--gpu", "H200", "-o", str(h200)]) == 0

@@ -185,6 +185,8 @@ def rescale_request(old: PresetRequest, old_summary: dict, **changes) -> PresetR
             parse_global_batch(old.global_batch)[1] == "tokens" else old.global_batch
     if "micro_batch" not in changes:
         changes["micro_batch"] = None  # re-decided for the new layout
+    if "gpu" in changes and "gpu_memory_gib" not in changes:
+        changes["gpu_memory_gib"] = None  # another GPU type: its memory, not the old preset's
     return dataclasses.replace(old, **changes)
 
 
