@@ -2,15 +2,16 @@
 against the preset header."""
 
 from __future__ import annotations
-from fsdp_presets.numerics import param_groups
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fsdp_presets.numerics import param_groups
 from fsdp_presets.train import loop
 from fsdp_presets.train.data import IGNORE_INDEX, causal_lm_splits, classification_splits
 from fsdp_presets.errors import UsageError
@@ -237,6 +238,32 @@ def test_lr_schedule_equals_transformers_get_scheduler_at_every_step(name, warmu
     ours = learning_rates(lambda opt: loop.lr_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total))
     theirs = learning_rates(lambda opt: get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total))
     assert ours == theirs  # float for float
+
+
+def test_a_schedule_loaded_from_a_checkpoint_sets_its_own_rate_at_the_saved_step():
+    """Resumed with the same --max-steps the rate is the saved one, float for float; with another,
+    the new schedule's at the resumed step (the checkpoint's optimizer holds the old schedule's rate
+    for the next step, which the first resumed step would otherwise take)."""
+    import torch
+
+    def run(total: int, steps: int, state=None):
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+        scheduler = loop.lr_scheduler("cosine", optimizer, num_warmup_steps=0, num_training_steps=total)
+        if state is not None:  # as accelerate's load_state: the optimizer, then the scheduler
+            optimizer.load_state_dict(state[0])
+            scheduler.load_state_dict(state[1])
+        for _ in range(steps):
+            optimizer.step()
+            scheduler.step()
+        return optimizer, scheduler
+
+    saved = run(4, 2)
+    state = (saved[0].state_dict(), saved[1].state_dict())
+    continued = run(4, 3)[0].param_groups[0]["lr"]
+    assert run(4, 1, state)[0].param_groups[0]["lr"] == continued  # the same schedule: the same float
+    longer_optimizer, longer = run(8, 0, state)
+    assert longer_optimizer.param_groups[0]["lr"] == longer.get_last_lr()[0] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 2 / 8)))
+    assert saved[0].param_groups[0]["lr"] == pytest.approx(5e-4)  # what the checkpoint held
 
 
 def test_recipe_imports_leave_peft_and_bitsandbytes_out():

@@ -299,8 +299,20 @@ def lr_scheduler(name: str, optimizer, *, num_warmup_steps: int, num_training_st
 
     from torch.optim.lr_scheduler import LambdaLR
 
+    class Schedule(LambdaLR):
+        def load_state_dict(self, state_dict):
+            """The saved step, at this schedule's rate there: a checkpoint holds the rate its own
+            schedule set for the next step (in the optimizer's groups, loaded first), which a run
+            resumed with another --max-steps would otherwise take for one step (the same float
+            when the schedule is unchanged: ``LambdaLR.get_lr``'s product)."""
+            super().load_state_dict(state_dict)
+            rates = [base * rate(self.last_epoch) for base, rate in zip(self.base_lrs, self.lr_lambdas)]
+            for group, value in zip(self.optimizer.param_groups, rates):
+                group["lr"] = value
+            self._last_lr = rates
+
     multiplier = functools.partial(_lr_multiplier, name, warmup=num_warmup_steps, total=num_training_steps)
-    return LambdaLR(optimizer, multiplier)
+    return Schedule(optimizer, multiplier)
 
 
 def _lr_multiplier(name: str, step: int, *, warmup: int, total: int) -> float:
