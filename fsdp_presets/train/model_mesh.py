@@ -182,6 +182,44 @@ def prepare_sharded(accelerator, model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def initialize_new_weights_as_unsharded(model, loading: dict, rng_state) -> None:
+    """Give the weights a model folder lacks (a new classification head: ``loading``'s missing and
+    mismatched keys) the values a load without the mesh gives them. transformers initialises them
+    on the mesh with DTensor's random numbers, which split one stream over the shards: other values
+    than the same seed gives without the mesh, so a run on the mesh could not be held to its DDP
+    baseline. Here each module owning such a weight is initialised as ``initialize_weights`` does
+    after a plain load (``_init_weights`` on whole tensors, module by module, from ``rng_state``,
+    the generator's state before the load), then each rank keeps its shard. Collective."""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    names = set(loading.get("missing_keys") or ()) | {entry[0] if isinstance(entry, tuple) else entry
+                                                     for entry in loading.get("mismatched_keys") or ()}
+    if not names:
+        return
+    torch.set_rng_state(rng_state)
+    for prefix, module in model.named_modules():
+        own = {name: param for name, param in module.named_parameters(recurse=False)
+               if (f"{prefix}.{name}" if prefix else name) in names}
+        if not own:
+            continue
+        for name, param in own.items():  # whole tensors in place of the shards while it is initialised
+            module._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype))
+        try:
+            model._init_weights(module)
+            values = {name: module._parameters[name].detach() for name in own}
+        finally:
+            module._parameters.update(own)
+        with torch.no_grad():
+            for name, param in own.items():
+                if isinstance(param, DTensor):
+                    whole = DTensor.from_local(values[name].to(param.device), param.device_mesh,
+                                               [Replicate()] * param.device_mesh.ndim, run_check=False)
+                    param.to_local().copy_(whole.redistribute(param.device_mesh, param.placements).to_local())
+                else:
+                    param.copy_(values[name])
+
+
 def mesh_of(model, rank: int) -> ModelMesh | None:
     """The mesh of a model transformers sharded at load time (a Trainer script's own
     ``from_pretrained(distributed_config=...)``), None for any other model."""
@@ -202,5 +240,5 @@ def is_sharded_by_transformers(model) -> bool:
     return bool(getattr(model, "is_distributed_loading_by_transformers", False))
 
 
-__all__ = ["ModelMesh", "check_mesh_launch", "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings",
+__all__ = ["ModelMesh", "check_mesh_launch", "initialize_new_weights_as_unsharded", "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings",
            "prepare_sharded", "sum_over_samples", "trainer_launch_problem"]

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from fsdp_presets.errors import UsageError
 from fsdp_presets.schema import K
 from fsdp_presets.train import lora as peft_lora
-from fsdp_presets.train.model_mesh import is_sharded_by_transformers, prepare_sharded
+from fsdp_presets.train.model_mesh import initialize_new_weights_as_unsharded, is_sharded_by_transformers, prepare_sharded
 
 
 def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, mixed_precision: str = "no",
@@ -50,6 +50,12 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
     # use_kernels=False: transformers (5.x, with the `kernels` package it requires) otherwise swaps
     # layers for kernels downloaded from the Hub on a GPU at the first train()/eval(): code from the
     # network, like trust_remote_code, and on an offline host a crash (nothing is cached to load).
+    if mesh is not None:
+        rng = torch.get_rng_state()  # where a load without the mesh initialises the weights the folder lacks
+        model, loading = model_class.from_pretrained(path, dtype=base_dtype, trust_remote_code=False, use_kernels=False,
+                                                     output_loading_info=True, **kwargs)
+        initialize_new_weights_as_unsharded(model, loading, rng)
+        return model
     model = model_class.from_pretrained(path, dtype=base_dtype, trust_remote_code=False, use_kernels=False,
                                         **kwargs)
     if quantized:
