@@ -409,5 +409,9 @@ def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path
     capsys.readouterr()
     assert main(["check", str(h200)]) == 0
     assert "0 warnings" in capsys.readouterr().out
+    # and on the type given: the 80 GiB preset's micro-batch does not fit an A100-40GB
+    assert main(["check", str(h100), "--gpu", "A100-40GB"]) == 0
+    assert "does-not-fit: FULL_SHARD (FSDP2) on 8 GPUs of 40 GiB" in capsys.readouterr().out
+    assert main(["check", str(h100), "--gpu", "A100"]) == 2 and "unknown --gpu 'A100'" in capsys.readouterr().err
     assert main(["generate", "llama", "--device", "cpu", "--gpus", "2", "--gpu", "L4", "-o", str(tmp_path / "c.yaml")]) == 2
     assert "--gpu L4 with --device cpu" in capsys.readouterr().err and not (tmp_path / "c.yaml").exists()

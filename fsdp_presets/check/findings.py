@@ -171,8 +171,11 @@ class CheckContext:
     """The model, when ``--model`` was given (enables the class and memory rules)."""
     device: Literal["gpu", "cpu"] | None = None
     """``cpu`` for a CPU-only host; None: the file's fsdp-presets metadata, else ``gpu``."""
+    gpu: str | None = None
+    """GPU type (``--gpu``), whose memory the planner rules take without ``gpu_memory_gib``; None:
+    the file's metadata's."""
     gpu_memory_gib: float | None = None
-    """Memory of one GPU, for the planner rules; None: the file's metadata, else 80."""
+    """Memory of one GPU, for the planner rules; None: ``gpu``'s, else the file's metadata, else 80."""
     host_memory_gib: float | None = None
     """Host RAM of one node (rank 0's node), for the state-dict, loading and offload rules; None:
     the file's metadata, else 1024 (8-GPU nodes carry 1-2 TiB)."""
@@ -226,7 +229,9 @@ class CheckContext:
         from fsdp_presets.plan.gpus import memory_of
 
         try:
-            return memory_of(self.gpu_memory_gib or self._from_request("gpu_memory_gib"), self._from_request("gpu"))
+            if self.gpu_memory_gib or self.gpu:
+                return memory_of(self.gpu_memory_gib, self.gpu)
+            return memory_of(self._from_request("gpu_memory_gib"), self._from_request("gpu"))
         except UsageError:  # a header's unknown GPU type: the default, as for a hand-written config
             return DEFAULT_GPU_MEMORY_GIB
 

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets.schema import K
 
     arguments.add_device(parser, default_help=": the preset's header, else gpu")
-    arguments.add_gpu_memory(parser, default_help=", or the preset's; for the planner rules")
+    arguments.add_gpu(parser, default_help="the memory of the planner rules when --gpu-memory is not given; "
+                      "default: the preset's")
+    arguments.add_gpu_memory(parser, default_help=", or the --gpu type's, or the preset's; for the planner rules")
     arguments.add_host_memory(parser, default_help=", or the preset's; for the state-dict, loading and offload rules")
     arguments.add_seq_len(parser, default_help=", or the script's, or the preset's; for the planner rules")
     arguments.add_micro_batch(parser, default_help="the script's, or the preset's, else 1; for the planner rules")
@@ -83,6 +85,13 @@ def run(args: argparse.Namespace) -> int:
         lora = lora_from_args(args)
     except UsageError as error:
         problems.append(str(error))
+    if args.gpu:
+        from fsdp_presets.plan.gpus import gpu_type
+
+        try:
+            gpu_type(args.gpu)
+        except UsageError as error:
+            problems.append(str(error))
     script = None
     if args.script:
         from fsdp_presets.check.script import read_script
@@ -98,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_presets.check.report import check_configs
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    context = CheckContext(device=args.device, gpu_memory_gib=args.gpu_memory,
+    context = CheckContext(device=args.device, gpu=args.gpu, gpu_memory_gib=args.gpu_memory,
                            host_memory_gib=args.host_memory, seq_len=args.seq_len, gpus=args.gpus,
                            method=args.method, lora=lora, micro_batch=args.micro_batch, script=script,
                            precision=None if args.precision in (None, "auto") else args.precision,
