@@ -247,7 +247,18 @@ def test_a_manifest_of_another_format_is_refused_by_name(change, expected):
         Manifest.from_json(payload)
 
 
-# ---- inspect-checkpoint --gpus N on a TP mesh ----
+# ---- inspect-checkpoint --gpus N on a TP or EP mesh ----
+def _mesh_checkpoint(*, fsdp_size: int, tp_size: int = 1, ep_size: int = 1):
+    """A 4-process checkpoint of a mesh at step 10 (global batch 8, micro-batch 2), as its manifest reads."""
+    from fsdp_presets.checkpoint.inspect import CheckpointSummary
+    from fsdp_presets.schema import mesh_label
+
+    mesh = {"dp_replicate_size": 1, "fsdp_size": fsdp_size, "tp_size": tp_size, "ep_size": ep_size}
+    return CheckpointSummary(checkpoint="run/step-10", kind="training", layout="dcp", step=10, samples_consumed=80,
+                             global_batch_samples=8, micro_batch_size=2, world_size=4, strategy=mesh_label(mesh),
+                             fsdp=None, config_digest=None, integrity={"ok": True}, files=[], model_mesh=mesh)
+
+
 @pytest.mark.parametrize("gpus,possible,says", [
     (4, True, ["on FSDP 2 x TP 2: the global batch of 8 samples stays with --micro-batch 2 --grad-accum 2 over 2 "
                "data-parallel ranks", "as FSDP2 alone: the global batch of 8 samples stays with --micro-batch 2 "
@@ -263,11 +274,7 @@ def test_a_tp_checkpoint_resumes_on_the_same_tp_size_or_as_fsdp2_alone(gpus, pos
     first that keeps the batch."""
     from fsdp_presets.checkpoint.inspect import CheckpointSummary, resume_answer
 
-    summary = CheckpointSummary(checkpoint="run/checkpoint-10", kind="trainer", layout="dcp", step=10,
-                                samples_consumed=80, global_batch_samples=8, micro_batch_size=2, world_size=4,
-                                strategy="FSDP 2 x TP 2", fsdp=None, config_digest=None, integrity={"ok": True},
-                                files=[], model_mesh={"dp_replicate_size": 1, "fsdp_size": 2, "tp_size": 2,
-                                                      "ep_size": 1})
+    summary = _mesh_checkpoint(fsdp_size=2, tp_size=2)
     answer = resume_answer(summary, gpus)
     assert answer.possible is possible and all(text in answer.reason for text in says), answer.reason
     assert answer.gradient_accumulation_steps == {4: 2, 2: 2, 6: None}[gpus]
@@ -284,13 +291,8 @@ def test_a_tp_checkpoint_resumes_on_the_same_tp_size_or_as_fsdp2_alone(gpus, pos
 def test_an_ep_checkpoint_says_where_its_ep_mesh_resumes(gpus, says):
     """EP ranks each train on their own samples (N data-parallel ranks), and the mesh needs whole EP
     groups; as FSDP2 alone it resumes wherever the batch splits."""
-    from fsdp_presets.checkpoint.inspect import CheckpointSummary, resume_answer
+    from fsdp_presets.checkpoint.inspect import resume_answer
 
-    summary = CheckpointSummary(checkpoint="run/step-10", kind="training", layout="dcp", step=10,
-                                samples_consumed=80, global_batch_samples=8, micro_batch_size=2, world_size=4,
-                                strategy="FSDP 4 x EP 4", fsdp=None, config_digest=None, integrity={"ok": True},
-                                files=[], model_mesh={"dp_replicate_size": 1, "fsdp_size": 4, "tp_size": 1,
-                                                      "ep_size": 4})
-    answer = resume_answer(summary, gpus)
+    answer = resume_answer(_mesh_checkpoint(fsdp_size=4, ep_size=4), gpus)
     assert says in answer.reason and "as FSDP2 alone: the global batch of 8 samples" in answer.reason, answer.reason
     assert answer.possible is (gpus != 6)
