@@ -71,6 +71,15 @@ def add_gpu(parser: argparse.ArgumentParser, *, default_help: str) -> None:
                         f"(case-insensitive; {default_help})")
 
 
+def add_inter_node_gbps(parser: argparse.ArgumentParser, *, extra_help: str = "") -> None:
+    """``--inter-node-gbps``: one GPU's network to other nodes (None: the GPU type's usual cluster)."""
+    from fsdp_presets.plan.limits import inter_node_gbps
+
+    parser.add_argument("--inter-node-gbps", type=inter_node_gbps, metavar="Gb/s",
+                        help="one GPU's network to other nodes in Gb/s (default: the GPU type's usual cluster, "
+                        f"e.g. 400 for H100-SXM: one 400 Gb/s adapter per GPU{extra_help})")
+
+
 def add_host_memory(parser: argparse.ArgumentParser, *, default_help: str = "") -> None:
     """``--host-memory``: GiB of host RAM of one node (None: the command's default)."""
     parser.add_argument("--host-memory", type=host_memory_gib, metavar="GiB",

@@ -368,6 +368,35 @@ def test_a_gpu_preset_says_its_predicted_step_time_and_a_cpu_preset_does_not(tmp
     assert read_metadata(cpu.read_text())["predicted"] is None and "predicted on" not in cpu.read_text()
 
 
+def test_generate_inter_node_gbps_times_the_choice_on_the_clusters_network(tmp_path, capsys):
+    """``generate --inter-node-gbps 12.5`` (100 Gb/s Ethernet per node of 8): that network alone
+    decides (no "half of it" check: the cluster's is known), the header says it and predicts on it
+    (as plan --inter-node-gbps 12.5 does), the regenerate command keeps it; not with --device cpu."""
+    from fsdp_presets.preset.emit import read_metadata
+
+    fast, slow = tmp_path / "fast.yaml", tmp_path / "slow.yaml"
+    model = "model_configs/llama-3.1-8b"
+    assert main(["generate", model, "--gpus", "32", "--nodes", "4", "-o", str(fast)]) == 0
+    assert main(["generate", model, "--gpus", "32", "--nodes", "4", "--inter-node-gbps", "12.5", "-o", str(slow)]) == 0
+    text = slow.read_text()
+    header = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    assert "12.5 Gb/s per GPU between nodes" in header and "--inter-node-gbps 12.5" in header
+    assert "of its network" in fast.read_text().replace("\n#   ", " ") and "of its network" not in header
+    metadata = read_metadata(text)
+    summary, predicted = metadata["summary"], metadata["predicted"]
+    assert summary != read_metadata(fast.read_text())["summary"]  # another choice on the slower network
+    capsys.readouterr()
+    code, out = _cli(capsys, "plan", model, "--gpus", 32, "--nodes", 4, "--inter-node-gbps", 12.5,
+                     "--seq-len", summary["seq_len"], "--micro-batch", summary["micro_batch"], "--grad-accum",
+                     summary["gradient_accumulation"], "--activation-checkpointing",
+                     "on" if summary["activation_checkpointing"] else "off", "--json")
+    assert any(row["tokens_per_s_per_gpu"] == pytest.approx(predicted["tokens_per_s_per_gpu"], abs=0.1)
+               for row in json.loads(out)["strategies"])
+    assert main(["generate", "llama", "--device", "cpu", "--gpus", "2", "--inter-node-gbps", "10",
+                 "-o", str(tmp_path / "c.yaml")]) == 2
+    assert "--inter-node-gbps with --device cpu" in capsys.readouterr().err
+
+
 def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path, capsys):
     """``generate --gpu A100-40GB``: the memory is the type's (40 GiB), the choice and the header's
     predicted step are that GPU's (what plan --gpu A100-40GB gives for the preset's settings), and

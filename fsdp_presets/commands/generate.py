@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_device(parser)
     arguments.add_gpu(parser, default_help="default: step times predicted on H100-SXM, --gpu-memory for the memory")
     arguments.add_gpu_memory(parser, default_help=", or the --gpu type's")
+    arguments.add_inter_node_gbps(parser, extra_help="; without it a choice across nodes must also hold at half "
+                                  "of that")
     arguments.add_host_memory(parser, default_help="; --device cpu: 16, shared by the node's processes")
     arguments.add_precision(parser, default_help=", fp32 with --device cpu")
     arguments.add_strategy(parser)

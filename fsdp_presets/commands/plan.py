@@ -26,7 +26,7 @@ HELP = "plan per-GPU memory and communication of every FSDP/DDP strategy, and re
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from fsdp_presets import arguments, flags
     from fsdp_presets.plan.methods import add_method_arguments
-    from fsdp_presets.plan.limits import gpu_counts, inter_node_gbps, token_count
+    from fsdp_presets.plan.limits import gpu_counts, token_count
 
     arguments.add_model(parser)
     parser.add_argument("--gpus", type=gpu_counts, required=True, metavar="N[,N...]",
@@ -34,9 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "8 GPUs a node above 8")
     arguments.add_nodes(parser)
     arguments.add_gpu(parser, default_help="default H100-SXM for the times, --gpu-memory for the memory")
-    parser.add_argument("--inter-node-gbps", type=inter_node_gbps, metavar="Gb/s",
-                        help="one GPU's network to other nodes in Gb/s (default: the GPU type's usual cluster, "
-                        "e.g. 400 for H100-SXM: one 400 Gb/s adapter per GPU)")
+    arguments.add_inter_node_gbps(parser)
     parser.add_argument("--tokens", type=token_count, metavar="N",
                         help="tokens to train on (10e9): adds training time and GPU-hours")
     arguments.add_gpu_memory(parser, default_help=", or the --gpu type's")

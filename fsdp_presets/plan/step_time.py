@@ -365,8 +365,9 @@ def matmul_rate(gpu: GpuType, shape) -> float:
 
 def predicted_on(gpu_name: str, profile: ModelProfile, memory_plan, row, *, network_share: float = 1.0) -> StepTime:
     """``row``'s step time on GPUs of type ``gpu_name``, whatever GPU ``memory_plan`` was made for
-    (a preset's header: its plan knows memory only); ``network_share``: of the GPU type's network
-    between nodes, below 1 to check a choice holds on a slower one."""
+    (a preset's header: its plan knows memory only); ``network_share``: of the network between nodes
+    (the plan's ``--inter-node-gbps``, else the GPU type's), below 1 to check a choice holds on a
+    slower one."""
     import dataclasses
 
     from fsdp_presets.plan.gpus import gpu_type
@@ -374,7 +375,8 @@ def predicted_on(gpu_name: str, profile: ModelProfile, memory_plan, row, *, netw
     gpu = gpu_type(gpu_name)
     hardware = dataclasses.replace(memory_plan.hardware, gpu=gpu, host=None)
     if network_share != 1.0:
-        hardware = dataclasses.replace(hardware, inter_node_gbps=gpu.inter_node_gbps * network_share)
+        network = gpu.inter_node_gbps if hardware.inter_node_gbps is None else hardware.inter_node_gbps
+        hardware = dataclasses.replace(hardware, inter_node_gbps=network * network_share)
     return step_time(profile, hardware, memory_plan.shape, row)
 
 

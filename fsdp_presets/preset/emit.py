@@ -227,7 +227,8 @@ def _hardware_line(preset: Preset) -> str:
         memory = (f"{hardware.gpu_memory_bytes / GiB:g} GiB {request.gpu_type.name + ' ' if request.gpu else ''}GPUs "
                   f"({format_bytes(hardware.usable_bytes)} usable: {format_bytes(hardware.reserved_bytes)} reserved for "
                   f"the CUDA context and libraries), {request.host_bytes / GiB:g} "
-                  "GiB host RAM per node")
+                  "GiB host RAM per node"
+                  + (f", {request.inter_node_gbps:g} Gb/s per GPU between nodes" if request.inter_node_gbps else ""))
     return (f"{memory}; sequence {shape.seq_len}, micro-batch {shape.micro_batch}, {shape.precision}, "
             f"{shape.optimizer}, activation checkpointing {'on' if shape.activation_checkpointing else 'off'}, "
             f"offload {'on' if shape.offload else 'off'}")

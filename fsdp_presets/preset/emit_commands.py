@@ -51,6 +51,7 @@ def generate_words(request: PresetRequest, *, output: str, baseline_output: str 
         ("--device", request.device, "gpu"),
         ("--gpu", request.gpu, None),
         ("--gpu-memory", request.gpu_memory_gib, None),
+        ("--inter-node-gbps", request.inter_node_gbps, None),
         ("--host-memory", request.host_memory_gib, None),
         ("--precision", request.precision, "auto"),
         ("--strategy", request.strategy, "auto"),

@@ -32,7 +32,8 @@ SLOW_NETWORK_SHARE = 0.5
 type's network is the best case (one 400 Gb/s NDR adapter per GPU, as in an NVIDIA DGX H100, see
 :mod:`fsdp_presets.plan.gpus`) and a preset does not know the cluster's: FULL_SHARD across 4 nodes of
 Llama 3.1 8B at micro-batch 2 is predicted 1.3% faster than HSDP 4x8 at micro-batch 1 there, and
-1.8% slower at half of it."""
+1.8% slower at half of it. ``generate --inter-node-gbps`` gives the cluster's: then that network alone
+decides."""
 
 
 HEADROOM = 0.95

@@ -68,6 +68,7 @@ def rescale_source(path) -> tuple[dict | None, str | None]:
 REQUEST_FLAGS = {
     # generate's argparse dest -> PresetRequest field
     "gpus": "gpus", "nodes": "nodes", "device": "device", "gpu": "gpu", "gpu_memory": "gpu_memory_gib",
+    "inter_node_gbps": "inter_node_gbps",
     "host_memory": "host_memory_gib", "precision": "precision", "strategy": "strategy",
     "fsdp_version": "fsdp_version", "state_dict": "state_dict", "activation_checkpointing": "activation_checkpointing",
     "offload": "offload", "seq_len": "seq_len", "global_batch": "global_batch", "micro_batch": "micro_batch",

@@ -182,8 +182,8 @@ def _completed(profile: ModelProfile, request: PresetRequest, shape: TrainingSha
         return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row)
     gpu = request.gpu_type.name
     step_s = predicted_on(gpu, profile, memory_plan, final_row).step_s
-    slow_network_s = (predicted_on(gpu, profile, memory_plan, final_row,
-                                   network_share=SLOW_NETWORK_SHARE).step_s if request.nodes > 1 else None)
+    slow_network_s = (predicted_on(gpu, profile, memory_plan, final_row, network_share=SLOW_NETWORK_SHARE).step_s
+                      if request.nodes > 1 and request.inter_node_gbps is None else None)  # a network given is known
     return Candidate(name=name, shape=final, memory_plan=memory_plan, row=final_row, gpu=gpu, step_s=step_s,
                      slow_network_s=slow_network_s)
 

@@ -68,6 +68,9 @@ class PresetRequest(OnNodes):
     :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`, memory ``--gpu-memory`` or 80 GiB."""
     gpu_memory_gib: float | None = None
     """Memory of one GPU in GiB (default: the ``gpu`` type's, else 80); unused with ``--device cpu``."""
+    inter_node_gbps: float | None = None
+    """One GPU's network to other nodes in Gb/s (``--inter-node-gbps``); None: the GPU type's usual
+    cluster, where a choice across nodes must also hold at half of it."""
     host_memory_gib: float | None = None
     """Host RAM of one node in GiB (default 1024 for GPU nodes, 16 for ``--device cpu``, where the
     node's processes share it as their device memory)."""
@@ -142,6 +145,13 @@ class PresetRequest(OnNodes):
             if self.device == "cpu":
                 problems.append(f"--gpu {self.gpu} with --device cpu: a CPU host's speed is measured, not looked up "
                                 "(fsdp-presets plan --device cpu); drop --gpu")
+        if self.inter_node_gbps is not None:
+            problem = limits.value_problem(self.inter_node_gbps, limits.inter_node_gbps, flag="--inter-node-gbps")
+            if problem:
+                problems.append(problem)
+            if self.device == "cpu":
+                problems.append("--inter-node-gbps with --device cpu: a CPU host's processes talk over its own memory; "
+                                "drop --inter-node-gbps")
         if self.state_dict not in STATE_DICT_CHOICES:
             problems.append(unknown_name_message("--state-dict value", str(self.state_dict), STATE_DICT_CHOICES))
         if self.fsdp_version not in (1, 2):
@@ -216,7 +226,7 @@ class PresetRequest(OnNodes):
                             reserved_bytes=CPU_RESERVED_BYTES)
         from fsdp_presets.plan.gpus import memory_of
 
-        return Hardware(gpus=self.gpus, nodes=self.nodes,
+        return Hardware(gpus=self.gpus, nodes=self.nodes, inter_node_gbps=self.inter_node_gbps,
                         gpu_memory_bytes=int(memory_of(self.gpu_memory_gib, self.gpu) * GiB))
 
     @property
@@ -256,8 +266,9 @@ class PresetRequest(OnNodes):
         if not self.mesh.is_nd:  # nor does one without a mesh
             data.pop("tp")
             data.pop("ep")
-        if self.gpu is None:  # nor does one without a GPU type
-            data.pop("gpu")
+        for name in ("gpu", "inter_node_gbps"):  # nor does one without a GPU type or network
+            if data[name] is None:
+                data.pop(name)
         return data
 
     @classmethod
