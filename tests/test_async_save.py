@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -113,6 +114,9 @@ def test_each_async_checkpoint_holds_its_steps_state_although_training_moved_on(
                                                for index, line in enumerate(chain.killed.metrics)}  # kept its line)
             assert order[("save", step)] > order[("train", step + 1)]
     assert "saves: 4 in the background (--async-save)" in chain.resumed.stdout
+    # and its throughput over the whole run (a CPU preset predicts none: measured only)
+    assert re.search(r"^throughput: [\d,]+ tokens/s per process measured \(median after step 1\)$",
+                     chain.resumed.stdout, re.MULTILINE), chain.resumed.stdout[-2000:]
     assert load_run(chain.run_dir).series["loss"] == load_run(reference).series["loss"]  # save lines are skipped
 
 

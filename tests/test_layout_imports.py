@@ -144,7 +144,7 @@ def test_the_sys_path_scan_finds_an_edit(tmp_path):
     assert sorted(sys_path_edits(script, root=tmp_path)) == ["x.py:2", "x.py:3", "x.py:4", "x.py:5"]
 
 
-BASE_MODULES = ("errors", "fileio", "numerics", "cpu_fsdp", "clean_exit", "faults", "schema", "environment", "flags")
+BASE_MODULES = ("errors", "fileio", "numerics", "cpu_fsdp", "clean_exit", "faults", "schema", "environment", "flags", "throughput")
 """The small top-level modules every subpackage may use: they sit under the flow, so they import
 none of its stages (nor the commands)."""
 SUBPACKAGES = tuple(f"fsdp_presets.{name}" for name in (*CONFIG_FLOW, *RUN_SIDE))

@@ -1,5 +1,5 @@
-"""A run's measured throughput against what its preset predicted: the line ``compare`` prints for each
-run, so that a cluster slower than the plan shows at once.
+"""A run record's measured throughput against what its preset predicted: the line ``compare`` prints
+for each run (:mod:`fsdp_presets.throughput`), so that a cluster slower than the plan shows at once.
 
 The measured figure is the median over the run's steps after its first (warm-up, the allocator's
 growth) of ``tokens_per_s`` (all ranks' tokens per second, :mod:`fsdp_presets.train.metrics`) over
@@ -10,20 +10,8 @@ accelerate config the run was launched with (``generate`` writes it:
 
 from __future__ import annotations
 
-import statistics
-
 from fsdp_presets.compare.records import RunRecord
-
-
-def measured_tokens_per_s_per_process(record: RunRecord) -> float | None:
-    """Median tokens/s per process over the steps after the first; None without enough steps or
-    without the run's process count."""
-    series = record.series.get("tokens_per_s") or {}
-    steps = sorted(series)[1:]
-    processes = record.info.world_size if record.info else None
-    if not steps or not isinstance(processes, int) or isinstance(processes, bool) or processes < 1:
-        return None
-    return statistics.median(series[step] for step in steps) / processes
+from fsdp_presets.throughput import throughput_text
 
 
 def predicted(record: RunRecord) -> dict | None:
@@ -40,13 +28,7 @@ def predicted(record: RunRecord) -> dict | None:
 
 def throughput_line(record: RunRecord, role: str) -> str | None:
     """``baseline 1,234 tokens/s per process measured ...; its preset predicts 2,345 on H100-SXM
-    (0.53x)``, or None when the run records no throughput."""
-    measured = measured_tokens_per_s_per_process(record)
-    if measured is None:
-        return None
-    line = f"{role} {measured:,.0f} tokens/s per process measured (median after step 1)"
-    entry = predicted(record)
-    expected = entry.get("tokens_per_s_per_gpu") if entry else None
-    if isinstance(expected, (int, float)) and not isinstance(expected, bool) and expected > 0:
-        line += f"; its preset predicts {expected:,.0f} on {entry.get('gpu', '?')} ({measured / expected:.2f}x)"
-    return line
+    (0.53x)`` (:func:`fsdp_presets.throughput.throughput_text`), or None when the run records no
+    throughput."""
+    return throughput_text(role, record.series.get("tokens_per_s") or {},
+                           record.info.world_size if record.info else None, predicted(record))
