@@ -319,7 +319,8 @@ def metadata_document(preset: Preset, *, kind: str, output: str, baseline_output
         "outputs": {"config": output, "baseline": baseline_output},
         "summary": {**preset.summary(), **({"processes": baseline_processes(preset)}
                                            if kind == "ddp-baseline" and preset.parallelism.is_nd else {})},
-        "predicted": None if time is None else {"gpu": preset.request.gpu_type.name, "step_time_s": round(time.step_s, 6),
+        "predicted": None if time is None else {"gpu": preset.request.gpu_type.name,
+                                                "step_time_s": round(time.step_s, 6),
                                                 "tokens_per_s_per_gpu": round(time.tokens_per_s_per_gpu, 1),
                                                 "mfu": round(time.mfu, 4)},
     }

@@ -240,5 +240,6 @@ def is_sharded_by_transformers(model) -> bool:
     return bool(getattr(model, "is_distributed_loading_by_transformers", False))
 
 
-__all__ = ["ModelMesh", "check_mesh_launch", "initialize_new_weights_as_unsharded", "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings",
-           "prepare_sharded", "sum_over_samples", "trainer_launch_problem"]
+__all__ = ["ModelMesh", "check_mesh_launch", "initialize_new_weights_as_unsharded",
+           "is_sharded_by_transformers", "load_model_mesh", "mesh_of", "mesh_settings", "prepare_sharded",
+           "sum_over_samples", "trainer_launch_problem"]

@@ -26,7 +26,8 @@ from typing import Any, Callable
 from fsdp_presets.errors import UsageError
 from fsdp_presets.schema import K
 from fsdp_presets.train import lora as peft_lora
-from fsdp_presets.train.model_mesh import initialize_new_weights_as_unsharded, is_sharded_by_transformers, prepare_sharded
+from fsdp_presets.train.model_mesh import (initialize_new_weights_as_unsharded, is_sharded_by_transformers,
+                                           prepare_sharded)
 
 
 def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type: str, mixed_precision: str = "no",
