@@ -395,6 +395,12 @@ def test_generate_inter_node_gbps_times_the_choice_on_the_clusters_network(tmp_p
     assert main(["generate", "llama", "--device", "cpu", "--gpus", "2", "--inter-node-gbps", "10",
                  "-o", str(tmp_path / "c.yaml")]) == 2
     assert "--inter-node-gbps with --device cpu" in capsys.readouterr().err
+    from fsdp_presets.errors import UsageError
+    from fsdp_presets.preset.request import PresetRequest
+
+    with pytest.raises(UsageError) as refused:  # said once, in the flag's own words
+        PresetRequest(model="llama", gpus=16, nodes=2, inter_node_gbps=0)
+    assert str(refused.value).count("--inter-node-gbps must be") == 1
 
 
 def test_generate_gpu_names_the_type_its_choice_and_header_are_timed_on(tmp_path, capsys):

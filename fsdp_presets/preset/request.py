@@ -122,11 +122,11 @@ class PresetRequest(OnNodes):
         numbers_fine = True
         for name, check in (("gpu_memory_gib", limits.gpu_memory_gib), ("host_memory_gib", limits.host_memory_gib),
                             ("seq_len", limits.seq_len), ("micro_batch", limits.micro_batch),
-                            ("tp", limits.tp_size), ("ep", limits.ep_size)):
+                            ("tp", limits.tp_size), ("ep", limits.ep_size), ("inter_node_gbps", limits.inter_node_gbps)):
             problem = limits.value_problem(getattr(self, name), check, flag=_flag(name))
             if problem:
                 problems.append(problem)
-                numbers_fine = numbers_fine and name not in ("gpu_memory_gib", "host_memory_gib")
+                numbers_fine = numbers_fine and name not in ("gpu_memory_gib", "host_memory_gib", "inter_node_gbps")
         for name, check in (("device", limits.device), ("precision", limits.precision),
                             ("strategy", limits.strategy), ("activation_checkpointing", limits.activation_checkpointing),
                             ("offload", limits.offload)):
@@ -145,13 +145,9 @@ class PresetRequest(OnNodes):
             if self.device == "cpu":
                 problems.append(f"--gpu {self.gpu} with --device cpu: a CPU host's speed is measured, not looked up "
                                 "(fsdp-presets plan --device cpu); drop --gpu")
-        if self.inter_node_gbps is not None:
-            problem = limits.value_problem(self.inter_node_gbps, limits.inter_node_gbps, flag="--inter-node-gbps")
-            if problem:
-                problems.append(problem)
-            if self.device == "cpu":
-                problems.append("--inter-node-gbps with --device cpu: a CPU host's processes talk over its own memory; "
-                                "drop --inter-node-gbps")
+        if self.inter_node_gbps is not None and self.device == "cpu":
+            problems.append("--inter-node-gbps with --device cpu: a CPU host's processes talk over its own memory; "
+                            "drop --inter-node-gbps")
         if self.state_dict not in STATE_DICT_CHOICES:
             problems.append(unknown_name_message("--state-dict value", str(self.state_dict), STATE_DICT_CHOICES))
         if self.fsdp_version not in (1, 2):
