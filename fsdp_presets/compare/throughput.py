@@ -1,12 +1,7 @@
 """A run record's measured throughput against what its preset predicted: the line ``compare`` prints
-for each run (:mod:`fsdp_presets.throughput`), so that a cluster slower than the plan shows at once.
-
-The measured figure is the median over the run's steps after its first (warm-up, the allocator's
-growth) of ``tokens_per_s`` (all ranks' tokens per second, :mod:`fsdp_presets.train.metrics`) over
-the run's processes. The predicted one is the ``predicted`` entry of the metadata line of the
-accelerate config the run was launched with (``generate`` writes it:
-:func:`fsdp_presets.preset.emit.predicted_time`), read only when the file is still where run.json says.
-"""
+for each run (:func:`fsdp_presets.throughput.throughput_text`, which says how each figure is made),
+the prediction read from the accelerate config the run was launched with, when the file is still
+where run.json says."""
 
 from __future__ import annotations
 
