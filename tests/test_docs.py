@@ -561,6 +561,41 @@ def test_python_snippets_name_what_the_package_has():
     assert not missing, "\n".join(missing)
 
 
+def _resolves(dotted: str) -> bool:
+    """Whether ``fsdp_presets.a.b.c`` names a module or an attribute of one."""
+    import importlib
+
+    parts = dotted.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            if attribute in getattr(found, "__dataclass_fields__", {}):
+                return True  # a field without a default is no class attribute
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+def test_package_names_in_docs_presets_and_docstrings_resolve():
+    """Every ``fsdp_presets.x.y`` a doc, a shipped preset's header or the package's and the recipes'
+    own text names exists: a header that says ``fsdp_presets.train.loop.param_groups`` where the
+    package has ``fsdp_presets.numerics.param_groups`` fails here."""
+    texts = [*documents(), REPO / "README.md", *sorted((REPO / "accelerate_configs").glob("*.yaml")),
+             *sorted((REPO / "fsdp_presets").rglob("*.py")), *sorted((REPO / "recipes").glob("*.py"))]
+    missing = set()
+    for path in texts:
+        text = re.sub(r"#\s*\n#\s*", "", path.read_text())  # a name a header wraps onto its next line
+        for dotted in re.findall(r"\bfsdp_presets(?:\.[A-Za-z_]\w*)+", text):
+            if not _resolves(dotted.rstrip(".")):
+                missing.add(f"{path.relative_to(REPO)}: {dotted}")
+    assert not missing, "\n".join(sorted(missing))
+
+
 PROSE_FROM_OUTPUT = ("quickstart.md", "sharding.md")
 """Docs whose prose discusses the outputs they show: every measurement it quotes must be in them."""
 

@@ -192,7 +192,7 @@ class CheckContext:
     every parameter) errors, ``lora``/``qlora`` plan them for an adapter over a frozen (4-bit) base and
     add the LoRA rules; None: the file's metadata says, else unknown (one warning instead)."""
     lora: Any = None
-    """The adapter's :class:`~fsdp_presets.plan.planner.LoraShape` for ``lora``/``qlora`` (default: the
+    """The adapter's :class:`~fsdp_presets.plan.shapes.LoraShape` for ``lora``/``qlora`` (default: the
     file's metadata, else r 16 on every projection of the block)."""
     micro_batch: int | None = None
     """Sequences per GPU per forward (``--micro-batch``); None: the script's, the header's, else unknown."""

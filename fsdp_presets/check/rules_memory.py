@@ -18,7 +18,7 @@ from fsdp_presets.schema import FSDP_CONFIG, K, P, PARALLELISM_CONFIG, PEFT_WRAP
 
 
 def lora_shape(context: CheckContext):
-    """The :class:`~fsdp_presets.plan.planner.LoraShape` the memory rules plan with, None for full."""
+    """The :class:`~fsdp_presets.plan.shapes.LoraShape` the memory rules plan with, None for full."""
     from fsdp_presets.plan.shapes import LoraShape
 
     method = context.training_method

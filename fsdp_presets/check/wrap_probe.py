@@ -74,7 +74,8 @@ def probe_wrapping(model_source: str, env: dict[str, str], num_processes: int, *
     """Run accelerate's FSDP preparation of ``model_source`` in a subprocess (see module docstring).
 
     ``env``: the variables ``accelerate launch`` sets for the training processes (``FSDP_*``,
-    ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*``), e.g. :attr:`fsdp_presets.check.lint.AccelerateView.env`.
+    ``ACCELERATE_*``, ``PARALLELISM_CONFIG_*``), e.g.
+    :attr:`fsdp_presets.preset.accelerate_view.AccelerateView.env`.
     """
     request = {"model": model_source, "env": env, "world_size": int(num_processes),
                "trust_remote_code": trust_remote_code}

@@ -9,7 +9,7 @@ The file is loaded the way ``accelerate launch`` loads it (and the FSDP plugin b
 checked against accelerate's own key lists, the model and the planner. With a model, accelerate's
 own FSDP preparation of it runs under a fake process group (a few seconds, no weights, no GPU:
 :mod:`fsdp_presets.check.wrap_probe`), so a crash in ``prepare`` and the real unit list show before a
-launch. Each finding has a stable rule id (:data:`fsdp_presets.check.lint.RULES`) and a severity: error (the
+launch. Each finding has a stable rule id (:data:`fsdp_presets.check.findings.RULES`) and a severity: error (the
 launch fails or silently trains something else), warning (a real risk for the stated use), note, info
 (accelerate's own defaults and style: counted on one line, shown with --verbose). With ``--script TRAIN.py``
 the training script is read statically (:mod:`fsdp_presets.check.script`). Exit status: 0 no errors

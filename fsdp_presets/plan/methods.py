@@ -35,7 +35,7 @@ def add_method_arguments(parser: argparse.ArgumentParser, *, method_help: str | 
 
 
 def lora_from_args(args: argparse.Namespace, profile=None):
-    """The :class:`~fsdp_presets.plan.planner.LoraShape` the flags ask for, None for ``--method full``.
+    """The :class:`~fsdp_presets.plan.shapes.LoraShape` the flags ask for, None for ``--method full``.
     LoRA flags without ``--method lora|qlora``, bad values, or target names the model's block does
     not have (``profile`` given) are one :class:`UsageError`."""
     method = getattr(args, "method", None) or "full"

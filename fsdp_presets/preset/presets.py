@@ -36,6 +36,7 @@ from fsdp_presets.errors import UsageError
 from fsdp_presets.fileio import GiB, format_bytes, format_count
 from fsdp_presets.preset.choices import BatchPlan, MemorySavers, Parallelism, PrecisionChoice, Preset, WrapChoice
 from fsdp_presets.model.model_profile import ModelProfile
+from fsdp_presets.numerics import param_groups
 from fsdp_presets.plan.results import MemoryPlan, StrategyPlan
 from fsdp_presets.plan.step_time import predicted_on
 from fsdp_presets.preset.checkpoint_choice import state_dict_choice, with_async_save
@@ -534,8 +535,8 @@ def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
         parts.append(f"norms ({norms}) stay inside their blocks' units (the final norm in the tail/root unit); under "
                      "FSDP mixed precision their weights are gathered in the compute dtype like every parameter and "
                      f"the fp32 master copy is what the optimizer updates{upcast}")
-    parts.append("weight decay: recipes/causal_lm.py excludes norms, biases and embeddings (fsdp_presets.train.loop."
-                 "param_groups)" + (f"; FSDP1 needs {K.use_orig_params}: true for such per-parameter groups (set)"
+    parts.append("weight decay: recipes/causal_lm.py excludes norms, biases and embeddings "
+                 f"({param_groups.__module__}.{param_groups.__name__})" + (f"; FSDP1 needs {K.use_orig_params}: true for such per-parameter groups (set)"
                                     if request.fsdp_version == 1 else ""))
     parts.append(f"no ignored modules ({K.ignored_modules} unset): FSDP leaves ignored parameters out of gradient "
                  "synchronisation, so they would drift apart between ranks")

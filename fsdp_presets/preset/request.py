@@ -87,7 +87,7 @@ class PresetRequest(OnNodes):
     offload: str = "auto"
     """``auto`` (only when nothing fits otherwise), ``on`` or ``off``."""
     seq_len: int | None = None
-    """Tokens per sequence (default :data:`~fsdp_presets.limits.DEFAULT_SEQ_LEN`), capped by the model's maximum positions."""
+    """Tokens per sequence (default :data:`~fsdp_presets.plan.limits.DEFAULT_SEQ_LEN`), capped by the model's maximum positions."""
     global_batch: str | None = None
     """Samples (``256``) or tokens (``1M``, ``524288tok``; K/M are binary) per optimizer step."""
     micro_batch: int | None = None
@@ -235,7 +235,7 @@ class PresetRequest(OnNodes):
 
     @property
     def lora_shape(self):
-        """The planner's :class:`~fsdp_presets.plan.planner.LoraShape`, None for full fine-tuning."""
+        """The planner's :class:`~fsdp_presets.plan.shapes.LoraShape`, None for full fine-tuning."""
         from types import SimpleNamespace
 
         from fsdp_presets.plan.shapes import METHODS

@@ -20,7 +20,7 @@ What it cannot see (it runs CPU kernels on a CPU-only torch build; CUDA cannot b
 the CUDA caching allocator's rounding and fragmentation, the CUDA context, NCCL and cuBLAS
 workspaces, and CUDA-only kernels (FlashAttention's workspace; the CPU's fused SDPA stores the
 same (b, heads, s) log-sum-exp). The planner keeps a reserve for these
-(:data:`fsdp_presets.plan.planner.DEFAULT_RESERVED_BYTES` and its allocator margin).
+(:data:`fsdp_presets.plan.shapes.DEFAULT_RESERVED_BYTES` and its allocator margin).
 
 For another tool that needs accelerate's real FSDP2 wrapping of a model without weights or GPUs
 (e.g. to prove a config's units): :func:`fake_accelerate` and :meth:`FakeAccelerate.prepare_model`
