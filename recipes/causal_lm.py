@@ -35,20 +35,21 @@ def parse_args():
 
 
 def summed_loss(model, batch):
-    """Sum of the token losses of a batch and the number of tokens it counts (labels != -100).
-    The caller divides by the count over all ranks and micro-batches, so each token weighs the
+    """Sum of the token losses of a batch, the number of tokens it counts (labels != -100), how many
+    of them the model predicts, and a mixture of experts' router load-balancing loss. The caller divides by the count over all ranks and micro-batches, so each token weighs the
     same whatever the split of the global batch (DDP = FSDP = another GPU count)."""
     # use_cache=False: with activation checkpointing the recomputed forward would find a KV
     # cache already filled by the first one (wrong shapes, or silently wasted memory).
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   use_cache=False).logits
+    outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
+    logits = outputs.logits
     shifted_logits = logits[:, :-1, :].float()
     shifted_labels = batch["labels"][:, 1:]
     loss = F.cross_entropy(shifted_logits.reshape(-1, shifted_logits.size(-1)), shifted_labels.reshape(-1),
                            ignore_index=recipe_data.IGNORE_INDEX, reduction="sum")
     counted = shifted_labels != recipe_data.IGNORE_INDEX
     correct = ((shifted_logits.argmax(-1) == shifted_labels) & counted).sum()
-    return loss, counted.sum(), correct
+    # A mixture of experts whose config sets output_router_logits: its load-balancing loss (None otherwise).
+    return loss, counted.sum(), correct, getattr(outputs, "aux_loss", None)
 
 
 def main():
@@ -71,6 +72,7 @@ def main():
     model = model_setup.load_model(AutoModelForCausalLM, args.model, run.lora, task_type="CAUSAL_LM",  # LoRA: peft
                                    mixed_precision=accelerator.mixed_precision, mesh=run.mesh)  # TP/EP mesh
     key_map = recipe_lora.adapter_key_map(model) if run.lora else None  # LoRA/QLoRA
+    balance_weight = model_setup.router_balance_weight(model)  # MoE with output_router_logits, else None
 
     def build_optimizer(model):
         optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.learning_rate,
@@ -93,7 +95,7 @@ def main():
                 batch = loop.collate(eval_set, [index for index, _ in slots], columns, accelerator.device)
                 batch["labels"][torch.tensor([not counts for _, counts in slots], device=accelerator.device)] = \
                     recipe_data.IGNORE_INDEX
-                loss, count, correct = summed_loss(model, batch)
+                loss, count, correct, _ = summed_loss(model, batch)
                 totals += torch.stack([loss.double(), count.double(), correct.double()])
         model.train()
         loss_sum, count, correct = run.reduce(totals).tolist()  # over the ranks, each sample once
@@ -110,17 +112,24 @@ def main():
         local_targets = sum(int((batch["labels"][:, 1:] != recipe_data.IGNORE_INDEX).sum()) for batch in batches)
         global_targets = run.reduce(torch.tensor(float(local_targets), device=accelerator.device)).item()
         loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+        balance_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)  # MoE router loss
         for index, batch in enumerate(batches):
             with run.gradient_sync(last_micro_batch=index == len(batches) - 1):
-                loss, _, _ = summed_loss(model, batch)
+                loss, _, _, balance = summed_loss(model, batch)
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / tokens.
-                accelerator.backward(loss * dp_size / max(global_targets, 1.0))
+                objective = loss * dp_size / max(global_targets, 1.0)
+                if balance_weight is not None:  # weighted as transformers does, averaged over micro-batches
+                    objective = objective + balance_weight * balance / len(batches)
+                    balance_sum += balance.detach().double()
+                accelerator.backward(objective)
             loss_sum += loss.detach().double()
         grad_norm, lr = run.optimizer_step(optimizer, scheduler)
         step_loss = run.reduce(loss_sum).item()
+        router = {} if balance_weight is None else {  # the load-balancing loss, a mean over every micro-batch
+            "router_aux_loss": run.reduce(balance_sum).item() / (dp_size * len(batches))}
         # metrics, NaN/inf stop (exit 1), evaluation and checkpoint when due, Ctrl-C: save and stop (exit 130)
         run.end_step(loss=step_loss / max(global_targets, 1.0), grad_norm=grad_norm, lr=lr,
-                     tokens=run.global_batch * args.seq_len, started=started)
+                     tokens=run.global_batch * args.seq_len, started=started, extra=router)
 
     # ---- save: the trained model as a Hugging Face folder (LoRA: a PEFT adapter folder), and the plots ----
     run.export(model_class=AutoModelForCausalLM)

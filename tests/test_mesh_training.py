@@ -33,6 +33,7 @@ from fsdp_presets.compare import converge as check
 from fsdp_presets.compare.records import load_run
 from fsdp_presets.compare.report import summary_lines
 from fsdp_presets.compare.runs import compare_runs
+from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import run_launch, run_launch_logged
 from fsdp_harness.tiny_model import write_tiny_model
 
@@ -99,10 +100,21 @@ def tp_check(workdir, llama, tp_preset) -> tuple[int, dict, Path]:
     return status, result, output
 
 
+def tiny_moe(folder: Path, *, router_loss: bool) -> Path:
+    """A tiny Mixtral (4 experts, 2 per token); ``router_loss``: its config asks for the router's
+    load-balancing loss (``output_router_logits``), weighted 0.1."""
+    moe = write_tiny_model(folder, kind="mixtral", text=DATA.read_text())
+    config = json.loads((moe / "config.json").read_text())
+    config.update(output_router_logits=router_loss, router_aux_loss_coef=0.1)
+    (moe / "config.json").write_text(json.dumps(config))
+    return moe
+
+
 @pytest.fixture(scope="module")
 def ep_check(workdir) -> tuple[int, dict, Path]:
-    """FSDP 2 x EP 2 (a tiny Mixtral, 4 experts) on 2 processes against DDP on 2, 20 steps."""
-    moe = write_tiny_model(workdir / "tiny-moe", kind="mixtral", text=DATA.read_text())
+    """FSDP 2 x EP 2 (a tiny Mixtral, 4 experts, with its router loss) on 2 processes against DDP on
+    2, 20 steps."""
+    moe = tiny_moe(workdir / "tiny-moe", router_loss=True)
     output = workdir / "ep-check"
     status, result = converge(["--config", str(generated(workdir, moe, "ep2", "--ep", "2", gpus=2)),
                                *common(moe, output)])
@@ -193,6 +205,29 @@ def test_fsdp_x_ep_trains_like_ddp(ep_check):
     assert status == 0, result["diagnosis"]
     assert "mesh FSDP 2 x EP 2" in result["candidate"]["fsdp"]
     assert json.loads((output / "candidate" / "run.json").read_text())["model_mesh"]["ep_size"] == 2
+    router = [[record["router_aux_loss"] for record in read_metrics(output / run / "metrics.jsonl")
+               if record["kind"] == "train"] for run in ("candidate", "baseline")]
+    assert len(router[0]) == MAX_STEPS and router[0] == pytest.approx(router[1], rel=1e-5)
+
+
+def test_a_moe_router_loss_its_config_asks_for_is_trained_as_transformers_weighs_it(workdir):
+    """The recipe computes its own token loss; a Mixtral whose config sets output_router_logits
+    also trains on its load-balancing loss (x router_aux_loss_coef): the same first loss, another
+    gradient, and the loss in the metrics (dropped silently before)."""
+    config = accelerate_config(workdir, "moe-fsdp", num_processes=1,
+                               fsdp={"transformer_layer_cls_to_wrap": "MixtralDecoderLayer"})
+    steps = {}
+    for router_loss in (False, True):
+        model = tiny_moe(workdir / f"tiny-moe-router-{router_loss}", router_loss=router_loss)
+        output = workdir / f"router-loss-{router_loss}"
+        launch_recipe(config, RECIPE, ["--model", str(model), "--data", str(DATA), "--output-dir", str(output),
+                                       "--max-steps", "2", *TRAINING], processes=1)
+        steps[router_loss] = [record for record in read_metrics(output / "metrics.jsonl") if record["kind"] == "train"]
+    without, with_router = steps[False][0], steps[True][0]
+    assert with_router["loss"] == without["loss"]  # the token loss: the same forward
+    assert "router_aux_loss" not in without and with_router["router_aux_loss"] > 0
+    # The balancing loss has its own gradient (on the routers): the step differs.
+    assert with_router["grad_norm"] != pytest.approx(without["grad_norm"], rel=1e-4)
 
 
 @pytest.fixture(scope="module")
@@ -304,8 +339,8 @@ AFTER_MODEL = "    key_map = recipe_lora.adapter_key_map(model) if run.lora else
 FAULTS = {
     # The loss counted tp_size times (transformers issues 45994, 39674): the gradient scaled by all the
     # ranks instead of the data-parallel ones.
-    "loss-times-tp": ("tp", [("accelerator.backward(loss * dp_size / max(global_targets, 1.0))",
-                              "accelerator.backward(loss * accelerator.num_processes / max(global_targets, 1.0))")]),
+    "loss-times-tp": ("tp", [("objective = loss * dp_size / max(global_targets, 1.0)",
+                              "objective = loss * accelerator.num_processes / max(global_targets, 1.0)")]),
     # A TP rank that takes its own partial sums for the all-reduced ones (a row-parallel output, a
     # column-parallel input gradient): it takes part in the collective and drops its result.
     "tp-rank-skips-all-reduce": ("tp", [(AFTER_START, AFTER_START + (

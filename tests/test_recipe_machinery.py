@@ -97,6 +97,20 @@ def write_jsonl(path, rows):
     return str(path)
 
 
+def test_a_router_loss_asked_for_without_its_weight_is_refused_with_the_fix():
+    from types import SimpleNamespace
+
+    from fsdp_presets.train.model_setup import router_balance_weight
+
+    def model(**config):
+        return SimpleNamespace(config=SimpleNamespace(**config))
+
+    assert router_balance_weight(model(output_router_logits=False, router_aux_loss_coef=0.01)) is None
+    assert router_balance_weight(model(output_router_logits=True, router_aux_loss_coef=0.01)) == 0.01
+    with pytest.raises(UsageError, match="router_aux_loss_coef in its config.json, or output_router_logits: false"):
+        router_balance_weight(model(output_router_logits=True))
+
+
 def test_prompt_tokens_are_masked_and_samples_packed(tmp_path, tokenizer):
     rows = [{"prompt": "which part : and god said", "response": " law"}] * 6
     data = write_jsonl(tmp_path / "sft.jsonl", rows)

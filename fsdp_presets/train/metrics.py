@@ -74,12 +74,14 @@ class MetricsLog:
             handle.flush()
 
     def log_train(self, *, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-                  step_time_s: float, samples_seen: int, memory: dict[str, int] | None = None) -> None:
+                  step_time_s: float, samples_seen: int, memory: dict[str, int] | None = None,
+                  **values: float) -> None:
         """One optimizer step (``step`` is 1-based); ``memory``: :func:`device_memory_peaks` of
-        the main process, on a GPU."""
+        the main process, on a GPU. Extra values: ``router_aux_loss`` (a mixture of experts'
+        load-balancing loss, when its config asks the model for it)."""
         self._append({"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                       "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
-                      "samples_seen": samples_seen, **(memory or {})})
+                      "samples_seen": samples_seen, **(memory or {}), **values})
 
     def log_preempted(self, *, step: int, signal: str | None, checkpoint: str | None) -> None:
         """The run stopped on a preemption signal after ``step`` optimizer steps, ``checkpoint``

@@ -64,6 +64,23 @@ def load_model(model_class, path: str, lora: dict[str, Any] | None, *, task_type
     return model if lora is None else peft_lora.wrap(model, lora, task_type=task_type)
 
 
+def router_balance_weight(model) -> float | None:
+    """The weight of a mixture of experts' router load-balancing loss in the training objective:
+    its config's ``router_aux_loss_coef`` when the config asks the model for the loss
+    (``output_router_logits: true``; transformers adds it so when it computes the loss itself), None
+    otherwise. A recipe computes its own token loss, so without this the loss would be dropped."""
+    config = model.config
+    if not getattr(config, "output_router_logits", False):
+        return None
+    weight = getattr(config, "router_aux_loss_coef", None)
+    if weight is None:
+        raise UsageError(f"{type(model).__name__}'s config sets output_router_logits: true but has no "
+                         "router_aux_loss_coef, the weight the recipes give its load-balancing loss: set "
+                         "router_aux_loss_coef in its config.json, or output_router_logits: false to train "
+                         "without that loss")
+    return float(weight)
+
+
 def check_wrap_classes(plugin, model) -> None:
     """The block classes the accelerate config wraps must be in the model (accelerate raises
     "Could not find the transformer layer class" deep in ``prepare`` otherwise): refused on every

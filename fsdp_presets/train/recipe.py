@@ -207,18 +207,20 @@ class RecipeRun:
         optimizer.zero_grad(set_to_none=True)
         return grad_norm, lr
 
-    def end_step(self, *, loss: float, grad_norm: float, lr: float, tokens: float, started: float) -> None:
+    def end_step(self, *, loss: float, grad_norm: float, lr: float, tokens: float, started: float,
+                 extra: dict[str, float] | None = None) -> None:
         """After ``optimizer_step``: count the step, log it, stop on a NaN/inf loss or norm (exit 1,
         nothing saved), evaluate and save when due, save and stop on Ctrl-C (exit 130).
         ``loss`` is the step's loss over all ranks, ``tokens`` the tokens all ranks trained on,
-        ``started`` the ``time.perf_counter()`` at the start of the step. Collective."""
+        ``started`` the ``time.perf_counter()`` at the start of the step, ``extra`` more values of the
+        step for its metrics line (e.g. ``router_aux_loss``). Collective."""
         accelerator, args, live = self.accelerator, self.args, self._live
         self.step, self.samples = self.step + 1, self.samples + self.global_batch
         step, progress = self.step, live["progress"]
         step_time = time.perf_counter() - started
         self.metrics.log_train(step=step, loss=loss, lr=lr, grad_norm=grad_norm, tokens_per_s=tokens / step_time,
                                step_time_s=step_time, samples_seen=self.samples,
-                               memory=device_memory_peaks(accelerator.device))
+                               memory=device_memory_peaks(accelerator.device), **(extra or {}))
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         startup.stop_if_diverged(accelerator, self.checkpoints, step=step, loss=loss, grad_norm=grad_norm,
