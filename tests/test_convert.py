@@ -356,3 +356,4 @@ def test_a_model_whose_weights_transformers_converts_is_exported_whole(root, tmp
     report = export_checkpoint(imported, tmp_path / "hf", verify=True, log=lambda message: None)
     assert not report.streamed and report.verification.passed and report.verification.max_abs_difference == 0.0
     assert sorted(_safetensors(tmp_path / "hf")) == sorted(_safetensors(source))
+    assert report.tensors == len(_safetensors(source)) > len(fused)  # what the folder holds, said as such

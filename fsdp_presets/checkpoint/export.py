@@ -127,7 +127,10 @@ def export_checkpoint(checkpoint: str | os.PathLike, output: str | os.PathLike, 
             shards, total, largest = _export_streamed(plan, staging, target, max_shard_size)
         _write_model_files(plan, staging, target)
         finish_export_folder(staging, keep_code_references=keep_code_references, log=log)
-        report = ExportReport(output=output, layout=plan.files.layout, dtype=dtype, shards=shards, tensors=len(written),
+        # A weight conversion writes transformers' on-disk names (Mixtral: each fused expert tensor as
+        # one per expert): the count of what the folder holds, not of the checkpoint's tensors.
+        report = ExportReport(output=output, layout=plan.files.layout, dtype=dtype, shards=shards,
+                              tensors=_written_tensors(staging) if plan.expected.conversion else len(written),
                               bytes=total, tied=tied, streamed=not plan.expected.conversion,
                               largest_shard_bytes=largest, model_files=f"{plan.model.folder} ({plan.model.origin})")
         if verify:
@@ -223,6 +226,17 @@ def _export_whole(plan: _ExportPlan, staging: Path, target, max_shard_size: str)
     shards = sorted(path.name for path in staging.glob(f"*{WEIGHTS_SUFFIX}"))
     total = sum(tensor.numel() * tensor.element_size() for tensor in model.state_dict().values())
     return shards, total, total
+
+
+def _written_tensors(folder: Path) -> int:
+    """How many tensors the safetensors files of ``folder`` hold (read from their headers)."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in folder.glob(f"*{WEIGHTS_SUFFIX}"):
+        with safe_open(path, "pt") as handle:
+            count += len(handle.keys())
+    return count
 
 
 def _write_model_files(plan: _ExportPlan, staging: Path, target) -> None:
