@@ -278,6 +278,8 @@ def _loosen_norm_when_losses_identical(metrics, chosen: Tolerance, notes: list[s
         return metrics
     if any(deviation != 0 for metric in losses for deviation in metric.deviations):
         return metrics
+    if all(deviation <= chosen.grad_norm for deviation in norm.deviations):
+        return metrics  # within the strict bound: nothing to loosen, nothing to say
     notes.append(f"every loss is bitwise equal: grad_norm held to {FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL:g} "
                  "relative (a sharded norm rounds differently; it did not change the training)")
     loosened = dataclasses.replace(norm, tolerance=FP32_GRAD_NORM_WHEN_LOSSES_IDENTICAL)
