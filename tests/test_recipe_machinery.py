@@ -3,6 +3,7 @@ against the preset header."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import subprocess
@@ -129,6 +130,64 @@ def test_prompt_tokens_are_masked_and_samples_packed(tmp_path, tokenizer):
                                    seq_len=16, packing=False, seed=0)
     assert unpacked[0]["labels"] == expected + [IGNORE_INDEX] * (16 - len(sample))
     assert unpacked[0]["attention_mask"] == [1] * len(sample) + [0] * (16 - len(sample))
+
+
+# A ChatML template (SmolLM2's and Qwen's framing) with a default system turn, as instruct models ship.
+CHATML = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nbe brief<|im_end|>\n{% endif %}"
+          "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATION = [{"role": "user", "content": "who said it"}, {"role": "assistant", "content": "and god said"},
+                {"role": "user", "content": "and then"}, {"role": "assistant", "content": "let there be light"}]
+
+
+@pytest.fixture
+def chat_tokenizer(tokenizer):
+    chat = copy.deepcopy(tokenizer)
+    chat.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    chat.chat_template = CHATML
+    return chat
+
+
+def test_chat_data_learns_the_assistant_turns_only(tmp_path, chat_tokenizer):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
+    train, _ = causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=chat_tokenizer, seq_len=64,
+                                packing=False, seed=0)
+    ids, labels, mask = train[0]["input_ids"], train[0]["labels"], train[0]["attention_mask"]
+    rendered = chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    assert ids[:sum(mask)] == rendered  # the whole conversation as its template renders it
+    learned = [(position, token) for position, token in enumerate(labels) if token != IGNORE_INDEX]
+    runs = [[]]  # the learned tokens, split where they stop being contiguous
+    for (position, token), previous in zip(learned, [None] + learned):
+        if previous is not None and position != previous[0] + 1:
+            runs.append([])
+        runs[-1].append(token)
+    # Each assistant turn with its end marker, nothing of the framing, the user turns or the system turn.
+    assert runs == [chat_tokenizer(f"{answer}<|im_end|>\n", add_special_tokens=False)["input_ids"]
+                    for answer in ("and god said", "let there be light")]
+
+
+@pytest.mark.parametrize("case, rows, template, message", [
+    ("no template", [{"messages": CONVERSATION}], None, "has no chat template .* or give the data as `prompt`"),
+    ("no assistant", [{"messages": CONVERSATION[:1]}], CHATML, "record 1: the conversation has no assistant message"),
+    ("opens with assistant", [{"messages": CONVERSATION[1:]}], CHATML, "opens with an assistant message"),
+    ("content not text", [{"messages": [{"role": "user", "content": 3}, CONVERSATION[1]]}], CHATML,
+     "a text `role` and a text `content`"),
+    # A template that leaves earlier answers out once a later turn follows (as reasoning templates do):
+    ("earlier turn re-rendered", [{"messages": CONVERSATION}],
+     CHATML.replace("{{ message['content'] }}", "{% if message['role'] != 'assistant' or loop.last %}"
+                    "{{ message['content'] }}{% endif %}"),
+     "turn 2 \\(assistant\\): .* renders the turn differently once later"),
+    ("generation prompt not the turn's opening", [{"messages": CONVERSATION}],
+     CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\nso {% endif %}"),
+     "does not open the assistant's turn with its own generation prompt"),
+])
+def test_chat_data_a_tokenizer_cannot_render_is_refused_with_the_fix(tmp_path, chat_tokenizer, case, rows, template,
+                                                                     message):
+    chat_tokenizer.chat_template = template
+    data = write_jsonl(tmp_path / "chat.jsonl", rows * 3)
+    with pytest.raises(UsageError, match=message):
+        causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=chat_tokenizer, seq_len=64,
+                         packing=True, seed=0)
 
 
 def test_text_data_learns_every_token_and_plain_text_loads(tmp_path, tokenizer):

@@ -4,8 +4,9 @@ prompt masking for the recipes.
 Formats by file suffix: ``.jsonl``/``.json`` (one object per line), ``.csv``, ``.parquet``, and
 anything else as plain text (one sample per line). Causal LM data has ``prompt`` and ``response``
 columns (supervised fine-tuning: the prompt's tokens get label -100, so only the response is
-learned) or a ``text`` column (continued pre-training: every token is learned). Classification
-data has ``text`` and ``label`` columns.
+learned), a ``messages`` column (chat: rendered with the model's chat template, only the assistant
+turns learned; :mod:`fsdp_presets.train.chat_data`) or a ``text`` column (continued pre-training:
+every token is learned). Classification data has ``text`` and ``label`` columns.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_presets.errors import UsageError
+from fsdp_presets.train.chat_data import MESSAGES, check_chat_data, tokenize_conversation
 
 IGNORE_INDEX = -100  # labels with this value are left out of the loss (torch cross_entropy default)
 _BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -83,20 +85,30 @@ def _require_string_columns(records, columns: tuple[str, ...], flag: str, path, 
 
 # ---- causal language modelling ----
 def causal_lm_columns(records, flag: str, path) -> tuple[str, ...]:
-    """``("prompt", "response")`` or ``("text",)``, whichever the data has."""
+    """``("prompt", "response")``, ``("messages",)`` or ``("text",)``, whichever the data has."""
     names = records.column_names
+    if MESSAGES in names and not {"prompt", "response"} & set(names):
+        return (MESSAGES,)  # its conversations are checked as they are tokenized
     columns = ("prompt", "response") if "prompt" in names or "response" in names else ("text",)
-    _require_string_columns(records, columns, flag, path,
-                            "causal LM data needs `prompt` and `response` columns, or a `text` column")
+    _require_string_columns(records, columns, flag, path, "causal LM data needs `prompt` and `response` columns, "
+                            f"a `{MESSAGES}` column (chat), or a `text` column")
     return columns
 
 
 def tokenize_causal_lm(records, tokenizer, columns: tuple[str, ...]):
     """``input_ids`` and ``labels`` per record: prompt tokens masked (label -100), then the
-    response (or the whole text) and the end-of-sequence token."""
+    response (or the whole text) and the end-of-sequence token; chat: the conversation as its
+    template renders it, only the assistant turns learned (their end markers are the template's)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        if columns == (MESSAGES,):
+            ids, labels = [], []
+            for messages in batch[MESSAGES]:
+                tokens, learned = tokenize_conversation(tokenizer, messages)
+                ids.append(tokens)
+                labels.append([token if keep else IGNORE_INDEX for token, keep in zip(tokens, learned)])
+            return {"input_ids": ids, "labels": labels}
         if columns == ("text",):
             texts = tokenizer(batch["text"])["input_ids"]
             ids = [text + eos for text in texts]
@@ -184,10 +196,14 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
     """``(train, eval)`` datasets of ``input_ids``/``labels`` (+ ``attention_mask`` unpacked)."""
     records = load_records(data, "--data")
     columns = causal_lm_columns(records, "--data", data)
+    if columns == (MESSAGES,):
+        check_chat_data(records, tokenizer, "--data", data)
     if eval_data is not None:
         eval_records = load_records(eval_data, "--eval-data")
         if causal_lm_columns(eval_records, "--eval-data", eval_data) != columns:
             raise UsageError(f"--eval-data {eval_data} has other columns than --data {data}")
+        if columns == (MESSAGES,):
+            check_chat_data(eval_records, tokenizer, "--eval-data", eval_data)
     else:
         if len(records) < 2:
             raise UsageError(f"--data {data} holds {len(records)} record; give at least 2 or an --eval-data file")

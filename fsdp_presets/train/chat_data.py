@@ -1,0 +1,74 @@
+"""Chat data for the causal LM recipe: a ``messages`` column, each record a conversation as a list
+of ``{"role": ..., "content": ...}`` (the format of the Hugging Face chat datasets and TRL's
+``SFTTrainer``), rendered with the model's own chat template. Only the assistant turns are
+learned: every other token gets label -100, as the prompt of prompt/response data does.
+
+The tokens of assistant turn k are those that rendering the conversation up to and including it
+adds to rendering the turns before it with the generation prompt (``add_generation_prompt=True``,
+e.g. ``<|im_start|>assistant\\n``): the turn's text and its end marker, never the template's
+framing. A template that renders an earlier turn differently once later turns follow (some drop
+an earlier turn's reasoning) has no such prefix, and its data is refused with the fix.
+"""
+
+from __future__ import annotations
+
+from fsdp_presets.errors import UsageError
+
+MESSAGES = "messages"
+"""The column of chat data."""
+
+
+def check_chat_data(records, tokenizer, flag: str, path) -> None:
+    """Chat data needs the model's chat template (``chat_template`` in its tokenizer files), and
+    each record a conversation with an assistant turn to learn; refused naming the record."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise UsageError(f"{flag} {path} holds chat data (a `{MESSAGES}` column), but the model's tokenizer has no "
+                         "chat template (no chat_template in its tokenizer files) to render it with; use the tokenizer "
+                         "of the instruct model whose template the data is meant for, or give the data as `prompt` "
+                         "and `response` columns")
+    for index, messages in enumerate(records[MESSAGES]):
+        _check_conversation(messages, f"{flag} {path}, record {index + 1}")
+
+
+def _render(tokenizer, messages: list[dict], *, generation_prompt: bool = False) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                              add_generation_prompt=generation_prompt))
+
+
+def _check_conversation(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise UsageError(f"{where}: `{MESSAGES}` must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for turn in messages:
+        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
+            raise UsageError(f"{where}: every message needs a text `role` and a text `content` (got {turn!r:.80}); "
+                             "images and tool calls are not supported by the recipe")
+    if not any(turn["role"] == "assistant" for turn in messages):
+        raise UsageError(f"{where}: the conversation has no assistant message, so nothing of it would be learned; "
+                         "leave such records out")
+    if messages[0]["role"] == "assistant":  # a template renders no conversation before it to tell it from
+        raise UsageError(f"{where}: the conversation opens with an assistant message; start it with the user's "
+                         "(or a system) message that the answer follows")
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    """``(input_ids, learned)`` of one conversation (checked by :func:`check_chat_data`): the whole
+    conversation rendered by the chat template, and for each token whether it belongs to an
+    assistant turn."""
+    ids = _render(tokenizer, messages)
+    learned = [False] * len(ids)
+    for index, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:index], generation_prompt=True)
+        through = _render(tokenizer, messages[:index + 1])
+        if through[:len(before)] != before:
+            problem = "does not open the assistant's turn with its own generation prompt (e.g. it adds a <think> block)"
+        elif ids[:len(through)] != through:
+            problem = "renders the turn differently once later turns follow (e.g. it drops an earlier turn's reasoning)"
+        else:
+            learned[len(before):len(through)] = [True] * (len(through) - len(before))
+            continue
+        raise UsageError(f"the conversation opening {messages[0]['content'][:40]!r}, turn {index + 1} (assistant): the "
+                         f"model's chat template {problem}, so the tokens of the assistant's turn cannot be told "
+                         "apart; give the data as `prompt` and `response` columns, one record per assistant turn")
+    return ids, learned
