@@ -20,6 +20,16 @@ def unknown_name_message(kind: str, name: str, known: list[str] | tuple[str, ...
     return f"unknown {kind} {name!r}{hint} known: {', '.join(sorted(known))}"
 
 
+def note(message: str, *, stream=None) -> None:
+    """``note: MESSAGE`` for the user, from the first process of a launch only (``RANK`` 0, or no
+    launcher), on ``stream`` (standard output unless given)."""
+    import os
+    import sys
+
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: {message}", file=stream or sys.stdout, flush=True)
+
+
 # NOTE: torchrun stops every rank as soon as one exits non-zero, so a rank that leaves first can cut
 # the main process off before it prints the message; the others leave this long after it.
 COLLECTIVE_EXIT_DELAY_S = 2.0

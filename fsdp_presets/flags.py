@@ -19,12 +19,11 @@ the recipes' parser and fails when a spelling drifts. Standard library only (``f
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from dataclasses import dataclass
 
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, note
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,8 +110,7 @@ def target_modules(text: str) -> tuple[str, ...]:
 # ---- adding them to a parser ----
 def note_old_spelling(old: str, new: str) -> None:
     """One line on stderr (from the first process of a launch only) that ``old`` is now ``new``."""
-    if os.environ.get("RANK", "0") == "0":
-        print(f"note: {old} is now spelled {new}; the old spelling still works", file=sys.stderr, flush=True)
+    note(f"{old} is now spelled {new}; the old spelling still works", stream=sys.stderr)
 
 
 class _Store(argparse._StoreAction):

@@ -365,3 +365,25 @@ def test_qlora_under_fsdp1_is_refused_in_one_line(root, tmp_path):
     assert result.returncode != 0 and "exitcode: 2" in result.stderr
     assert "causal_lm.py: error: --method qlora needs FSDP2" in result.stderr
     assert not (tmp_path / "q1" / "checkpoints").exists()
+
+
+def test_lora_on_a_mixture_of_experts_says_the_experts_stay_frozen(tmp_path, capsys):
+    """transformers 5 fuses a Mixtral's experts into 3-D tensors, which no Linear target name reaches:
+    the default targets are the attention projections, and the run says what stays frozen."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_harness.tiny_model import write_tiny_model
+    from fsdp_presets.train.lora import default_targets, wrap
+
+    folder = write_tiny_model(tmp_path / "moe", kind="mixtral", text=SFT_TRAIN.read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert default_targets(model) == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    lora = {"method": "lora", "r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": None}
+    wrap(model, lora, task_type="CAUSAL_LM")
+    said = capsys.readouterr().out
+    assert "LoRA adapts the block's Linear layers (q_proj, k_proj, v_proj, o_proj); mlp.experts (MixtralExperts: " in said
+    assert "mlp.gate (MixtralTopKRouter: " in said and "stay frozen" in said
+    dense = AutoModelForCausalLM.from_pretrained(write_tiny_model(tmp_path / "dense", kind="llama",
+                                                                  text=SFT_TRAIN.read_text()))
+    wrap(dense, {**lora, "target_modules": None}, task_type="CAUSAL_LM")
+    assert "stay frozen" not in capsys.readouterr().out  # every weight of a dense block is in a Linear layer

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, note
 from fsdp_presets.train.chat_data import MESSAGES, check_chat_data, tokenize_conversation
 
 IGNORE_INDEX = -100  # labels with this value are left out of the loss (torch cross_entropy default)
@@ -174,16 +174,10 @@ def drop_unlearnable(tokenized, seq_len: int, name: str):
                          f"give --seq-len {longest_prompt + 1} or more (the longest prompt is {longest_prompt} tokens), shorter "
                          "prompts, or drop --no-packing")
     if dropped or cut:
-        _note(f"{name}: --no-packing cuts samples to --seq-len {seq_len} tokens: {cut} of {len(learnable)} were cut "
+        note(f"{name}: --no-packing cuts samples to --seq-len {seq_len} tokens: {cut} of {len(learnable)} were cut "
               f"(their ends are not learned), {dropped} of them dropped (the prompt alone fills --seq-len, nothing "
               "would be learned); a larger --seq-len keeps them")
     return tokenized.select([index for index, keep in enumerate(learnable) if keep]) if dropped else tokenized
-
-
-def _note(message: str) -> None:
-    """A note on the main process of a launch (``RANK`` 0, or no launcher)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"note: {message}", flush=True)
 
 
 def _first(records, count: int):
@@ -299,7 +293,7 @@ def fit_head(data_labels: list[str], head_labels: list[str], data) -> list[str]:
     if not placeholders and not unknown:
         missing = [name for name in head_labels if name not in data_labels]
         if missing:
-            _note(f"labels {missing} of the model's classification head never occur in --data {data}; they stay "
+            note(f"labels {missing} of the model's classification head never occur in --data {data}; they stay "
                   "in the head, untrained by this data")
         return head_labels
     fewer_more = "fewer" if len(data_labels) < len(head_labels) else "more" if len(data_labels) > len(

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_presets import flags
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, note
 from fsdp_presets.flags import DEFAULT_LORA_DROPOUT, DEFAULT_LORA_R, METHODS
 from fsdp_presets.plan import limits
 
@@ -102,22 +102,47 @@ def settings_of(model) -> dict[str, Any] | None:
 
 
 # ---- the peft model ----
+def _first_block(model):
+    """The first module of a block class (``_no_split_modules``) that holds Linear layers (the list
+    may also name embeddings), None when there is none."""
+    import torch
+
+    block_classes = set(getattr(model, "_no_split_modules", None) or [])
+    return next((module for module in model.modules() if type(module).__name__ in block_classes
+                 and any(isinstance(child, torch.nn.Linear) for child in module.modules())), None)
+
+
 def default_targets(model) -> list[str]:
     """The names of the linear layers inside the model's decoder block (attention and MLP
     projections), e.g. q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
     import torch
 
-    block_classes = set(getattr(model, "_no_split_modules", None) or [])
+    block = _first_block(model)
     names: list[str] = []
-    for module in model.modules():
-        if type(module).__name__ not in block_classes:
-            continue
-        for name, child in module.named_modules():
-            if isinstance(child, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in names:
-                names.append(name.rsplit(".", 1)[-1])
-        if names:  # the first block with Linear layers (_no_split_modules may also name embeddings)
-            break
+    for name, child in block.named_modules() if block is not None else ():
+        if isinstance(child, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in names:
+            names.append(name.rsplit(".", 1)[-1])
     return names or ["all-linear"]
+
+
+def frozen_outside_linear(model) -> list[str]:
+    """The modules of the decoder block whose weights are not in Linear layers (norms aside), so
+    that no target name adapts them, largest first, each with its share of the block's weights: a
+    mixture of experts' fused expert tensors and its router, e.g. ``mlp.experts (MixtralExperts:
+    89% of the block's weights)``."""
+    import torch
+
+    block = _first_block(model)
+    if block is None:
+        return []
+    total = sum(param.numel() for param in block.parameters())
+    found = []
+    for name, module in block.named_modules():
+        own = sum(param.numel() for param in module.parameters(recurse=False))
+        if own and not isinstance(module, torch.nn.Linear) and "norm" not in type(module).__name__.lower():
+            found.append((own / total, name, type(module).__name__))
+    return [f"{name} ({kind}: {share:.{0 if share >= 0.01 else 1}%} of the block's weights)"
+            for share, name, kind in sorted(found, reverse=True)]
 
 
 def unmatched_targets(model, targets: list[str]) -> list[str]:
@@ -137,6 +162,11 @@ def wrap(model, lora: dict[str, Any], *, task_type: str):
 
     from peft import LoraConfig, get_peft_model
 
+    if not lora["target_modules"]:
+        frozen = frozen_outside_linear(model)
+        if frozen:  # a mixture of experts: the experts are not Linear layers, and peft adapts only those
+            note(f"LoRA adapts the block's Linear layers ({', '.join(default_targets(model))}); {' and '.join(frozen)} "
+                 "hold no Linear layer and stay frozen (peft adapts Linear layers by name)")
     targets = lora["target_modules"] or default_targets(model)
     lora["target_modules"] = targets
     unmatched = unmatched_targets(model, targets)
