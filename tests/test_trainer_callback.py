@@ -107,6 +107,9 @@ def trainer_runs(presets, tmp_path_factory) -> dict[str, Path]:
                          forked=False if name == "fsdp2" else None)
         if name != "ddp":
             assert "gathering the full state dict to rank 0 with CPU offload" in result.stdout
+        # the recipes' last line: tokens/s per process (a CPU preset predicts none: measured only)
+        assert re.search(r"^fsdp-presets: throughput: [\d,]+ tokens/s per process measured \(median after step 1\)$",
+                         result.stdout, re.MULTILINE), result.stdout[-2000:]
     return runs
 
 

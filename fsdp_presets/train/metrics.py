@@ -34,6 +34,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def throughput_line(path: str | os.PathLike, processes: int) -> str | None:
+    """``throughput: ...`` of the run whose metrics file is ``path``: its tokens/s per process
+    against its preset's prediction (where ``generate`` wrote the launch's config: GPU presets), as
+    ``compare`` prints it; None without steps enough to measure."""
+    from fsdp_presets.checkpoint.run_folder import launch_config_file
+    from fsdp_presets.preset.emit import file_metadata
+    from fsdp_presets.throughput import throughput_text
+
+    config = launch_config_file()
+    series = {line["step"]: line["tokens_per_s"] for line in read_metrics(path) if line.get("kind") == "train"}
+    return throughput_text("throughput:", series, processes, file_metadata(config).get("predicted") if config else None)
+
+
 def device_memory_peaks(device) -> dict[str, int]:
     """This process's peak CUDA memory so far on ``device`` (``max_memory_allocated``: tensors;
     ``max_memory_reserved``: what the caching allocator holds, the part ``nvidia-smi`` shows less

@@ -48,7 +48,7 @@ from fsdp_presets.checkpoint.adapter import TrainableState, write_adapter_files
 from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_adapter import export_adapter
 from fsdp_presets.train.final_model import export_model
-from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, read_metrics
+from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_line
 from fsdp_presets.train.model_mesh import ModelMesh, check_mesh_launch, load_model_mesh, sum_over_samples
 from fsdp_presets.train.plots import plot_run
 
@@ -289,23 +289,11 @@ class RecipeRun:
         if accelerator.is_main_process:
             if self.saver.summary():
                 self.say(self.saver.summary())
-            if (line := self._throughput()) is not None:
+            if (line := throughput_line(self.folder.metrics, self.accelerator.num_processes)) is not None:
                 self.say(line)
             plots = plot_run(self.folder.root)
             self.say(f"done: model in {self.folder.final}, metrics in {self.folder.metrics}, "
                      f"plots {', '.join(map(str, plots))}")
-
-    def _throughput(self) -> str | None:
-        """The run's tokens/s per process against its preset's prediction (where ``generate`` wrote
-        the launch's config: GPU presets), as ``compare`` prints it."""
-        from fsdp_presets.preset.emit import file_metadata
-        from fsdp_presets.throughput import throughput_text
-
-        config = launch_config_file()
-        series = {line["step"]: line["tokens_per_s"] for line in read_metrics(self.folder.metrics)
-                  if line.get("kind") == "train"}
-        return throughput_text("throughput:", series, self.accelerator.num_processes,
-                               file_metadata(config).get("predicted") if config else None)
 
     def finish(self) -> None:
         """Let go of the model, optimizer state and evaluation, then end the process group (the

@@ -28,16 +28,16 @@ Trainer's names (:mod:`fsdp_presets.train.trainer_saves`), the signals and exit 
 - Ctrl-C during training, SIGTERM or SIGUSR1 (``preempt_signals="none"`` turns those two off): the
   ranks agree at the next optimizer-step boundary, Trainer saves ``checkpoint-N`` of the step
   reached and every rank exits 130 (Ctrl-C) or 75 (a preemption, with a ``preempted`` metrics line);
-- ``async_save=True`` (FSDP2, ``SHARDED_STATE_DICT``, every weight trained): the model and optimizer
-  shards of each ``checkpoint-N`` written in the background; gradient clipping with the recipes'
-  norm (:func:`fsdp_presets.numerics.clip_grad_norm`), the same under DDP, FSDP1 and FSDP2.
+- ``async_save=True`` (FSDP2, ``SHARDED_STATE_DICT``, every weight trained): shards written in the
+  background; clipping with the recipes' norm (:func:`fsdp_presets.numerics.clip_grad_norm`, the
+  same under DDP, FSDP1 and FSDP2); the recipes' ``throughput:`` line at the end of ``train()``.
 
-NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the
-gradient norm and the user's ``save_model`` calls never reach a callback event. The callback
-finds its Trainer once, at ``on_init_end`` (the end of ``Trainer.__init__``), and wraps eleven of that
-instance's methods (``train``, ``training_step``, ``_clip_grad_norm``, ``_get_grad_norm``,
-``_maybe_log_save_evaluate``, ``save_model``, ``_save_checkpoint``, ``_save_optimizer_and_scheduler``,
-``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``, ``_load_best_model``), not its class.
+NOTE: a ``TrainerCallback`` is given no reference to its Trainer, and the exact loss, the gradient norm and the
+user's ``save_model`` calls never reach a callback event. The callback finds its Trainer once, at ``on_init_end``
+(the end of ``Trainer.__init__``), and wraps eleven of that instance's methods (``train``, ``training_step``,
+``_clip_grad_norm``, ``_get_grad_norm``, ``_maybe_log_save_evaluate``, ``save_model``, ``_save_checkpoint``,
+``_save_optimizer_and_scheduler``, ``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+``_load_best_model``), not its class.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batc
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
-from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks
+from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_line
 from fsdp_presets.train.model_mesh import mesh_of, mesh_settings, sum_over_samples, trainer_launch_problem
 from fsdp_presets.train.trainer_saves import TrainerSaves
 
@@ -85,9 +85,7 @@ class FSDPPresetsCallback(TrainerCallback):
         self.trainer: Trainer | None = None
         self.saves: TrainerSaves | None = None
         self.metrics: MetricsLog | None = None
-        self._step_loss = 0.0
-        self._step_tokens = 0.0
-        self._step_started: float | None = None
+        self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None  # the step in training (perf_counter)
         self._logged_step = 0
 
     # ---- attach ----
@@ -166,6 +164,8 @@ class FSDPPresetsCallback(TrainerCallback):
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
             self._exits(self.saves.close)  # the last save in flight committed before train() returns
+            if (line := throughput_line(output / METRICS, self._accelerator.num_processes)) is not None:
+                self._say(line)  # tokens/s per process against the preset's prediction, as the recipes end
             return result
         finally:
             signals.restore()  # the process's own handlers again (save_model after train is not a step)
