@@ -140,6 +140,22 @@ def test_null_labels_are_refused_not_made_a_class(tmp_path, labels, message):
         _check_classification_columns(load_records(data), "--data", data)
 
 
+@pytest.mark.parametrize("rows, message", [
+    ([{"prompt": "a", "response": "b"}, {"prompt": "c"}], "3 of 6 records have no 'response' (absent or null; the "
+                                                          "first is record 2)"),
+    ([{"prompt": "a", "response": "b"}, {"prompt": None, "response": "d"}], "3 of 6 records have no 'prompt'"),
+    ([{"text": "a"}, {"text": None}], "3 of 6 records have no 'text'"),
+])
+def test_a_record_without_one_of_the_columns_is_named_not_a_tokenizer_crash(tmp_path, rows, message):
+    from fsdp_presets.train.data import causal_lm_splits
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows * 3))
+    with pytest.raises(UsageError, match=re.escape(message)):  # was: TypeError from the tokenizer
+        causal_lm_splits(data=str(data), eval_data=str(data), eval_fraction=0.1,
+                         tokenizer=None, seq_len=8, packing=True, seed=0)  # refused before any tokenizing
+
+
 def test_the_full_fault_makes_the_kernel_say_enospc_only_under_its_folder(tmp_path, monkeypatch):
     import builtins
 

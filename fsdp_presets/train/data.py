@@ -81,6 +81,11 @@ def _require_string_columns(records, columns: tuple[str, ...], flag: str, path, 
         if dtype != "string":
             raise UsageError(f"{flag} {path}: column {column!r} holds {dtype or records.features[column]}, "
                              "expected text")
+        absent = [index for index, value in enumerate(records[column]) if value is None]
+        if absent:  # a record without the key, or with null: the tokenizer would fail on it with a TypeError
+            raise UsageError(f"{flag} {path}: {len(absent)} of {len(records)} records have no {column!r} (absent or "
+                             f"null; the first is record {absent[0] + 1}); give every record its {column!r}, or leave "
+                             "those records out")
 
 
 # ---- causal language modelling ----
