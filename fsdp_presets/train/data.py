@@ -93,7 +93,7 @@ def causal_lm_columns(records, flag: str, path) -> tuple[str, ...]:
     """``("prompt", "response")``, ``("messages",)`` or ``("text",)``, whichever the data has."""
     names = records.column_names
     if MESSAGES in names and not {"prompt", "response"} & set(names):
-        return (MESSAGES,)  # its conversations are checked as they are tokenized
+        return (MESSAGES,)  # its conversations: chat_data.check_chat_data
     columns = ("prompt", "response") if "prompt" in names or "response" in names else ("text",)
     _require_string_columns(records, columns, flag, path, "causal LM data needs `prompt` and `response` columns, "
                             f"a `{MESSAGES}` column (chat), or a `text` column")
@@ -180,8 +180,8 @@ def drop_unlearnable(tokenized, seq_len: int, name: str):
                          "prompts, or drop --no-packing")
     if dropped or cut:
         note(f"{name}: --no-packing cuts samples to --seq-len {seq_len} tokens: {cut} of {len(learnable)} were cut "
-              f"(their ends are not learned), {dropped} of them dropped (the prompt alone fills --seq-len, nothing "
-              "would be learned); a larger --seq-len keeps them")
+             f"(their ends are not learned), {dropped} of them dropped (the prompt alone fills --seq-len, nothing "
+             "would be learned); a larger --seq-len keeps them")
     return tokenized.select([index for index, keep in enumerate(learnable) if keep]) if dropped else tokenized
 
 
@@ -299,7 +299,7 @@ def fit_head(data_labels: list[str], head_labels: list[str], data) -> list[str]:
         missing = [name for name in head_labels if name not in data_labels]
         if missing:
             note(f"labels {missing} of the model's classification head never occur in --data {data}; they stay "
-                  "in the head, untrained by this data")
+                 "in the head, untrained by this data")
         return head_labels
     fewer_more = "fewer" if len(data_labels) < len(head_labels) else "more" if len(data_labels) > len(
         head_labels) else "other"
