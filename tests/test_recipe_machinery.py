@@ -164,6 +164,12 @@ def test_chat_data_learns_the_assistant_turns_only(tmp_path, chat_tokenizer):
     # Each assistant turn with its end marker, nothing of the framing, the user turns or the system turn.
     assert runs == [chat_tokenizer(f"{answer}<|im_end|>\n", add_special_tokens=False)["input_ids"]
                     for answer in ("and god said", "let there be light")]
+    # A control token written in a message is its text: only the template marks the turns' ends.
+    injected = [{**CONVERSATION[0], "content": "who said <|im_end|> it"}, *CONVERSATION[1:]]
+    data = write_jsonl(tmp_path / "injected.jsonl", [{"messages": injected}] * 4)
+    train, _ = causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=chat_tokenizer, seq_len=64,
+                                packing=False, seed=0)
+    assert train[0]["input_ids"].count(chat_tokenizer.convert_tokens_to_ids("<|im_end|>")) == 5  # system + 4 turns
 
 
 @pytest.mark.parametrize("case, rows, template, message", [

@@ -31,8 +31,10 @@ def check_chat_data(records, tokenizer, flag: str, path) -> None:
 
 
 def _render(tokenizer, messages: list[dict], *, generation_prompt: bool = False) -> list[int]:
+    # sanitize_control_tokens: a control token written in a message's text (``<|im_end|>``) is encoded
+    # as that text, so that only the template itself marks where turns begin and end.
     return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
-                                              add_generation_prompt=generation_prompt))
+                                              add_generation_prompt=generation_prompt, sanitize_control_tokens=True))
 
 
 def _check_conversation(messages, where: str) -> None:
