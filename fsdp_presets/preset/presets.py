@@ -535,9 +535,9 @@ def _model_parts(profile: ModelProfile, request: PresetRequest) -> list[str]:
         parts.append(f"norms ({norms}) stay inside their blocks' units (the final norm in the tail/root unit); under "
                      "FSDP mixed precision their weights are gathered in the compute dtype like every parameter and "
                      f"the fp32 master copy is what the optimizer updates{upcast}")
+    fsdp1 = f"; FSDP1 needs {K.use_orig_params}: true for such per-parameter groups (set)"
     parts.append("weight decay: recipes/causal_lm.py excludes norms, biases and embeddings "
-                 f"({param_groups.__module__}.{param_groups.__name__})" + (f"; FSDP1 needs {K.use_orig_params}: true for such per-parameter groups (set)"
-                                    if request.fsdp_version == 1 else ""))
+                 f"({param_groups.__module__}.{param_groups.__name__})" + (fsdp1 if request.fsdp_version == 1 else ""))
     parts.append(f"no ignored modules ({K.ignored_modules} unset): FSDP leaves ignored parameters out of gradient "
                  "synchronisation, so they would drift apart between ranks")
     return parts
