@@ -183,6 +183,10 @@ def test_chat_data_learns_the_assistant_turns_only(tmp_path, chat_tokenizer):
      CHATML.replace("{{ message['content'] }}", "{% if message['role'] != 'assistant' or loop.last %}"
                     "{{ message['content'] }}{% endif %}"),
      "turn 2 \\(assistant\\): .* renders the turn differently once later"),
+    ("template refuses", [{"messages": [{"role": "system", "content": "be brief"}, *CONVERSATION]}],
+     CHATML.replace("{% for message in messages %}", "{% for message in messages %}{% if message['role'] == 'system' %}"
+                    "{{ raise_exception('System role not supported') }}{% endif %}"),
+     "the model's chat template refuses it \\(System role not supported\\)"),
     ("generation prompt not the turn's opening", [{"messages": CONVERSATION}],
      CHATML.replace("<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\nso {% endif %}"),
      "does not open the assistant's turn with its own generation prompt"),
