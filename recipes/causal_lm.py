@@ -36,8 +36,9 @@ def parse_args():
 
 def summed_loss(model, batch):
     """Sum of the token losses of a batch, the number of tokens it counts (labels != -100), how many
-    of them the model predicts, and a mixture of experts' router load-balancing loss. The caller divides by the count over all ranks and micro-batches, so each token weighs the
-    same whatever the split of the global batch (DDP = FSDP = another GPU count)."""
+    of them the model predicts, and a mixture of experts' router load-balancing loss (else None).
+    The caller divides by the count over all ranks and micro-batches, so each token weighs the same
+    whatever the split of the global batch (DDP = FSDP = another GPU count)."""
     # use_cache=False: with activation checkpointing the recomputed forward would find a KV
     # cache already filled by the first one (wrong shapes, or silently wasted memory).
     outputs = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False)
