@@ -36,8 +36,9 @@ def _render(tokenizer, messages: list[dict], *, generation_prompt: bool = False)
     try:
         # sanitize_control_tokens: a control token written in a message's text (``<|im_end|>``) is encoded
         # as that text, so that only the template itself marks where turns begin and end.
-        return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, sanitize_control_tokens=True,
-                                                  add_generation_prompt=generation_prompt))
+        rendered = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                                 add_generation_prompt=generation_prompt, sanitize_control_tokens=True)
+        return list(rendered)
     except TemplateError as error:  # the template's own raise_exception, e.g. Gemma's "System role not supported"
         raise UsageError(f"the conversation opening {messages[0]['content'][:40]!r}: the model's chat template refuses "
                          f"it ({error}); give the data in the form that template takes, or prompt/response "
