@@ -172,6 +172,17 @@ def test_chat_data_learns_the_assistant_turns_only(tmp_path, chat_tokenizer):
     assert train[0]["input_ids"].count(chat_tokenizer.convert_tokens_to_ids("<|im_end|>")) == 5  # system + 4 turns
 
 
+def test_chat_data_under_a_template_that_writes_the_date_says_what_that_does_to_a_resume(tmp_path, chat_tokenizer,
+                                                                                        capsys):
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
+    dated_template = CHATML.replace("be brief", "today is {{ strftime_now('%d %b %Y') }}")  # as Llama 3.2's
+    for template, dated in ((CHATML, False), (dated_template, True)):
+        chat_tokenizer.chat_template = template
+        causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=chat_tokenizer, seq_len=64,
+                         packing=True, seed=0)
+        assert ("writes today's date" in capsys.readouterr().out) == dated
+
+
 @pytest.mark.parametrize("case, rows, template, message", [
     ("no template", [{"messages": CONVERSATION}], None, "has no chat template .* or give the data as `prompt`"),
     ("no assistant", [{"messages": CONVERSATION[:1]}], CHATML, "record 1: the conversation has no assistant message"),

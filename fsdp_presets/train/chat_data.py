@@ -12,7 +12,7 @@ an earlier turn's reasoning) has no such prefix, and its data is refused with th
 
 from __future__ import annotations
 
-from fsdp_presets.errors import UsageError
+from fsdp_presets.errors import UsageError, note
 
 MESSAGES = "messages"
 """The column of chat data."""
@@ -28,6 +28,15 @@ def check_chat_data(records, tokenizer, flag: str, path) -> None:
                          "and `response` columns")
     for index, messages in enumerate(records[MESSAGES]):
         _check_conversation(messages, f"{flag} {path}, record {index + 1}")
+
+
+def note_dated_template(tokenizer) -> None:
+    """A template that writes today's date (Llama 3.2's ``strftime_now`` where no ``date_string`` is
+    given) renders the same data differently on another day: say what that does to a resume."""
+    if "strftime_now" in str(tokenizer.chat_template):
+        note("the model's chat template writes today's date into each conversation (strftime_now): a run resumed "
+             "on another day renders its data with that day's date, so its token blocks, and from there its steps, "
+             "differ from an uninterrupted run's")
 
 
 def _render(tokenizer, messages: list[dict], *, generation_prompt: bool = False) -> list[int]:

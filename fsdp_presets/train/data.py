@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_presets.errors import UsageError, note
-from fsdp_presets.train.chat_data import MESSAGES, check_chat_data, tokenize_conversation
+from fsdp_presets.train.chat_data import MESSAGES, check_chat_data, note_dated_template, tokenize_conversation
 
 IGNORE_INDEX = -100  # labels with this value are left out of the loss (torch cross_entropy default)
 _BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -197,6 +197,7 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
     columns = causal_lm_columns(records, "--data", data)
     if columns == (MESSAGES,):
         check_chat_data(records, tokenizer, "--data", data)
+        note_dated_template(tokenizer)
     if eval_data is not None:
         eval_records = load_records(eval_data, "--eval-data")
         if causal_lm_columns(eval_records, "--eval-data", eval_data) != columns:
