@@ -6,8 +6,9 @@ checkpoints, a complete final/ under any state-dict type, the global batch kept 
         --model runs/models/smollm2-135m-instruct --data data/kjv_sft/train.jsonl \
         --output-dir runs/sft-trl --max-steps 20 --seq-len 64 [--method lora|qlora --lora-r 8]
 
-Data: JSONL with `prompt`/`response` (the prompt is masked out of the loss: TRL's prompt-completion
-format) or `text`. One sample per row, truncated to --seq-len tokens (no packing).
+Data: as causal_lm.py reads it (JSONL/JSON/CSV/Parquet or plain text) with `prompt`/`response` (the
+prompt is masked out of the loss: TRL's prompt-completion format), `text`, or `messages` (TRL's
+conversational format, as TRL trains it). One sample per row, truncated to --seq-len tokens (no packing).
 Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoint-N/, final/}. Restarting the same command
 continues from the last checkpoint (--resume auto). Needs the `trl` extra (scripts/setup.sh installs
 it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
@@ -20,13 +21,13 @@ saves and resumes its whole state (model and optimizer shards as DCP, scheduler,
 import os
 from pathlib import Path
 
-from datasets import load_dataset
 from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_presets import FSDPPresetsCallback
 from fsdp_presets.cpu_fsdp import fsdp_launch
 from fsdp_presets.errors import UsageError
+from fsdp_presets.train import data as recipe_data
 from fsdp_presets.train import loop, model_mesh, model_setup
 from fsdp_presets.train import lora as recipe_lora
 
@@ -48,15 +49,17 @@ def main():
     callback = FSDPPresetsCallback(preempt_signals=args.preempt_signals, async_save=args.async_save)
     from trl import SFTConfig, SFTTrainer
 
-    # ---- data: prompt/response -> TRL's prompt/completion (the prompt is not trained on) ----
-    dataset = load_dataset("json", data_files=args.data, split="train")
-    if "response" in dataset.column_names:
-        dataset = dataset.rename_column("response", "completion")
+    # ---- data: read and checked as causal_lm.py reads it (bad data: one line, exit 2);
+    # prompt/response -> TRL's prompt/completion (the prompt is not trained on) ----
+    def load(path, flag):
+        records = recipe_data.load_records(path, flag)
+        recipe_data.causal_lm_columns(records, flag, path)
+        return records.rename_column("response", "completion") if "response" in records.column_names else records
+
+    dataset = load(args.data, "--data")
     eval_dataset = None
     if args.eval_data:
-        eval_dataset = load_dataset("json", data_files=args.eval_data, split="train")
-        if "response" in eval_dataset.column_names:
-            eval_dataset = eval_dataset.rename_column("response", "completion")
+        eval_dataset = load(args.eval_data, "--eval-data")
         if args.max_eval_samples:
             eval_dataset = eval_dataset.select(range(min(args.max_eval_samples, len(eval_dataset))))
 

@@ -21,6 +21,7 @@ from conftest import GLOO_EXIT_ABORT
 REPO = Path(__file__).resolve().parent.parent
 CAUSAL_LM = REPO / "recipes" / "causal_lm.py"
 CLASSIFICATION = REPO / "recipes" / "sequence_classification.py"
+SFT_TRAINER = REPO / "recipes" / "sft_trainer.py"
 SFT_TRAIN = REPO / "data" / "kjv_sft" / "train.jsonl"
 SFT_EVAL = REPO / "data" / "kjv_sft" / "eval.jsonl"
 GENRES_TRAIN = REPO / "data" / "kjv_genres" / "train.jsonl"

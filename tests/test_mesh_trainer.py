@@ -40,11 +40,10 @@ from fsdp_presets.compare.runs import compare_runs
 from fsdp_presets.cpu_fsdp import PARALLELISM_MULTI_CPU, PATCHES_OFF_ENV
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
-from recipe_helpers import REPO, SFT_TRAIN
+from recipe_helpers import REPO, SFT_TRAIN, SFT_TRAINER
 
 from conftest import GLOO_EXIT_ABORT, accelerate_config
 
-SFT_RECIPE = REPO / "recipes" / "sft_trainer.py"
 TRAINER_USER = REPO / "tests" / "workers" / "trainer_user.py"
 STEPS = 20
 SAVE_EVERY = 10
@@ -71,7 +70,7 @@ def _sft(config: Path, model: Path, output: Path, *extra, steps: int = STEPS, en
          resume: str = "none"):
     args = ["--model", str(model), "--data", str(SFT_TRAIN), "--output-dir", str(output), "--max-steps", str(steps),
             "--seq-len", "32", "--micro-batch", "2", "--learning-rate", "1e-3", "--resume", resume, *map(str, extra)]
-    return run_launch(config, SFT_RECIPE, args, cwd=REPO, env=env)
+    return run_launch(config, SFT_TRAINER, args, cwd=REPO, env=env)
 
 
 @pytest.fixture(scope="module")

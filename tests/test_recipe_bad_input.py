@@ -36,7 +36,7 @@ from fsdp_presets.errors import UsageError, disk_full_cause
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_harness.launch import launch_env, run_launch
 from fsdp_presets.launching.local import launch_command
-from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN,
+from recipe_helpers import (CAUSAL_LM, CLASSIFICATION, FSDP2_CONFIG, GENRES_TRAIN, REPO, SFT_EVAL, SFT_TRAIN, SFT_TRAINER,
                             causal_lm_args, drive_recipes, file_size_limit, tiny_bert, tiny_llama, tree_digest)
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -262,7 +262,14 @@ def driven(models, tmp_path_factory) -> dict:
                   lora("typo", "--lora-target-modules", "q_proj,q_prj"),
                   None: lora("applied", "--lora-target-modules", "q_proj")}
 
-    groups = {"causal": (CAUSAL_LM, causal), "head": (CLASSIFICATION, head), "lora": (CAUSAL_LM, lora_cases)}
+    # TRL's SFTTrainer reads the data as the causal LM recipe does (it crashed in datasets or TRL before).
+    no_response = tmp_path / "no-response.jsonl"
+    no_response.write_text(SFT_TRAIN.read_text() + json.dumps({"prompt": "and god said"}) + "\n")
+    sft = {f"--data {no_response}: 1 of {len(records) + 1} records have no 'response'": args("sft-null", data=no_response),
+           f"--data {latin1} is not UTF-8 text: byte 0xe9 at offset": args("sft-latin1", data=latin1)}
+
+    groups = {"causal": (CAUSAL_LM, causal), "head": (CLASSIFICATION, head), "lora": (CAUSAL_LM, lora_cases),
+              "sft": (SFT_TRAINER, sft)}
     codes, errors, outputs = drive_recipes([(recipe, argv) for recipe, cases in groups.values()
                                             for argv in cases.values()])
     results, index = {"folder": tmp_path}, 0
@@ -289,7 +296,9 @@ def assert_refused_in_one_line(cases: dict, script: str = "causal_lm.py") -> Non
 def test_bad_flags_and_data_are_one_line_exit_2_and_nothing_is_written(driven):
     folder = driven["folder"]
     assert_refused_in_one_line(driven["causal"])
-    assert not any((folder / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long"))
+    assert_refused_in_one_line(driven["sft"], "sft_trainer.py")
+    assert not any((folder / name).exists() for name in ("nan", "inf", "seed", "latin1", "text", "long", "sft-null",
+                                                         "sft-latin1"))
     # Too long for --seq-len: cut and said so (and the ones with nothing left dropped), never a loss of 0.
     trained = driven["causal"][None][2]
     assert "note: --data: --no-packing cuts samples to --seq-len 64 tokens: " in trained

@@ -49,7 +49,7 @@ from fsdp_presets.cli import main as cli_main
 from fsdp_presets.faults import FAULT_ENV
 from fsdp_presets.train.metrics import read_metrics
 from fsdp_presets.train.signals import PREEMPTED_EXIT
-from recipe_helpers import REPO, SFT_TRAIN, causal_lm_args, tiny_llama, tree_digest
+from recipe_helpers import REPO, SFT_TRAIN, SFT_TRAINER, causal_lm_args, tiny_llama, tree_digest
 
 from conftest import GLOO_EXIT_ABORT
 
@@ -382,7 +382,7 @@ def test_the_sft_trainer_recipe_with_lora_writes_its_run_folder(presets, tmp_pat
     import torch
 
     output = tmp_path / "sft_recipe"
-    run_launch(presets["fsdp2"], REPO / "recipes" / "sft_trainer.py",
+    run_launch(presets["fsdp2"], SFT_TRAINER,
                causal_lm_args(presets["model"], output, "--max-steps", 2, "--lora-r", 4), cwd=REPO).check()
     assert sorted(_losses(output)) == [1, 2]
     assert json.loads((output / RUN_JSON).read_text())["training"]["method"] == "lora"
