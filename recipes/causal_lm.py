@@ -119,14 +119,15 @@ def main():
                 loss, _, _, balance = summed_loss(model, batch)
                 # DDP and FSDP average gradients over ranks: scale by dp so the result is sum / tokens.
                 objective = loss * dp_size / max(global_targets, 1.0)
-                if balance_weight is not None:  # weighted as transformers does, averaged over micro-batches
+                balanced = balance is not None and balance_weight is not None  # MoE with output_router_logits
+                if balanced:  # weighted as transformers does, averaged over micro-batches
                     objective = objective + balance_weight * balance / len(batches)
                     balance_sum += balance.detach().double()
                 accelerator.backward(objective)
             loss_sum += loss.detach().double()
         grad_norm, lr = run.optimizer_step(optimizer, scheduler)
         step_loss = run.reduce(loss_sum).item()
-        router = {} if balance_weight is None else {  # the load-balancing loss, a mean over every micro-batch
+        router = {} if not balanced else {  # the load-balancing loss, a mean over every micro-batch
             "router_aux_loss": run.reduce(balance_sum).item() / (dp_size * len(batches))}
         # metrics, NaN/inf stop (exit 1), evaluation and checkpoint when due, Ctrl-C: save and stop (exit 130)
         run.end_step(loss=step_loss / max(global_targets, 1.0), grad_norm=grad_norm, lr=lr,
