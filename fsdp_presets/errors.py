@@ -1,5 +1,6 @@
-"""Errors that mean "the user asked for something that cannot be done": the CLI prints them as
-one line and exits with status 2, never with a traceback."""
+"""What the user is told: errors that mean "the user asked for something that cannot be done" (the
+CLI prints them as one line and exits with status 2, never with a traceback), and notes from the
+first process of a launch (:func:`note`)."""
 
 
 class UsageError(Exception):

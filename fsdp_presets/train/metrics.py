@@ -34,10 +34,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def throughput_line(path: str | os.PathLike, processes: int) -> str | None:
-    """``throughput: ...`` of the run whose metrics file is ``path``: its tokens/s per process
-    against its preset's prediction (where ``generate`` wrote the launch's config: GPU presets), as
-    ``compare`` prints it; None without steps enough to measure."""
+def throughput_at_end(path: str | os.PathLike, processes: int) -> str | None:
+    """``throughput: ...``, the line a recipe or a Trainer run ends with: the tokens/s per process of
+    the run whose metrics file is ``path`` against its preset's prediction (where ``generate`` wrote
+    the launch's config: GPU presets), as ``compare`` prints it for a run record
+    (:func:`fsdp_presets.compare.throughput.throughput_line`); None without steps enough to measure."""
     from fsdp_presets.checkpoint.run_folder import launch_config_file
     from fsdp_presets.preset.emit import file_metadata
     from fsdp_presets.throughput import throughput_text

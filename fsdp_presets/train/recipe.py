@@ -48,7 +48,7 @@ from fsdp_presets.checkpoint.adapter import TrainableState, write_adapter_files
 from fsdp_presets.train import lora as recipe_lora
 from fsdp_presets.train.final_adapter import export_adapter
 from fsdp_presets.train.final_model import export_model
-from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_line
+from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_at_end
 from fsdp_presets.train.model_mesh import ModelMesh, check_mesh_launch, load_model_mesh, sum_over_samples
 from fsdp_presets.train.plots import plot_run
 
@@ -289,7 +289,7 @@ class RecipeRun:
         if accelerator.is_main_process:
             if self.saver.summary():
                 self.say(self.saver.summary())
-            if (line := throughput_line(self.folder.metrics, self.accelerator.num_processes)) is not None:
+            if (line := throughput_at_end(self.folder.metrics, self.accelerator.num_processes)) is not None:
                 self.say(line)
             plots = plot_run(self.folder.root)
             self.say(f"done: model in {self.folder.final}, metrics in {self.folder.metrics}, "

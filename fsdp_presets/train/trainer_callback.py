@@ -57,7 +57,7 @@ from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batc
 from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
-from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_line
+from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_at_end
 from fsdp_presets.train.model_mesh import mesh_of, mesh_settings, sum_over_samples, trainer_launch_problem
 from fsdp_presets.train.trainer_saves import TrainerSaves
 
@@ -164,7 +164,7 @@ class FSDPPresetsCallback(TrainerCallback):
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
             self._exits(self.saves.close)  # the last save in flight committed before train() returns
-            if (line := throughput_line(output / METRICS, self._accelerator.num_processes)) is not None:
+            if (line := throughput_at_end(output / METRICS, self._accelerator.num_processes)) is not None:
                 self._say(line)  # tokens/s per process against the preset's prediction, as the recipes end
             return result
         finally:
