@@ -43,6 +43,10 @@ def scalar(value) -> float:
     return float(value.item() if hasattr(value, "item") else value)
 
 
+NORM_SLICE = 2**21
+"""Gradient elements squared in float64 at a time by :func:`local_square_sums` (16 MiB)."""
+
+
 def local_square_sums(model, fsdp1_groups: list = ()) -> tuple[list[tuple[Any, list]], list]:
     """The float64 sum of squares of every local gradient (a shard or a whole tensor), one sum per
     set of process groups holding the other shards of those gradients, and the gradients:
@@ -72,7 +76,11 @@ def local_square_sums(model, fsdp1_groups: list = ()) -> tuple[list[tuple[Any, l
         else:
             key, groups, local = (("fsdp1",), list(fsdp1_groups), grad) if fsdp1_groups else ((None,), [], grad)
         entry = sums.setdefault(key, [torch.zeros((), dtype=torch.float64), groups])
-        entry[0] += local.detach().to(torch.float64).square().sum().cpu()
+        # In slices: one float64 slice lives at a time (not a float64 copy of an 8B model's whole
+        # embedding gradient and its square), and on CPU it stays below glibc's mmap threshold.
+        for piece in local.detach().reshape(-1).split(NORM_SLICE):
+            wide = piece.to(torch.float64)
+            entry[0] += torch.dot(wide, wide).cpu()
     return [(squares, groups) for squares, groups in sums.values()], gradients
 
 

@@ -288,7 +288,7 @@ def _host(**overrides):
     from fsdp_presets.plan.gpus import HostRates
 
     values = dict(matmul=((64, 64, 2e10), (64, 512, 5e10), (256, 64, 4e10), (256, 512, 9e10)),
-                  memory_bytes_per_s=4e10, collectives={"all_gather": (1e-4, 1e9), "reduce_scatter": (1e-4, 1e9),
+                  memory_bytes_per_s=4e10, optimizer=((2**20, 3e-9), (2**24, 5e-9)), collectives={"all_gather": (1e-4, 1e9), "reduce_scatter": (1e-4, 1e9),
                                                         "all_reduce": (1e-4, 1e9)},
                   overheads={"DDP": (0.003, 0.001), "FULL_SHARD": (0.005, 0.006), "SHARD_GRAD_OP": (0.005, 0.004)})
     return HostRates(**{**values, **overrides})
@@ -304,6 +304,9 @@ def test_the_host_rates_take_the_measured_point_at_or_below_a_shape():
     assert host.matmul_flops(256, 512) == 9e10 and host.matmul_flops(1000, 4096) == 9e10
     assert host.matmul_flops(100, 100) == 2e10 and host.matmul_flops(8, 8) == 2e10  # below the grid: its smallest
     assert host.collective_s("all_gather", 1e9) == pytest.approx(1.0001)
+    # the rate per parameter between two measured sizes, in log size; outside them, the nearest's
+    assert host.optimizer_s(2**22) == pytest.approx(2**22 * 4e-9)
+    assert host.optimizer_s(2**26) == pytest.approx(2**26 * 5e-9) and host.optimizer_s(1000) == pytest.approx(1000 * 3e-9)
     assert _host().to_json() == _host().from_json(_host().to_json()).to_json()
 
 
@@ -318,7 +321,11 @@ def test_on_a_cpu_host_slower_links_and_more_overhead_cost_what_they_should(llam
     # The block overhead counts once per block per micro-batch.
     heavier = _cpu_row(tiny, _host(overheads={**_host().overheads, "FULL_SHARD": (0.005, 0.106)}))
     assert heavier.time.step_s - base.time.step_s == pytest.approx(0.1 * tiny.num_blocks, rel=1e-6)
+    # With a core to spare gloo's forward gathers overlap the compute; with one rank per core, none does.
+    spare = _cpu_row(tiny, _host(cores=8)).time
+    assert spare.exposed_comm_s < base.time.exposed_comm_s == pytest.approx(base.time.comm_s)
     # SHARD_GRAD_OP gathers once: with the same overheads it sends less and is no slower.
+
     same = _host(overheads={name: (0.005, 0.006) for name in ("DDP", "FULL_SHARD", "SHARD_GRAD_OP")})
     assert _cpu_row(tiny, same, "SHARD_GRAD_OP").time.step_s <= _cpu_row(tiny, same).time.step_s
 
@@ -334,6 +341,8 @@ def test_plan_device_cpu_measures_the_host_once_and_refuses_gpu_flags(tmp_path, 
     assert len(measured) == 1
     rates = json.loads(measured[0].read_text())
     assert all(point[2] > 1e8 for point in rates["matmul"]) and rates["memory_bytes_per_s"] > 1e8
+    assert [count for count, _ in rates["optimizer"]] == [2**20, 2**23, 2**25]
+    assert all(1e-11 < seconds < 1e-6 for _, seconds in rates["optimizer"])
     assert set(rates["overheads"]) == {"DDP", "FULL_SHARD", "SHARD_GRAD_OP"}
     # Again: read back, not measured again (the file is unchanged).
     before = measured[0].stat().st_mtime_ns

@@ -43,6 +43,7 @@ are both directions together, so 300/450/900 GB/s; PCIe Gen4 x16 32 GB/s, Gen5 6
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from fsdp_presets.errors import UsageError, unknown_name_message
@@ -142,6 +143,9 @@ class HostRates:
     forward and backward (its three matmuls)."""
     memory_bytes_per_s: float
     """A large in-place add's bytes (two reads, one write) per second."""
+    optimizer: tuple[tuple[float, float], ...] = ()
+    """``(parameters, seconds per parameter)``: the recipes' optimizer step (the gradients' float64
+    norm and torch's AdamW) over that many parameters."""
     collectives: dict = field(default_factory=dict)
     """``{"all_gather" | "reduce_scatter" | "all_reduce": (latency_s, bytes_per_s)}``, gloo between
     the processes, bytes as each rank sends them."""
@@ -151,6 +155,9 @@ class HostRates:
     collectives' latency, FSDP2's hooks and copies)."""
     processes: int = 2
     """Ranks measured together."""
+    cores: int = 2
+    """Cores the ranks may run on: with none spare, gloo's copies take their time from the ranks'
+    compute (nothing overlaps)."""
 
     def matmul_flops(self, tokens: float, width: float) -> float:
         """The measured rate nearest ``(tokens, width)``: the grid point of the nearest width at or
@@ -161,23 +168,38 @@ class HostRates:
         tokens_list = [point[0] for point in row]
         return row[max(0, bisect.bisect_right(tokens_list, tokens) - 1)][1]
 
+    def optimizer_s(self, params: float) -> float:
+        """Seconds of the optimizer step over ``params`` parameters: the rate per parameter
+        interpolated between the measured sizes in log size (outside them, the nearest), as a step's
+        states leave the caches."""
+        points = sorted(self.optimizer)
+        if params <= points[0][0]:
+            return params * points[0][1]
+        for (low, low_rate), (high, high_rate) in zip(points, points[1:]):
+            if params <= high:
+                share = math.log(params / low) / math.log(high / low)
+                return params * (low_rate + share * (high_rate - low_rate))
+        return params * points[-1][1]
+
     def collective_s(self, op: str, sent_bytes: float) -> float:
         latency, bandwidth = self.collectives[op]
         return latency + sent_bytes / bandwidth
 
     def to_json(self) -> dict:
         return {"matmul": [list(point) for point in self.matmul], "memory_bytes_per_s": self.memory_bytes_per_s,
+                "optimizer": [list(point) for point in self.optimizer],
                 "collectives": {name: list(value) for name, value in self.collectives.items()},
                 "overheads": {name: list(value) for name, value in self.overheads.items()},
-                "processes": self.processes}
+                "processes": self.processes, "cores": self.cores}
 
     @classmethod
     def from_json(cls, data: dict) -> "HostRates":
         return cls(matmul=tuple(tuple(float(x) for x in point) for point in data["matmul"]),
                    memory_bytes_per_s=float(data["memory_bytes_per_s"]),
+                   optimizer=tuple((float(count), float(seconds)) for count, seconds in data["optimizer"]),
                    collectives={name: (float(value[0]), float(value[1])) for name, value in data["collectives"].items()},
                    overheads={name: (float(value[0]), float(value[1])) for name, value in data["overheads"].items()},
-                   processes=int(data["processes"]))
+                   processes=int(data["processes"]), cores=int(data["cores"]))
 
     def overhead(self, strategy: str) -> tuple[float, float]:
         """``(step_s, block_s)`` of ``strategy`` (HYBRID_SHARD as FULL_SHARD, NO_SHARD as DDP)."""

@@ -452,9 +452,11 @@ def cpu_step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
     """One optimizer step on a CPU host, every process with one thread, from the host's measured rates
     (:class:`~fsdp_presets.plan.gpus.HostRates`): matmuls at the measured rate for this width and
     micro-batch, elementwise bytes at the measured memory bandwidth, the strategy's measured cost of a
-    step and of each block beyond arithmetic and bytes (the collectives' latency included), and every
-    collective's bytes at gloo's measured bandwidth: DDP's all-reduce and FSDP's backward gathers and
-    reductions in full, FSDP's forward gathers behind the previous unit's compute."""
+    step and of each block beyond arithmetic and bytes (the collectives' latency included), the
+    optimizer step at its measured rate per parameter, and every collective's bytes at gloo's
+    measured bandwidth: DDP's all-reduce and FSDP's backward gathers and
+    reductions in full, FSDP's forward gathers behind the previous unit's compute where the host
+    has a core to spare for gloo (else in full too)."""
     host = hardware.host
     dims = profile.dims
     work = _work(profile, shape, shape.micro_batch)
@@ -472,21 +474,23 @@ def cpu_step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
         comm = reducing * ((buckets - 1) * latency + row.comm.all_reduce / bandwidth)
         exposed = comm
     else:
-        # FSDP2 prefetches the next unit's forward all-gather while this unit computes (gloo's
-        # threads send while the main thread multiplies); the backward's gathers and the reductions
-        # wait (measured: SmolLM2's FSDP2 step costs far less than its gathers' full time over DDP's).
+        # FSDP2 prefetches the next unit's forward all-gather while this unit computes: gloo's
+        # threads send while the main thread multiplies, on a core of their own where one is spare
+        # (with one rank per core the copies take their time from the compute); the backward's
+        # gathers and the reductions wait.
         gather_bw = host.collectives["all_gather"][1]
         units = _units(profile, hardware, row, Links(intra=gather_bw, inter=gather_bw, host=gather_bw, spanning=gather_bw), rate, work)
         forward_gathers = sum(unit.gather_s for unit in units)
         exposed_forward = (units[0].gather_s if units else 0.0) + sum(
             max(0.0, unit.gather_s - previous.forward_s) for previous, unit in zip(units, units[1:]))
+        if host.cores <= host.processes:
+            exposed_forward = forward_gathers  # every core computes: gloo's copies take their time
         gathers = row.comm.all_gather / gather_bw
         reductions = (row.comm.reduce_scatter / host.collectives["reduce_scatter"][1]
                       + row.comm.all_reduce / host.collectives["all_reduce"][1])
         comm = accumulation * gathers + reducing * reductions
         exposed = accumulation * (gathers - forward_gathers + exposed_forward) + reducing * reductions
-    shard_params = row.model_state.params / 4
-    optimizer = shard_params * OPTIMIZER_BYTES_PER_PARAM / host.memory_bytes_per_s
+    optimizer = host.optimizer_s(row.model_state.params / 4)  # fp32 parameters of this rank
     compute_total = compute * accumulation
     memory_total = (memory + overhead) * accumulation
     step = compute_total + memory_total + exposed + optimizer + step_overhead

@@ -10,6 +10,9 @@ and :func:`fsdp_presets.launching.local.launch_env` give every rank), all at onc
 - fp32 matmul FLOP/s over a grid of (tokens, width) shapes, a Linear's forward and backward, each
   process multiplying at the same time;
 - memory bandwidth (a large in-place add);
+- the recipes' optimizer step per parameter at several sizes: the float64 sum of squares of every
+  gradient (:func:`fsdp_presets.numerics.local_square_sums`) and torch's AdamW, a pass over memory
+  per operation, not one;
 - gloo's all-gather, reduce-scatter and all-reduce between the processes at several sizes, fitted as
   a latency plus bytes over a bandwidth (bytes each rank sends, the planner's ring convention; on 2
   ranks FSDP2's gathers and reductions are send/receive pairs, as :mod:`fsdp_presets.cpu_fsdp` runs them);
@@ -32,10 +35,12 @@ from pathlib import Path
 
 from fsdp_presets.plan.gpus import HostRates
 
-HOST_FORMAT = 5
+HOST_FORMAT = 6
 """Bumped when what is measured changes (older entries are then measured again)."""
 MATMUL_TOKENS = (16, 64, 256, 1024)
 MATMUL_WIDTHS = (64, 256, 576, 1024)
+OPTIMIZER_PARAMS = (2**20, 8 * 2**20, 32 * 2**20)
+"""Parameters per measured optimizer step (a 32M model's states, 512 MB, leave the caches)."""
 COLLECTIVE_BYTES = (4 * 1024, 256 * 1024, 4 * 2**20, 32 * 2**20)
 REPEATS = 9
 """Timed calls per measurement (the median counts)."""
@@ -118,7 +123,25 @@ def _local_rates(together) -> dict:
     other = torch.ones_like(big)
     together()
     bandwidth = 3 * big.numel() * 4 / _typical(lambda: big.add_(other), repeats=REPEATS)
-    return {"matmul": matmul, "memory_bytes_per_s": bandwidth}
+    from fsdp_presets.numerics import local_square_sums
+
+    optimizer = []
+    for count in OPTIMIZER_PARAMS:
+        params = torch.nn.ParameterList(torch.randn(count // 8) for _ in range(8))
+        for param in params:
+            param.grad = torch.randn_like(param)
+        adamw = torch.optim.AdamW(params.parameters(), lr=1e-5, weight_decay=0.0)  # the recipes' defaults
+
+        def step():
+            # NOTE: as the recipes step: numerics.clip_grad_norm's float64 squares, then torch's
+            # foreach AdamW (zero_grad(set_to_none) frees, it moves nothing).
+            sum(float(squares) for squares, _ in local_square_sums(params)[0])
+            adamw.step()
+
+        together()
+        optimizer.append([count, _typical(step, repeats=5) / count])
+        del params, adamw
+    return {"matmul": matmul, "memory_bytes_per_s": bandwidth, "optimizer": optimizer}
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -255,7 +278,7 @@ def measure_host(*, processes: int = 2) -> HostRates:
             raise RuntimeError(f"measuring this host failed ({errors}): run it again, or plan for GPUs "
                                "(--gpu NAME)")
         found = json.loads(out.read_text())
-    return HostRates.from_json({**found, "processes": processes})
+    return HostRates.from_json({**found, "processes": processes, "cores": len(os.sched_getaffinity(0))})
 
 
 if __name__ == "__main__":
