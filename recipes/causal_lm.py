@@ -65,7 +65,7 @@ def main():
         train_set, eval_set = recipe_data.causal_lm_splits(
             data=args.data, eval_data=args.eval_data, eval_fraction=args.eval_fraction, tokenizer=tokenizer,
             seq_len=args.seq_len, packing=not args.no_packing, seed=args.seed,
-            max_eval_samples=args.max_eval_samples)
+            max_eval_samples=args.max_eval_samples, started_on=run.record.started_on)  # chat: the first day's date
     columns = ("input_ids", "labels") + (("attention_mask",) if args.no_packing else ())
     stream = loop.SampleStream(len(train_set), seed=args.seed)
 

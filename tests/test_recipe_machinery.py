@@ -172,15 +172,51 @@ def test_chat_data_learns_the_assistant_turns_only(tmp_path, chat_tokenizer):
     assert train[0]["input_ids"].count(chat_tokenizer.convert_tokens_to_ids("<|im_end|>")) == 5  # system + 4 turns
 
 
-def test_chat_data_under_a_template_that_writes_the_date_says_what_that_does_to_a_resume(tmp_path, chat_tokenizer,
-                                                                                        capsys):
+def test_chat_data_under_a_template_that_writes_the_date_renders_the_runs_first_day(tmp_path, chat_tokenizer, capsys):
+    """Llama 3.2's template writes today's date (strftime_now): the run renders the day it first
+    started instead, so a resume on another day tokenizes alike; where that day is unknown, or the
+    template's format is not a literal, the run says what a resume on another day does."""
+    from fsdp_presets.train.chat_data import rendering_template
+
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 4)
-    dated_template = CHATML.replace("be brief", "today is {{ strftime_now('%d %b %Y') }}")  # as Llama 3.2's
-    for template, dated in ((CHATML, False), (dated_template, True)):
+
+    def first_ids(template, started_on):
         chat_tokenizer.chat_template = template
-        causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=chat_tokenizer, seq_len=64,
-                         packing=True, seed=0)
-        assert ("writes today's date" in capsys.readouterr().out) == dated
+        train, _ = causal_lm_splits(data=data, eval_data=data, eval_fraction=0.1, tokenizer=chat_tokenizer, seq_len=64,
+                                    packing=False, seed=0, started_on=started_on)
+        return train[0]["input_ids"][:sum(train[0]["attention_mask"])], capsys.readouterr().out
+
+    ids, out = first_ids(CHATML, "2024-07-26")
+    assert ids == chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    assert "date" not in out
+    dated = CHATML.replace("be brief", "today is {{ strftime_now('%d %b %Y') }}")  # as Llama 3.2's
+    ids, out = first_ids(dated, "2024-07-26")
+    chat_tokenizer.chat_template = CHATML.replace("be brief", "today is 26 Jul 2024")
+    assert ids == chat_tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    assert "it writes 26 Jul 2024, the day this run started, on every resume" in out
+    chat_tokenizer.chat_template = dated
+    for day, text in (("2024-07-26", "today is 26 Jul 2024"), ("2025-01-02", "today is 02 Jan 2025")):
+        fixed = rendering_template(chat_tokenizer, day)
+        assert text in chat_tokenizer.apply_chat_template(CONVERSATION, chat_template=fixed, tokenize=False)
+    unfixable = dated.replace("{{ strftime_now('%d %b %Y') }}", "{% set shown = '%d %b %Y' %}{{ strftime_now(shown) }}")
+    for template, started_on in ((dated, None), (unfixable, "2024-07-26")):
+        _, out = first_ids(template, started_on)
+        assert "a run resumed on another day renders its data with that day's date" in out
+
+
+def test_a_continued_run_keeps_the_day_it_first_started(tmp_path):
+    from fsdp_presets.checkpoint.layout import RunFolder, step_folder
+    from fsdp_presets.checkpoint.run_folder import RunInfo, first_day, read_run_info
+
+    first, other = RunFolder(root=tmp_path / "run"), RunFolder(root=tmp_path / "other")
+    assert first_day(first, "auto") is None  # a new run: today's (recipe.start)
+    RunInfo(identity={"recipe": "causal_lm"}, started_on="2024-07-26").write(first)
+    assert read_run_info(first.root).started_on == "2024-07-26"
+    assert first_day(first, "auto") == "2024-07-26"
+    checkpoint = step_folder(first.checkpoints, 2)
+    checkpoint.mkdir(parents=True)
+    assert first_day(other, str(checkpoint)) == "2024-07-26"  # --resume PATH: the run that saved it
+    assert first_day(other, "auto") is None
 
 
 @pytest.mark.parametrize("case, rows, template, message", [

@@ -17,6 +17,7 @@ Llama, 10 steps, a checkpoint every 2), the classification ones tests/classifica
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -77,6 +78,7 @@ def test_reference_run_writes_the_run_folder_contract(root, reference):
     assert run["distributed_type"] == "FSDP" and run["world_size"] == 2 and run["fsdp"]["version"] == 2
     assert run["global_batch_samples"] == runs.GLOBAL_BATCH and run["recipe"] == "causal_lm"
     assert run["accelerate_config"] == str(runs.fsdp_config(root, 2))
+    assert datetime.date.fromisoformat(run["started_on"]) <= datetime.date.today()  # the run's first day
     records = read_metrics(reference / "metrics.jsonl")
     train = [record for record in records if record["kind"] == "train"]
     evals = [record for record in records if record["kind"] == "eval"]
@@ -138,12 +140,16 @@ def test_sigkill_then_a_kill_during_a_save_and_the_same_command_still_equals_the
     assert any(partial.rglob("*.distcp"))  # shards were written: half a checkpoint
     assert (checkpoint(run_dir, KILLED_IN_SAVE - 2) / "manifest.json").is_file()
 
+    # As if the run had started on another day: a resume keeps that day (a dated chat template renders it).
+    record = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({**record, "started_on": "2024-07-26"}))
     resumed = run_launch(config, CAUSAL_LM, args_of(model, run_dir), cwd=REPO).check()
     assert f".tmp-step-{KILLED_IN_SAVE:08d}: a save that did not finish" in resumed.stdout, resumed.stdout
     assert f"resumed from {checkpoint(run_dir, KILLED_IN_SAVE - 2)}" in resumed.stdout
     assert comparable(run_dir) == comparable(reference)  # bitwise: every loss, grad norm, lr, eval
     run = json.loads((run_dir / "run.json").read_text())
     assert run["resumed_from"] and Path(run["resumed_from"]).name.startswith("step-")
+    assert run["started_on"] == "2024-07-26"
 
 
 @pytest.mark.slow

@@ -85,13 +85,16 @@ class RunInfo:
     """The ``--config_file`` of the launch (:func:`launch_config_file`)."""
     resumed_from: str | None = None
     """The checkpoint this launch continued from, None for a start from step 0."""
+    started_on: str | None = None
+    """The day the run first started (``YYYY-MM-DD``), kept by every launch that continues it: a chat
+    template that writes today's date renders this one (:mod:`fsdp_presets.train.chat_data`)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The recipe's own entries (a classifier's labels) and a LoRA run's bytes per rank."""
     format: int = 1
     """run.json format version."""
 
     _SCALARS = ("training", "data", "max_steps", "micro_batch_size", "gradient_accumulation_steps",
-                "global_batch_samples")
+                "global_batch_samples", "started_on")
 
     # ---- what readers ask ----
     @property
@@ -181,6 +184,15 @@ def run_info_of(checkpoint: str | os.PathLike) -> RunInfo | None:
         return read_run_info(run_json_of(checkpoint).parent)
     except (OSError, ValueError):
         return None
+
+
+def first_day(folder: RunFolder, resume: str) -> str | None:
+    """The day the run in ``folder`` first started (:attr:`RunInfo.started_on`), or where it continues
+    a checkpoint of another folder (``--resume PATH``), that run's; None for a new run."""
+    recorded = read_run_info(folder.root) if resume != "none" else None
+    if recorded is None and resume not in ("auto", "none"):
+        recorded = run_info_of(resume)
+    return recorded.started_on if recorded is not None else None
 
 
 def run_identity(*, recipe: str, model: str, seed: int, data_sha256: str | None = None,

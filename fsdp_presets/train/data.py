@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_presets.errors import UsageError, note
-from fsdp_presets.train.chat_data import MESSAGES, check_chat_data, note_dated_template, tokenize_conversation
+from fsdp_presets.train.chat_data import MESSAGES, check_chat_data, rendering_template, tokenize_conversation
 
 IGNORE_INDEX = -100  # labels with this value are left out of the loss (torch cross_entropy default)
 _BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -100,17 +100,18 @@ def causal_lm_columns(records, flag: str, path) -> tuple[str, ...]:
     return columns
 
 
-def tokenize_causal_lm(records, tokenizer, columns: tuple[str, ...]):
+def tokenize_causal_lm(records, tokenizer, columns: tuple[str, ...], template: str | None = None):
     """``input_ids`` and ``labels`` per record: prompt tokens masked (label -100), then the
-    response (or the whole text) and the end-of-sequence token; chat: the conversation as its
-    template renders it, only the assistant turns learned (their end markers are the template's)."""
+    response (or the whole text) and the end-of-sequence token; chat: the conversation as
+    ``template`` renders it (:func:`~fsdp_presets.train.chat_data.rendering_template`), only the
+    assistant turns learned (their end markers are the template's)."""
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
         if columns == (MESSAGES,):
             ids, labels = [], []
             for messages in batch[MESSAGES]:
-                tokens, learned = tokenize_conversation(tokenizer, messages)
+                tokens, learned = tokenize_conversation(tokenizer, messages, template)
                 ids.append(tokens)
                 labels.append([token if keep else IGNORE_INDEX for token, keep in zip(tokens, learned)])
             return {"input_ids": ids, "labels": labels}
@@ -191,13 +192,16 @@ def _first(records, count: int):
 
 
 def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, tokenizer, seq_len: int,
-                     packing: bool, seed: int, max_eval_samples: int = 0):
-    """``(train, eval)`` datasets of ``input_ids``/``labels`` (+ ``attention_mask`` unpacked)."""
+                     packing: bool, seed: int, max_eval_samples: int = 0, started_on: str | None = None):
+    """``(train, eval)`` datasets of ``input_ids``/``labels`` (+ ``attention_mask`` unpacked);
+    ``started_on``: the run's first day (``YYYY-MM-DD``), the date a chat template that writes
+    today's renders."""
     records = load_records(data, "--data")
     columns = causal_lm_columns(records, "--data", data)
+    template = None
     if columns == (MESSAGES,):
         check_chat_data(records, tokenizer, "--data", data)
-        note_dated_template(tokenizer)
+        template = rendering_template(tokenizer, started_on)
     if eval_data is not None:
         eval_records = load_records(eval_data, "--eval-data")
         if causal_lm_columns(eval_records, "--eval-data", eval_data) != columns:
@@ -212,7 +216,7 @@ def causal_lm_splits(*, data: str, eval_data: str | None, eval_fraction: float, 
     eval_records = _first(eval_records, max_eval_samples)
     splits = []
     for name, part in (("--data", records), ("--eval-data" if eval_data else "held-out data", eval_records)):
-        tokenized = tokenize_causal_lm(part, tokenizer, columns)
+        tokenized = tokenize_causal_lm(part, tokenizer, columns, template)
         if packing:
             shaped = pack(tokenized, seq_len)
         else:
