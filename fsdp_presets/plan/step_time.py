@@ -454,9 +454,9 @@ def cpu_step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
     micro-batch, elementwise bytes at the measured memory bandwidth, the strategy's measured cost of a
     step and of each block beyond arithmetic and bytes (the collectives' latency included), the
     optimizer step at its measured rate per parameter, and every collective's bytes at gloo's
-    measured bandwidth: DDP's all-reduce and FSDP's backward gathers and
-    reductions in full, FSDP's forward gathers behind the previous unit's compute where the host
-    has a core to spare for gloo (else in full too)."""
+    measured bandwidth: DDP's all-reduce and FSDP's backward gathers and reductions in full, FSDP's
+    forward gathers behind the previous unit's compute where the host has a core to spare for
+    gloo's threads (else in full too)."""
     host = hardware.host
     dims = profile.dims
     work = _work(profile, shape, shape.micro_batch)

@@ -311,8 +311,9 @@ def start(args, *, recipe: str) -> RecipeRun:
     (refused if the processes would train alone, or if the launch is not what the generated
     preset's header planned), the flags and input paths on every rank and
     the ranks' agreement (exit 2), the run folder (another run's, or other files: refused), the
-    run lock (one job per folder), the model config (no code from the model folder) and
-    ``--seq-len`` against it, the tokenizer, the seed. ``recipe`` names the run in run.json."""
+    run lock (one job per folder), the run's first day (``started_on``, kept by a continued run), the
+    model config (no code from the model folder) and ``--seq-len`` against it, the tokenizer, the
+    seed. ``recipe`` names the run in run.json."""
     import fsdp_presets
     from accelerate import Accelerator
     from accelerate.utils import broadcast_object_list, set_seed
