@@ -3,6 +3,8 @@
 # 15 slowest tests are listed at the end.
 #
 #   scripts/test.sh [pytest args]          (the fast part only: scripts/test.sh -m "not slow")
+#   FSDP_PRESETS_TEST_WORKERS=0 scripts/test.sh -m wall_time   (the wall-time test, not in the default run:
+#                                                               it needs the host to itself)
 #
 # The tests run on one pytest-xdist worker per CPU core, at most 4 (FSDP_PRESETS_TEST_WORKERS=N to
 # choose; 0 runs them in this process). Each test module runs whole on one worker, the longest first

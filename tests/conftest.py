@@ -59,7 +59,7 @@ def real_launches():
         yield
 
 
-LONGEST_MODULES = ("test_cpu_step_time", "test_planner_rehearsed", "test_recipes", "test_multinode", "test_rehearse", "test_bench",
+LONGEST_MODULES = ("test_planner_rehearsed", "test_recipes", "test_multinode", "test_rehearse", "test_bench",
                    "test_trainer_callback", "test_reshard_resume", "test_lora", "test_convergence_check", "test_mesh_training",
                    "test_async_save", "test_preemption", "test_recipe_bad_input", "test_cpu_fsdp", "test_presets")
 """The modules that take longest (``scripts/test.sh`` lists the slowest tests), longest first."""
@@ -82,37 +82,6 @@ def pytest_collection_modifyitems(config, items):
         return (LONGEST_MODULES.index(stem) if stem in LONGEST_MODULES else len(LONGEST_MODULES), -slow[item.path])
 
     items.sort(key=order)  # stable: a module's tests keep their order
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """A test marked ``alone`` (a wall-time measurement) runs while no other worker runs one: it waits
-    for the others' current tests to end, and they wait for it. Held around the whole protocol, so
-    the module and session fixtures a test sets up and tears down are inside it too."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:  # one process: nothing else runs beside it
-        yield
-        return
-    with _turn(run, alone=item.get_closest_marker("alone") is not None):
-        yield
-
-
-@contextlib.contextmanager
-def _turn(run: str, *, alone: bool):
-    """A readers-writer lock over the workers of one run: every test holds ``lock`` shared, a test
-    that runs alone holds it exclusively; ``gate`` lets no new test start while one waits to run alone."""
-    import fcntl
-    import tempfile
-
-    base = Path(tempfile.gettempdir()) / f"fsdp-presets-tests-{run}"
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @pytest.fixture

@@ -1,12 +1,13 @@
 """``plan --device cpu`` predicts the recipes' own CPU step: the host measured and the training steps
-launched in one run (:mod:`fsdp_harness.cpu_step_time`), alone on the host (``alone``: no other test
-runs beside it, as a wall-time measurement needs)."""
+launched in one run (:mod:`fsdp_harness.cpu_step_time`). A wall-time measurement needs the host to
+itself (other work moves the host's measurement and the runs differently), so it is not in the default
+run: ``FSDP_PRESETS_TEST_WORKERS=0 scripts/test.sh -m wall_time`` runs it alone (about 2 minutes)."""
 
 from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.slow, pytest.mark.wall_time]
 
 
 def test_plan_device_cpu_predicts_the_recipes_step_within_a_quarter(tmp_path, monkeypatch):
