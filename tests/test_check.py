@@ -70,7 +70,7 @@ def test_rule_ids_are_stable():
         "trust-remote-code", "prefetch-key-not-applied", "async-save-host-memory", "tp-pair-cannot-run",
         "tp-size-vs-model", "tp-no-plan", "tp-loss-reduction", "cp-masks", "distributed-config-under-fsdp",
         "ep-ram-efficient-loading", "ep-no-plan", "ep-size-vs-model", "distributed-config-mesh",
-        "distributed-config-invalid", "distributed-config-vs-processes",
+        "distributed-config-invalid", "distributed-config-vs-processes", "backward-prefetch-off",
     )
 
 

@@ -110,6 +110,23 @@ def test_accumulation_under_no_sync_reduces_once(llama_8b):
     assert once.time.tokens_per_s_per_gpu == pytest.approx(every.time.tokens_per_s_per_gpu, rel=0.2)
 
 
+def test_fsdp1_backward_prefetch_decides_what_the_backward_gathers_overlap(llama_8b):
+    from fsdp_presets.plan.shapes import BACKWARD_PREFETCH
+
+    pre, post, none = (_row(llama_8b, version=1, backward_prefetch=mode).time for mode in BACKWARD_PREFETCH)
+    # The same bytes; after the gradients (POST) a gather hides behind nothing, without prefetch it
+    # also waits for the reduce-scatter before it.
+    assert pre.comm_s == post.comm_s == none.comm_s
+    assert pre.exposed_comm_s < post.exposed_comm_s < none.exposed_comm_s and pre.step_s < post.step_s < none.step_s
+    # FSDP2 prefetches on its own; SHARD_GRAD_OP gathers nothing in backward, so nothing waits either way.
+    assert _row(llama_8b, backward_prefetch="NO_PREFETCH").time == _row(llama_8b).time
+    grad_op = [_row(llama_8b, version=1, strategy="SHARD_GRAD_OP", backward_prefetch=mode).time.step_s
+               for mode in BACKWARD_PREFETCH]
+    assert grad_op[0] == grad_op[1] == grad_op[2]
+    with pytest.raises(UsageError, match="unknown backward prefetch 'BACKWARD'"):
+        TrainingShape(backward_prefetch="BACKWARD")
+
+
 def test_offload_pays_pcie_and_the_host_optimizer(llama_8b):
     plain, offloaded = _row(llama_8b), _row(llama_8b, offload=True)
     assert offloaded.time.offload_s > 0 == plain.time.offload_s
@@ -258,7 +275,7 @@ def test_tokens_per_second_within_25_percent_on_most_rows_not_used_for_calibrati
     assert published.share_within(errors, 0.25) >= 0.85
     # The model's terms earn their place: with a factor per source and GPU type it is closer than one
     # MFU per source and GPU type (61%); 85% is the goal (docs/sharding.md, "Limits").
-    assert published.share_within(fitted, 0.10) >= 0.75
+    assert published.share_within(fitted, 0.10) >= 0.79
     assert published.share_within(fitted, 0.10) > published.share_within(baseline, 0.10) + 0.1
 
 

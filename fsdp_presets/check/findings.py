@@ -113,6 +113,9 @@ RULES = MappingProxyType({
                                             "the recipes load"),
     "distributed-config-vs-processes": ("error", "the NAME.distributed.json beside the config lays out another "
                                                  "number of ranks than the config launches"),
+    "backward-prefetch-off": ("warning", "FSDP1 without backward prefetch (accelerate's default) or with "
+                                         "BACKWARD_POST: backward all-gathers wait, the step is predicted slower "
+                                         "(--model)"),
 })
 """Every rule: id -> (severity, what it catches). Ids never change meaning; new rules get new ids."""
 
@@ -234,6 +237,17 @@ class CheckContext:
             return memory_of(self._from_request("gpu_memory_gib"), self._from_request("gpu"))
         except UsageError:  # a header's unknown GPU type: the default, as for a hand-written config
             return DEFAULT_GPU_MEMORY_GIB
+
+    @property
+    def gpu_type(self):
+        """The :class:`~fsdp_presets.plan.gpus.GpuType` step times are predicted on: ``--gpu``, else the
+        file's metadata's, else :data:`~fsdp_presets.plan.gpus.DEFAULT_GPU`."""
+        from fsdp_presets.plan.gpus import DEFAULT_GPU, gpu_type
+
+        try:
+            return gpu_type(self.gpu or self._from_request("gpu") or DEFAULT_GPU)
+        except UsageError:  # a header's unknown GPU type: the default, as for its memory
+            return gpu_type(DEFAULT_GPU)
 
     @property
     def training_method(self) -> str | None:

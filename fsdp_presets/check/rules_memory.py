@@ -7,7 +7,7 @@ import functools
 
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import GiB, format_bytes, format_count
-from fsdp_presets.preset.accelerate_view import as_boolean, as_strategy_name, as_whole
+from fsdp_presets.preset.accelerate_view import as_boolean, as_strategy_name, as_whole, enumeration_name
 from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
@@ -254,6 +254,8 @@ def device_and_memory_rules(config, fsdp, parallelism, version, context, process
             f"states per rank in host RAM, {format_bytes(row.model_state.total * per_node, digits=0)} for a node's {per_node} "
             f"processes: more than --host-memory {context.host_gib:g} GiB",
             "shard over more GPUs (more nodes), or use nodes with more RAM", fsdp_where(K.offload_params)))
+    if version == 1 and mesh is None:
+        findings += _backward_prefetch_rules(fsdp, context, profile, hardware, shape, row)
     if ((context.metadata or {}).get("summary") or {}).get("async_save"):
         # the generated header's launch line passes --async-save: its staging copy beside what training
         # keeps in host memory (the offloaded states) must fit the node's RAM
@@ -302,6 +304,35 @@ def device_and_memory_rules(config, fsdp, parallelism, version, context, process
             "activations can exceed fp16's range (max 65504) and overflow", f"set {T.mixed_precision}: bf16",
             T.mixed_precision))
     return findings
+
+
+def _backward_prefetch_rules(fsdp, context: CheckContext, profile, hardware, shape, row) -> list[Finding]:
+    """FSDP1 with a backward prefetch other than BACKWARD_PRE (accelerate applies NO_PREFETCH when the key
+    is missing): the step the planner predicts on the config's GPU type, against BACKWARD_PRE's."""
+    import dataclasses
+
+    from fsdp_presets.plan.step_time import clearly_faster, step_time
+
+    written = fsdp.get(K.backward_prefetch)
+    applied = "NO_PREFETCH" if written is None else enumeration_name(K.backward_prefetch, written)
+    if applied in (None, "BACKWARD_PRE"):  # a value accelerate refuses: the invalid-value rule says so
+        return []
+    gpu = context.gpu_type
+    timed = dataclasses.replace(hardware, gpu=gpu)
+    asked = step_time(profile, timed, shape.replace(backward_prefetch=applied), row).step_s
+    prefetched = step_time(profile, timed, shape.replace(backward_prefetch="BACKWARD_PRE"), row).step_s
+    if not clearly_faster(prefetched, asked):
+        return []
+    how = ("after the previous unit's reduce-scatter, so neither overlaps any computation" if applied == "NO_PREFETCH"
+           else "only after the previous unit's gradients are computed, so it overlaps no computation")
+    return [finding(
+        "backward-prefetch-off", f"{K.backward_prefetch} {applied}"
+        + (" (accelerate's default: the key is missing)" if written is None else "")
+        + f": FSDP1 starts each unit's backward all-gather {how}: predicted {asked:.3g} s per optimizer step on "
+        f"{gpu.name} against {prefetched:.3g} s with BACKWARD_PRE ({asked / prefetched - 1:.0%} slower; "
+        f"{', '.join(_stated(shape, context))})",
+        f"set {K.backward_prefetch}: BACKWARD_PRE (one more unit's parameters held during backward), or use FSDP2 "
+        f"({K.version}: 2), which prefetches on its own", fsdp_where(K.backward_prefetch))]
 
 
 _FLAG_OF = {"activation_checkpointing": "--activation-checkpointing on|off", "precision": "--precision bf16|fp32",

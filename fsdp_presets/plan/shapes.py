@@ -149,6 +149,10 @@ class Hardware(OnNodes):
                     self.gpu.inter_node_gbps if self.inter_node_gbps is None else self.inter_node_gbps)}
 
 
+BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+"""FSDP1's backward prefetch settings, as accelerate names them (``NO_PREFETCH``: torch's ``None``)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingShape:
     """How the model is trained: sequence, micro-batch, precision, optimizer, memory savers."""
@@ -176,6 +180,10 @@ class TrainingShape:
     whole model), ``grad_accum`` times the gradient communication."""
     lora: "LoraShape | None" = None
     """LoRA or QLoRA (:class:`LoraShape`); None for full fine-tuning."""
+    backward_prefetch: str = "BACKWARD_PRE"
+    """FSDP1's backward prefetch (accelerate's ``fsdp_backward_prefetch``, one of
+    :data:`BACKWARD_PREFETCH`): when the next unit's all-gather is issued in backward, which decides what
+    it overlaps (the step time only). FSDP2 always prefetches as ``BACKWARD_PRE`` does."""
     measured: object = None
     """The model's own activation terms (a :class:`fsdp_presets.plan.activations.BlockActivations`
     read off a short rehearsal, :mod:`fsdp_presets.preset.measured_activations`), used where its
@@ -205,6 +213,8 @@ class TrainingShape:
             problems.append(unknown_name_message("precision", str(self.precision), PRECISIONS))
         if self.optimizer not in OPTIMIZER_STATE_BYTES:
             problems.append(unknown_name_message("optimizer", str(self.optimizer), tuple(OPTIMIZER_STATE_BYTES)))
+        if self.backward_prefetch not in BACKWARD_PREFETCH:
+            problems.append(unknown_name_message("backward prefetch", str(self.backward_prefetch), BACKWARD_PREFETCH))
         if self.attention not in ("fused", "eager"):
             problems.append(unknown_name_message("attention", str(self.attention), ("fused", "eager")))
         if problems:

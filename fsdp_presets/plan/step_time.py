@@ -14,7 +14,8 @@ training shape and the row's communication; no torch. The terms, per micro-batch
   (:data:`LOSS_BYTES_PER_LOGIT`) and QLoRA's dequantization, at the achievable HBM bandwidth;
 - **communication**: each unit's all-gather, reduce-scatter (and HSDP's all-reduce) at the link it
   crosses (:class:`Links`), overlapped as FSDP does: the next unit's all-gather during this unit's
-  compute, a unit's reduce-scatter during the next unit's backward; what compute does not hide is
+  compute, a unit's reduce-scatter during the next unit's backward (FSDP1 with another backward
+  prefetch exposes more: :func:`_fsdp_micro_batch`); what compute does not hide is
   *exposed* (the first all-gather and the last reduce-scatter always are). Under gradient
   accumulation with ``no_sync`` only the last micro-batch reduces. DDP all-reduces in buckets
   during backward. Each collective also pays a latency per ring step ([NCCL]);
@@ -325,11 +326,21 @@ def _units(profile, hardware, row, links: Links, compute_rate: float, work: _Wor
     return timed
 
 
-def _fsdp_micro_batch(units: list[_UnitTimes], *, reduces: bool) -> tuple[float, float, float]:
+def _fsdp_micro_batch(units: list[_UnitTimes], *, reduces: bool,
+                      prefetch: str = "BACKWARD_PRE") -> tuple[float, float, float]:
     """``(compute, comm, exposed)`` seconds of one micro-batch's forward and backward: a unit's
-    gather is prefetched during the previous unit's compute; in backward the next unit's gather and
-    the previous unit's reduction run during this unit's backward (the network's HSDP all-reduce
-    beside them, on its own link)."""
+    gather is prefetched during the previous unit's compute. In backward, ``prefetch`` (FSDP1's
+    backward prefetch, :data:`~fsdp_presets.plan.shapes.BACKWARD_PREFETCH`) decides when the next
+    unit's gather is issued, and a gather and a reduction of one process group run one after the other
+    (NCCL runs a communicator's collectives in the order they were issued, whatever their streams):
+
+    - ``BACKWARD_PRE`` (FSDP2 always): before this unit's gradient computation, so the next unit's
+      gather and the previous unit's reduction run during this unit's backward;
+    - ``BACKWARD_POST``: after it, ahead of this unit's reduction: the gather has nothing to hide
+      behind, the reduction runs during the next unit's backward;
+    - ``NO_PREFETCH``: when the next unit's backward starts, behind this unit's reduction: both wait.
+
+    HSDP's all-reduce runs on the network beside them, on its own process group."""
     compute = sum(unit.forward_s + unit.backward_s for unit in units)
     comm = sum(unit.gather_s * (2 if unit.regathered else 1) + (unit.reduce_s + unit.replicate_s) * reduces
                for unit in units)
@@ -337,17 +348,21 @@ def _fsdp_micro_batch(units: list[_UnitTimes], *, reduces: bool) -> tuple[float,
     for previous, unit in zip(units, units[1:]):
         exposed += max(0.0, unit.gather_s - previous.forward_s)
     backward = list(reversed(units))
-    if backward and backward[0].regathered:
+    if prefetch == "BACKWARD_PRE" and backward and backward[0].regathered:
         exposed += backward[0].gather_s
     for index, unit in enumerate(backward):
         following = backward[index + 1] if index + 1 < len(backward) else None
         preceding = backward[index - 1] if index else None
-        on_link = (following.gather_s if following is not None and following.regathered else 0.0)
-        on_network = 0.0
-        if reduces and preceding is not None:
-            on_link += preceding.reduce_s
-            on_network += preceding.replicate_s
-        exposed += max(0.0, max(on_link, on_network) - unit.backward_s)
+        reduction = preceding.reduce_s if reduces and preceding is not None else 0.0
+        on_network = preceding.replicate_s if reduces and preceding is not None else 0.0
+        gather = unit.gather_s if unit.regathered else 0.0
+        if prefetch == "BACKWARD_PRE":
+            on_link = (following.gather_s if following is not None and following.regathered else 0.0) + reduction
+            exposed += max(0.0, max(on_link, on_network) - unit.backward_s)
+        elif prefetch == "BACKWARD_POST" or not gather:
+            exposed += gather + max(0.0, max(reduction, on_network) - unit.backward_s)
+        else:  # NO_PREFETCH: this unit's gather waits behind the previous unit's reduction
+            exposed += gather + reduction + max(0.0, on_network - unit.backward_s)
     if reduces and backward:
         exposed += backward[-1].reduce_s + backward[-1].replicate_s
     return compute, comm, exposed
@@ -410,8 +425,9 @@ def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: Mode
         compute_total = compute * accumulation
     else:
         units = _units(profile, hardware, row, links, rate, work)
-        compute_one, comm_silent, exposed_silent = _fsdp_micro_batch(units, reduces=False)
-        _, comm_reducing, exposed_reducing = _fsdp_micro_batch(units, reduces=True)
+        prefetch = shape.backward_prefetch if row.fsdp_version == 1 else "BACKWARD_PRE"
+        compute_one, comm_silent, exposed_silent = _fsdp_micro_batch(units, reduces=False, prefetch=prefetch)
+        _, comm_reducing, exposed_reducing = _fsdp_micro_batch(units, reduces=True, prefetch=prefetch)
         if reduces_every:
             comm, exposed = comm_reducing * accumulation, exposed_reducing * accumulation
         else:

@@ -26,6 +26,15 @@ REDUCES_EVERY_MICRO_BATCH = ("llm-foundry", "olmo-core")
 """Sources whose trainers reduce the gradients after every micro-batch under FSDP (no ``no_sync``),
 as read in their code: Composer (llm-foundry) enters its sync context only for a DDP model, and
 OLMo-core's FSDP train module only marks the last backward (it delays HSDP's all-reduce alone)."""
+FSDP1_BACKWARD_PREFETCH = {
+    # Sources whose trainers ran FSDP1 with a backward prefetch other than BACKWARD_PRE, as read in their
+    # code; every other row is planned as FSDP2 (FSDP1 with BACKWARD_PRE is timed alike).
+    # llm-foundry pinned Composer 0.16 (mosaicml/composer v0.16.4, composer/trainer/dist_strategy.py:
+    # fsdp_config.setdefault('backward_prefetch', 'BACKWARD_POST')); the benchmark's yamls, sweep.sh and
+    # submit_benchmarks.py set none.
+    "llm-foundry": "BACKWARD_POST",
+}
+"""FSDP1's backward prefetch per source (:data:`fsdp_presets.plan.shapes.BACKWARD_PREFETCH`)."""
 NETWORK_GBPS = {
     # One GPU's network where a source states its cluster's (Gb/s per GPU); else the GPU type's usual one.
     ("fms-fsdp", "A100-80GB"): 400 / 8,  # README: "128 GPUs with 400Gbps" (per node of 8)
@@ -138,14 +147,16 @@ def predict(row: Row, *, matmul_efficiency: float | None = None) -> float:
     shape = TrainingShape(seq_len=row.seq_len, micro_batch=row.micro_batch, grad_accum=row.grad_accum,
                           activation_checkpointing=row.activation_checkpointing,
                           reduce_every_micro_batch=(row.grad_accum > 1 and row.sharding != "DDP"
-                                                    and row.source in REDUCES_EVERY_MICRO_BATCH))
+                                                    and row.source in REDUCES_EVERY_MICRO_BATCH),
+                          backward_prefetch=FSDP1_BACKWARD_PREFETCH.get(row.source, "BACKWARD_PRE"))
     profile = profile_for(row.arch, row.dims, row.seq_len)
+    version = 1 if row.source in FSDP1_BACKWARD_PREFETCH and row.sharding != "DDP" else 2
     if matmul_efficiency is None:
-        return plan(profile, hardware, shape).get(row.sharding, 2).time.tokens_per_s_per_gpu
+        return plan(profile, hardware, shape).get(row.sharding, version).time.tokens_per_s_per_gpu
     saved = step_time.MATMUL_EFFICIENCY
     step_time.MATMUL_EFFICIENCY = {gpu.name.lower(): matmul_efficiency}
     try:
-        return plan(profile, hardware, shape).get(row.sharding, 2).time.tokens_per_s_per_gpu
+        return plan(profile, hardware, shape).get(row.sharding, version).time.tokens_per_s_per_gpu
     finally:
         step_time.MATMUL_EFFICIENCY = saved
 
