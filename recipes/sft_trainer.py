@@ -8,7 +8,7 @@ checkpoints, a complete final/ under any state-dict type, the global batch kept 
 
 Data: as causal_lm.py reads it (JSONL/JSON/CSV/Parquet or plain text) with `prompt`/`response` (the
 prompt is masked out of the loss: TRL's prompt-completion format), `text`, or `messages` (TRL's
-conversational format, as TRL trains it). One sample per row, truncated to --seq-len tokens (no packing).
+conversational format, as TRL trains it; a template that writes today's date renders the run's first day). One sample per row, truncated to --seq-len tokens (no packing).
 Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoint-N/, final/}. Restarting the same command
 continues from the last checkpoint (--resume auto). Needs the `trl` extra (scripts/setup.sh installs
 it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
@@ -21,12 +21,13 @@ saves and resumes its whole state (model and optimizer shards as DCP, scheduler,
 import os
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import get_last_checkpoint
 
 from fsdp_presets import FSDPPresetsCallback
 from fsdp_presets.cpu_fsdp import fsdp_launch
 from fsdp_presets.errors import UsageError
+from fsdp_presets.train import chat_data
 from fsdp_presets.train import data as recipe_data
 from fsdp_presets.train import loop, model_mesh, model_setup
 from fsdp_presets.train import lora as recipe_lora
@@ -84,8 +85,16 @@ def main():
         eval_strategy="steps" if eval_dataset is not None and args.eval_every else "no",
         eval_steps=args.eval_every or None, logging_steps=1, seed=args.seed, data_seed=args.seed, report_to=[],
         bf16=False, disable_tqdm=True)  # precision: the preset's mixed_precision
+    # chat data: a template that writes today's date (Llama 3.2/3.3) renders the run's first day on every
+    # launch and rank (run.json's started_on), so that a resume on another day trains on the same tokens
+    tokenizer = None
+    if chat_data.MESSAGES in dataset.column_names:
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        chat_data.check_chat_data(dataset, tokenizer, "--data", args.data)  # no template: one line, exit 2
+        tokenizer.chat_template = chat_data.rendering_template(tokenizer, callback.first_day(args.output_dir,
+                                                                                             args.resume))
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, eval_dataset=eval_dataset,
-                         callbacks=[callback])
+                         processing_class=tokenizer, callbacks=[callback])
     # auto: the newest committed checkpoint-N (the callback skips one a killed run left unfinished)
     resume = {"auto": True if Path(args.output_dir).is_dir() and get_last_checkpoint(args.output_dir) else None,
               "none": None}.get(args.resume, args.resume)

@@ -204,6 +204,42 @@ def test_chat_data_under_a_template_that_writes_the_date_renders_the_runs_first_
         assert "a run resumed on another day renders its data with that day's date" in out
 
 
+def test_trl_renders_chat_data_with_the_day_the_callback_gives(tmp_path, tokenizer, chat_tokenizer):
+    """recipes/sft_trainer.py (and a user's TRL script): TRL tokenizes at SFTTrainer(...), so the script
+    sets the template from FSDPPresetsCallback.first_day (run.json's started_on, kept by a resume;
+    a new run: today) before it, and the conversation renders that day."""
+    import datetime
+    import types
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from fsdp_presets import FSDPPresetsCallback
+    from fsdp_presets.checkpoint.layout import RunFolder
+    from fsdp_presets.checkpoint.run_folder import RunInfo
+    from fsdp_presets.train.chat_data import rendering_template
+
+    output = tmp_path / "run"
+    callback = types.SimpleNamespace()  # the method alone: the callback's constructor switches the process to CPU FSDP
+    assert FSDPPresetsCallback.first_day(callback, output) == datetime.date.today().isoformat()  # a new run
+    RunInfo(identity={"recipe": "SFTTrainer"}, started_on="2024-07-26").write(RunFolder(root=output))
+    assert FSDPPresetsCallback.first_day(callback, output) == "2024-07-26" == callback._first_day
+    assert FSDPPresetsCallback.first_day(callback, output, "none") == datetime.date.today().isoformat()
+
+    # a template that writes by the date, in words of the tiny tokenizer's vocabulary
+    chat_tokenizer.chat_template = CHATML.replace(
+        "be brief", "{% if strftime_now('%Y') == '2024' %}the first day{% else %}and it was so{% endif %}")
+    chat_tokenizer.chat_template = rendering_template(chat_tokenizer, FSDPPresetsCallback.first_day(callback, output))
+    model = AutoModelForCausalLM.from_pretrained(tokenizer.name_or_path)
+    model.resize_token_embeddings(len(chat_tokenizer))
+    config = SFTConfig(output_dir=str(output), max_length=64, report_to=[], use_cpu=True)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list([{"messages": CONVERSATION}] * 2),
+                         processing_class=chat_tokenizer)
+    text = chat_tokenizer.decode(trainer.train_dataset[0]["input_ids"])
+    assert "the first day" in text and "and it was so" not in text
+
+
 def test_a_continued_run_keeps_the_day_it_first_started(tmp_path):
     from fsdp_presets.checkpoint.layout import RunFolder, step_folder
     from fsdp_presets.checkpoint.run_folder import RunInfo, first_day, read_run_info

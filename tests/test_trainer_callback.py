@@ -29,6 +29,7 @@ a run saving in the background at every step and recipes/sft_trainer.py are fork
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
@@ -385,7 +386,9 @@ def test_the_sft_trainer_recipe_with_lora_writes_its_run_folder(presets, tmp_pat
     run_launch(presets["fsdp2"], SFT_TRAINER,
                causal_lm_args(presets["model"], output, "--max-steps", 2, "--lora-r", 4), cwd=REPO).check()
     assert sorted(_losses(output)) == [1, 2]
-    assert json.loads((output / RUN_JSON).read_text())["training"]["method"] == "lora"
+    run = json.loads((output / RUN_JSON).read_text())
+    assert run["training"]["method"] == "lora"
+    assert datetime.date.fromisoformat(run["started_on"]) <= datetime.date.today()  # the run's first day
     assert (output / trainer_checkpoint_name(2) / MANIFEST).is_file()
     adapter = _adapter_logits(presets["model"], output / "final")
     assert not torch.equal(adapter, _logits(presets["model"]))  # it loads, and it trained

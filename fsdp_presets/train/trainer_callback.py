@@ -42,6 +42,7 @@ user's ``save_model`` calls never reach a callback event. The callback finds its
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import time
@@ -50,11 +51,11 @@ from typing import NoReturn
 
 from transformers import Trainer, TrainerCallback
 
-from fsdp_presets.checkpoint.layout import MANIFEST, METRICS
+from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.checkpoint.manager import TRAINER_NAMING, trainer_resume_choice
 from fsdp_presets.checkpoint.manifest import Manifest
 from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batch
-from fsdp_presets.checkpoint.run_folder import distributed_settings, launch_config_file
+from fsdp_presets.checkpoint.run_folder import distributed_settings, first_day, launch_config_file
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_at_end
@@ -87,6 +88,21 @@ class FSDPPresetsCallback(TrainerCallback):
         self.metrics: MetricsLog | None = None
         self._step_loss, self._step_tokens, self._step_started = 0.0, 0.0, None  # the step in training (perf_counter)
         self._logged_step = 0
+        self._first_day: str | None = None  # first_day(): the day the script's data was rendered with
+
+    def first_day(self, output_dir, resume="auto") -> str:
+        """The day the run in ``output_dir`` first started (``YYYY-MM-DD``: run.json's ``started_on``,
+        kept by a resume; ``resume`` a checkpoint of another folder: that run's; a new run: the main
+        process's today), the same on every rank, and the day this run's run.json records. A script
+        whose chat template writes today's date (Llama 3.2/3.3) renders its data with it, so that a
+        resume on another day renders the same tokens: ``tokenizer.chat_template =
+        fsdp_presets.train.chat_data.rendering_template(tokenizer, callback.first_day(output_dir))``,
+        before the trainer tokenizes (TRL's at its construction), once the training arguments exist."""
+        from accelerate.utils import broadcast_object_list
+
+        day = first_day(RunFolder(root=Path(output_dir)), str(resume)) or datetime.date.today().isoformat()
+        self._first_day = broadcast_object_list([day])[0]  # the main process's
+        return self._first_day
 
     # ---- attach ----
     def on_init_end(self, args, state, control, **kwargs):
@@ -159,7 +175,9 @@ class FSDPPresetsCallback(TrainerCallback):
         output = Path(trainer.args.output_dir)
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
-        self.saves.begin(self.metrics, global_batch=self._global_batch(), resumed_from=checkpoint)
+        started_on = self._first_day or first_day(RunFolder(root=output), str(checkpoint) if checkpoint else "none")
+        self.saves.begin(self.metrics, global_batch=self._global_batch(), resumed_from=checkpoint,
+                         started_on=started_on or datetime.date.today().isoformat())
         signals.install(self._signals, naming=TRAINER_NAMING, checkpoints=output)  # Ctrl-C: deferred (on_train_begin)
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)

@@ -78,9 +78,9 @@ class TrainerSaves:
         self._trainer_save = None  # async_save, during a save: Trainer's own _save_checkpoint of that step
         self._save_total_limit = None  # during a save: the user's save_total_limit (Trainer's is set aside)
 
-    def begin(self, metrics, *, global_batch: int, resumed_from: str | os.PathLike | None) -> None:
-        """The start of a ``train()``: its run.json (main process), its checkpoint manager and, with
-        async_save, its background writer."""
+    def begin(self, metrics, *, global_batch: int, resumed_from: str | os.PathLike | None, started_on: str) -> None:
+        """The start of a ``train()``: its run.json (main process; ``started_on``: the run's first day),
+        its checkpoint manager and, with async_save, its background writer."""
         trainer = self.trainer
         accelerator, args = trainer.accelerator, trainer.args
         model = accelerator.unwrap_model(trainer.model)
@@ -93,7 +93,7 @@ class TrainerSaves:
                     max_steps=args.max_steps, micro_batch_size=args.per_device_train_batch_size,
                     gradient_accumulation_steps=args.gradient_accumulation_steps, global_batch_samples=global_batch,
                     distributed=distributed, accelerate_config=launch_config_file(),
-                    resumed_from=str(resumed_from) if resumed_from else None,
+                    resumed_from=str(resumed_from) if resumed_from else None, started_on=started_on,
                     ).write(RunFolder(root=Path(args.output_dir)))
         self.checkpoints = CheckpointManager(
             accelerator=accelerator, directory=Path(trainer.args.output_dir), keep_last=1,
