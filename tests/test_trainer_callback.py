@@ -482,10 +482,13 @@ def test_ctrl_c_at_the_terminal_commits_the_step_reached_exits_130_and_trainer_r
     assert 2 <= step < 60 and max(_train_losses(records)) == step and checkpoint_verdict(checkpoint).ok
     assert not [record for record in records if record["kind"] == "preempted"]
     assert not (output / "final").exists()  # the script's lines after train() did not run
-    _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--max-steps", 60, "--save-steps", 50,
-            "--resume", forked=None)
+    # resumed two steps longer: Trainer rebuilds its linear decay over 62 steps, and the run says so
+    resumed = _launch(presets["fsdp2"], TRAINER_SCRIPT, presets["model"], output, "--max-steps", 62, "--save-steps",
+                      50, "--resume", forked=None)
+    assert "note: max_steps=62, the run was launched with 60: its linear learning-rate schedule is rebuilt" \
+        in resumed.stdout, resumed.stdout[-3000:]
     assert json.loads((output / RUN_JSON).read_text())["resumed_from"] == str(checkpoint)
-    assert sorted(_train_losses(read_metrics(output / METRICS))) == list(range(1, 61))
+    assert sorted(_train_losses(read_metrics(output / METRICS))) == list(range(1, 63))
 
 
 def _copy(folder: Path) -> Path:

@@ -525,6 +525,8 @@ def test_another_max_steps_says_what_it_does_to_the_schedule(tmp_path):
     assert "lower than the old one" in schedule_change_note(tmp_path, 50, {"lr_scheduler": "linear"})
     assert schedule_change_note(tmp_path, 100, {"lr_scheduler": "cosine"}) is None
     assert schedule_change_note(tmp_path, 200, {"lr_scheduler": "constant_with_warmup"}) is None
+    # a Trainer run that trains by epochs (max_steps -1) has no length to compare
+    assert schedule_change_note(tmp_path, -1, {"lr_scheduler": "linear"}, flag="max_steps=") is None
 
 
 def test_the_lock_rule(tmp_path):

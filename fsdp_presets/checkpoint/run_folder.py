@@ -328,19 +328,22 @@ def check_output_dir(root: str | os.PathLike, identity: dict[str, Any], resume: 
 _DECAYS_OVER_MAX_STEPS = ("cosine", "linear")
 
 
-def schedule_change_note(root: str | os.PathLike, max_steps: int, settings: dict[str, Any]) -> str | None:
+def schedule_change_note(root: str | os.PathLike, max_steps: int, settings: dict[str, Any], *,
+                         flag: str = "--max-steps ") -> str | None:
     """What continuing the run in ``root`` with another ``--max-steps`` does to its learning-rate
     schedule (None when nothing): a decaying schedule is rebuilt over the new length, so from the
     resumed step the rate follows the new curve, higher (longer run) or lower (shorter) than the old
-    curve gave at that step."""
+    curve gave at that step (Trainer rebuilds its scheduler so too). ``flag``: how the script is
+    given the length (a Trainer script: ``max_steps=``)."""
     recorded = read_run_info(root) or RunInfo()
     before, scheduler = recorded.max_steps, settings.get("lr_scheduler")
-    if type(before) is not int or before == max_steps or scheduler not in _DECAYS_OVER_MAX_STEPS:
+    if (type(before) is not int or before == max_steps or min(before, max_steps) < 1  # Trainer's -1: epochs
+            or scheduler not in _DECAYS_OVER_MAX_STEPS):
         return None
     direction = "higher" if max_steps > before else "lower"
-    return (f"--max-steps {max_steps}, the run was launched with {before}: its {scheduler} learning-rate schedule is "
+    return (f"{flag}{max_steps}, the run was launched with {before}: its {scheduler} learning-rate schedule is "
             f"rebuilt to decay over {max_steps} steps, so from the resumed step (after warm-up) the learning rate "
-            f"is the new schedule's, {direction} than the old one gave there; relaunch with --max-steps {before} "
+            f"is the new schedule's, {direction} than the old one gave there; relaunch with {flag}{before} "
             "to keep the schedule")
 
 

@@ -55,7 +55,8 @@ from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.checkpoint.manager import TRAINER_NAMING, trainer_resume_choice
 from fsdp_presets.checkpoint.manifest import Manifest
 from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batch
-from fsdp_presets.checkpoint.run_folder import distributed_settings, first_day, launch_config_file
+from fsdp_presets.checkpoint.run_folder import (distributed_settings, first_day, launch_config_file,
+                                                schedule_change_note, training_settings)
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
 from fsdp_presets.train.metrics import MetricsLog, device_memory_peaks, throughput_at_end
@@ -169,10 +170,14 @@ class FSDPPresetsCallback(TrainerCallback):
         checkpoint = resume_from_checkpoint if resume_from_checkpoint is not True else None
         self._check_launch(resuming=bool(checkpoint))
         step = 0
+        output = Path(trainer.args.output_dir)
         if checkpoint:
             step = self._keep_global_batch(Path(checkpoint))
             resume_from_checkpoint = str(checkpoint)
-        output = Path(trainer.args.output_dir)
+            # before run.json is rewritten: the length the run was launched with
+            if note := schedule_change_note(output, trainer.args.max_steps, training_settings(trainer.args),
+                                            flag="max_steps="):
+                self._say(f"note: {note}")
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
         started_on = self._first_day or first_day(RunFolder(root=output), str(checkpoint) if checkpoint else "none")
