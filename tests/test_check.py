@@ -45,6 +45,22 @@ def test_check_catches_planted_error(case, tmp_path):
     assert all(item.fix for item in report.findings)
 
 
+def test_a_backward_prefetch_key_under_its_old_name_is_reported_once(tmp_path):
+    """fsdp_backward_prefetch_policy (accelerate's name before 1.0) alone: FSDP1 runs without prefetch,
+    and with a model one finding says so, with the rename (not a second one with the time)."""
+    from check_configs import FSDP1, LLAMA_8B
+
+    config = copy.deepcopy(GOOD)
+    config["fsdp_config"].update({**FSDP1, "fsdp_backward_prefetch_policy": "BACKWARD_PRE"})
+    for key in ("fsdp_reshard_after_forward", "fsdp_backward_prefetch"):
+        config["fsdp_config"].pop(key, None)
+    rules = check_file(_write(tmp_path, config), context=CheckContext(model=facts(LLAMA_8B)))[0].rules()
+    assert "prefetch-key-not-applied" in rules and "backward-prefetch-off" not in rules
+    del config["fsdp_config"]["fsdp_backward_prefetch_policy"]
+    rules = check_file(_write(tmp_path, config), context=CheckContext(model=facts(LLAMA_8B)))[0].rules()
+    assert "backward-prefetch-off" in rules  # the key missing: accelerate's NO_PREFETCH, timed
+
+
 def test_every_rule_has_a_planted_error():
     # prepare-crashes, params-outside-units and wrap-probe-skipped are planted in tests/test_check_probe.py
     planted = {rule for _, rule, _, _, _ in BAD_CONFIGS.values()} | {"yaml-invalid", "prepare-crashes",

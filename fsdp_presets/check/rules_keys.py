@@ -22,6 +22,7 @@ from fsdp_presets.preset.accelerate_view import (
     known_precisions,
     known_top_level_keys,
     plugin_option_defaults,
+    prefetch_key_meant,
     renamed_key,
 )
 from fsdp_presets.check.findings import FULL_FINETUNE_RULES, CheckContext, Finding, sorted_findings, finding
@@ -260,8 +261,8 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
                     f"delete {key} and set {twin}: {value!r} if that is what you meant (renaming it would write "
                     f"{twin} twice)", where))
             continue
-        if key not in known and twin is None and _prefetch_twin(key, known):
-            findings.append(_prefetch_not_applied(key, value, _prefetch_twin(key, known), where, version))
+        if key not in known and twin is None and prefetch_key_meant(key, known):
+            findings.append(_prefetch_not_applied(key, value, prefetch_key_meant(key, known), where, version))
             continue
         if key not in known:
             findings.append(_unknown_key("unknown-fsdp-key", FSDP_CONFIG, key, known, "accelerate ignores it "
@@ -294,12 +295,6 @@ def _fsdp_keys(fsdp: dict, version: int | None) -> list[Finding]:
 
 _PREFETCH_DEFAULTS = {K.backward_prefetch: "NO_PREFETCH", K.forward_prefetch: False}
 """What accelerate 1.16's FSDP1 plugin applies when the prefetch keys are absent."""
-
-
-def _prefetch_twin(key, known) -> str | None:
-    """The prefetch key a misspelt or old one stands for (``fsdp_backward_prefetch_policy``)."""
-    guesses = close_names(str(key), known, limit=1)
-    return guesses[0] if guesses and guesses[0] in _PREFETCH_DEFAULTS else None
 
 
 def _prefetch_not_applied(key, value, twin: str, where: str, version) -> Finding:

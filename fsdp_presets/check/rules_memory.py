@@ -7,7 +7,8 @@ import functools
 
 from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
 from fsdp_presets.fileio import GiB, format_bytes, format_count
-from fsdp_presets.preset.accelerate_view import as_boolean, as_strategy_name, as_whole, enumeration_name
+from fsdp_presets.preset.accelerate_view import (as_boolean, as_strategy_name, as_whole, enumeration_name,
+                                                  known_fsdp_keys, prefetch_key_meant)
 from fsdp_presets.check.findings import CheckContext, Finding, finding
 from fsdp_presets.plan.shapes import Hardware, TrainingShape
 from fsdp_presets.plan.planner import plan
@@ -317,6 +318,10 @@ def _backward_prefetch_rules(fsdp, context: CheckContext, profile, hardware, sha
     applied = "NO_PREFETCH" if written is None else enumeration_name(K.backward_prefetch, written)
     if applied in (None, "BACKWARD_PRE"):  # a value accelerate refuses: the invalid-value rule says so
         return []
+    known = known_fsdp_keys()
+    if written is None and any(prefetch_key_meant(key, known) == K.backward_prefetch for key in fsdp if key not in known):
+        return []  # the key under an old name: prefetch-key-not-applied says so, with the rename
+
     gpu = context.gpu_type
     timed = dataclasses.replace(hardware, gpu=gpu)
     asked = step_time(profile, timed, shape.replace(backward_prefetch=applied), row).step_s

@@ -109,6 +109,13 @@ def close_names(name: str, known, limit: int = 3) -> list[str]:
     return difflib.get_close_matches(name, sorted(known), n=limit, cutoff=SUGGESTION_CUTOFF)
 
 
+def prefetch_key_meant(key, known) -> str | None:
+    """The prefetch key (``fsdp_backward_prefetch``, ``fsdp_forward_prefetch``) a misspelt or old one
+    stands for (``fsdp_backward_prefetch_policy``, accelerate's name before 1.0), among ``known``."""
+    guesses = close_names(str(key), known, limit=1)
+    return guesses[0] if guesses and guesses[0] in (K.backward_prefetch, K.forward_prefetch) else None
+
+
 def did_you_mean(name: str, known) -> str:
     guesses = close_names(name, known)
     return f" (did you mean {' or '.join(repr(g) for g in guesses)}?)" if guesses else ""
