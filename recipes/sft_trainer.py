@@ -89,7 +89,7 @@ def main():
     # launch and rank (run.json's started_on), so that a resume on another day trains on the same tokens
     tokenizer = None
     if chat_data.MESSAGES in dataset.column_names:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
         chat_data.check_chat_data(dataset, tokenizer, "--data", args.data)  # no template: one line, exit 2
         tokenizer.chat_template = chat_data.rendering_template(tokenizer, callback.first_day(args.output_dir,
                                                                                              args.resume))
