@@ -8,7 +8,8 @@ checkpoints, a complete final/ under any state-dict type, the global batch kept 
 
 Data: as causal_lm.py reads it (JSONL/JSON/CSV/Parquet or plain text) with `prompt`/`response` (the
 prompt is masked out of the loss: TRL's prompt-completion format), `text`, or `messages` (TRL's
-conversational format, as TRL trains it; a template that writes today's date renders the run's first day). One sample per row, truncated to --seq-len tokens (no packing).
+conversational format, as TRL trains it; a template that writes today's date renders the run's first
+day). One sample per row, truncated to --seq-len tokens (no packing).
 Writes OUTPUT_DIR/{run.json, metrics.jsonl, checkpoint-N/, final/}. Restarting the same command
 continues from the last checkpoint (--resume auto). Needs the `trl` extra (scripts/setup.sh installs
 it). Not taken by Trainer, and refused here: --reduce-every-micro-batch, --fsdp-reduce-dtype,
@@ -91,6 +92,8 @@ def main():
     if chat_data.MESSAGES in dataset.column_names:
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
         chat_data.check_chat_data(dataset, tokenizer, "--data", args.data)  # no template: one line, exit 2
+        if eval_dataset is not None and chat_data.MESSAGES in eval_dataset.column_names:
+            chat_data.check_chat_data(eval_dataset, tokenizer, "--eval-data", args.eval_data)
         tokenizer.chat_template = chat_data.rendering_template(tokenizer, callback.first_day(args.output_dir,
                                                                                              args.resume))
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, eval_dataset=eval_dataset,

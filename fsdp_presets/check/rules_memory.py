@@ -319,7 +319,8 @@ def _backward_prefetch_rules(fsdp, context: CheckContext, profile, hardware, sha
     if applied in (None, "BACKWARD_PRE"):  # a value accelerate refuses: the invalid-value rule says so
         return []
     known = known_fsdp_keys()
-    if written is None and any(prefetch_key_meant(key, known) == K.backward_prefetch for key in fsdp if key not in known):
+    if written is None and any(prefetch_key_meant(key, known) == K.backward_prefetch
+                               for key in fsdp if key not in known):
         return []  # the key under an old name: prefetch-key-not-applied says so, with the rename
 
     gpu = context.gpu_type
