@@ -111,8 +111,11 @@ def test_accumulation_under_no_sync_reduces_once(llama_8b):
 
 
 def test_fsdp1_backward_prefetch_decides_what_the_backward_gathers_overlap(llama_8b):
+    from accelerate.utils.constants import FSDP_BACKWARD_PREFETCH
+
     from fsdp_presets.plan.shapes import BACKWARD_PREFETCH
 
+    assert BACKWARD_PREFETCH == tuple(FSDP_BACKWARD_PREFETCH)  # the names accelerate reads, in its order
     pre, post, none = (_row(llama_8b, version=1, backward_prefetch=mode).time for mode in BACKWARD_PREFETCH)
     # The same bytes; after the gradients (POST) a gather hides behind nothing, without prefetch it
     # also waits for the reduce-scatter before it.

@@ -195,6 +195,16 @@ def first_day(folder: RunFolder, resume: str) -> str | None:
     return recorded.started_on if recorded is not None else None
 
 
+def agreed_first_day(folder: RunFolder, resume: str) -> str:
+    """:func:`first_day`, else (a new run) today: the main process's, on every rank, so that ranks on
+    both sides of midnight agree. Collective: every rank calls it."""
+    import datetime
+
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([first_day(folder, resume) or datetime.date.today().isoformat()])[0]
+
+
 def run_identity(*, recipe: str, model: str, seed: int, data_sha256: str | None = None,
                  seq_len: int | None = None) -> dict[str, Any]:
     """The :data:`IDENTITY_KEYS` of a run (a Trainer run records no data digest nor sequence length)."""

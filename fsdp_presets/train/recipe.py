@@ -26,7 +26,6 @@ weights are finite and a checkpoint save; Ctrl-C then stops (exit 130).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,7 @@ from fsdp_presets.checkpoint.layout import MERGED, MODEL_CONFIG, RunFolder
 from fsdp_presets.checkpoint.manager import CheckpointManager, committed_checkpoints
 from fsdp_presets.checkpoint.manifest import Manifest, is_imported
 from fsdp_presets.checkpoint.run_folder import (METHOD_KEY, RunInfo, acquire_run_lock, check_output_dir,
-                                                distributed_settings, first_day, launch_config_file, run_identity,
+                                                agreed_first_day, distributed_settings, launch_config_file, run_identity,
                                                 schedule_change_note, training_settings)
 from fsdp_presets.errors import UsageError, raise_on_every_rank
 from fsdp_presets.faults import fault_point
@@ -316,7 +315,7 @@ def start(args, *, recipe: str) -> RecipeRun:
     seed. ``recipe`` names the run in run.json."""
     import fsdp_presets
     from accelerate import Accelerator
-    from accelerate.utils import broadcast_object_list, set_seed
+    from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
     try:  # SIGTERM/SIGUSR1 from here on set a flag; the ranks answer it together (train/signals.py)
@@ -359,8 +358,7 @@ def start(args, *, recipe: str) -> RecipeRun:
         say(f"note: {note}")
     accelerator.wait_for_everyone()  # every rank has checked before rank 0 writes run.json
     acquire_run_lock(folder, accelerator, log=say)  # one job per run folder (run.lock, released at exit)
-    # the main process's day, on every rank: ranks on both sides of midnight agree (chat_data)
-    started_on = broadcast_object_list([first_day(folder, args.resume) or datetime.date.today().isoformat()])[0]
+    started_on = agreed_first_day(folder, args.resume)  # the date a dated chat template renders (chat_data)
     config = loop.load_model_config(args.model)  # never runs code from the model folder
     loop.check_seq_len(args.seq_len, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)

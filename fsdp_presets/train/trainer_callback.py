@@ -42,7 +42,6 @@ user's ``save_model`` calls never reach a callback event. The callback finds its
 
 from __future__ import annotations
 
-import datetime
 import functools
 import inspect
 import time
@@ -55,7 +54,7 @@ from fsdp_presets.checkpoint.layout import MANIFEST, METRICS, RunFolder
 from fsdp_presets.checkpoint.manager import TRAINER_NAMING, trainer_resume_choice
 from fsdp_presets.checkpoint.manifest import Manifest
 from fsdp_presets.checkpoint.resume import TRAINER_BATCH_NAMES, keep_global_batch
-from fsdp_presets.checkpoint.run_folder import (distributed_settings, first_day, launch_config_file,
+from fsdp_presets.checkpoint.run_folder import (agreed_first_day, distributed_settings, launch_config_file,
                                                 schedule_change_note, training_settings)
 from fsdp_presets.errors import Finding, UsageError, raise_on_every_rank
 from fsdp_presets.train import lora, signals
@@ -99,10 +98,7 @@ class FSDPPresetsCallback(TrainerCallback):
         resume on another day renders the same tokens: ``tokenizer.chat_template =
         fsdp_presets.train.chat_data.rendering_template(tokenizer, callback.first_day(output_dir))``,
         before the trainer tokenizes (TRL's at its construction), once the training arguments exist."""
-        from accelerate.utils import broadcast_object_list
-
-        day = first_day(RunFolder(root=Path(output_dir)), str(resume)) or datetime.date.today().isoformat()
-        self._first_day = broadcast_object_list([day])[0]  # the main process's
+        self._first_day = agreed_first_day(RunFolder(root=Path(output_dir)), str(resume))
         return self._first_day
 
     # ---- attach ----
@@ -180,9 +176,9 @@ class FSDPPresetsCallback(TrainerCallback):
                 self._say(f"note: {note}")
         self.metrics = MetricsLog(output / METRICS, enabled=self._accelerator.is_main_process, keep_through_step=step)
         self._logged_step = step
-        started_on = self._first_day or first_day(RunFolder(root=output), str(checkpoint) if checkpoint else "none")
+        started_on = self._first_day or agreed_first_day(RunFolder(root=output), str(checkpoint or "none"))
         self.saves.begin(self.metrics, global_batch=self._global_batch(), resumed_from=checkpoint,
-                         started_on=started_on or datetime.date.today().isoformat())
+                         started_on=started_on)
         signals.install(self._signals, naming=TRAINER_NAMING, checkpoints=output)  # Ctrl-C: deferred (on_train_begin)
         try:
             result = original(resume_from_checkpoint, *args, **kwargs)
