@@ -136,11 +136,28 @@ def test_offload_pays_pcie_and_the_host_optimizer(llama_8b):
     assert offloaded.time.step_s > plain.time.step_s + offloaded.time.offload_s * 0.9
 
 
-def test_lora_skips_the_frozen_weights_gradients(llama_8b):
+def test_lora_skips_the_frozen_weights_gradients_and_optimizer_step(llama_8b):
     from fsdp_presets.plan.shapes import LoraShape
 
     full, lora = _row(llama_8b), _row(llama_8b, lora=LoraShape())
     assert lora.time.compute_s < full.time.compute_s * 0.8
+    # The optimizer steps the adapters only (rank 16 on every linear: about 0.5% of the parameters).
+    adapters = lora.model_state.optimizer / full.model_state.optimizer
+    assert 0.001 < adapters < 0.02
+    assert lora.time.optimizer_s == pytest.approx(full.time.optimizer_s * adapters, rel=1e-6)
+    # ... so does the host's under offload.
+    full_off, lora_off = _row(llama_8b, offload=True), _row(llama_8b, lora=LoraShape(), offload=True)
+    assert lora_off.time.offload_s < full_off.time.offload_s / 2
+
+
+def test_the_optimizer_step_moves_what_its_update_reads_and_writes(llama_8b):
+    from fsdp_presets.plan import step_time
+
+    adamw, sgd = _row(llama_8b), _row(llama_8b, optimizer="sgd")  # the same parameters, SGD's passes fewer
+    assert adamw.time.optimizer_s / sgd.time.optimizer_s == pytest.approx(
+        step_time.OPTIMIZER_BYTES_PER_PARAM["adamw"] / step_time.OPTIMIZER_BYTES_PER_PARAM["sgd"], rel=1e-6)
+    # AdamW on an 8B model's shard (1B parameters) on an H100: 88 B each at 70% of 3.35 TB/s.
+    assert adamw.time.optimizer_s == pytest.approx(8.03e9 / 8 * 88 / (3.35e12 * 0.7), rel=0.02)
 
 
 def test_mfu_counts_model_flops_not_recomputation(llama_8b):
@@ -227,10 +244,10 @@ def test_plan_prints_a_scaling_table_with_gpu_hours(capsys):
     code, out = _cli(capsys, "plan", "model_configs/llama-3.1-8b", "--gpus", "8,16,32", "--json")
     rows = json.loads(out)["scaling"]
     assert [row["gpus"] for row in rows] == [8, 16, 32] and rows[0]["speedup"] == 1.0
-    # More GPUs with the same per-GPU batch: the job is faster, each GPU about as fast (its optimizer
-    # shard shrinks; a ring over the nodes' adapters costs about what NVLink does).
+    # More GPUs with the same per-GPU batch: the job is faster, each GPU about as fast, a little faster
+    # as its optimizer shard shrinks (a ring over the nodes' adapters costs about what NVLink does).
     assert rows[2]["tokens_per_s"] > rows[0]["tokens_per_s"] * 3.8
-    assert rows[2]["tokens_per_s_per_gpu"] == pytest.approx(rows[0]["tokens_per_s_per_gpu"], rel=0.05)
+    assert rows[0]["tokens_per_s_per_gpu"] < rows[2]["tokens_per_s_per_gpu"] < rows[0]["tokens_per_s_per_gpu"] * 1.1
 
 
 @pytest.mark.parametrize("argv, message", [

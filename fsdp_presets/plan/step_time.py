@@ -19,7 +19,8 @@ training shape and the row's communication; no torch. The terms, per micro-batch
   *exposed* (the first all-gather and the last reduce-scatter always are). Under gradient
   accumulation with ``no_sync`` only the last micro-batch reduces. DDP all-reduces in buckets
   during backward. Each collective also pays a latency per ring step ([NCCL]);
-- **the optimizer step**: memory-bound, :data:`OPTIMIZER_BYTES_PER_PARAM` per parameter shard;
+- **the optimizer step**: memory-bound, :data:`OPTIMIZER_BYTES_PER_PARAM` per trainable parameter shard
+  (torch's foreach passes, as the recipes run it; LoRA/QLoRA: the adapters);
 - **CPU offload**: the shards cross PCIe every gather and every reduction, and the optimizer steps on
   the host (:data:`HOST_OPTIMIZER_PARAMS_PER_S`), none of it hidden.
 
@@ -42,6 +43,7 @@ from fsdp_presets.rehearse.mesh import Mesh
 from fsdp_presets.model.model_profile import ModelProfile
 from fsdp_presets.plan.gpus import GpuType
 from fsdp_presets.plan.model_state import fsdp_units
+from fsdp_presets.plan.shapes import OPTIMIZER_STATE_BYTES
 
 MATMUL_EFFICIENCY = MappingProxyType({
     # Fitted once on the calibration sources (docs/sharding.md, "Calibration"): the share of the
@@ -95,9 +97,23 @@ the input and writes one (6 B). Which one a block has is read off its linears (:
 LOSS_BYTES_PER_LOGIT = 30
 """HBM bytes per logit per token: the logits written in bf16 and upcast to fp32, log-softmax and its
 backward, the gradient cast back (transformers' loss)."""
-OPTIMIZER_BYTES_PER_PARAM = 44
-"""AdamW per fp32 parameter shard: read parameter, gradient and both moments (16 B), write the
-parameter and moments (12 B), foreach temporaries (8 B), the gradient-norm clip and zeroing (8 B)."""
+OPTIMIZER_BYTES_PER_PARAM = MappingProxyType({
+    # torch's foreach implementations (the default for CUDA tensors, torch 2.13 torch/optim/adamw.py,
+    # sgd.py), one pass over memory per op, without weight decay (the recipes' and Trainer's default):
+    # Adam/AdamW: lerp_ of the first moment (12 B), mul_ and addcmul_ of the second (8 + 16), its sqrt,
+    # div_ and add_ of epsilon (8 + 8 + 8), addcdiv_ into the parameter (16): 76 B.
+    "adamw": 76 + 12,
+    "adam": 76 + 12,
+    # SGD with momentum: mul_ and add_ of the buffer (8 + 12), add_ into the parameter (12).
+    "sgd": 32 + 12,
+    # Lion (lion-pytorch, per tensor): the interpolation, its sign, the update and the moment's lerp_.
+    "lion": 44 + 12,
+})
+"""HBM bytes per trainable fp32 parameter shard of one optimizer step, with the recipes' clipping (+12 B:
+the gradient read for the float64 norm, :func:`fsdp_presets.numerics.clip_grad_norm`, and its scaling).
+Trainer's default ``adamw_torch_fused`` and torchtitan's fused AdamW read and write each tensor once
+(28 B), so their steps are shorter than planned by the difference (under 1% of a step at the
+published rows' batches)."""
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket (``bucket_cap_mb=25``): the last one's all-reduce starts after backward."""
 HOST_LINK_EFFICIENCY = 0.8
@@ -371,6 +387,12 @@ def _fsdp_micro_batch(units: list[_UnitTimes], *, reduces: bool,
 # --------------------------------------------------------------------------- the step
 
 
+def stepped_params(row, shape) -> float:
+    """The parameters the optimizer steps on this rank: its optimizer state holds one state per
+    trainable parameter shard (LoRA/QLoRA: the adapters, not the frozen base)."""
+    return row.model_state.optimizer / OPTIMIZER_STATE_BYTES[shape.optimizer]
+
+
 def matmul_rate(gpu: GpuType, shape) -> float:
     """Achievable matmul FLOP/s: the calibrated share of the dense bf16 peak, or of the fp32 one for an
     fp32 run (torch leaves TF32 off for matmuls)."""
@@ -434,9 +456,10 @@ def step_time(profile: ModelProfile, hardware, shape, row, *, full_profile: Mode
             comm = comm_silent * (accumulation - 1) + comm_reducing
             exposed = exposed_silent * (accumulation - 1) + exposed_reducing
         compute_total = compute_one * accumulation
-    shard_params = row.model_state.params / 4  # fp32 stored parameters of this rank
+    shard_params = stepped_params(row, shape)
     offloaded = shape.offload and row.name not in ("DDP", "NO_SHARD")
-    optimizer = 0.0 if offloaded else shard_params * OPTIMIZER_BYTES_PER_PARAM / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY)
+    optimizer = 0.0 if offloaded else (shard_params * OPTIMIZER_BYTES_PER_PARAM[shape.optimizer]
+                                       / (gpu.hbm_bytes_per_s * HBM_EFFICIENCY))
     offload = 0.0
     if offloaded:
         gathers = sum(2 if unit.reshards_after_forward and row.name != "SHARD_GRAD_OP" else 1
@@ -506,7 +529,7 @@ def cpu_step_time(profile: ModelProfile, hardware, shape, row) -> StepTime:
                       + row.comm.all_reduce / host.collectives["all_reduce"][1])
         comm = accumulation * gathers + reducing * reductions
         exposed = accumulation * (gathers - forward_gathers + exposed_forward) + reducing * reductions
-    optimizer = host.optimizer_s(row.model_state.params / 4)  # fp32 parameters of this rank
+    optimizer = host.optimizer_s(stepped_params(row, shape))
     compute_total = compute * accumulation
     memory_total = (memory + overhead) * accumulation
     step = compute_total + memory_total + exposed + optimizer + step_overhead
