@@ -130,6 +130,20 @@ def test_full_shard_across_nodes_when_hsdp_does_not_fit():
     assert "the only strategy that fits (HYBRID_SHARD does not" in preset.parallelism.reason
 
 
+def test_more_gpus_than_a_server_holds_on_one_machine_say_what_they_assume(capsys):
+    """--gpus 16 without --nodes: one machine of 16 (accelerate's num_machines 1), as asked, and said:
+    the plan and the preset's notes name the NVLink-only assumption and the --nodes that gives 8-GPU
+    servers; none at 8 GPUs, with --nodes, or for CPU processes."""
+    note = "16 GPUs on one machine (--nodes 1)"
+    preset = real("smollm2-135m", gpus=16, seq_len=256)
+    assert any(line.startswith(note) and line.endswith("give --nodes 2 for 2 such servers") for line in preset.notes)
+    for request in (dict(gpus=16, nodes=2), dict(gpus=8), dict(gpus=16, device="cpu")):
+        assert not any("on one machine" in line for line in real("smollm2-135m", seq_len=256, **request).notes), request
+    for argv, said in ((["--gpus", "16"], True), (["--gpus", "16", "--nodes", "2"], False), (["--gpus", "8"], False)):
+        assert cli.main(["plan", str(REPO / "model_configs/smollm2-135m"), "--seq-len", "256", *argv]) == 0
+        assert (f"note: {note}" in capsys.readouterr().out) == said, argv
+
+
 def test_one_gpu_per_node_shards_across_nodes():
     # An HSDP mesh of N x 1 has nothing to shard inside a node; accelerate refuses it.
     preset = real("llama-3.1-8b", gpus=2, nodes=2, seq_len=4096, global_batch="1M")

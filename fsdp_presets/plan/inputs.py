@@ -25,8 +25,6 @@ from fsdp_presets.rehearse.mesh import Mesh
 __all__ = ["DIAGRAM_SUFFIXES", "PlanInputs", "plan_inputs"]
 
 DIAGRAM_SUFFIXES = (".png", ".svg", ".pdf")
-GPUS_PER_NODE_IN_SCALING = 8
-"""GPUs a node in a scaling table (``--gpus 8,16,32``): the HGX/DGX and MI300X platforms hold 8."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,19 +78,19 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
         problems.append(str(error))
     if len(counts) > 1 and args.nodes:
         problems.append(f"--nodes {args.nodes} with several --gpus counts: the scaling table puts "
-                        f"{GPUS_PER_NODE_IN_SCALING} GPUs on a node; give --nodes with one count")
+                        f"{limits.GPUS_PER_SERVER} GPUs on a node; give --nodes with one count")
     if len(counts) > 1:
-        uneven = [count for count in counts if count > GPUS_PER_NODE_IN_SCALING and count % GPUS_PER_NODE_IN_SCALING]
+        uneven = [count for count in counts if count > limits.GPUS_PER_SERVER and count % limits.GPUS_PER_SERVER]
         if uneven:
-            problems.append(f"--gpus {','.join(map(str, uneven))}: above {GPUS_PER_NODE_IN_SCALING} a scaling "
-                            f"table counts whole nodes of {GPUS_PER_NODE_IN_SCALING} (e.g. --gpus 8,16,32,64)")
+            problems.append(f"--gpus {','.join(map(str, uneven))}: above {limits.GPUS_PER_SERVER} a scaling "
+                            f"table counts whole nodes of {limits.GPUS_PER_SERVER} (e.g. --gpus 8,16,32,64)")
     memory_gib = memory_of(args.gpu_memory, args.gpu if gpu is not None else None)
     hardwares = []
     if gpu is not None and not problems:
         try:
             for count in counts:
-                nodes = args.nodes or (count // GPUS_PER_NODE_IN_SCALING
-                                       if len(counts) > 1 and count > GPUS_PER_NODE_IN_SCALING else 1)
+                nodes = args.nodes or (count // limits.GPUS_PER_SERVER
+                                       if len(counts) > 1 and count > limits.GPUS_PER_SERVER else 1)
                 hardwares.append(Hardware(gpus=count, nodes=nodes, gpu_memory_bytes=int(memory_gib * GiB), gpu=gpu,
                                           inter_node_gbps=args.inter_node_gbps))
         except UsageError as error:

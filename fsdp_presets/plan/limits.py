@@ -34,6 +34,23 @@ STRATEGY_CHOICES: tuple[str, ...] = ("auto", "full", "grad-op", "hybrid", "no-sh
 DEVICES: tuple[str, ...] = ("gpu", "cpu")
 """``--device``: GPUs, or a CPU-only host (demos, CI) where FSDP runs over gloo."""
 
+GPUS_PER_SERVER = 8
+"""GPUs one training server holds: the HGX/DGX (A100, H100, H200, B200) and MI300X platforms hold 8.
+A scaling table (``plan --gpus 8,16,32``) puts this many on a node; more on one machine is said
+(:func:`one_machine_note`)."""
+
+
+def one_machine_note(gpus: int, nodes: int) -> str | None:
+    """What a GPU job of more GPUs than a server holds assumes on one machine (``--nodes`` 1, its
+    default): a link as fast as NVLink between all of them and no network; None otherwise."""
+    if nodes != 1 or gpus <= GPUS_PER_SERVER:
+        return None
+    servers = (f"--nodes {gpus // GPUS_PER_SERVER} for {gpus // GPUS_PER_SERVER} such servers"
+               if gpus % GPUS_PER_SERVER == 0 else "--nodes with the number of machines")
+    return (f"{gpus} GPUs on one machine (--nodes 1): planned as one NVLink domain, no network between them; most "
+            f"training servers hold {GPUS_PER_SERVER} (HGX/DGX, MI300X): give {servers}")
+
+
 MAX_GPUS = 2**20
 """GPUs (processes) in one job: the largest training clusters hold about 10^5 GPUs."""
 MAX_NODES = MAX_GPUS

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from fsdp_presets.plan.limits import GPUS_PER_SERVER, one_machine_note
+
 
 def plan_json(memory_plan, profile, *, source: str, chosen: list[str], storage_bytes_per_s: float,
               host_bytes: float, terms_note: dict, fastest=None, tokens: float | None = None) -> dict:
@@ -107,8 +109,9 @@ def format_plan(memory_plan, profile, *, source: str) -> str:
         f"{_accumulation_text(shape)}, "
         f"{shape.precision}, {shape.optimizer}, {_method_text(shape)}activation checkpointing "
         f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}",
-        "",
     ]
+    one_machine = one_machine_note(hardware.gpus, hardware.nodes) if hardware.host is None else None
+    lines += ([f"note: {one_machine}"] if one_machine else []) + [""]
     # One unit per column family, picked from the largest value so small models stay readable.
     memory_name, memory_unit = byte_unit(max(s.per_gpu.total for s in memory_plan.strategies), binary=True)
     comm_name, comm_unit = byte_unit(max(s.comm_total for s in memory_plan.strategies), binary=False)
@@ -189,7 +192,8 @@ def scaling_text(plans, profile, *, source: str, tokens: float | None, gpu_note:
     memory_plan = plans[0][0]
     shape, gpu = memory_plan.shape, memory_plan.hardware.gpu
     lines = [f"{source}: {profile.architecture}, {format_count(profile.total_params)} parameters",
-             f"{gpu.name if gpu else ''} GPUs, 8 a node above 8; seq {shape.seq_len}, micro-batch {shape.micro_batch}"
+             f"{gpu.name if gpu else ''} GPUs, {GPUS_PER_SERVER} a node above {GPUS_PER_SERVER}; seq {shape.seq_len}, "
+             f"micro-batch {shape.micro_batch}"
              f"{_accumulation_text(shape)}, {shape.precision}, activation checkpointing "
              f"{'on' if shape.activation_checkpointing else 'off'}, offload {'on' if shape.offload else 'off'}", ""]
     headers = ["GPUs", "nodes", "recommended", "s/step", "tok/s/GPU", "tok/s", "MFU", "exposed", "speed-up",

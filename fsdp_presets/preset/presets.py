@@ -46,7 +46,7 @@ from fsdp_presets.plan.shapes import TrainingShape
 from fsdp_presets.plan.planner import plan
 from fsdp_presets.preset.request import (CPU_DEFAULT_SEQUENCES_PER_PROCESS, DEFAULT_GLOBAL_BATCH_TOKENS, STRATEGY_NAMES,
                                          PresetRequest, parse_global_batch)
-from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN
+from fsdp_presets.plan.limits import DEFAULT_SEQ_LEN, one_machine_note
 from fsdp_presets.schema import K
 
 __all__ = ["decide"]
@@ -64,6 +64,9 @@ def decide(profile: ModelProfile, request: PresetRequest, *, measured=None, meas
     notes: list[str] = []
     seq_len = _seq_len(profile, request, notes)
     hardware = request.hardware
+    one_machine = one_machine_note(request.gpus, request.nodes) if request.device == "gpu" else None
+    if one_machine:
+        notes.append(one_machine)
     precision = _precision(profile, request, notes)
     mesh = request.mesh
     candidates = _strategy_candidates(request)
