@@ -283,6 +283,18 @@ def test_the_published_table_is_what_its_sources_say(predicted):
     assert any(row.model == "llama3.1-8b" and row.gpus == 8 and row.tokens_per_s_per_gpu == 5762 for row in rows)
 
 
+def test_the_median_calibration_row_of_each_gpu_type_is_predicted_within_one_percent(predicted):
+    """What fixed MATMUL_EFFICIENCY (docs/sharding.md, "Calibration"): a term that moves the calibration
+    rows by more than a percent needs the shares fitted again."""
+    import statistics
+
+    rows, predictions = predicted
+    for gpu in ("A100-80GB", "H100-SXM"):
+        ratios = [row.tokens_per_s_per_gpu / prediction for row, prediction in zip(rows, predictions)
+                  if row.source in published.CALIBRATION_SOURCES and row.gpu == gpu]
+        assert len(ratios) >= 10 and statistics.median(ratios) == pytest.approx(1.0, abs=0.01), gpu
+
+
 def test_tokens_per_second_within_25_percent_on_most_rows_not_used_for_calibration(predicted):
     rows, predictions = predicted
     test = [i for i, row in enumerate(rows) if row.source not in published.CALIBRATION_SOURCES]

@@ -49,8 +49,8 @@ MATMUL_EFFICIENCY = MappingProxyType({
     # Fitted once on the calibration sources (docs/sharding.md, "Calibration"): the share of the
     # datasheet's dense bf16 rate that a training step's matmuls and attention reach, with
     # ATTENTION_EFFICIENCY and OVERLAP_SLOWDOWN below (the median calibration row of each type then
-    # predicted exactly). fms-fsdp's and torchtitan's A100-80GB rows (20); the A100-40GB is the same
-    # GA100 chip at the same clocks.
+    # predicted within 1%: the shares are rounded to two places). fms-fsdp's and torchtitan's
+    # A100-80GB rows (20); the A100-40GB is the same GA100 chip at the same clocks.
     "a100-40gb": 0.82,
     "a100-80gb": 0.82,
     # torchtitan's and fms-fsdp's H100 rows (16).
