@@ -85,6 +85,7 @@ def test_weight_decay_skips_norms_biases_and_embeddings(tmp_path):
             "classifier.bias", "bert.encoder.layer.0.attention.self.query.bias"} <= plain_names
     assert "classifier.weight" in {names[id(param)] for param in decay["params"]}
 
+
 def test_the_float64_norm_waits_on_the_device_once_per_step_not_once_per_slice(monkeypatch):
     """Every step's norm is summed slice by slice; moving each slice's square to the host would make
     a GPU wait (and idle) once per slice. Counted with a torch function mode: no ``.cpu()`` and no
@@ -94,7 +95,7 @@ def test_the_float64_norm_waits_on_the_device_once_per_step_not_once_per_slice(m
 
     from fsdp_presets import numerics
 
-    monkeypatch.setattr(numerics, "NORM_SLICE", 7)  # 13 slices of the weight, 1 of the bias
+    monkeypatch.setattr(numerics, "NORM_SLICE", 7)  # 13 slices of the weight, 2 of the bias
     layer = torch.nn.Linear(10, 9)
     for param in layer.parameters():
         param.grad = torch.randn_like(param)
@@ -114,7 +115,6 @@ def test_the_float64_norm_waits_on_the_device_once_per_step_not_once_per_slice(m
     assert mode.calls == [] and groups == []
     expected = sum(torch.dot(p.grad.double().flatten(), p.grad.double().flatten()) for p in layer.parameters())
     assert squares.dtype == torch.float64 and float(squares) == pytest.approx(float(expected), rel=1e-15)
-
 
 
 @pytest.fixture(scope="module")
