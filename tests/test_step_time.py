@@ -152,7 +152,9 @@ def test_lora_skips_the_frozen_weights_gradients_and_optimizer_step(llama_8b):
 
 def test_the_optimizer_step_moves_what_its_update_reads_and_writes(llama_8b):
     from fsdp_presets.plan import step_time
+    from fsdp_presets.plan.shapes import OPTIMIZER_STATE_BYTES
 
+    assert set(step_time.OPTIMIZER_BYTES_PER_PARAM) == set(OPTIMIZER_STATE_BYTES)  # every optimizer plan takes
     adamw, sgd = _row(llama_8b), _row(llama_8b, optimizer="sgd")  # the same parameters, SGD's passes fewer
     assert adamw.time.optimizer_s / sgd.time.optimizer_s == pytest.approx(
         step_time.OPTIMIZER_BYTES_PER_PARAM["adamw"] / step_time.OPTIMIZER_BYTES_PER_PARAM["sgd"], rel=1e-6)
